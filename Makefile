@@ -1,0 +1,31 @@
+# Two commands on a fresh clone (Python 3.11, no torch needed beforehand):
+#   make demo   set everything up, then run the main job (smx demo)
+#   make test   set everything up, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+TORCH_CPU_WHEEL_VERSION = 2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.smx-installed
+
+# pip never resolves torch on its own: the CPU wheel is pinned when no torch is present,
+# and pyproject.toml's torch range is then already satisfied.
+$(VENV)/.smx-installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_CPU_WHEEL_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/smx demo $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra $(ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/bench_softmax.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) smx-demo-out .pytest_cache

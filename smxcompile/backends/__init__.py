@@ -1,0 +1,1 @@
+"""Backends: the ``smx`` torch.compile backend (and, later, ONNX / MLIR export)."""

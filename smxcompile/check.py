@@ -1,0 +1,77 @@
+"""The ``check`` option: run each planned rewrite on the real example inputs and compare with eager."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from .options import SmxOptions
+from .report import Report
+
+log = logging.getLogger("smxcompile")
+
+
+def _capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], wanted: set[str]) -> dict[str, Any] | None:
+    """Run ``gm`` on clones of the example inputs, keeping the values of the ``wanted`` nodes."""
+    if any(not isinstance(x, torch.Tensor) and not isinstance(x, (int, float, bool)) for x in example_inputs):
+        return None
+    if any(isinstance(x, torch.Tensor) and isinstance(x, torch._subclasses.FakeTensor) for x in example_inputs):
+        return None
+    values: dict[str, Any] = {}
+
+    class Keep(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.name in wanted:
+                values[n.name] = out
+            return out
+
+    args = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with torch.no_grad():
+        Keep(gm).run(*args)
+    return values
+
+
+def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], planned: Report, options: SmxOptions) -> frozenset[str]:
+    """Names of anchor nodes whose rewrite disagrees with eager on ``example_inputs``.
+
+    Each rewritten site is re-run through its smx op on the captured input values and compared
+    with the original subgraph's output (``torch.allclose`` with the options' tolerances, fp32;
+    NaNs must sit in the same places).
+    """
+    from .passes.softmax import find_softmax_sites
+
+    matches = {m.anchor.name: m for m in find_softmax_sites(gm.graph, options) if m.action == "rewritten"}
+    wanted = set(matches)
+    for m in matches.values():
+        wanted.add(m.x.name)
+        if m.mask is not None:
+            wanted.add(m.mask.name)
+    try:
+        values = _capture(gm, example_inputs, wanted)
+    except Exception as e:  # the graph could not run eagerly here: keep every site, say why
+        log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
+        return frozenset(matches)
+    if values is None:
+        log.warning("smx check: example inputs are not real tensors; sites are kept")
+        return frozenset(matches)
+    bad = set()
+    for name, m in matches.items():
+        x = values[m.x.name]
+        if m.pre_cast is not None:
+            x = x.to(m.pre_cast)
+        op = torch.ops.smx.softmax.default if m.kind == "softmax" else torch.ops.smx.log_softmax.default
+        with torch.no_grad():
+            ours = op(x, m.dim, float(m.scale), m.softcap, values.get(m.mask.name) if m.mask is not None else None,
+                      m.out_dtype, False)[0]
+        ref = values[name]
+        ok = ours.shape == ref.shape and torch.equal(ours.isnan(), ref.isnan()) and torch.allclose(
+            ours.float().nan_to_num(), ref.float().nan_to_num(), rtol=options.check_rtol, atol=options.check_atol
+        )
+        if not ok:
+            log.warning("smx check: site %s (%s) disagrees with eager; the original is kept", name, m.kind)
+            bad.add(name)
+    return frozenset(bad)

@@ -1,0 +1,8 @@
+"""smxcompile's ops: registered through ``torch.library`` under the ``smx`` namespace.
+
+Each op has a CUDA path (Triton kernels), a CPU path (the fastest code measured on
+CPU) and a fake (meta) kernel and autograd formula so it works under
+``torch.compile`` and ``torch.export``.
+"""
+
+from .softmax import log_softmax, softmax  # noqa: F401  (registers smx::softmax, smx::log_softmax)

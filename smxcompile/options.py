@@ -1,0 +1,101 @@
+"""Options of the ``smx`` backend: ``torch.compile(model, backend="smx", options={...})``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+#: Every rewrite kind smxcompile knows, by name. Each can be switched off with
+#: ``options={"disable": ["softmax"]}`` or ``options={"softmax": False}``.
+REWRITE_KINDS = ("softmax", "log_softmax")
+
+_CPU_POLICIES = ("auto", "rewrite", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class SmxOptions:
+    """Validated options of the ``smx`` backend.
+
+    Attributes:
+        disable: rewrite kinds (names in :data:`REWRITE_KINDS`) that must not fire.
+        check: when True, every rewritten site is run on the real example inputs at
+            compile time and compared against the original subgraph; sites that
+            disagree beyond ``check_rtol``/``check_atol`` are put back (report
+            action ``skipped``, reason ``check failed``).
+        check_rtol, check_atol: tolerances of ``check`` (applied as in
+            ``torch.allclose``, computed in fp32).
+        cpu: what to do with sites on CPU tensors. ``"auto"`` (default) rewrites
+            only where smxcompile's CPU path was measured faster than Inductor's
+            own C++ code (see docs/PERFORMANCE.md) and keeps the rest;
+            ``"rewrite"`` rewrites every site; ``"keep"`` rewrites none.
+        attention: rewrite softmaxes that sit inside attention (score matmul ->
+            softmax -> value matmul). Off by default: Inductor fuses those into
+            scaled-dot-product attention, which a standalone softmax kernel
+            would break; the attention rewrite (a later issue) owns them.
+        inductor: extra Inductor config patches passed to ``compile_fx``.
+
+    Raises:
+        ValueError: on an unknown option name, an unknown rewrite kind or a bad value.
+    """
+
+    disable: frozenset[str] = frozenset()
+    check: bool = False
+    check_rtol: float = 1e-3
+    check_atol: float = 1e-5
+    cpu: str = "auto"
+    attention: bool = False
+    inductor: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | "SmxOptions" | None) -> "SmxOptions":
+        """Build options from the dict given to ``torch.compile(..., options=...)``."""
+        if options is None:
+            return cls()
+        if isinstance(options, SmxOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"smx options must be a dict, got {type(options).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} | set(REWRITE_KINDS)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown smx option(s) {unknown}; known options: {sorted(known)} "
+                f"(rewrite kinds can be switched off with {{'<kind>': False}} or {{'disable': [...]}})"
+            )
+        disable = set(options.get("disable", ()))
+        for kind in REWRITE_KINDS:
+            if kind in options:
+                if not isinstance(options[kind], bool):
+                    raise ValueError(f"smx option {kind!r} must be True or False, got {options[kind]!r}")
+                if not options[kind]:
+                    disable.add(kind)
+        bad = sorted(disable - set(REWRITE_KINDS))
+        if bad:
+            raise ValueError(f"unknown rewrite kind(s) {bad} in 'disable'; known kinds: {list(REWRITE_KINDS)}")
+        cpu = options.get("cpu", "auto")
+        if cpu not in _CPU_POLICIES:
+            raise ValueError(f"smx option 'cpu' must be one of {_CPU_POLICIES}, got {cpu!r}")
+        inductor = options.get("inductor", {}) or {}
+        if not isinstance(inductor, Mapping):
+            raise ValueError("smx option 'inductor' must be a dict of Inductor config patches")
+        return cls(
+            disable=frozenset(disable),
+            check=bool(options.get("check", False)),
+            check_rtol=float(options.get("check_rtol", 1e-3)),
+            check_atol=float(options.get("check_atol", 1e-5)),
+            cpu=cpu,
+            attention=bool(options.get("attention", False)),
+            inductor=tuple(sorted(inductor.items())),
+        )
+
+    def enabled(self, kind: str) -> bool:
+        """Whether rewrite kind ``kind`` may fire."""
+        return kind not in self.disable
+
+    def key(self) -> str:
+        """A stable string of every option that changes what the passes do (part of the pass uuid)."""
+        d = dataclasses.asdict(self)
+        d["disable"] = sorted(self.disable)
+        d["inductor"] = [list(kv) for kv in self.inductor]
+        return json.dumps(d, sort_keys=True, default=repr)

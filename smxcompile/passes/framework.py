@@ -1,0 +1,82 @@
+"""The pass framework: smxcompile's rewrites as one Inductor ``CustomGraphPass``.
+
+The backend installs :class:`SmxPass` in Inductor's ``pre_grad_custom_pass`` slot, where the
+graph is still torch-level (``torch.softmax``, ``matmul`` ... with the user's stack traces), before
+AOTAutograd decomposes softmax and before Inductor's joint-graph patterns fuse attention
+(see shared/reference/TORCH-FACTS.md). ``uuid()`` hashes the source of every module of the
+package that decides what a pass emits, plus the options, so Inductor's FX graph cache keeps
+working and never serves a stale rewrite.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph
+
+from ..options import SmxOptions
+from ..report import Report, Site
+from .softmax import find_softmax_sites, rewrite_softmax
+
+log = logging.getLogger("smxcompile")
+
+_PKG = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over the source of smxcompile's passes and kernels (the code that shapes the output graph)."""
+    h = hashlib.sha256()
+    files = sorted(
+        p for sub in ("passes", "kernels") for p in (_PKG / sub).rglob("*.py")
+    ) + [_PKG / "options.py", _PKG / "report.py"]
+    for p in files:
+        h.update(p.relative_to(_PKG).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: frozenset[str] = frozenset()) -> Report:
+    """Every candidate site of ``graph`` and what the passes would do; does not change the graph."""
+    return Report([m.to_site(graph_tag) for m in find_softmax_sites(graph, options, skip)])
+
+
+class SmxPass(CustomGraphPass):
+    """All smxcompile rewrites, as one pre-grad custom pass for Inductor.
+
+    Args:
+        options: validated backend options.
+        graph_tag: name of the graph in the report (``g0``, ``g1``...).
+        skip: names of anchor nodes that must be kept (sites whose ``check`` failed).
+        report: a :class:`Report` the pass appends its sites to (the backend reads it).
+    """
+
+    def __init__(self, options: SmxOptions, graph_tag: str = "g0", skip: frozenset[str] = frozenset(),
+                 report: Report | None = None):
+        self.options = options
+        self.graph_tag = graph_tag
+        self.skip = frozenset(skip)
+        self.report = report if report is not None else Report()
+
+    def __call__(self, graph: Graph) -> None:
+        matches = find_softmax_sites(graph, self.options, self.skip)
+        for m in matches:
+            if m.action == "rewritten":
+                rewrite_softmax(graph, m)
+        if any(m.action == "rewritten" for m in matches):
+            graph.lint()
+        self.report.sites.extend(m.to_site(self.graph_tag) for m in matches)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        h.update(source_hash().encode())
+        h.update(self.options.key().encode())
+        h.update(",".join(sorted(self.skip)).encode())
+        return h.hexdigest()
+
+
+__all__ = ["SmxPass", "analyze", "source_hash", "Site"]

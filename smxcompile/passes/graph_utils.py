@@ -1,0 +1,166 @@
+"""Helpers to read torch-level (Dynamo / pre-grad) FX graphs: one canonical view of the many spellings."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+_MISSING = object()
+
+# canonical name -> (function targets, method name, positional parameter names)
+_SPECS: dict[str, tuple[tuple[Any, ...], str | None, tuple[str, ...]]] = {
+    "softmax": ((F.softmax, torch.softmax, torch.special.softmax, torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else F.softmax), "softmax", ("input", "dim", "_stacklevel", "dtype")),
+    "log_softmax": ((F.log_softmax, torch.log_softmax, torch.special.log_softmax), "log_softmax", ("input", "dim", "_stacklevel", "dtype")),
+    "exp": ((torch.exp,), "exp", ("input",)),
+    "log": ((torch.log,), "log", ("input",)),
+    "tanh": ((torch.tanh, F.tanh), "tanh", ("input",)),
+    "sub": ((operator.sub, torch.sub, torch.subtract), "sub", ("input", "other")),
+    "add": ((operator.add, torch.add), "add", ("input", "other")),
+    "mul": ((operator.mul, torch.mul, torch.multiply), "mul", ("input", "other")),
+    "div": ((operator.truediv, torch.div, torch.true_divide, torch.divide), "div", ("input", "other")),
+    "sum": ((torch.sum,), "sum", ("input", "dim", "keepdim")),
+    "amax": ((torch.amax,), "amax", ("input", "dim", "keepdim")),
+    "max": ((torch.max,), "max", ("input", "dim", "keepdim")),
+    "logsumexp": ((torch.logsumexp, torch.special.logsumexp), "logsumexp", ("input", "dim", "keepdim")),
+    "detach": ((torch.detach,), "detach", ("input",)),
+    "matmul": ((operator.matmul, torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.mm), "matmul", ("input", "other")),
+}
+_METHOD_ALIASES = {"truediv": "div", "true_divide": "div", "subtract": "sub", "multiply": "mul", "bmm": "matmul", "mm": "matmul"}
+_FN_TO_NAME: dict[Any, str] = {}
+for _name, (_fns, _meth, _params) in _SPECS.items():
+    for _fn in _fns:
+        _FN_TO_NAME.setdefault(_fn, _name)
+_METHOD_TO_NAME = {m: n for n, (_f, m, _p) in _SPECS.items() if m}
+_METHOD_TO_NAME.update(_METHOD_ALIASES)
+
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+# Targets that create random numbers: a softmax fed by them (Gumbel-softmax) is not a deterministic softmax.
+_RANDOM_METHODS = {"exponential_", "uniform_", "normal_", "bernoulli_", "random_", "cauchy_", "geometric_", "log_normal_"}
+_RANDOM_FNS = {torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.randint, torch.bernoulli,
+               torch.normal, torch.poisson, torch.multinomial, F.gumbel_softmax}
+# Not dropout: it masks activations upstream, it does not add sampled noise to the logits.
+
+
+def canon(node: Node) -> tuple[str, dict[str, Any]] | None:
+    """``(name, args)`` for a call node in one of the spellings we understand, else None.
+
+    ``args`` maps the parameter names of :data:`_SPECS` to FX args (Nodes or constants).
+    """
+    if node.op == "call_function":
+        name = _FN_TO_NAME.get(node.target)
+        args = node.args
+    elif node.op == "call_method":
+        name = _METHOD_TO_NAME.get(node.target)
+        args = node.args  # args[0] is self
+    else:
+        return None
+    if name is None:
+        return None
+    params = _SPECS[name][2]
+    if node.op == "call_method" and name in ("softmax", "log_softmax"):
+        params = ("input", "dim", "dtype")  # Tensor.softmax(dim, dtype=None)
+    if node.op == "call_function" and node.target in (torch.softmax, torch.log_softmax, torch.special.softmax, torch.special.log_softmax):
+        params = ("input", "dim", "dtype")
+    if len(args) > len(params):
+        return None
+    bound = dict(zip(params, args))
+    for k, v in node.kwargs.items():
+        if k in bound:
+            return None
+        bound[k] = v
+    if name in ("add", "sub") and bound.get("alpha", 1) != 1:
+        return None
+    if name == "div" and bound.get("rounding_mode") is not None:
+        return None
+    if node.op == "call_function" and node.target in (torch.einsum, torch.baddbmm):
+        bound = {"input": None}
+    extra = set(bound) - set(params) - {"alpha", "rounding_mode", "out"}
+    if extra or bound.get("out") is not None:
+        return None
+    return name, bound
+
+
+def cast_dtype(node: Node) -> torch.dtype | None:
+    """If ``node`` is a floating-point dtype cast (``.float()``, ``.to(dtype)``, ``.type_as(t)``...), its dtype."""
+    if node.op != "call_method":
+        return None
+    if node.target in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        return _CAST_METHODS[node.target]
+    if node.target in ("to", "type", "type_as"):
+        out = val(node)
+        inp = val(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
+        if out is None or inp is None or not isinstance(out, torch.Tensor):
+            return None
+        if out.device != inp.device or not out.dtype.is_floating_point:
+            return None
+        extra_kw = set(node.kwargs) - {"dtype", "copy", "non_blocking"}
+        if extra_kw or node.kwargs.get("copy"):
+            return None
+        return out.dtype
+    return None
+
+
+def val(node: Any) -> Any:
+    """The fake value recorded for a node (``meta['val']`` or Dynamo's ``meta['example_value']``)."""
+    if not isinstance(node, Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def norm_dim(dim: Any, ndim: int) -> int | None:
+    """A single int dim normalized to ``[0, ndim)``; None for anything else (tuples of >1 dims, None, symbols)."""
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return None
+        dim = dim[0]
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return None
+    nd = max(ndim, 1)
+    if not -nd <= dim < nd:
+        return None
+    return dim % nd
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def single_user(node: Node) -> bool:
+    return len(node.users) == 1
+
+
+def is_random(node: Node) -> bool:
+    if node.op == "call_method" and node.target in _RANDOM_METHODS:
+        return True
+    return node.op == "call_function" and node.target in _RANDOM_FNS
+
+
+def depends_on_random(node: Node, depth: int = 5) -> bool:
+    """True if a random op is among ``node``'s ancestors within ``depth`` steps."""
+    seen: set[Node] = set()
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n in seen or not isinstance(n, Node):
+                continue
+            seen.add(n)
+            if is_random(n):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def stack_trace(node: Node) -> str | None:
+    return node.meta.get("stack_trace")
