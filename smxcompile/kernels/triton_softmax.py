@@ -15,7 +15,7 @@ When a row fits in one block it is loaded once and reduced in registers (one loa
 and one store per element). Longer rows keep a running ``(m, d)`` pair per row,
 updated block by block with ``m' = max(m, max(block))``,
 ``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
-``exp(z - m) / d`` (or ``z - lse``): two loads and one store per element, and no
+``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
 limit on the row length.
 
 Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
@@ -38,6 +38,7 @@ tensors (slowly: numpy).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -153,10 +154,11 @@ if triton is not None:
             ms = _safe_max(m)
             e = tl.exp(z - ms[:, None])
             d = tl.sum(e, axis=1)
-            lse = ms + tl.log(d)
+            log_d = tl.log(d)
+            lse = ms + log_d
             finite = tl.abs(m) < float("inf")  # False for +-inf and NaN: the row is NaN (torch)
             if LOG:
-                y = z - lse[:, None]
+                y = (z - ms[:, None]) - log_d[:, None]  # not z - lse: exact z - m, like ATen
             else:
                 y = e / d[:, None]
             y = tl.where(finite[:, None], y, float("nan"))
@@ -178,7 +180,8 @@ if triton is not None:
                 d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
                 m = m_new
             ms = _safe_max(m)
-            lse = ms + tl.log(d)
+            log_d = tl.log(d)
+            lse = ms + log_d
             finite = tl.abs(m) < float("inf")
             # Pass 2: normalize and write.
             for start in range(0, C, BLOCK):
@@ -187,7 +190,7 @@ if triton is not None:
                 z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
                             HAS_MASK, HAS_SOFTCAP)
                 if LOG:
-                    y = z - lse[:, None]
+                    y = (z - ms[:, None]) - log_d[:, None]
                 else:
                     y = tl.exp(z - ms[:, None]) / d[:, None]
                 y = tl.where(finite[:, None], y, float("nan"))
@@ -258,9 +261,24 @@ if triton is not None:
 # --------------------------------------------------------------------------------------
 
 
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpret_env() -> bool:
+    """Whether TRITON_INTERPRET is set now (as triton parses it)."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except Exception:  # pragma: no cover - older/newer triton without knobs
+        return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _interpreted() -> bool:
     """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    return triton is not None and type(_softmax_fwd_kernel).__name__ == "InterpretedFunction"
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # pragma: no cover
+        return _INTERPRET_AT_IMPORT
+    return isinstance(_softmax_fwd_kernel, InterpretedFunction)
 
 
 def _check_runtime(t: torch.Tensor) -> None:
@@ -276,7 +294,7 @@ def _check_runtime(t: torch.Tensor) -> None:
                 "cannot run on CUDA tensors; unset TRITON_INTERPRET before importing triton"
             )
         return
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not _interpret_env():
         raise RuntimeError(
             "the Triton softmax path needs CUDA or TRITON_INTERPRET=1 (Triton's CPU interpreter, set "
             f"before triton is imported); got a tensor on {t.device}"
@@ -357,7 +375,7 @@ def _plan(R: int, C: int, device: torch.device, block_size: int | None) -> tuple
     else:
         block, single = (block_size if block_size is not None else LOOP_BLOCK), False
     rows = 1
-    if single and block < _ROWS_TILE_ELEMS:
+    if block < _ROWS_TILE_ELEMS:  # short rows (or small test blocks): several rows per program
         rows = min(_ROWS_TILE_ELEMS // block, _next_pow2(R))
         if device.type == "cuda":  # keep at least ~2 programs per SM
             per = max(1, R // (2 * _sm_count(device)))
@@ -365,6 +383,11 @@ def _plan(R: int, C: int, device: torch.device, block_size: int | None) -> tuple
     elems = rows * block
     num_warps = 16 if elems >= 16384 else 8 if elems >= 4096 else 4 if elems >= 1024 else 2
     return rows, block, single, num_warps
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _lse_shape(shape: torch.Size, dim: int) -> list[int]:
@@ -472,16 +495,17 @@ def softmax_forward(
     ml = _row_layout(mask, d) if mask is not None else xl
     mask_t = mask if mask is not None else x
     grid = (triton.cdiv(R, rows_n),)
-    _softmax_fwd_kernel[grid](
-        x, *xl[:5],
-        mask_t, *ml[:5],
-        y, *yl[:5],
-        lse if return_lse else y, R, C, float(scale), 1.0 if softcap is None else float(softcap),
-        X_MODE=xl[5], MASK_MODE=ml[5], Y_MODE=yl[5],
-        HAS_MASK=mask is not None, HAS_SOFTCAP=softcap is not None, LOG=bool(log),
-        WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single,
-        num_warps=num_warps,
-    )
+    with _on_device(x):
+        _softmax_fwd_kernel[grid](
+            x, *xl[:5],
+            mask_t, *ml[:5],
+            y, *yl[:5],
+            lse if return_lse else y, R, C, float(scale), 1.0 if softcap is None else float(softcap),
+            X_MODE=xl[5], MASK_MODE=ml[5], Y_MODE=yl[5],
+            HAS_MASK=mask is not None, HAS_SOFTCAP=softcap is not None, LOG=bool(log),
+            WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single,
+            num_warps=num_warps,
+        )
     if return_lse:
         lse = lse.reshape(_lse_shape(shape, d))
     return y.reshape(shape), lse
@@ -563,13 +587,14 @@ def softmax_backward(
     yl = _row_layout(y, d)
     dl = _row_layout(dz, d)
     grid = (triton.cdiv(R, rows_n),)
-    _softmax_bwd_kernel[grid](
-        grad_y, *gl_[:5],
-        y, *yl[:5],
-        dz, *dl[:5],
-        glse, R, C,
-        G_MODE=gl_[5], Y_MODE=yl[5], DZ_MODE=dl[5],
-        LOG=bool(log), HAS_GLSE=grad_lse is not None,
-        ROWS=rows_n, BLOCK=block, SINGLE=single, num_warps=num_warps,
-    )
+    with _on_device(y):
+        _softmax_bwd_kernel[grid](
+            grad_y, *gl_[:5],
+            y, *yl[:5],
+            dz, *dl[:5],
+            glse, R, C,
+            G_MODE=gl_[5], Y_MODE=yl[5], DZ_MODE=dl[5],
+            LOG=bool(log), HAS_GLSE=grad_lse is not None,
+            ROWS=rows_n, BLOCK=block, SINGLE=single, num_warps=num_warps,
+        )
     return dz.reshape(shape)

@@ -145,19 +145,46 @@ def is_random(node: Node) -> bool:
     return node.op == "call_function" and node.target in _RANDOM_FNS
 
 
-def depends_on_random(node: Node, depth: int = 5) -> bool:
-    """True if a random op is among ``node``'s ancestors within ``depth`` steps."""
+# Ops that pass noise through unchanged in shape (elementwise, casts, copies): Gumbel noise reaches
+# the softmax through these; a matmul, reduction or view chain in between means the noise fed
+# some earlier layer (e.g. noise added to a network's input), not the logits of this softmax.
+_NOISE_PASSTHROUGH_FNS = {operator.neg, torch.neg, torch.abs, torch.clamp, torch.where, torch.sqrt, torch.rsqrt,
+                          torch.reciprocal, torch.sigmoid, torch.log1p, torch.expm1, torch.log2, torch.exp2,
+                          torch.masked_fill, torch.clone}
+_NOISE_PASSTHROUGH_METHODS = {"neg", "abs", "clamp", "clamp_min", "clamp_max", "sqrt", "rsqrt", "reciprocal",
+                              "sigmoid", "log1p", "expm1", "log2", "exp2", "contiguous", "clone", "to", "type",
+                              "type_as", "masked_fill", "expand", "expand_as"} | set(_CAST_METHODS)
+
+
+def _passes_noise(node: Node) -> bool:
+    if canon(node) is not None and canon(node)[0] in ("exp", "log", "tanh", "sub", "add", "mul", "div", "detach"):
+        return True
+    if node.op == "call_method":
+        return node.target in _NOISE_PASSTHROUGH_METHODS
+    return node.op == "call_function" and node.target in _NOISE_PASSTHROUGH_FNS
+
+
+def depends_on_random(node: Node, depth: int = 64) -> bool:
+    """True if random numbers reach ``node`` through elementwise ops only (Gumbel-softmax noise).
+
+    Walks up from ``node`` through elementwise ops, casts and copies (at most ``depth`` of them),
+    so ``-log(-log(rand_like(x) + eps) + eps)`` is caught however long the chain; stops at anything
+    else (matmul, reduction...). A tensor filled in place (``g = empty_like(x); g.exponential_()``)
+    counts as random too.
+    """
     seen: set[Node] = set()
     frontier = [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
-            if n in seen or not isinstance(n, Node):
+            if not isinstance(n, Node) or n in seen:
                 continue
             seen.add(n)
-            if is_random(n):
+            if is_random(n) or any(u.op == "call_method" and is_random(u) and u.args and u.args[0] is n
+                                   for u in n.users):
                 return True
-            nxt.extend(n.all_input_nodes)
+            if _passes_noise(n):
+                nxt.extend(n.all_input_nodes)
         frontier = nxt
     return False
 

@@ -103,11 +103,21 @@ def _call_softmax(node: Node) -> SoftmaxMatch | None:
         if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT:
             m.action, m.reason = "skipped", f"dtype={dtype!r} unsupported"
             return m
-        if dtype.itemsize < xv.dtype.itemsize:
-            m.pre_cast = dtype  # torch rounds the input to dtype first: keep that rounding
+        if dtype != xv.dtype and (dtype == torch.float64 or not xv.dtype.is_floating_point
+                                  or not _holds(dtype, xv.dtype)):
+            # torch casts the input to dtype first: keep that rounding (fp32 -> fp16, fp16 -> bf16,
+            # bf16 -> fp16 overflow), and the fp64 math the user asked for (the op computes in fp32
+            # unless its input is fp64)
+            m.pre_cast = dtype
         m.out_dtype = dtype
         m.absorbed.append(f"dtype={str(dtype).replace('torch.', '')}")
     return m
+
+
+def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every value of ``narrow`` is exactly representable in ``wide``."""
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return w.eps <= n.eps and w.max >= n.max and w.smallest_normal <= n.smallest_normal
 
 
 def _same_dim_reduction(node: Any, name: str, x: Node, dim: int) -> bool:
@@ -313,17 +323,17 @@ def _absorb_neighbours(m: SoftmaxMatch) -> None:
     if m.pre_cast is not None:
         return  # torch rounds the input to a narrower dtype: leave the chain alone
     x = m.x
-    xv = tensor_val(x)
-    out_shape = tuple(xv.shape)
-    # additive mask: x = scores + mask
+    out_shape = _static_shape(tensor_val(x))
+    # additive mask: x = scores + mask (only with static shapes: no guards on symbolic sizes here)
     c = canon(x)
-    if c is not None and c[0] == "add" and single_user(x):
+    if c is not None and c[0] == "add" and single_user(x) and out_shape is not None:
         a, b = c[1].get("input"), c[1].get("other")
         av, bv = tensor_val(a), tensor_val(b)
-        if av is not None and bv is not None and av.dtype.is_floating_point and bv.dtype.is_floating_point:
-            scores, mask = (a, b) if tuple(av.shape) == out_shape else (b, a)
+        if (av is not None and bv is not None and av.dtype.is_floating_point and bv.dtype.is_floating_point
+                and _static_shape(av) is not None and _static_shape(bv) is not None):
+            scores, mask = (a, b) if _static_shape(av) == out_shape else (b, a)
             sv, mv = tensor_val(scores), tensor_val(mask)
-            if tuple(sv.shape) == out_shape and _broadcasts_into(tuple(mv.shape), out_shape) and not mv.requires_grad:
+            if _static_shape(sv) == out_shape and _broadcasts_into(_static_shape(mv), out_shape) and not mv.requires_grad:
                 m.mask, m.x = mask, scores
                 m.dead.append(x)
                 m.absorbed.append("mask")
@@ -379,6 +389,13 @@ def _absorb_neighbours(m: SoftmaxMatch) -> None:
 
 def _dt(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
+
+
+def _static_shape(v: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The shape as plain ints, or None when any size is symbolic (dynamic shapes)."""
+    if v is None or any(not isinstance(s, int) for s in v.shape):
+        return None
+    return tuple(v.shape)
 
 
 def _broadcasts_into(small: tuple, big: tuple) -> bool:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The one prepared script for a CUDA machine: GPU tests, then GPU benchmarks, in < 10 minutes.
+# Usage (repo root):  bash benchmarks/gpu/run.sh
+# Writes figures to ${OUT:-gpu-out}/ (bench_softmax.json, the pytest log, nvidia-smi);
+# copy the table into docs/PERFORMANCE.md with the date.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+
+# Use the machine's torch (a CUDA build); install only what is missing, never torch itself.
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+python -m pip install -q --no-deps -e . 2>&1 | tail -2
+python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothesis rich tqdm 2>&1 | tail -2
+
+# TRITON_INTERPRET stays unset: the real kernels run on the GPU.
+unset TRITON_INTERPRET
+timeout 300 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
+  -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | tail -15
+timeout 240 python benchmarks/bench_softmax.py --device cuda --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40

@@ -1,0 +1,335 @@
+"""Real ``transformers`` architectures compiled with ``backend="smx"``: report, outputs and gradients.
+
+Each model is built from a tiny config with random weights (nothing is downloaded), eager
+attention (``attn_implementation="eager"``, so the attention softmax is a real ``F.softmax`` in
+the graph rather than SDPA), every dropout probability 0, 2 layers, hidden size 64, batch 2.
+
+For every architecture:
+
+* ``smxcompile.explain`` lists exactly one softmax per layer, located in the model's own
+  ``modeling_<arch>.py``, each ``rewritten`` or ``kept`` (never ``skipped``, never missing), and a
+  kept one says why.
+* ``torch.compile(model, backend="smx")`` (default options) trains one step (forward + backward,
+  train mode) with the loss, the logits / last hidden state and the gradient of every parameter
+  matching eager fp32 (tolerances below); the backend's own report agrees with ``explain``.
+
+For GPT-2, Llama, Mistral and BERT the same again with ``options={"cpu": "rewrite",
+"attention": True}``, which forces every softmax onto ``smx::softmax`` on CPU: the backend report
+says ``rewritten`` for every layer, the compiled step really calls the smx op once per layer
+forward and backward, the results match eager, and a deliberately broken kernel (mask ignored)
+fails the same comparison, which proves the tolerances would catch a wrong softmax.
+
+Tolerances (fp32 against eager fp32): the compiled results differ from eager only by Inductor's
+re-association, measured at <= 1e-6 relative here. We allow ``|got - ref| <= ATOL + RTOL * max|ref|``
+per tensor with ``RTOL = 1e-4``, ``ATOL = 1e-6``: 100x the noise, and far below what a broken
+softmax gives (ignoring the mask moves the loss and gradients by more than 1e-3 relative; see
+``test_forced_rewrite_matches_eager``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+from typing import Any, Callable
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import smxcompile  # noqa: E402
+from smxcompile.backends import smx as smx_backend_mod  # noqa: E402
+
+# the module, not the ``softmax`` function that ``smxcompile.kernels`` re-exports under the same name
+smx_kernels = importlib.import_module("smxcompile.kernels.softmax")
+
+RTOL = 1e-4
+ATOL = 1e-6
+N_LAYERS = 2
+HIDDEN = 64
+HEADS = 4
+VOCAB = 128
+SEQ = 16
+BATCH = 2
+
+FORCE = {"cpu": "rewrite", "attention": True}
+
+
+# --------------------------------------------------------------------------- model zoo
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    arch: str                                  # transformers/models/<arch>/modeling_<arch>.py
+    model: torch.nn.Module
+    inputs: dict[str, torch.Tensor]
+    has_mask: bool                             # the attention softmax gets an additive mask
+
+    def outputs(self, out: Any) -> dict[str, torch.Tensor]:
+        """The tensors compared between eager and compiled (loss and logits / hidden states)."""
+        got = {}
+        for key in ("loss", "logits", "last_hidden_state"):
+            v = getattr(out, key, None)
+            if isinstance(v, torch.Tensor):
+                got[key] = v.detach()
+        return got
+
+
+def _token_inputs(padded: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if padded:  # right padding on the second row: a real padding mask on top of the causal one
+        am = torch.ones(BATCH, SEQ, dtype=torch.long)
+        am[1, SEQ - 5:] = 0
+        inputs["attention_mask"] = am
+        inputs["labels"][1, SEQ - 5:] = -100
+    return inputs
+
+
+def _gpt2() -> Case:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=HIDDEN, n_layer=N_LAYERS, n_head=HEADS,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager",
+    )
+    model = transformers.GPT2LMHeadModel(cfg)
+    # "GPT2LMHeadModel" names no loss in transformers' LOSS_MAPPING, so each call logs a
+    # warning_once, which is a Dynamo graph break; name the loss it falls back to anyway.
+    model.loss_type = "ForCausalLM"
+    return Case("gpt2", "gpt2", model, _token_inputs(padded=False), has_mask=True)
+
+
+def _llama_like(name: str, config_cls: str, model_cls: str, **extra: Any) -> Callable[[], Case]:
+    def make() -> Case:
+        cfg = getattr(transformers, config_cls)(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,   # GQA: 2 kv heads for 4 heads
+            max_position_embeddings=SEQ * 4, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, attn_implementation="eager", **extra,
+        )
+        assert cfg.num_key_value_heads < cfg.num_attention_heads
+        return Case(name, name, getattr(transformers, model_cls)(cfg), _token_inputs(padded=True), has_mask=True)
+
+    return make
+
+
+def _bert() -> Case:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ * 2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    return Case("bert", "bert", transformers.BertForMaskedLM(cfg), _token_inputs(padded=True), has_mask=True)
+
+
+def _vit() -> Case:
+    cfg = transformers.ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS,
+        num_attention_heads=HEADS, intermediate_size=2 * HIDDEN, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=10, attn_implementation="eager",
+    )
+    g = torch.Generator().manual_seed(1)
+    inputs = {"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g), "labels": torch.tensor([1, 7])}
+    return Case("vit", "vit", transformers.ViTForImageClassification(cfg), inputs, has_mask=False)
+
+
+FACTORIES: dict[str, Callable[[], Case]] = {
+    "gpt2": _gpt2,
+    "llama": _llama_like("llama", "LlamaConfig", "LlamaForCausalLM"),
+    # sliding window shorter than the sequence: Mistral's banded causal mask really masks
+    "mistral": _llama_like("mistral", "MistralConfig", "MistralForCausalLM", sliding_window=8),
+    "qwen2": _llama_like("qwen2", "Qwen2Config", "Qwen2ForCausalLM"),
+    "bert": _bert,
+    "vit": _vit,
+}
+FORCED = ["gpt2", "llama", "mistral", "bert"]
+
+
+def make_case(name: str) -> Case:
+    torch.manual_seed(0)
+    case = FACTORIES[name]()
+    case.model.train()
+    assert case.model.config._attn_implementation == "eager"
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules())
+    return case
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def train_step(case: Case, fn: Callable[..., Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+    """One forward + backward of ``fn`` (the model or its compiled version): outputs and parameter grads."""
+    case.model.zero_grad(set_to_none=True)
+    out = fn(**case.inputs)
+    out.loss.backward()
+    outs = case.outputs(out)
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in case.model.named_parameters()}
+    return outs, grads
+
+
+def mismatches(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None]) -> list[str]:
+    """Names of tensors outside ``|got - ref| <= ATOL + RTOL * max|ref|`` (with the error found)."""
+    bad = []
+    assert got.keys() == ref.keys()
+    for k, r in ref.items():
+        g = got[k]
+        if r is None or g is None:
+            if (r is None) != (g is None):
+                bad.append(f"{k}: grad is None in only one of eager / compiled")
+            continue
+        assert g.shape == r.shape and g.dtype == r.dtype, k
+        if not torch.isfinite(g).all():
+            bad.append(f"{k}: non-finite values")
+            continue
+        err = (g - r).abs().max().item()
+        bound = ATOL + RTOL * r.abs().max().item()
+        if err > bound:
+            bad.append(f"{k}: max|diff|={err:.3g} > {bound:.3g}")
+    return bad
+
+
+def max_rel_err(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None]) -> float:
+    return max(
+        ((got[k] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+        for k, r in ref.items() if r is not None and got[k] is not None
+    )
+
+
+def softmax_sites(report: smxcompile.Report) -> list[smxcompile.Site]:
+    return [s for s in report if s.kind in ("softmax", "log_softmax")]
+
+
+def assert_one_attention_softmax_per_layer(case: Case, report: smxcompile.Report, *, actions: set[str]) -> None:
+    sites = softmax_sites(report)
+    assert len(sites) == N_LAYERS, f"{case.name}: expected {N_LAYERS} softmax sites, got\n{report}"
+    pat = re.compile(rf"models[/\\]{case.arch}[/\\]modeling_{case.arch}\.py:\d+$")
+    for s in sites:
+        assert s.kind == "softmax", s
+        assert pat.search(s.location), f"{case.name}: site not located in the model's attention code: {s}"
+        assert s.action in actions, f"{case.name}: {s}\n{report}"
+        if s.action == "rewritten":
+            assert s.op == "smx::softmax" and not s.reason, s
+        else:
+            assert s.reason, f"{case.name}: a {s.action} site must say why: {s}"
+    # the two layers are two different nodes of the graph(s), not one site listed twice
+    assert len({(s.graph, s.node) for s in sites}) == N_LAYERS
+
+
+def compile_and_step(case: Case, options: dict | None) -> tuple[Any, smxcompile.Report]:
+    """Compile with ``backend="smx"``, run one training step; the step's results and the backend's report."""
+    n0 = len(smx_backend_mod.compiled_reports)
+    compiled = torch.compile(case.model, backend="smx", options=options)
+    result = train_step(case, compiled)
+    report = smxcompile.Report()
+    for r in smx_backend_mod.compiled_reports[n0:]:
+        report.extend(r)
+    return (compiled, result), report
+
+
+@contextlib.contextmanager
+def count_smx_calls():
+    """Count the runtime calls of the smx ops' CPU implementations (forward and backward)."""
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = smx_kernels._forward_impl, smx_kernels._backward_impl
+
+    def f(*a, **k):
+        calls["forward"] += 1
+        return fwd(*a, **k)
+
+    def b(*a, **k):
+        calls["backward"] += 1
+        return bwd(*a, **k)
+
+    smx_kernels._forward_impl, smx_kernels._backward_impl = f, b
+    try:
+        yield calls
+    finally:
+        smx_kernels._forward_impl, smx_kernels._backward_impl = fwd, bwd
+
+
+@contextlib.contextmanager
+def broken_kernel_ignoring_mask():
+    """A deliberately wrong smx kernel: the additive mask is dropped (attention leaks past it)."""
+    fwd = smx_kernels._forward_impl
+
+    def f(x, dim, scale, softcap, mask, dtype, return_lse, log):
+        return fwd(x, dim, scale, softcap, None, dtype, return_lse, log)
+
+    smx_kernels._forward_impl = f
+    try:
+        yield
+    finally:
+        smx_kernels._forward_impl = fwd
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_explain_lists_one_softmax_per_layer(name):
+    case = make_case(name)
+    report = smxcompile.explain(case.model, **case.inputs)
+    assert_one_attention_softmax_per_layer(case, report, actions={"rewritten", "kept"})
+    # the report is JSON-ready and printable
+    d = report.to_dict()
+    assert sum(d["summary"]["softmax"].values()) == N_LAYERS
+    assert "softmax" in str(report)
+    # forcing the rewrite turns every layer's softmax into smx::softmax
+    forced = smxcompile.explain(case.model, **case.inputs, options=FORCE)
+    assert_one_attention_softmax_per_layer(case, forced, actions={"rewritten"})
+    for s in softmax_sites(forced):
+        assert "scale=" in s.detail, s   # 1/sqrt(head_dim) is taken into the op
+        assert ("mask" in s.detail) == case.has_mask, s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_compiled_training_matches_eager(name):
+    case = make_case(name)
+    planned = smxcompile.explain(case.model, **case.inputs)
+    ref_out, ref_grads = train_step(case, case.model)
+    (_, (out, grads)), report = compile_and_step(case, None)
+    assert_one_attention_softmax_per_layer(case, report, actions={"rewritten", "kept"})
+    assert [s.action for s in softmax_sites(report)] == [s.action for s in softmax_sites(planned)], (
+        f"backend and explain disagree:\n{report}\n{planned}"
+    )
+    assert not mismatches(out, ref_out), mismatches(out, ref_out)
+    assert not mismatches(grads, ref_grads), mismatches(grads, ref_grads)
+    assert sum(g is not None for g in grads.values()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FORCED)
+def test_forced_rewrite_matches_eager(name):
+    case = make_case(name)
+    ref_out, ref_grads = train_step(case, case.model)
+    (compiled, (out, grads)), report = compile_and_step(case, FORCE)
+    assert_one_attention_softmax_per_layer(case, report, actions={"rewritten"})
+    assert not mismatches(out, ref_out), mismatches(out, ref_out)
+    assert not mismatches(grads, ref_grads), mismatches(grads, ref_grads)
+
+    # the compiled step really runs smx::softmax, once per layer forward and once per layer backward
+    with count_smx_calls() as calls:
+        out2, grads2 = train_step(case, compiled)
+    assert calls == {"forward": N_LAYERS, "backward": N_LAYERS}, calls
+    assert not mismatches(out2, ref_out) and not mismatches(grads2, ref_grads)
+
+    # the tolerance is tight enough to catch a wrong softmax: the same compiled code with a
+    # kernel that drops the attention mask fails the comparison
+    if case.has_mask:
+        with broken_kernel_ignoring_mask():
+            bad_out, bad_grads = train_step(case, compiled)
+        assert mismatches(bad_out, ref_out), "a softmax that ignores the mask went unnoticed"
+        assert mismatches(bad_grads, ref_grads)
+        assert max_rel_err(bad_grads, ref_grads) > 100 * RTOL

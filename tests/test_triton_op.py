@@ -1,0 +1,94 @@
+"""The smx ops driven through their Triton path (Triton's interpreter on CPU), eagerly and compiled.
+
+tests/test_triton_softmax.py tests the kernels' launchers in depth; this file checks the op layer
+routes to them (forward and backward) and that a compiled graph runs them.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import smxcompile  # noqa: E402
+from smxcompile.kernels import config, triton_softmax  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Force the Triton path on CPU and count launcher calls."""
+    monkeypatch.setattr(config, "force_triton", True)
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = triton_softmax.softmax_forward, triton_softmax.softmax_backward
+
+    def count_fwd(*a, **k):
+        calls["fwd"] += 1
+        return fwd(*a, **k)
+
+    def count_bwd(*a, **k):
+        calls["bwd"] += 1
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(triton_softmax, "softmax_forward", count_fwd)
+    monkeypatch.setattr(triton_softmax, "softmax_backward", count_bwd)
+    return calls
+
+
+def _gold_bound(ours, ref, gold, atol, rtol, scale=None):
+    """|ours - gold| <= |torch - gold| + atol + rtol * scale, scale = |gold| unless given
+    (rtol: one rounding step of the dtype; scale: the size of the terms that were summed)."""
+    err_ours = (ours.double() - gold).abs()
+    err_ref = (ref.double() - gold).abs()
+    scale = gold.abs() if scale is None else scale
+    assert torch.all(err_ours <= err_ref + atol + rtol * scale), (err_ours - err_ref).max()
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_routes_to_triton_forward_and_backward(triton_calls, log, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 33, device=DEVICE).to(dtype).permute(0, 2, 1).requires_grad_()  # non-contiguous
+    mask = torch.randn(1, 33, 1, device=DEVICE)
+    fn = smxcompile.log_softmax if log else smxcompile.softmax
+    tfn = torch.log_softmax if log else torch.softmax
+    y = fn(x, 1, scale=0.7, mask=mask)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    x64 = x.detach().double().requires_grad_()
+    y64 = tfn(x64 * 0.7 + mask.double(), 1)
+    (gx64,) = torch.autograd.grad(y64, x64, g.double())
+    xr = x.detach().requires_grad_()
+    yr = tfn(xr * 0.7 + mask.to(dtype), 1)
+    (gxr,) = torch.autograd.grad(yr, xr, g)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-3, 2.0**-7)
+    _gold_bound(y, yr, y64, atol, rtol)
+    # backward: g - p * sum(g) (log) or p * (g - sum(g p)) cancels; bound by the terms' size
+    p64 = y64.detach().exp() if log else y64.detach()
+    terms = (g.double().abs() + g.double().abs().sum(1, keepdim=True)) * (1.0 if log else p64) * 0.7
+    _gold_bound(gx, gxr, gx64, atol, rtol, scale=terms)
+    assert triton_calls == {"fwd": 1, "bwd": 1}
+
+
+def test_compiled_graph_runs_triton_kernels(triton_calls):
+    torch.manual_seed(0)
+
+    def f(x):
+        return torch.softmax(x, dim=-1) @ torch.ones(x.shape[-1], 3, device=x.device)
+
+    x = torch.randn(16, 70, device=DEVICE, requires_grad=True)
+    cf = torch.compile(f, backend="smx", options={"cpu": "rewrite"})
+    y = cf(x)
+    y.sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    f(x).sum().backward()
+    torch.testing.assert_close(y, f(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    assert smxcompile.last_report().count(kind="softmax", action="rewritten") == 1
+    assert triton_calls["fwd"] >= 1 and triton_calls["bwd"] >= 1
