@@ -405,13 +405,32 @@ def build_model(s: Settings, eos_id: int):
         attn_pdrop=0.0,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
-        loss_type="ForCausalLM",
     )
     config._attn_implementation = "eager"
     torch.manual_seed(s.seed)
     model = GPT2LMHeadModel(config)
     model.config._attn_implementation = "eager"
+    # transformers cannot infer the loss from the class name "GPT2LMHeadModel"; naming it avoids a
+    # warning_once inside forward (a Dynamo graph break).
+    model.loss_type = "ForCausalLM"
     return model
+
+
+def demo_model_and_inputs(quick: bool = False, seed: int = 0) -> tuple[Any, tuple, dict[str, Any]]:
+    """The demo's model (initial weights) and one real training batch, for ``smx explain``.
+
+    Returns ``(model, args, kwargs)`` with ``kwargs = {"input_ids": batch, "labels": batch}``,
+    built exactly as ``smx demo`` (or ``smx demo --quick``) builds them.
+    """
+    parser = build_parser()
+    s = resolve_settings(parser.parse_args((["--quick"] if quick else []) + ["--seed", str(seed), "--steps", "1"]))
+    docs = load_corpus(s.corpus)
+    tokenizer = train_tokenizer(docs, s.vocab_size)
+    train, _ = split_windows(make_windows(tokenizer, docs, s.seq_len))
+    batch = make_batches(train, 1, s.batch_size, s.seed)[0]
+    model = build_model(s, tokenizer.token_to_id(EOT))
+    model.train()
+    return model, (), {"input_ids": batch, "labels": batch}
 
 
 def count_attention_calls(model, input_ids) -> dict[str, int]:

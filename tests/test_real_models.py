@@ -4,26 +4,30 @@ Each model is built from a tiny config with random weights (nothing is downloade
 attention (``attn_implementation="eager"``, so the attention softmax is a real ``F.softmax`` in
 the graph rather than SDPA), every dropout probability 0, 2 layers, hidden size 64, batch 2.
 
-For every architecture:
+For every architecture (GPT-2, Llama and Mistral with GQA, Qwen2, BERT, ViT):
 
 * ``smxcompile.explain`` lists exactly one softmax per layer, located in the model's own
   ``modeling_<arch>.py``, each ``rewritten`` or ``kept`` (never ``skipped``, never missing), and a
-  kept one says why.
+  kept one says why; with the rewrite forced, every one is ``rewritten``.
+
+For GPT-2, Llama, Mistral, BERT and ViT (Qwen2 is Llama's code plus q/k/v biases: explained only):
+
 * ``torch.compile(model, backend="smx")`` (default options) trains one step (forward + backward,
-  train mode) with the loss, the logits / last hidden state and the gradient of every parameter
-  matching eager fp32 (tolerances below); the backend's own report agrees with ``explain``.
+  train mode) with the loss, the logits and the gradient of every parameter matching eager fp32
+  (tolerances below); the backend's own report agrees with ``explain``.
 
 For GPT-2, Llama, Mistral and BERT the same again with ``options={"cpu": "rewrite",
 "attention": True}``, which forces every softmax onto ``smx::softmax`` on CPU: the backend report
 says ``rewritten`` for every layer, the compiled step really calls the smx op once per layer
-forward and backward, the results match eager, and a deliberately broken kernel (mask ignored)
-fails the same comparison, which proves the tolerances would catch a wrong softmax.
+forward and once per layer backward, the results match eager, and the same compiled code with a
+deliberately broken kernel (additive mask ignored) fails the comparison, which shows the
+tolerances catch a wrong softmax.
 
 Tolerances (fp32 against eager fp32): the compiled results differ from eager only by Inductor's
-re-association, measured at <= 1e-6 relative here. We allow ``|got - ref| <= ATOL + RTOL * max|ref|``
-per tensor with ``RTOL = 1e-4``, ``ATOL = 1e-6``: 100x the noise, and far below what a broken
-softmax gives (ignoring the mask moves the loss and gradients by more than 1e-3 relative; see
-``test_forced_rewrite_matches_eager``).
+re-association, measured at about 2e-7 relative (``||got - ref|| / ||ref||`` over all outputs, and
+over all gradients). Each tensor must satisfy ``max|got - ref| <= ATOL + RTOL * max|ref|`` with
+``RTOL = 1e-4`` and ``ATOL = 1e-6``: about 500x that noise. Ignoring the mask moves the gradients by
+4e-3 (BERT, padding mask) to 0.7 (Llama, causal mask) relative, well outside it.
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ FACTORIES: dict[str, Callable[[], Case]] = {
     "bert": _bert,
     "vit": _vit,
 }
+# Qwen2 is Llama's code with q/k/v biases: explained, not compiled again (each compile costs 20-40 s here).
+COMPILED = ["gpt2", "llama", "mistral", "bert", "vit"]
 FORCED = ["gpt2", "llama", "mistral", "bert"]
 
 
@@ -160,9 +166,11 @@ def make_case(name: str) -> Case:
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    # Compile in-process: on 2 cores a pool of compile workers costs more than it saves.
+    with torch._inductor.config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        yield
+        torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -199,11 +207,15 @@ def mismatches(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor 
     return bad
 
 
-def max_rel_err(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None]) -> float:
-    return max(
-        ((got[k] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-        for k, r in ref.items() if r is not None and got[k] is not None
-    )
+def global_rel_err(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None]) -> float:
+    """``||got - ref|| / ||ref||`` over all the tensors together (gradients that are zero in exact
+    arithmetic, such as the key bias's, do not blow it up as a per-tensor ratio would)."""
+    num = den = 0.0
+    for k, r in ref.items():
+        if r is not None and got[k] is not None:
+            num += (got[k].double() - r.double()).square().sum().item()
+            den += r.double().square().sum().item()
+    return (num / max(den, 1e-300)) ** 0.5
 
 
 def softmax_sites(report: smxcompile.Report) -> list[smxcompile.Site]:
@@ -294,7 +306,7 @@ def test_explain_lists_one_softmax_per_layer(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(FACTORIES))
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_training_matches_eager(name):
     case = make_case(name)
     planned = smxcompile.explain(case.model, **case.inputs)
@@ -332,4 +344,4 @@ def test_forced_rewrite_matches_eager(name):
             bad_out, bad_grads = train_step(case, compiled)
         assert mismatches(bad_out, ref_out), "a softmax that ignores the mask went unnoticed"
         assert mismatches(bad_grads, ref_grads)
-        assert max_rel_err(bad_grads, ref_grads) > 100 * RTOL
+        assert global_rel_err(bad_grads, ref_grads) > 10 * RTOL

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -816,6 +815,18 @@ softmax_default = torch.ops.smx.softmax.default(add, 2, 1.0, None, None, None, F
 getitem = softmax_default[0]
 return (getitem,)""")
         self.assertNotIn("mask", r.site.detail)
+
+    def test_mask_that_promotes_the_dtype_is_not_absorbed(self):
+        # bf16 scores + fp32 mask is an fp32 tensor: absorbing the mask would return bf16
+        r = rewrite(lambda x, m: torch.softmax(x + m, -1), x3(torch.bfloat16), torch.zeros(3, 4))
+        self.assertNotIn("mask", r.site.detail)
+        self.assertIn("add = l_x_ + l_m_", r.after)
+        # the same mask in the scores' dtype is absorbed
+        r = rewrite(lambda x, m: torch.softmax(x + m, -1), x3(torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
+        self.assertIn("mask", r.site.detail)
+        # an fp16 mask on fp32 scores does not promote: absorbed
+        r = rewrite(lambda x, m: torch.softmax(x + m, -1), x3(), torch.zeros(3, 4, dtype=torch.float16))
+        self.assertIn("mask", r.site.detail)
 
     def test_integer_mask_is_not_absorbed(self):
         r = rewrite(lambda x, m: torch.softmax(x + m, -1), x3(), torch.ones(3, 4, dtype=torch.int64))

@@ -58,8 +58,9 @@ def _forward_impl(x, dim, scale, softcap, mask, dtype, return_lse, log):
     plain = scale == 1.0 and softcap is None and mask is None
     z = x if plain else _prologue(x, scale, softcap, mask)
     fn = torch.log_softmax if log else torch.softmax
-    if z.dtype in (torch.float16, torch.bfloat16) and out_dtype == torch.float32:
-        y = fn(z, dim, dtype=torch.float32)  # exact: ATen upcasts inside its kernel
+    if z.dtype in (torch.float16, torch.bfloat16):
+        # fp32 math, one rounding at the end (ATen's half kernels round log-probs less accurately)
+        y = fn(z, dim, dtype=torch.float32).to(out_dtype)
     else:
         y = fn(z, dim).to(out_dtype)
     y = y.contiguous()

@@ -63,13 +63,29 @@ class SmxPass(CustomGraphPass):
         self.report = report if report is not None else Report()
 
     def __call__(self, graph: Graph) -> None:
-        matches = find_softmax_sites(graph, self.options, self.skip)
-        for m in matches:
-            if m.action == "rewritten":
+        first = find_softmax_sites(graph, self.options, self.skip)
+        outcome: dict[str, Site] = {}
+        matches = first
+        # Rewrite every match whose nodes no other chosen match touches, then look again: nested
+        # sites (softmax(softmax(x).float())) share nodes and are rewritten one after the other.
+        for _ in range(len(first) + 1):
+            todo = [m for m in matches if m.action == "rewritten"]
+            if not todo:
+                break
+            taken: set = set()
+            for m in todo:
+                touched = {m.anchor, m.x, m.mask, *m.dead} - {None}
+                if touched & taken:
+                    continue
+                taken |= touched
+                outcome[m.anchor.name] = m.to_site(self.graph_tag)
                 rewrite_softmax(graph, m)
-        if any(m.action == "rewritten" for m in matches):
             graph.lint()
-        self.report.sites.extend(m.to_site(self.graph_tag) for m in matches)
+            matches = find_softmax_sites(graph, self.options, self.skip)
+        for m in matches:
+            outcome.setdefault(m.anchor.name, m.to_site(self.graph_tag))
+        order = [m.anchor.name for m in first] + [n for n in outcome if n not in {m.anchor.name for m in first}]
+        self.report.sites.extend(outcome[n] for n in order if n in outcome)
 
     def uuid(self) -> str:
         h = hashlib.sha256()

@@ -13,8 +13,8 @@ Matched spellings (Dynamo graph, i.e. Inductor's pre-grad slot):
   temperature) and logit soft-capping ``c * tanh(x / c)`` and an additive float mask before it;
   a floating-point cast after it.
 
-Not matched (each a tested near-miss): a sum over another dim than the exp's max, a sum without
-``keepdim`` (different broadcasting), an intermediate used elsewhere, a softmax whose input is
+Not matched (each a tested near-miss): a sum without ``keepdim`` (different broadcasting),
+``exp(x) / exp(y).sum()`` with ``x`` and ``y`` different, an intermediate used elsewhere, a softmax whose input is
 built from random numbers (Gumbel-softmax), a softmax over several dims.
 """
 
@@ -333,7 +333,9 @@ def _absorb_neighbours(m: SoftmaxMatch) -> None:
                 and _static_shape(av) is not None and _static_shape(bv) is not None):
             scores, mask = (a, b) if _static_shape(av) == out_shape else (b, a)
             sv, mv = tensor_val(scores), tensor_val(mask)
-            if _static_shape(sv) == out_shape and _broadcasts_into(_static_shape(mv), out_shape) and not mv.requires_grad:
+            # the mask must not promote the scores' dtype (bf16 scores + fp32 mask is an fp32 softmax)
+            if (_static_shape(sv) == out_shape and _broadcasts_into(_static_shape(mv), out_shape)
+                    and not mv.requires_grad and sv.dtype == tensor_val(x).dtype):
                 m.mask, m.x = mask, scores
                 m.dead.append(x)
                 m.absorbed.append("mask")
@@ -370,7 +372,8 @@ def _absorb_neighbours(m: SoftmaxMatch) -> None:
         if src is not None and src.dtype in _FLOAT and src.dtype.itemsize <= dt.itemsize and dt in _FLOAT:
             m.dead.append(x)
             m.x = x.args[0]
-            m.absorbed.append(f"cast {_dt(src.dtype)}->{_dt(dt)}")
+            if src.dtype != dt:  # a no-op cast (.float() on fp32) is dropped without a mention
+                m.absorbed.append(f"cast {_dt(src.dtype)}->{_dt(dt)}")
             if m.out_dtype is None:
                 m.out_dtype = dt
     # the cast after: softmax(x).to(dtype)

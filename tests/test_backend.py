@@ -1,0 +1,543 @@
+"""The ``smx`` backend end to end: registration, training, options, ``check``, dynamic shapes,
+the FX graph cache, ``explain`` and the ``smx`` command line.
+
+Subprocess tests (a fresh interpreter is the only way to test registration and the cache) are
+marked ``slow``; they still run in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import smxcompile
+from smxcompile.options import REWRITE_KINDS, SmxOptions
+from smxcompile.passes import SmxPass
+
+REWRITE = {"cpu": "rewrite"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _python(code: str, *, env: dict | None = None, cwd: str | None = None, timeout: int = 240):
+    """Run ``code`` in a fresh interpreter (this venv); return the CompletedProcess."""
+    full_env = dict(os.environ)
+    full_env.pop("PYTEST_CURRENT_TEST", None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=timeout)
+
+
+def _last_json_line(stdout: str):
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert lines, stdout
+    return json.loads(lines[-1])
+
+
+def _new_reports(before: int):
+    from smxcompile.backends.smx import compiled_reports
+
+    return compiled_reports[before:]
+
+
+def _n_reports() -> int:
+    from smxcompile.backends.smx import compiled_reports
+
+    return len(compiled_reports)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@pytest.mark.slow
+def test_entry_point_without_importing_smxcompile_first():
+    r = _python("""
+        import json, sys
+        import torch
+        assert "smxcompile" not in sys.modules
+        fn = torch.compile(lambda x: torch.softmax(x, -1), backend="smx", options={"cpu": "rewrite"})
+        x = torch.randn(3, 5)
+        y = fn(x)
+        torch.testing.assert_close(y, torch.softmax(x, -1))
+        loaded = "smxcompile" in sys.modules
+        import smxcompile  # must not fail with a duplicate registration
+        rep = smxcompile.last_report()
+        # a second compile after the explicit import still finds the backend
+        fn2 = torch.compile(lambda x: torch.log_softmax(x, 0), backend="smx", options={"cpu": "rewrite"})
+        torch.testing.assert_close(fn2(x), torch.log_softmax(x, 0))
+        from torch._dynamo import list_backends
+        print(json.dumps({"loaded": loaded, "rewritten": rep.count(action="rewritten"),
+                          "listed": "smx" in list_backends(exclude_tags=()),
+                          "last": smxcompile.last_report().count(action="rewritten")}))
+    """)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = _last_json_line(r.stdout)
+    assert out == {"loaded": True, "rewritten": 1, "listed": True, "last": 1}
+
+
+def test_import_twice_does_not_reregister():
+    import importlib
+
+    importlib.reload(smxcompile)  # runs _register_backend_if_needed again
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("smx") is not None
+
+
+# --------------------------------------------------------------------------- training
+
+
+class TinyClassifier(nn.Module):
+    """Token mixer with a softmax over positions, then a log-softmax head and NLL."""
+
+    def __init__(self, d=8, n_classes=5):
+        super().__init__()
+        self.score = nn.Linear(d, d)
+        self.value = nn.Linear(d, d)
+        self.head = nn.Linear(d, n_classes)
+
+    def forward(self, x, y):
+        w = F.softmax(self.score(x) / 2.0, dim=1)  # weights over positions (not attention-shaped)
+        h = (w * self.value(x)).sum(1)
+        logp = torch.log_softmax(self.head(h), dim=-1)
+        return F.nll_loss(logp, y)
+
+
+def _train(model, steps, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), grads
+
+
+def test_training_matches_eager():
+    torch.manual_seed(0)
+    eager = TinyClassifier()
+    compiled_model = TinyClassifier()
+    compiled_model.load_state_dict(eager.state_dict())
+    x, y = torch.randn(4, 6, 8), torch.randint(0, 5, (4,))
+    torch._dynamo.reset()
+    before = _n_reports()
+    compiled = torch.compile(compiled_model, backend="smx", options=REWRITE)
+    l_c, g_c = _train(compiled, 3, x, y)
+    l_e, g_e = _train(eager, 3, x, y)
+    torch.testing.assert_close(l_c, l_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    reps = _new_reports(before)
+    assert len(reps) == 1  # one graph, compiled once (forward + backward through AOTAutograd)
+    assert [(s.kind, s.action) for s in reps[0]] == [("softmax", "rewritten"), ("log_softmax", "rewritten")]
+    assert "scale=0.5" in reps[0].sites[0].detail
+
+
+def test_training_default_cpu_policy_matches_eager():
+    # cpu="auto": the plain log-softmax is rewritten, the scaled softmax kept for Inductor
+    torch.manual_seed(1)
+    eager = TinyClassifier()
+    model = TinyClassifier()
+    model.load_state_dict(eager.state_dict())
+    x, y = torch.randn(4, 6, 8), torch.randint(0, 5, (4,))
+    torch._dynamo.reset()
+    before = _n_reports()
+    l_c, g_c = _train(torch.compile(model, backend="smx"), 2, x, y)
+    l_e, g_e = _train(eager, 2, x, y)
+    torch.testing.assert_close(l_c, l_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    (rep,) = _new_reports(before)
+    assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "rewritten")]
+    assert rep.sites[0].reason.startswith("CPU: Inductor fuses")
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _two_sites(x):
+    return torch.softmax(x, -1), F.log_softmax(x, dim=0)
+
+
+def test_unknown_option_is_a_value_error():
+    with pytest.raises(ValueError, match="known options") as ei:
+        SmxOptions.from_mapping({"sofmax": False})
+    assert "'softmax'" in str(ei.value) and "'check'" in str(ei.value)
+    # through torch.compile the ValueError reaches the user (Dynamo may wrap it)
+    torch._dynamo.reset()
+    fn = torch.compile(_two_sites, backend="smx", options={"bogus": 1})
+    with pytest.raises(Exception) as ei:
+        fn(torch.randn(2, 3))
+    chain, e = [], ei.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    assert any(isinstance(c, ValueError) and "known options" in str(c) for c in chain), repr(ei.value)
+
+
+@pytest.mark.parametrize("bad", [
+    {"disable": ["softmx"]},
+    {"softmax": "no"},
+    {"cpu": "fast"},
+    {"inductor": 3},
+])
+def test_bad_option_values(bad):
+    with pytest.raises(ValueError):
+        SmxOptions.from_mapping(bad)
+    with pytest.raises(ValueError):
+        SmxOptions.from_mapping([("cpu", "keep")])
+
+
+def test_every_kind_can_be_switched_off_by_name():
+    for kind in REWRITE_KINDS:
+        assert not SmxOptions.from_mapping({kind: False}).enabled(kind)
+        assert not SmxOptions.from_mapping({"disable": [kind]}).enabled(kind)
+        assert SmxOptions.from_mapping({kind: True}).enabled(kind)
+
+
+@pytest.mark.parametrize("options,want", [
+    ({"disable": ["softmax"], "cpu": "rewrite"}, [("softmax", "kept"), ("log_softmax", "rewritten")]),
+    ({"log_softmax": False, "cpu": "rewrite"}, [("softmax", "rewritten"), ("log_softmax", "kept")]),
+    ({"disable": ["softmax", "log_softmax"], "cpu": "rewrite"}, [("softmax", "kept"), ("log_softmax", "kept")]),
+    ({"cpu": "keep"}, [("softmax", "kept"), ("log_softmax", "kept")]),
+])
+def test_switch_off_in_explain(options, want):
+    rep = smxcompile.explain(_two_sites, torch.randn(3, 4), options=options)
+    assert [(s.kind, s.action) for s in rep] == want
+    for s in rep:
+        if s.action == "kept" and options.get("cpu") != "keep":
+            assert s.reason == f"rewrite kind '{s.kind}' disabled by options"
+
+
+def test_disable_in_compile_keeps_the_site_and_matches_eager():
+    torch._dynamo.reset()
+    before = _n_reports()
+    fn = torch.compile(_two_sites, backend="smx", options={"disable": ["softmax"], "cpu": "rewrite"})
+    x = torch.randn(3, 4)
+    for a, b in zip(fn(x), _two_sites(x)):
+        torch.testing.assert_close(a, b)
+    (rep,) = _new_reports(before)
+    assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "rewritten")]
+    assert rep.sites[0].reason == "rewrite kind 'softmax' disabled by options"
+
+
+# --------------------------------------------------------------------------- check
+
+
+def test_check_keeps_a_site_that_disagrees(monkeypatch):
+    # ``smxcompile.kernels.softmax`` is the public function (it shadows the submodule's name)
+    kernels = sys.modules["smxcompile.kernels.softmax"]
+
+    real = kernels._forward_impl
+    calls = {"n": 0, "wrong": 0}
+
+    def flaky(x, dim, scale, softcap, mask, dtype, return_lse, log):
+        calls["n"] += 1
+        y, lse = real(x, dim, scale, softcap, mask, dtype, return_lse, log)
+        if calls["wrong"] == 0 and not log:  # the first softmax call answers wrongly, once
+            calls["wrong"] += 1
+            return y + 0.25, lse
+        return y, lse
+
+    monkeypatch.setattr(kernels, "_forward_impl", flaky)
+
+    def fn(x):
+        return torch.softmax(x * 2.0, -1), torch.softmax(x, 0), torch.log_softmax(x, 1)
+
+    torch._dynamo.reset()
+    before = _n_reports()
+    compiled = torch.compile(fn, backend="smx", options={"check": True, "cpu": "rewrite"})
+    x = torch.randn(3, 5)
+    got = compiled(x)
+    assert calls["wrong"] == 1
+    (rep,) = _new_reports(before)
+    acts = [(s.kind, s.action) for s in rep]
+    assert acts == [("softmax", "kept"), ("softmax", "rewritten"), ("log_softmax", "rewritten")], str(rep)
+    assert rep.sites[0].reason.startswith("check failed")
+    for a, b in zip(got, fn(x)):
+        torch.testing.assert_close(a, b)
+    # the kept site is Inductor's code: the op is not called for it at run time
+    n = calls["n"]
+    compiled(x)
+    assert calls["n"] == n + 2
+
+
+def test_check_passes_when_the_op_agrees():
+    torch._dynamo.reset()
+    before = _n_reports()
+    mask = torch.zeros(4, 6)
+    mask[:, -1] = float("-inf")
+    fn = torch.compile(lambda x, m: (torch.softmax(x / 3.0 + m, -1), x - x.logsumexp(-1, keepdim=True)),
+                       backend="smx", options={"check": True, "cpu": "rewrite"})
+    x = torch.randn(2, 4, 6)
+    got = fn(x, mask)
+    (rep,) = _new_reports(before)
+    assert rep.count(action="rewritten") == 2, str(rep)
+    torch.testing.assert_close(got[0], torch.softmax(x / 3.0 + mask, -1))
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+
+def _dyn_fn(x, m):
+    return torch.softmax(x, -1), F.log_softmax(x * 0.5, dim=1), torch.softmax(x + m, -1)
+
+
+def _check_dyn(fn, shapes):
+    for b, n in shapes:
+        x, m = torch.randn(b, n, 7), torch.zeros(n, 7)
+        for a, e in zip(fn(x, m), _dyn_fn(x, m)):
+            assert a.shape == e.shape
+            torch.testing.assert_close(a, e)
+
+
+def test_dynamic_true():
+    torch._dynamo.reset()
+    before = _n_reports()
+    fn = torch.compile(_dyn_fn, backend="smx", options=REWRITE, dynamic=True)
+    _check_dyn(fn, [(2, 3), (5, 4), (3, 6)])
+    reps = _new_reports(before)
+    assert len(reps) == 1, [str(r) for r in reps]  # one symbolic graph serves every shape
+    rep = reps[0]
+    assert any("dynamic shapes" in n for n in rep.notes)
+    assert [s.kind for s in rep] == ["softmax", "log_softmax", "softmax"]
+    # every site either fires or says why not
+    for s in rep:
+        assert s.action == "rewritten" or s.reason, str(rep)
+    assert rep.sites[0].action == "rewritten"
+    assert rep.sites[1].action == "rewritten" and "scale=0.5" in rep.sites[1].detail
+    # the masked softmax still fires; the mask is absorbed only when its broadcast is static
+    assert rep.sites[2].action == "rewritten"
+
+
+def test_mark_dynamic():
+    torch._dynamo.reset()
+    before = _n_reports()
+    fn = torch.compile(_dyn_fn, backend="smx", options=REWRITE)
+    x, m = torch.randn(4, 3, 7), torch.zeros(3, 7)
+    torch._dynamo.mark_dynamic(x, 0)
+    for a, e in zip(fn(x, m), _dyn_fn(x, m)):
+        torch.testing.assert_close(a, e)
+    x2 = torch.randn(6, 3, 7)
+    torch._dynamo.mark_dynamic(x2, 0)
+    for a, e in zip(fn(x2, m), _dyn_fn(x2, m)):
+        torch.testing.assert_close(a, e)
+    reps = _new_reports(before)
+    assert len(reps) == 1, [str(r) for r in reps]
+    assert reps[0].count(action="rewritten") >= 2, str(reps[0])
+    assert any("dynamic shapes" in n for n in reps[0].notes)
+
+
+# --------------------------------------------------------------------------- the pass uuid and the FX graph cache
+
+
+def test_uuid_stable_and_option_dependent():
+    a = SmxPass(SmxOptions.from_mapping({"cpu": "rewrite"}))
+    b = SmxPass(SmxOptions.from_mapping({"cpu": "rewrite"}))
+    assert a.uuid() == b.uuid()
+    assert SmxPass(SmxOptions.from_mapping({"cpu": "rewrite"}), graph_tag="g7").uuid() == a.uuid()
+    others = [
+        SmxPass(SmxOptions()),
+        SmxPass(SmxOptions.from_mapping({"cpu": "keep"})),
+        SmxPass(SmxOptions.from_mapping({"cpu": "rewrite", "softmax": False})),
+        SmxPass(SmxOptions.from_mapping({"cpu": "rewrite", "attention": True})),
+        SmxPass(SmxOptions.from_mapping({"cpu": "rewrite", "check": True})),
+        SmxPass(SmxOptions.from_mapping({"cpu": "rewrite", "inductor": {"max_autotune": False}})),
+        SmxPass(SmxOptions.from_mapping({"cpu": "rewrite"}), skip=frozenset({"softmax"})),
+    ]
+    uuids = [p.uuid() for p in others]
+    assert a.uuid() not in uuids
+    assert len(set(uuids)) == len(uuids)
+    # equivalent spellings of the same options give the same uuid
+    assert SmxPass(SmxOptions.from_mapping({"softmax": False})).uuid() == \
+        SmxPass(SmxOptions.from_mapping({"disable": ["softmax"]})).uuid()
+
+
+def test_uuid_follows_the_source(monkeypatch):
+    from smxcompile.passes import framework
+
+    base = SmxPass(SmxOptions()).uuid()
+    monkeypatch.setattr(framework, "source_hash", lambda: "0" * 64)
+    assert SmxPass(SmxOptions()).uuid() != base
+
+
+_CACHE_SCRIPT = """
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+    options = json.loads(sys.argv[1])
+    def fn(x):
+        return torch.softmax(x, -1) * 2.0 + 1.0
+    x = torch.randn(8, 16)
+    y = torch.compile(fn, backend="smx", options=options)(x)
+    torch.testing.assert_close(y, fn(x))
+    import smxcompile
+    print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                      "miss": counters["inductor"]["fxgraph_cache_miss"],
+                      "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+                      "rewritten": smxcompile.last_report().count(action="rewritten")}))
+"""
+
+
+@pytest.mark.slow
+def test_fx_graph_cache_hits_in_a_fresh_process_and_misses_on_new_options(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    code = textwrap.dedent(_CACHE_SCRIPT)
+
+    def run(options):
+        r = subprocess.run([sys.executable, "-c", code, json.dumps(options)], capture_output=True, text=True,
+                           env={**os.environ, **env}, timeout=240)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return _last_json_line(r.stdout)
+
+    first = run({})
+    assert first["miss"] >= 1 and first["hit"] == 0, first
+    assert first["rewritten"] == 1
+    second = run({})
+    assert second["hit"] >= 1 and second["miss"] == 0, second
+    # cpu="rewrite" rewrites this plain softmax exactly like cpu="auto": the graph is the same, only
+    # the pass uuid (which hashes the options) differs -- and that alone must miss the cache
+    third = run({"cpu": "rewrite"})
+    assert third["rewritten"] == 1
+    assert third["hit"] == 0 and third["aot_hit"] == 0 and third["miss"] >= 1, third
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _with_break(x):
+    a = torch.softmax(x, -1)
+    torch._dynamo.graph_break()
+    return a, torch.log_softmax(x * 2.0, 0)
+
+
+class _BreakModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = F.softmax(self.lin(x), dim=-1)
+        print("graph break")  # noqa: T201
+        return F.log_softmax(h * 3.0, dim=-1)
+
+
+def test_explain_function():
+    rep = smxcompile.explain(_two_sites, torch.randn(3, 4), options=REWRITE)
+    assert isinstance(rep, smxcompile.Report)
+    assert [(s.kind, s.action, s.op) for s in rep] == [("softmax", "rewritten", "smx::softmax"),
+                                                       ("log_softmax", "rewritten", "smx::log_softmax")]
+    d = rep.to_dict()
+    json.dumps(d)
+    assert d["summary"] == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}
+    assert all(s["location"].startswith(__file__) for s in d["sites"])
+    text = str(rep)
+    assert "smx::softmax" in text and "tests/test_backend.py:" in text
+
+
+def test_explain_default_options():
+    rep = smxcompile.explain(lambda x: (torch.softmax(x, -1), torch.softmax(x / 2.0, -1)), torch.randn(3, 4))
+    assert [s.action for s in rep] == ["rewritten", "kept"]
+    assert "cpu='rewrite' forces it" in rep.sites[1].reason
+    with pytest.raises(ValueError, match="known options"):
+        smxcompile.explain(_two_sites, torch.randn(3, 4), options={"nope": 1})
+
+
+def test_explain_graph_break_function():
+    torch._dynamo.reset()
+    rep = smxcompile.explain(_with_break, torch.randn(3, 4), options=REWRITE)
+    assert [(s.graph, s.kind) for s in rep] == [("g0", "softmax"), ("g1", "log_softmax")]
+    assert any("graph breaks" in n for n in rep.notes)
+
+
+def test_explain_graph_break_module(capsys):
+    torch._dynamo.reset()
+    rep = smxcompile.explain(_BreakModule(), torch.randn(2, 4), options=REWRITE)
+    assert [(s.graph, s.kind, s.action) for s in rep] == [("g0", "softmax", "rewritten"),
+                                                          ("g1", "log_softmax", "rewritten")]
+    assert "scale=3" in rep.sites[1].detail
+    assert any("2 graphs" in n for n in rep.notes)
+    assert "graph break" in capsys.readouterr().out
+
+
+def test_explain_nothing_found():
+    rep = smxcompile.explain(lambda x: x.relu() + 1, torch.randn(3))
+    assert len(rep) == 0
+    assert "no softmax-shaped sites" in str(rep)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def _smx_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "smx"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("smx")
+    return [found] if found else [sys.executable, "-m", "smxcompile.cli"]
+
+
+@pytest.mark.slow
+def test_cli_help():
+    r = subprocess.run(_smx_cmd() + ["--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "explain" in r.stdout and "demo" in r.stdout
+
+
+def test_cli_in_process(tmp_path, monkeypatch, capsys):
+    from smxcompile import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["explain", "--help"])
+    assert ei.value.code == 0 and "module:factory" in capsys.readouterr().out
+    assert cli.main([]) == 0  # no command: help
+    (tmp_path / "my_bad_models.py").write_text("def build_bad():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    capsys.readouterr()
+    assert cli.main(["explain", "my_bad_models:nope"]) == 2
+    assert "cannot load" in capsys.readouterr().err
+    assert cli.main(["explain", "my_bad_models:build_bad"]) == 2
+    assert "must return" in capsys.readouterr().err
+    assert cli.main(["explain", "no_colon_here"]) == 2
+    assert "module:factory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_explain_json_factory(tmp_path):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+
+        class Net(nn.Module):
+            def forward(self, x, mask=None):
+                p = F.softmax(x / 4.0 + mask, dim=-1)
+                return torch.log_softmax(p @ x.transpose(-1, -2), -1)
+
+
+        def build():
+            return Net(), (torch.randn(2, 5, 5),), {"mask": torch.zeros(5, 5)}
+    """))
+    r = subprocess.run(_smx_cmd() + ["explain", "my_models:build", "--json", "--options", '{"cpu": "rewrite"}'],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    d = json.loads(r.stdout[r.stdout.index("{"):])
+    kinds = [(s["kind"], s["action"]) for s in d["sites"]]
+    assert kinds == [("softmax", "rewritten"), ("log_softmax", "rewritten")], d
+    assert d["sites"][0]["location"].endswith("my_models.py:9")
+    assert "mask" in d["sites"][0]["detail"]
+    assert d["summary"] == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}
