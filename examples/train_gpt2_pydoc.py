@@ -15,7 +15,8 @@ import smxcompile
 
 SEQ_LEN, BATCH, STEPS = 128, 8, 20
 
-# 1. Real text and a BPE tokenizer trained on it.
+# 1. Real text and a BPE tokenizer trained on it (this text alone supports about 9K tokens;
+#    `smx demo` adds the standard library's docstrings to learn a 16K vocabulary).
 docs = [topics[k] for k in sorted(topics)]
 tokenizer = Tokenizer(models.BPE())
 tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -32,6 +33,7 @@ config = GPT2Config(vocab_size=tokenizer.get_vocab_size(), n_positions=SEQ_LEN, 
 config._attn_implementation = "eager"
 torch.manual_seed(0)
 model = GPT2LMHeadModel(config)
+model.loss_type = "ForCausalLM"  # otherwise transformers warns inside forward, which splits the compiled graph
 
 # 3. What will smx do with it?
 batch = windows[:BATCH]

@@ -64,6 +64,8 @@ def test_quick_demo_end_to_end(tmp_path):
         assert len(b["losses"]) == settings["steps"]
         assert all(abs(x - y) <= settings["tolerance"] * abs(y) for x, y in zip(b["losses"], results["backends"]["eager"]["losses"]))
     assert results["agreement"]["passed"]
+    for name in backends[1:]:  # step-1 gradients were compared, and agree
+        assert results["agreement"]["backends"][name]["grad_max_rel_err"] <= settings["grad_tolerance"]
     assert results["model"]["eager_attention_verified"]
     # training did something: same first loss everywhere, and it went down
     eager = results["backends"]["eager"]["losses"]
@@ -75,11 +77,17 @@ def test_quick_demo_end_to_end(tmp_path):
     assert (ckpt / "tokenizer.json").exists()
     trained = next(r.model for r in result.runs if r.name == results["checkpoint"]["backend"])
     assert results["checkpoint"]["backend"] == "smx"
-    loaded = GPT2LMHeadModel.from_pretrained(ckpt).eval()
     trained.eval()
     batch = result.eval_batch.cpu()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=batch).logits, trained(input_ids=batch).logits, rtol=0, atol=1e-5)
+        want = trained(input_ids=batch).logits
+        # same weights, same (eager) attention: the same logits
+        loaded = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="eager").eval()
+        torch.testing.assert_close(loaded(input_ids=batch).logits, want, rtol=0, atol=1e-6)
+        # transformers' default attention (SDPA) computes the same function
+        default = GPT2LMHeadModel.from_pretrained(ckpt).eval()
+        torch.testing.assert_close(default(input_ids=batch).logits, want, rtol=1e-4, atol=1e-4)
+    assert results["checkpoint"]["reload_max_abs_logit_diff"] <= 1e-6
     tok = PreTrainedTokenizerFast.from_pretrained(ckpt)
     assert tok.decode(tok("def f(x): return x")["input_ids"]) == "def f(x): return x"
 
@@ -89,3 +97,50 @@ def test_quick_demo_end_to_end(tmp_path):
     softmax_sites = [site for site in report["sites"] if site["kind"] == "softmax"]
     assert len(softmax_sites) >= settings["layers"], report
     assert all(site["action"] in ("rewritten", "kept", "skipped") for site in softmax_sites)
+
+
+def _register_test_backends() -> None:
+    """Two backends that must make the demo fail: one that crashes, one with a wrong softmax."""
+    import torch.nn.functional as F
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("this backend always fails")
+
+    def hot_softmax(gm, example_inputs):
+        # softmax(1.5 * x): a kernel that gets the scale wrong
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in (F.softmax, torch.softmax):
+                with gm.graph.inserting_before(node):
+                    scaled = gm.graph.call_function(torch.mul, (node.args[0], 1.5))
+                node.args = (scaled,) + tuple(node.args[1:])
+        gm.recompile()
+        return gm.forward
+
+    for name, fn in (("smx_demo_test_broken", broken), ("smx_demo_test_hot_softmax", hot_softmax)):
+        if name not in _COMPILER_FNS:
+            register_backend(compiler_fn=fn, name=name)
+
+
+@pytest.mark.parametrize("backend,why", [("smx_demo_test_broken", "failed"), ("smx_demo_test_hot_softmax", "step-1 gradient")])
+def test_demo_fails_on_a_wrong_backend(tmp_path, backend, why):
+    _register_test_backends()
+    args = _parser().parse_args(["--quick", "--steps", "4", "--backends", f"eager,{backend}", "--out", str(tmp_path),
+                                 "--device", "cpu"])
+    result = demo.run_demo(args)
+    assert result.exit_code == 1
+    verdict = result.results["agreement"]["backends"][backend]
+    assert not verdict["agrees"] and verdict["why"].startswith(why), verdict
+
+
+def test_unknown_backend_is_a_usage_error(tmp_path):
+    args = _parser().parse_args(["--quick", "--backends", "eager,no_such_backend", "--out", str(tmp_path)])
+    assert demo.run(args) == 2
+
+
+def test_peak_memory_sees_a_temporary_allocation():
+    with demo.PeakMemory("cpu") as mem:
+        x = torch.ones(16 * 2**20)  # 64 MiB, freed before the region ends
+        del x
+    assert mem.peak_bytes is not None and mem.method
+    assert mem.peak_bytes >= 48 * 2**20, (mem.peak_bytes, mem.method)

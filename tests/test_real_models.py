@@ -250,14 +250,22 @@ def compile_and_step(case: Case, options: dict | None) -> tuple[Any, smxcompile.
 
 
 @contextlib.contextmanager
-def count_smx_calls():
-    """Count the runtime calls of the smx ops' CPU implementations (forward and backward)."""
+def smx_cpu_kernel_spy(drop_mask: bool = False):
+    """Count the runtime calls of the smx ops' CPU implementations (forward and backward).
+
+    The compiled code calls ``smx::softmax`` as an opaque kernel whose body looks up
+    ``smxcompile.kernels.softmax._forward_impl`` / ``_backward_impl`` at call time, so wrapping
+    those sees exactly the calls the compiled step makes, without recompiling. (A
+    ``TorchDispatchMode`` does not: Dynamo does not run compiled code under an active mode.)
+    With ``drop_mask=True`` the forward ignores its additive mask: a deliberately wrong softmax
+    (attention leaks past the causal / padding mask), to check that the tolerances catch it.
+    """
     calls = {"forward": 0, "backward": 0}
     fwd, bwd = smx_kernels._forward_impl, smx_kernels._backward_impl
 
-    def f(*a, **k):
+    def f(x, dim, scale, softcap, mask, dtype, return_lse, log):
         calls["forward"] += 1
-        return fwd(*a, **k)
+        return fwd(x, dim, scale, softcap, None if drop_mask else mask, dtype, return_lse, log)
 
     def b(*a, **k):
         calls["backward"] += 1
@@ -268,21 +276,6 @@ def count_smx_calls():
         yield calls
     finally:
         smx_kernels._forward_impl, smx_kernels._backward_impl = fwd, bwd
-
-
-@contextlib.contextmanager
-def broken_kernel_ignoring_mask():
-    """A deliberately wrong smx kernel: the additive mask is dropped (attention leaks past it)."""
-    fwd = smx_kernels._forward_impl
-
-    def f(x, dim, scale, softcap, mask, dtype, return_lse, log):
-        return fwd(x, dim, scale, softcap, None, dtype, return_lse, log)
-
-    smx_kernels._forward_impl = f
-    try:
-        yield
-    finally:
-        smx_kernels._forward_impl = fwd
 
 
 # --------------------------------------------------------------------------- tests
@@ -332,7 +325,7 @@ def test_forced_rewrite_matches_eager(name):
     assert not mismatches(grads, ref_grads), mismatches(grads, ref_grads)
 
     # the compiled step really runs smx::softmax, once per layer forward and once per layer backward
-    with count_smx_calls() as calls:
+    with smx_cpu_kernel_spy() as calls:
         out2, grads2 = train_step(case, compiled)
     assert calls == {"forward": N_LAYERS, "backward": N_LAYERS}, calls
     assert not mismatches(out2, ref_out) and not mismatches(grads2, ref_grads)
@@ -340,8 +333,9 @@ def test_forced_rewrite_matches_eager(name):
     # the tolerance is tight enough to catch a wrong softmax: the same compiled code with a
     # kernel that drops the attention mask fails the comparison
     if case.has_mask:
-        with broken_kernel_ignoring_mask():
+        with smx_cpu_kernel_spy(drop_mask=True) as calls:
             bad_out, bad_grads = train_step(case, compiled)
+        assert calls["forward"] == N_LAYERS
         assert mismatches(bad_out, ref_out), "a softmax that ignores the mask went unnoticed"
         assert mismatches(bad_grads, ref_grads)
         assert global_rel_err(bad_grads, ref_grads) > 10 * RTOL
