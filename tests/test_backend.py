@@ -160,8 +160,27 @@ def test_training_default_cpu_policy_matches_eager():
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     (rep,) = _new_reports(before)
-    assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "rewritten")]
+    # short rows on CPU: Inductor's C++ is as fast, so both are kept, each with its reason
+    assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "kept")]
     assert rep.sites[0].reason.startswith("CPU: Inductor fuses")
+    assert rep.sites[1].reason.startswith("CPU: rows of 5 columns")
+
+
+@pytest.mark.parametrize("requires_grad,cols,action", [
+    (False, 16384, "rewritten"),   # inference softmax: ATen wins from 16K columns
+    (False, 8192, "kept"),
+    (True, 16384, "kept"),         # training: only from 128K columns
+    (True, 131072, "rewritten"),
+])
+def test_default_cpu_policy_row_length_thresholds(requires_grad, cols, action):
+    from smxcompile.passes.softmax import CPU_MIN_COLUMNS, CPU_MIN_COLUMNS_INFERENCE
+
+    assert (CPU_MIN_COLUMNS_INFERENCE, CPU_MIN_COLUMNS) == (16384, 131072)
+    x = torch.randn(2, cols, requires_grad=requires_grad)
+    rep = smxcompile.explain(lambda t: torch.softmax(t, -1), x)
+    assert [(s.kind, s.action) for s in rep] == [("softmax", action)], rep
+    if action == "kept":
+        assert f"rows of {cols} columns" in rep.sites[0].reason
 
 
 # --------------------------------------------------------------------------- options
@@ -448,7 +467,7 @@ def test_explain_function():
 
 
 def test_explain_default_options():
-    rep = smxcompile.explain(lambda x: (torch.softmax(x, -1), torch.softmax(x / 2.0, -1)), torch.randn(3, 4))
+    rep = smxcompile.explain(lambda x: (torch.softmax(x, -1), torch.softmax(x / 2.0, -1)), torch.randn(3, 16384))
     assert [s.action for s in rep] == ["rewritten", "kept"]
     assert "cpu='rewrite' forces it" in rep.sites[1].reason
     with pytest.raises(ValueError, match="known options"):

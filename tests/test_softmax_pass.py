@@ -896,11 +896,15 @@ return (matmul_1,)""")
         def fn(x):
             return torch.softmax(x, -1), torch.softmax(x * 2.0, 1)
 
-        r = rewrite(fn, x3(), options=None)
+        long_rows = torch.randn(2, 16384)  # inference rows long enough for ATen to beat Inductor
+        r = rewrite(fn, long_rows, options=None)
         plain, scaled = r.report.sites
         self.assertEqual(plain.action, "rewritten")
         self.assertEqual(scaled.action, "kept")
         self.assertIn("CPU: Inductor fuses", scaled.reason)
+        short = rewrite(fn, x3(), options=None).report.sites[0]
+        self.assertEqual(short.action, "kept")
+        self.assertIn("columns; Inductor's C++ softmax was measured as fast", short.reason)
 
     def test_cpu_keep(self):
         r = rewrite(lambda x: torch.softmax(x, -1), x3(), options={"cpu": "keep"})

@@ -499,6 +499,32 @@ def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] =
     return matches
 
 
+#: Shortest row (columns) from which ATen's CPU softmax, called through the op, beat Inductor's
+#: generated C++ (2 cores, docs/PERFORMANCE.md): inference softmax wins from 32K-column rows
+#: (0.76x at 64x32000), a training step (forward + backward) and log-softmax only at vocabulary
+#: sizes of 128K+ (0.62-0.80x at 8x262144); below that the op's fixed dispatch cost (~10 us)
+#: and the unfused backward make it as slow or slower.
+CPU_MIN_COLUMNS_INFERENCE = 16384
+CPU_MIN_COLUMNS = 131072
+
+
+def _cpu_row_too_short(m: SoftmaxMatch) -> str:
+    """Why a plain CPU site is kept (empty: rewrite it)."""
+    xv = tensor_val(m.x)
+    cols = xv.shape[m.dim] if xv.dim() else 1
+    if not isinstance(cols, int):
+        return "CPU: row length is symbolic (dynamic shapes); Inductor's C++ softmax is kept (options cpu='rewrite' forces it)"
+    inference = m.kind == "softmax" and not xv.requires_grad
+    need = CPU_MIN_COLUMNS_INFERENCE if inference else CPU_MIN_COLUMNS
+    if cols >= need:
+        return ""
+    return (
+        f"CPU: rows of {cols} columns; Inductor's C++ {m.kind} was measured as fast as smx's CPU path below "
+        f"{need} columns{' in inference' if inference else ' (training or log-softmax)'} "
+        "(docs/PERFORMANCE.md; options cpu='rewrite' forces it)"
+    )
+
+
 def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
     xv = tensor_val(m.x)
     m.device = xv.device.type
@@ -533,11 +559,16 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
     if m.device == "cpu":
         if options.cpu == "keep":
             m.action, m.reason = "kept", "options cpu='keep'"
-        elif options.cpu == "auto" and not _is_plain(m):
-            m.action, m.reason = "kept", (
-                "CPU: Inductor fuses the neighbouring ops into its C++ softmax loop, faster than an "
-                "unfused call (benchmarks/bench_softmax.py; options cpu='rewrite' forces it)"
-            )
+        elif options.cpu == "auto":
+            if not _is_plain(m):
+                m.action, m.reason = "kept", (
+                    "CPU: Inductor fuses the neighbouring ops into its C++ softmax loop, faster than an "
+                    "unfused call (benchmarks/bench_softmax.py; options cpu='rewrite' forces it)"
+                )
+            else:
+                why = _cpu_row_too_short(m)
+                if why:
+                    m.action, m.reason = "kept", why
         return
     if m.device != "cuda":
         m.action, m.reason = "kept", f"device '{m.device}' has no smx kernel"
