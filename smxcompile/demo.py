@@ -193,7 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(well under a minute per backend); explicit options still win")
     g.add_argument("--backends", default="eager,inductor,smx", metavar="LIST",
                    help="comma-separated torch.compile backends, run in this order; 'eager' means "
-                        "no compile and is the reference (default: eager,inductor,smx)")
+                        "no compile and is the reference; 'smx-rewrite' is smx with options "
+                        "{'cpu': 'rewrite', 'attention': True}, which rewrites every softmax to smx ops "
+                        "(default: eager,inductor,smx)")
     g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                    help=f"training steps per backend {d('steps')}")
     g.add_argument("--tolerance", type=_positive_float, default=DEFAULT_TOLERANCE, metavar="REL",
@@ -649,7 +651,11 @@ def train_backend(name: str, model, batches: list, s: Settings, device: str,
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     mem: PeakMemory | None = None
     try:
-        step_fn = model if name == "eager" else torch.compile(model, backend=name)
+        if name == "eager":
+            step_fn = model
+        else:
+            backend, options = BACKEND_VARIANTS.get(name, (name, None))
+            step_fn = torch.compile(model, backend=backend, options=options)
         with contextlib.ExitStack() as stack:
             for i, batch in enumerate(batches):
                 if i == 1:
@@ -1171,8 +1177,18 @@ def _run(s: Settings, console, t_start: float, torch) -> DemoResult:
     return DemoResult(0 if passed else 1, s, runs, results, report, eval_batch)
 
 
+#: Extra names ``--backends`` accepts: a backend with options.
+BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {
+    # every softmax rewritten to smx ops, attention and CPU included: shows the rewrite path training
+    "smx-rewrite": ("smx", {"cpu": "rewrite", "attention": True}),
+}
+
+
 def _backend_exists(name: str) -> bool:
     import torch
+
+    if name in BACKEND_VARIANTS:
+        return True
 
     try:
         torch._dynamo.lookup_backend(name)

@@ -552,8 +552,8 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         return
     if _is_attention(m) and not options.attention:
         m.action, m.reason = "kept", (
-            "attention softmax (score matmul -> softmax -> value matmul): owned by the attention rewrite, "
-            "not the standalone softmax; Inductor compiles it (options attention=True forces the softmax rewrite)"
+            "attention softmax (QK^T -> softmax -> V): left for the attention rewrite; "
+            "Inductor compiles it (options attention=True forces it)"
         )
         return
     if m.device == "cpu":
