@@ -687,6 +687,42 @@ return (getitem,)""")
         self.assertEqual(r.site.action, "skipped")
         self.assertEqual(r.site.reason, "intermediate 'e' is also used outside the softmax")
 
+    def test_in_place_op_on_the_input_inside_the_pattern(self):
+        # the op would sit at the softmax and read x after mul_: it must not be rewritten
+        def fn(x):
+            z = x * 2.0
+            x.mul_(3.0)
+            return torch.softmax(z, -1)
+
+        r = rewrite(fn, x3(), check_values=False)
+        self.assertUnchanged(r)
+        self.assertEqual(r.site.action, "skipped")
+        self.assertIn("in-place op 'mul_'", r.site.reason)
+        x = x3()
+        got = torch.compile(fn, backend="smx", options=REWRITE)(x.clone())
+        torch.testing.assert_close(got, fn(x.clone()))
+
+    def test_in_place_op_inside_hand_written_softmax(self):
+        def fn(x):
+            e = torch.exp(x - x.amax(-1, keepdim=True))
+            x.add_(1.0)
+            return e / e.sum(-1, keepdim=True)
+
+        r = rewrite(fn, x3(), check_values=False)
+        self.assertUnchanged(r)
+        self.assertIn("in-place op 'add_'", r.site.reason)
+
+    def test_in_place_op_outside_the_pattern_is_fine(self):
+        def fn(x):
+            x = x.clone()
+            x.add_(1.0)
+            y = torch.softmax(x * 2.0, -1)
+            y.mul_(2.0)
+            return y
+
+        r = rewrite(fn, x3())
+        self.assertEqual(r.site.action, "rewritten")
+
     def test_sum_used_elsewhere(self):
         def fn(x):
             e = torch.exp(x)

@@ -189,5 +189,23 @@ def depends_on_random(node: Node, depth: int = 64) -> bool:
     return False
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.imatmul,
+                      operator.setitem}
+
+
+def is_mutation(node: Node) -> bool:
+    """Whether ``node`` may write to a tensor in place (``x.add_()``, ``x += y``, ``x[i] = v``, ``out=``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
 def stack_trace(node: Node) -> str | None:
     return node.meta.get("stack_trace")

@@ -33,6 +33,7 @@ from .graph_utils import (
     canon,
     cast_dtype,
     depends_on_random,
+    is_mutation,
     is_number,
     norm_dim,
     single_user,
@@ -525,6 +526,23 @@ def _cpu_row_too_short(m: SoftmaxMatch) -> str:
     )
 
 
+def _mutation_inside(m: SoftmaxMatch) -> Node | None:
+    """An in-place op (``add_``, ``+=``, ``out=``...) between the pattern's first node and its anchor.
+
+    The op replacing the pattern sits where the anchor was and reads ``x`` and ``mask`` there; the
+    original read them at its first node. A mutation in between (of ``x``, the mask, or a view of
+    either: FX has no alias information here, so any mutation counts) could change what is read.
+    """
+    pattern = set(m.dead) | {m.anchor}
+    first = next(n for n in m.anchor.graph.nodes if n in pattern)
+    n = first
+    while n is not m.anchor:
+        if n not in pattern and is_mutation(n):
+            return n
+        n = n.next
+    return None
+
+
 def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
     xv = tensor_val(m.x)
     m.device = xv.device.type
@@ -544,6 +562,13 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
             m.action, m.reason = "skipped", f"intermediate '{n.name}' is also used outside the softmax"
             return
     _absorb_neighbours(m)
+    mutated = _mutation_inside(m)
+    if mutated is not None:
+        m.action, m.reason = "skipped", (
+            f"in-place op '{mutated.name}' runs between the softmax's first input read and its output; "
+            "the fused op reads its inputs once, later"
+        )
+        return
     if not options.enabled(m.kind):
         m.action, m.reason = "kept", f"rewrite kind '{m.kind}' disabled by options"
         return
