@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH_CPU_WHEEL_VERSION = 2.13.0
+# Where pip finds the CPU build of torch. Empty: pip's configured indexes (on this project's
+# machines that is the CPU wheel on local disk). Elsewhere, point it at PyTorch's CPU wheel index,
+# e.g. make test TORCH_INDEX=<cpu wheel index URL>, or plain PyPI gives the (larger) CUDA build.
+TORCH_INDEX ?=
 
 .PHONY: setup demo test bench clean
 
@@ -14,7 +18,7 @@ setup: $(VENV)/.smx-installed
 # and pyproject.toml's torch range is then already satisfied.
 $(VENV)/.smx-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_CPU_WHEEL_VERSION)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_CPU_WHEEL_VERSION)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

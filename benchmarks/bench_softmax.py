@@ -51,7 +51,9 @@ import torch.utils.benchmark as tbench
 #: name -> (rows, cols, what it stands for)
 SHAPES: dict[str, tuple[int, int, str]] = {
     "4096x1024": (4096, 1024, "generic"),
+    "256x16384": (256, 16384, "16K rows: the CPU policy's inference threshold"),
     "64x32000": (64, 32000, "vocab rows"),
+    "16x131072": (16, 131072, "128K rows: the CPU policy's training threshold"),
     "8x262144": (8, 262144, "vocab rows, 256K"),
     "12288x256": (12 * 4 * 256, 256, "attention 12 heads x 4 seqs x 256 q, 256 k"),
 }

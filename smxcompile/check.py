@@ -42,9 +42,15 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], planned
     with the original subgraph's output (``torch.allclose`` with the options' tolerances, fp32;
     NaNs must sit in the same places).
     """
+    from .passes.framework import subgraphs
     from .passes.softmax import find_softmax_sites
 
-    matches = {m.anchor.name: m for m in find_softmax_sites(gm.graph, options) if m.action == "rewritten"}
+    matches = {m.key: m for m in find_softmax_sites(gm.graph, options) if m.action == "rewritten"}
+    # sites inside higher-order-op bodies (checkpoint, cond) cannot be captured by the interpreter: keep them
+    unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:]
+                    for m in find_softmax_sites(g, options, prefix=prefix) if m.action == "rewritten"}
+    if unverifiable:
+        log.warning("smx check: %d site(s) inside subgraphs cannot be checked; they are kept", len(unverifiable))
     wanted = set(matches)
     for m in matches.values():
         wanted.add(m.x.name)
@@ -54,11 +60,11 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], planned
         values = _capture(gm, example_inputs, wanted)
     except Exception as e:  # the graph could not run eagerly here: keep every site, say why
         log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
-        return frozenset(matches)
+        return frozenset(matches) | unverifiable
     if values is None:
         log.warning("smx check: example inputs are not real tensors; sites are kept")
-        return frozenset(matches)
-    bad = set()
+        return frozenset(matches) | unverifiable
+    bad = set(unverifiable)
     for name, m in matches.items():
         x = values[m.x.name]
         if m.pre_cast is not None:

@@ -27,13 +27,25 @@ def _explain_cmd(args: argparse.Namespace) -> int:
             print(f"smx explain: expected 'module:factory', got {args.target!r}", file=sys.stderr)
             return 2
         mod_name, fn_name = args.target.split(":", 1)
+        if not mod_name or not fn_name:
+            print(f"smx explain: expected 'module:factory', got {args.target!r}", file=sys.stderr)
+            return 2
         sys.path.insert(0, ".")
         try:
             factory = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError) as e:
             print(f"smx explain: cannot load {args.target!r}: {e}", file=sys.stderr)
             return 2
-        built = factory()
+        if not callable(factory):
+            print(f"smx explain: {args.target!r} is not callable (a factory returning (model, args) is needed)",
+                  file=sys.stderr)
+            return 2
+        try:
+            built = factory()
+        except TypeError as e:
+            print(f"smx explain: calling {args.target}() failed: {e} (the factory must take no arguments)",
+                  file=sys.stderr)
+            return 2
         if not isinstance(built, tuple) or len(built) not in (2, 3):
             print("smx explain: the factory must return (model, args) or (model, args, kwargs)", file=sys.stderr)
             return 2
@@ -45,7 +57,16 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         from smxcompile.demo import demo_model_and_inputs
 
         model, fargs, fkwargs = demo_model_and_inputs()
-    options = json.loads(args.options) if args.options else None
+    try:
+        options = json.loads(args.options) if args.options else None
+        smxcompile.SmxOptions.from_mapping(options)
+    except json.JSONDecodeError as e:
+        print(f"smx explain: --options is not valid JSON ({e}); example: --options '{{\"cpu\": \"rewrite\"}}'",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"smx explain: {e}", file=sys.stderr)
+        return 2
     report = smxcompile.explain(model, *fargs, options=options, **fkwargs)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

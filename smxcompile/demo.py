@@ -1026,7 +1026,7 @@ def _run(s: Settings, console, t_start: float, torch) -> DemoResult:
     unknown = [b for b in s.backends if b != "eager" and not _backend_exists(b)]
     if unknown:
         console.print(f"[red]smx demo: unknown backend(s) {unknown}; available: eager, "
-                      f"{', '.join(sorted(torch._dynamo.list_backends()))}[/]")
+                      f"{', '.join(sorted([*torch._dynamo.list_backends(), *BACKEND_VARIANTS]))}[/]")
         return DemoResult(2, s, [], {})
     command = reproduce_command(s)
     console.rule("[bold]smx demo")

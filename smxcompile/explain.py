@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from .options import SmxOptions
-from .passes import analyze
 from .report import Report
 
 
 def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) -> Report:
     """Trace ``model(*args, **kwargs)`` the way the ``smx`` backend does and list every candidate site.
 
+    The model runs once (under ``torch.no_grad``) through Dynamo, as ``torch.compile`` would run
+    it, but nothing is compiled, and the model's buffers (e.g. BatchNorm statistics) and the
+    random-number generators are restored afterwards, so calling ``explain`` before training
+    changes nothing. Like ``torch._dynamo.explain`` it resets Dynamo first: functions compiled
+    earlier recompile on their next call.
+
     Args:
         model: an ``nn.Module`` or a function.
         *args, **kwargs: example inputs for one forward call (tensors of the real shapes,
             dtypes and device: the decisions depend on them).
-        options: the backend options (same dict as ``torch.compile(..., options=...)``).
+        options: the backend options (same dict as ``torch.compile(..., options=...)``), including
+            ``check``. Keyword-only: a model argument named ``options`` cannot be passed through.
 
     Returns:
         A :class:`smxcompile.Report`: one :class:`smxcompile.report.Site` per candidate with
@@ -28,21 +35,44 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     Raises:
         ValueError: unknown options. Errors raised by the model itself propagate.
     """
+    from .backends.smx import plan
+
     opts = SmxOptions.from_mapping(options)
     report = Report()
     count = [0]
 
     def collect(gm: torch.fx.GraphModule, example_inputs):
-        sub = analyze(gm.graph, opts, f"g{count[0]}")
+        sub, _ = plan(gm, example_inputs, opts, f"g{count[0]}")
         count[0] += 1
         report.extend(sub)
         return gm.forward
 
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend=collect, dynamic=False)
-    with torch.no_grad():
-        compiled(*args, **kwargs)
+    try:
+        with torch.no_grad(), _restore_state(model):
+            compiled(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()  # explain's own cache entries must not count against the user's recompile limit
     if count[0] == 0:
         report.notes.append("Dynamo produced no graph (nothing to compile, or the call was skipped)")
     elif count[0] > 1:
         report.notes.append(f"{count[0]} graphs: Dynamo split the model at graph breaks")
     return report
+
+
+@contextlib.contextmanager
+def _restore_state(model: Any) -> Iterator[None]:
+    """Put back the module's buffers and every RNG state after the traced call."""
+    buffers = []
+    if isinstance(model, torch.nn.Module):
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    if b.shape == saved.shape:
+                        b.copy_(saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Mapping
 
 #: Every rewrite kind smxcompile knows, by name. Each can be switched off with
@@ -63,7 +64,18 @@ class SmxOptions:
                 f"unknown smx option(s) {unknown}; known options: {sorted(known)} "
                 f"(rewrite kinds can be switched off with {{'<kind>': False}} or {{'disable': [...]}})"
             )
-        disable = set(options.get("disable", ()))
+        raw_disable = options.get("disable", ())
+        if isinstance(raw_disable, str) or not all(isinstance(k, str) for k in raw_disable):
+            raise ValueError(f"smx option 'disable' must be a list of rewrite kinds, got {raw_disable!r}")
+        disable = set(raw_disable)
+        for key in ("check", "attention"):
+            if key in options and not isinstance(options[key], bool):
+                raise ValueError(f"smx option {key!r} must be True or False, got {options[key]!r}")
+        for key in ("check_rtol", "check_atol"):
+            if key in options:
+                v = options[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"smx option {key!r} must be a finite number >= 0, got {v!r}")
         for kind in REWRITE_KINDS:
             if kind in options:
                 if not isinstance(options[kind], bool):

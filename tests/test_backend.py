@@ -560,3 +560,124 @@ def test_cli_explain_json_factory(tmp_path):
     assert d["sites"][0]["location"].endswith("my_models.py:9")
     assert "mask" in d["sites"][0]["detail"]
     assert d["summary"] == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}
+
+
+# --------------------------------------------------------------------------- found by a new user's trial
+
+
+class _BNSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.softmax(self.bn(F.dropout(x, 0.5, training=True)), -1)  # dropout draws random numbers
+
+
+def test_explain_leaves_buffers_and_rng_alone_and_survives_many_calls():
+    model = _BNSoftmax()
+    x = torch.randn(4, 8)
+    torch.manual_seed(123)
+    want_rng = torch.rand(3)
+    torch.manual_seed(123)
+    for _ in range(10):  # more than Dynamo's recompile limit (8): explain must not run out of it
+        rep = smxcompile.explain(_BNSoftmax(), x, options=REWRITE)
+        assert rep.summary() == {"softmax": {"rewritten": 1}}, str(rep)
+    rep = smxcompile.explain(model, x, options=REWRITE)
+    assert rep.count(action="rewritten") == 1
+    assert model.bn.num_batches_tracked.item() == 0
+    assert model.bn.running_mean.abs().sum().item() == 0.0
+    assert torch.equal(torch.rand(3), want_rng)  # the global RNG did not advance
+
+
+def test_explain_honours_check(monkeypatch):
+    kernels = sys.modules["smxcompile.kernels.softmax"]
+    real = kernels._forward_impl
+
+    def wrong(x, dim, scale, softcap, mask, dtype, return_lse, log):
+        y, lse = real(x, dim, scale, softcap, mask, dtype, return_lse, log)
+        return y + 0.25, lse
+
+    monkeypatch.setattr(kernels, "_forward_impl", wrong)
+    rep = smxcompile.explain(lambda x: torch.softmax(x, -1), torch.randn(3, 5), options={"check": True, **REWRITE})
+    assert [(s.action, s.reason[:12]) for s in rep] == [("kept", "check failed")]
+
+
+def test_softmax_inside_activation_checkpoint_is_listed_and_rewritten():
+    import torch.utils.checkpoint as cp
+
+    def f(x):
+        return cp.checkpoint(lambda t: torch.softmax(t * 2.0, -1).sum(), x, use_reentrant=False)
+
+    x = torch.randn(3, 40, requires_grad=True)
+    rep = smxcompile.explain(f, x, options=REWRITE)
+    assert [(s.kind, s.action) for s in rep] == [("softmax", "rewritten")]
+    assert rep.sites[0].node.endswith("/softmax")  # keyed by its subgraph
+    torch._dynamo.reset()
+    before = _n_reports()
+    y = torch.compile(f, backend="smx", options=REWRITE)(x)
+    (g,) = torch.autograd.grad(y, x)
+    (rep,) = _new_reports(before)
+    assert rep.count(action="rewritten") == 1
+    x2 = x.detach().requires_grad_()
+    (g_ref,) = torch.autograd.grad(f(x2), x2)
+    torch.testing.assert_close(g, g_ref)
+
+
+def test_torch_func_transforms_are_skipped_not_crashed():
+    def loss(x):
+        return torch.log_softmax(x, -1).sum()
+
+    x = torch.randn(2, 3, 20)
+    torch._dynamo.reset()
+    before = _n_reports()
+    got = torch.compile(torch.vmap(torch.func.grad(loss)), backend="smx", options=REWRITE)(x)
+    torch.testing.assert_close(got, torch.vmap(torch.func.grad(loss))(x))
+    reps = _new_reports(before)
+    sites = [s for r in reps for s in r]
+    assert sites and all(s.action == "skipped" and "torch.func transform" in s.reason for s in sites)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"attention": "false"}, "'attention' must be True or False"),
+    ({"check": 1}, "'check' must be True or False"),
+    ({"check_rtol": -1}, "'check_rtol' must be a finite number"),
+    ({"check_atol": float("nan")}, "'check_atol' must be a finite number"),
+    ({"disable": "softmax"}, "'disable' must be a list"),
+])
+def test_option_values_are_validated(options, match):
+    with pytest.raises(ValueError, match=match):
+        SmxOptions.from_mapping(options)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"dim": None}, TypeError, "dim must be an int"),
+    ({"dim": (0, 1)}, TypeError, "dim must be an int"),
+    ({"mask": [[0.0]]}, TypeError, "mask must be a Tensor"),
+    ({"mask": torch.zeros(5, dtype=torch.int64)}, TypeError, "mask must be a floating-point"),
+    ({"scale": "2"}, TypeError, "scale must be a real number"),
+    ({"softcap": 0.0}, ValueError, "softcap must be > 0"),
+])
+def test_public_op_argument_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        smxcompile.softmax(torch.randn(3, 5), **{"dim": -1, **kwargs})
+
+
+def test_public_op_int_input_with_dtype_follows_torch():
+    x = torch.arange(6).reshape(2, 3)
+    torch.testing.assert_close(smxcompile.softmax(x, -1, dtype=torch.float32), torch.softmax(x, -1, dtype=torch.float32))
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        smxcompile.softmax(x, -1)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["explain", ":build"], "expected 'module:factory'"),
+    (["explain", "os:sep"], "is not callable"),
+    (["explain", "json:dumps"], "the factory must take no arguments"),
+    (["explain", "--options", "notjson", "json:loads"], "failed"),
+])
+def test_cli_errors_are_messages_not_tracebacks(argv, msg, capsys):
+    from smxcompile import cli
+
+    assert cli.main(argv) == 2
+    assert msg in capsys.readouterr().err

@@ -45,6 +45,17 @@ def smx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
                     kwargs["mode"])
     opts = SmxOptions.from_mapping(options)
     tag = f"g{next(_graph_ids)}"
+    planned, skip = plan(gm, example_inputs, opts, tag)
+    compiled_reports.append(planned)
+    _log_report(planned)
+    smx_pass = SmxPass(opts, tag, skip)
+    patches = dict(opts.inductor)
+    patches["pre_grad_custom_pass"] = smx_pass
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def plan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: SmxOptions, tag: str) -> tuple[Report, frozenset[str]]:
+    """What the passes will do to ``gm``: the report, and the keys of sites the ``check`` option rejected."""
     skip: frozenset[str] = frozenset()
     planned = analyze(gm.graph, opts, tag)
     if opts.check and planned.count(action="rewritten"):
@@ -56,12 +67,7 @@ def smx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     dyn = _dynamic_note(example_inputs)
     if dyn:
         planned.notes.append(dyn)
-    compiled_reports.append(planned)
-    _log_report(planned)
-    smx_pass = SmxPass(opts, tag, skip)
-    patches = dict(opts.inductor)
-    patches["pre_grad_custom_pass"] = smx_pass
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return planned, skip
 
 
 def _dynamic_note(example_inputs: Sequence[Any]) -> str:

@@ -165,25 +165,42 @@ _softmax_op = _define("softmax", log=False)
 _log_softmax_op = _define("log_softmax", log=True)
 
 
-def _check_args(x, dim, dtype, mask):
+def _check_args(x, dim, dtype, mask, scale, softcap):
+    """Validate the public functions' arguments; returns ``x`` (cast to ``dtype`` for int inputs, as torch does)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"softmax needs a floating-point tensor, got {x.dtype}")
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+    if x.dtype not in _FLOAT_DTYPES:
+        if dtype is None:
+            raise TypeError(f"softmax needs a floating-point tensor (or dtype=...), got {x.dtype}")
+        x = x.to(dtype)  # torch.softmax(int_tensor, dim, dtype=float) casts first
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {dim!r}")
     nd = max(x.dim(), 1)
     if not -nd <= dim < nd:
         raise IndexError(f"Dimension out of range (expected to be in range of [{-nd}, {nd - 1}], but got {dim})")
+    for name, v in (("scale", scale), ("softcap", softcap)):
+        if v is None and name == "softcap":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise TypeError(f"{name} must be a real number, got {v!r}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0, got {softcap!r}")
     if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a Tensor or None, got {type(mask).__name__}")
         try:
-            torch.broadcast_shapes(mask.shape, x.shape)
+            shape = torch.broadcast_shapes(mask.shape, x.shape)
         except RuntimeError as e:
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x {tuple(x.shape)}") from e
-        if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
+        if shape != x.shape:
             raise ValueError(f"mask of shape {tuple(mask.shape)} would broadcast x {tuple(x.shape)} to a larger shape")
         if mask.dtype == torch.bool:
             raise TypeError("mask must be additive (float, -inf where masked), not bool; use torch.where first")
+        if not mask.dtype.is_floating_point:
+            raise TypeError(f"mask must be a floating-point tensor, got {mask.dtype}")
+    return x
 
 
 def softmax(
@@ -213,14 +230,15 @@ def softmax(
         A row whose entries are all ``-inf`` gives NaN, as in torch.
 
     Raises:
-        TypeError: non-float ``x``/``dtype`` or a bool mask.
+        TypeError: non-float ``x`` without ``dtype``, a non-float ``dtype``, a non-int ``dim``,
+            a non-number ``scale``/``softcap``, a mask that is not a float tensor.
         IndexError: ``dim`` out of range.
-        ValueError: a mask that does not broadcast to ``x``.
+        ValueError: a mask that does not broadcast to ``x``, ``softcap <= 0``.
 
     Source: online softmax, Milakov & Gimelshein, "Online normalizer calculation
     for softmax" (2018), on CUDA; ATen's kernels on CPU.
     """
-    _check_args(x, dim, dtype, mask)
+    x = _check_args(x, dim, dtype, mask, scale, softcap)
     y, lse = _softmax_op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
     return (y, lse) if return_lse else y
 
@@ -240,6 +258,6 @@ def log_softmax(
     Returns ``z - logsumexp(z, dim)`` with the same shapes, dtypes, errors and
     source as :func:`softmax`.
     """
-    _check_args(x, dim, dtype, mask)
+    x = _check_args(x, dim, dtype, mask, scale, softcap)
     y, lse = _log_softmax_op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
     return (y, lse) if return_lse else y

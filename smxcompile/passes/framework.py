@@ -15,6 +15,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import torch
+import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
@@ -40,9 +42,23 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+def subgraphs(graph: Graph) -> list[tuple[str, Graph, torch.fx.GraphModule | None]]:
+    """``graph`` and the graphs of its higher-order-op bodies (``torch.utils.checkpoint``, ``cond``...),
+    as ``(prefix, graph, owning GraphModule)``; prefix is ``""`` for ``graph`` itself."""
+    out: list[tuple[str, Graph, torch.fx.GraphModule | None]] = [("", graph, None)]
+    owner = graph.owning_module
+    if owner is None:
+        return out
+    for name, mod in owner.named_modules():
+        if name and isinstance(mod, torch.fx.GraphModule):
+            out.append((name + "/", mod.graph, mod))
+    return out
+
+
 def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: frozenset[str] = frozenset()) -> Report:
-    """Every candidate site of ``graph`` and what the passes would do; does not change the graph."""
-    return Report([m.to_site(graph_tag) for m in find_softmax_sites(graph, options, skip)])
+    """Every candidate site of ``graph`` (and its subgraphs) and what the passes would do; does not change it."""
+    return Report([m.to_site(graph_tag) for prefix, g, _ in subgraphs(graph)
+                   for m in find_softmax_sites(g, options, skip, prefix)])
 
 
 class SmxPass(CustomGraphPass):
@@ -63,7 +79,13 @@ class SmxPass(CustomGraphPass):
         self.report = report if report is not None else Report()
 
     def __call__(self, graph: Graph) -> None:
-        first = find_softmax_sites(graph, self.options, self.skip)
+        for prefix, g, owner in subgraphs(graph):
+            if self._rewrite(g, prefix) and owner is not None:
+                owner.recompile()
+
+    def _rewrite(self, graph: Graph, prefix: str) -> bool:
+        """Rewrite every site of one graph; True if anything changed."""
+        first = find_softmax_sites(graph, self.options, self.skip, prefix)
         outcome: dict[str, Site] = {}
         matches = first
         # Rewrite every match whose nodes no other chosen match touches, then look again: nested
@@ -78,14 +100,16 @@ class SmxPass(CustomGraphPass):
                 if touched & taken:
                     continue
                 taken |= touched
-                outcome[m.anchor.name] = m.to_site(self.graph_tag)
+                outcome[m.key] = m.to_site(self.graph_tag)
                 rewrite_softmax(graph, m)
             graph.lint()
-            matches = find_softmax_sites(graph, self.options, self.skip)
+            matches = find_softmax_sites(graph, self.options, self.skip, prefix)
         for m in matches:
-            outcome.setdefault(m.anchor.name, m.to_site(self.graph_tag))
-        order = [m.anchor.name for m in first] + [n for n in outcome if n not in {m.anchor.name for m in first}]
-        self.report.sites.extend(outcome[n] for n in order if n in outcome)
+            outcome.setdefault(m.key, m.to_site(self.graph_tag))
+        first_keys = [m.key for m in first]
+        order = first_keys + [k for k in outcome if k not in set(first_keys)]
+        self.report.sites.extend(outcome[k] for k in order if k in outcome)
+        return any(s.action == "rewritten" for s in outcome.values())
 
     def uuid(self) -> str:
         h = hashlib.sha256()
@@ -95,4 +119,4 @@ class SmxPass(CustomGraphPass):
         return h.hexdigest()
 
 
-__all__ = ["SmxPass", "analyze", "source_hash", "Site"]
+__all__ = ["SmxPass", "analyze", "source_hash", "subgraphs", "Site"]

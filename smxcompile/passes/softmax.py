@@ -62,6 +62,12 @@ class SoftmaxMatch:
     action: str = "rewritten"
     reason: str = ""
     device: str = "?"
+    prefix: str = ""                      # "wrap_body_0/" for a site inside a subgraph
+
+    @property
+    def key(self) -> str:
+        """Unique name of the site across a graph and its subgraphs (``check`` and ``skip`` use it)."""
+        return self.prefix + self.anchor.name
 
     def detail(self) -> str:
         parts = [self.spelling, f"dim={self.dim}"]
@@ -77,7 +83,7 @@ class SoftmaxMatch:
             op=f"smx::{self.kind}" if self.action == "rewritten" else "",
             detail=self.detail(),
             graph=graph_tag,
-            node=self.anchor.name,
+            node=self.key,
         )
 
 
@@ -478,11 +484,14 @@ def _is_plain(m: SoftmaxMatch) -> bool:
     return c is None or c[0] not in _POINTWISE_NAMES
 
 
-def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset()) -> list[SoftmaxMatch]:
+def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),
+                       prefix: str = "") -> list[SoftmaxMatch]:
     """Every softmax / log-softmax site of ``graph``, each with the action the backend will take.
 
-    Pure analysis: the graph is not changed.
+    Pure analysis: the graph is not changed. ``prefix`` names the subgraph (``"wrap_body_0/"``)
+    in each match's ``key``; ``skip`` holds keys of sites to keep.
     """
+    functorch = _functorch_op(graph)
     matches: list[SoftmaxMatch] = []
     claimed: set[Node] = set()
     for node in reversed(list(graph.nodes)):  # outermost patterns first (log(softmax) before softmax)
@@ -493,7 +502,12 @@ def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] =
             continue
         claimed.update(m.dead)
         claimed.add(m.anchor)
-        if m.action == "rewritten":
+        m.prefix = prefix
+        if m.action == "rewritten" and functorch is not None:
+            m.action, m.reason = "skipped", (
+                f"the graph runs a torch.func transform ('{functorch}'); smx ops have no functorch rules yet"
+            )
+        elif m.action == "rewritten":
             _decide(m, options, skip)
         matches.append(m)
     matches.reverse()
@@ -524,6 +538,17 @@ def _cpu_row_too_short(m: SoftmaxMatch) -> str:
         f"{need} columns{' in inference' if inference else ' (training or log-softmax)'} "
         "(docs/PERFORMANCE.md; options cpu='rewrite' forces it)"
     )
+
+
+def _functorch_op(graph: Graph) -> str | None:
+    """The first torch.func (functorch) transform op of ``graph`` (grad / vmap / jvp nesting), if any."""
+    for n in graph.nodes:
+        if n.op == "call_function":
+            mod = getattr(n.target, "__module__", "") or ""
+            name = getattr(n.target, "__name__", "")
+            if "functorch" in mod or name.endswith("_increment_nesting") or name in ("_wrap_for_grad", "_add_batch_dim"):
+                return name or str(n.target)
+    return None
 
 
 def _mutation_inside(m: SoftmaxMatch) -> Node | None:
@@ -572,8 +597,10 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
     if not options.enabled(m.kind):
         m.action, m.reason = "kept", f"rewrite kind '{m.kind}' disabled by options"
         return
-    if m.anchor.name in skip:
-        m.action, m.reason = "kept", "check failed: the rewrite disagreed with eager on the example inputs"
+    if m.key in skip:
+        m.action, m.reason = "kept", (
+            "check failed: the rewrite disagreed with eager on the example inputs (or could not be run on them)"
+        )
         return
     if _is_attention(m) and not options.attention:
         m.action, m.reason = "kept", (
