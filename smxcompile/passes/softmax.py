@@ -515,10 +515,10 @@ def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] =
 
 
 #: Shortest row (columns) from which ATen's CPU softmax, called through the op, beat Inductor's
-#: generated C++ (2 cores, docs/PERFORMANCE.md): inference softmax wins from 32K-column rows
-#: (0.76x at 64x32000), a training step (forward + backward) and log-softmax only at vocabulary
-#: sizes of 128K+ (0.62-0.80x at 8x262144); below that the op's fixed dispatch cost (~10 us)
-#: and the unfused backward make it as slow or slower.
+#: generated C++ (2 cores, docs/PERFORMANCE.md): an inference softmax wins from 16K-column rows
+#: (0.78x at 256x16384, 0.87x at 64x32000); a training step (forward + backward) and log-softmax
+#: only from 128K columns (0.58-0.88x at 16x131072 and 8x262144); below that the op's fixed
+#: dispatch cost (~10 us) and the unfused backward make it as slow or slower.
 CPU_MIN_COLUMNS_INFERENCE = 16384
 CPU_MIN_COLUMNS = 131072
 
