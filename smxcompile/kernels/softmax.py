@@ -203,6 +203,13 @@ def _check_args(x, dim, dtype, mask, scale, softcap):
     return x
 
 
+def _call(op, x, dim, scale, softcap, mask, dtype, return_lse):
+    """Validate the public arguments, run ``op``, drop ``lse`` unless asked for."""
+    x = _check_args(x, dim, dtype, mask, scale, softcap)
+    y, lse = op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
+    return (y, lse) if return_lse else y
+
+
 def softmax(
     x: torch.Tensor,
     dim: int = -1,
@@ -238,9 +245,7 @@ def softmax(
     Source: online softmax, Milakov & Gimelshein, "Online normalizer calculation
     for softmax" (2018), on CUDA; ATen's kernels on CPU.
     """
-    x = _check_args(x, dim, dtype, mask, scale, softcap)
-    y, lse = _softmax_op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
-    return (y, lse) if return_lse else y
+    return _call(_softmax_op, x, dim, scale, softcap, mask, dtype, return_lse)
 
 
 def log_softmax(
@@ -258,6 +263,4 @@ def log_softmax(
     Returns ``z - logsumexp(z, dim)`` with the same shapes, dtypes, errors and
     source as :func:`softmax`.
     """
-    x = _check_args(x, dim, dtype, mask, scale, softcap)
-    y, lse = _log_softmax_op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
-    return (y, lse) if return_lse else y
+    return _call(_log_softmax_op, x, dim, scale, softcap, mask, dtype, return_lse)
