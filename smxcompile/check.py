@@ -9,7 +9,6 @@ import torch
 import torch.fx
 
 from .options import SmxOptions
-from .report import Report
 
 log = logging.getLogger("smxcompile")
 
@@ -35,7 +34,7 @@ def _capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], wanted: se
     return values
 
 
-def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], planned: Report, options: SmxOptions) -> frozenset[str]:
+def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SmxOptions) -> frozenset[str]:
     """Names of anchor nodes whose rewrite disagrees with eager on ``example_inputs``.
 
     Each rewritten site is re-run through its smx op on the captured input values and compared

@@ -125,42 +125,33 @@ def _train(model, steps, x, y):
     return torch.stack(losses), grads
 
 
-def test_training_matches_eager():
-    torch.manual_seed(0)
-    eager = TinyClassifier()
-    compiled_model = TinyClassifier()
-    compiled_model.load_state_dict(eager.state_dict())
-    x, y = torch.randn(4, 6, 8), torch.randint(0, 5, (4,))
-    torch._dynamo.reset()
-    before = _n_reports()
-    compiled = torch.compile(compiled_model, backend="smx", options=REWRITE)
-    l_c, g_c = _train(compiled, 3, x, y)
-    l_e, g_e = _train(eager, 3, x, y)
-    torch.testing.assert_close(l_c, l_e, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g_c, g_e):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    reps = _new_reports(before)
-    assert len(reps) == 1  # one graph, compiled once (forward + backward through AOTAutograd)
-    assert [(s.kind, s.action) for s in reps[0]] == [("softmax", "rewritten"), ("log_softmax", "rewritten")]
-    assert "scale=0.5" in reps[0].sites[0].detail
-
-
-def test_training_default_cpu_policy_matches_eager():
-    # cpu="auto": the plain log-softmax is rewritten, the scaled softmax kept for Inductor
-    torch.manual_seed(1)
+def _train_compiled_and_eager(seed, steps, options):
+    """Train two identical TinyClassifiers, one compiled with smx; assert they agree; return the reports."""
+    torch.manual_seed(seed)
     eager = TinyClassifier()
     model = TinyClassifier()
     model.load_state_dict(eager.state_dict())
     x, y = torch.randn(4, 6, 8), torch.randint(0, 5, (4,))
     torch._dynamo.reset()
     before = _n_reports()
-    l_c, g_c = _train(torch.compile(model, backend="smx"), 2, x, y)
-    l_e, g_e = _train(eager, 2, x, y)
+    l_c, g_c = _train(torch.compile(model, backend="smx", options=options), steps, x, y)
+    l_e, g_e = _train(eager, steps, x, y)
     torch.testing.assert_close(l_c, l_e, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    (rep,) = _new_reports(before)
-    # short rows on CPU: Inductor's C++ is as fast, so both are kept, each with its reason
+    return _new_reports(before)
+
+
+def test_training_matches_eager():
+    reps = _train_compiled_and_eager(0, 3, REWRITE)
+    assert len(reps) == 1  # one graph, compiled once (forward + backward through AOTAutograd)
+    assert [(s.kind, s.action) for s in reps[0]] == [("softmax", "rewritten"), ("log_softmax", "rewritten")]
+    assert "scale=0.5" in reps[0].sites[0].detail
+
+
+def test_training_default_cpu_policy_matches_eager():
+    # cpu="auto" on short rows: both sites are kept for Inductor, which still trains like eager
+    (rep,) = _train_compiled_and_eager(1, 2, None)
     assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "kept")]
     assert rep.sites[0].reason.startswith("CPU: Inductor fuses")
     assert rep.sites[1].reason.startswith("CPU: rows of 5 columns")

@@ -61,7 +61,7 @@ def plan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: SmxOptio
     if opts.check and planned.count(action="rewritten"):
         from ..check import check_sites
 
-        skip = check_sites(gm, example_inputs, planned, opts)
+        skip = check_sites(gm, example_inputs, opts)
         if skip:
             planned = analyze(gm.graph, opts, tag, skip)
     dyn = _dynamic_note(example_inputs)

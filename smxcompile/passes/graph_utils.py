@@ -13,7 +13,7 @@ _MISSING = object()
 
 # canonical name -> (function targets, method name, positional parameter names)
 _SPECS: dict[str, tuple[tuple[Any, ...], str | None, tuple[str, ...]]] = {
-    "softmax": ((F.softmax, torch.softmax, torch.special.softmax, torch._C._nn.softmax if hasattr(torch._C._nn, "softmax") else F.softmax), "softmax", ("input", "dim", "_stacklevel", "dtype")),
+    "softmax": ((F.softmax, torch.softmax, torch.special.softmax), "softmax", ("input", "dim", "_stacklevel", "dtype")),
     "log_softmax": ((F.log_softmax, torch.log_softmax, torch.special.log_softmax), "log_softmax", ("input", "dim", "_stacklevel", "dtype")),
     "exp": ((torch.exp,), "exp", ("input",)),
     "log": ((torch.log,), "log", ("input",)),

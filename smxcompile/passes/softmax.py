@@ -470,7 +470,7 @@ def _is_attention(m: SoftmaxMatch) -> bool:
 _ATTN_PASSTHROUGH = {
     torch.where, torch.masked_fill, "masked_fill", "masked_fill_", torch.nn.functional.dropout, "to", "float",
     "type_as", "contiguous", operator.add, operator.mul, operator.truediv, operator.sub, torch.add, torch.mul,
-    torch.div, torch.tanh, "tanh", torch.nn.functional.dropout,
+    torch.div, torch.tanh, "tanh",
 }
 
 
