@@ -1,0 +1,850 @@
+"""Cross-entropy without the N x V logits: ``smx::linear_ce_stats`` / ``smx::ce_stats`` and their backward.
+
+Method: "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans et al., 2024) —
+cut cross-entropy (CCE). For embeddings ``e`` (N x D) and a classifier ``c`` (V x D)
+
+    loss_i = lse_j(z_ij) - z_{i,y_i},   z_ij = e_i . c_j (+ bias_j)
+
+needs only two numbers per row: the log-sum-exp of the row and the target logit. Both
+are reduced block by block with the online (max, sum) recurrence ("Online normalizer
+calculation for softmax", Milakov & Gimelshein, 2018), so the N x V matrix never exists.
+The backward recomputes the logits block by block; the target entry of the gradient is
+computed from the mass of the *other* classes (``-sum_{j != y} p_j``) so that it does not
+round to zero when the target dominates ("softmax collapse", see ALGORITHMS.md 1.4).
+
+Design: one differentiable *statistics* op per row,
+
+    lse_i = log sum_j exp(z_ij)            target_logit_i = z_{i,y_i}
+    weighted_sum_i = sum_j w_ij z_ij       (w = class weight, times soft-target probs)
+    other_mass_i = sum_{j != y_i} p_ij     (auxiliary, not differentiable)
+
+where ``z = softcap * tanh(scale * x / softcap)`` (or ``scale * x``) and ``x`` are the raw
+logits (``input @ weight.T + bias`` for the linear op, a tensor for the plain op). Every
+cross-entropy variant (class weights, ignore_index, label smoothing, soft targets, z-loss,
+per-token weights, every reduction, a returned lse with gradient) is a few torch ops on
+these N-vectors (:func:`_compose`), and autograd turns their gradients into the per-row
+coefficients of the backward:
+
+    G_ij = a_i p_ij - b_i [j == y_i] - c_i w_ij (+ grad of the returned logits)
+    a = grad(lse), b = -grad(target_logit), c = -grad(weighted_sum).
+
+CUDA: Triton kernels (:mod:`smxcompile.kernels.triton_linear_ce`). CPU (and soft targets
+on any device): row chunks with ATen matmuls, each chunk's logits living only in a
+buffer of at most ``chunk_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import config
+
+__all__ = ["linear_cross_entropy", "cross_entropy", "CrossEntropyOutput", "DEFAULT_CHUNK_BYTES"]
+
+#: Default size of one chunk of logits (fp32) on the torch path, in bytes.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What the cross-entropy functions return when ``return_lse`` or ``return_z_loss`` is set.
+
+    ``loss``: as ``F.cross_entropy`` (z-loss included when ``lse_square_scale > 0``);
+    ``lse``: per-token log-sum-exp (fp32, shape of ``target``; differentiable), or None;
+    ``z_loss``: the z-loss term alone, reduced like ``loss`` and detached (it is already
+    part of ``loss``; for logging), or None.
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------------------
+# torch path (CPU, and soft targets anywhere): row chunks
+# --------------------------------------------------------------------------------------
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(v: int, chunk_bytes: int | None, itemsize: int = 4) -> int:
+    budget = DEFAULT_CHUNK_BYTES if not chunk_bytes else chunk_bytes
+    return max(1, budget // max(1, v * itemsize))
+
+
+def _transform(x: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """z = softcap * tanh(scale * x / softcap) (or scale * x), in place on an fp32/fp64 chunk."""
+    if softcap is not None:
+        x.mul_(scale / softcap).tanh_().mul_(softcap)
+    elif scale != 1.0:
+        x.mul_(scale)
+    return x
+
+
+def _chunk_logits(input, weight, bias, r0, r1, out_dtype, buf=None):
+    """Raw logits of rows r0:r1 (matmul in the input dtype, as F.linear), as ``out_dtype``."""
+    e = input[r0:r1]
+    if bias is not None:
+        x = torch.addmm(bias, e, weight.t())
+    else:
+        x = e @ weight.t()
+    if x.dtype != out_dtype:
+        x = x.to(out_dtype)
+    return x
+
+
+def _weights_rows(class_weight, probs, r0, r1, acc):
+    """The (rows x V) or (V,) weights of ``weighted_sum`` for rows r0:r1, or None (all ones)."""
+    w = None
+    if probs is not None:
+        w = probs[r0:r1].to(acc)
+        if class_weight is not None:
+            w = w * class_weight.to(acc)
+    elif class_weight is not None:
+        w = class_weight.to(acc)
+    return w
+
+
+def _stats_chunk(z, tgt, ignore_index, w, need_ws, has_target):
+    """Per-row statistics of a chunk ``z`` (rows x V, fp32; destroyed)."""
+    rows, v = z.shape
+    lse = torch.logsumexp(z, 1) if v else z.new_full((rows,), float("-inf"))
+    if need_ws:
+        ws = (z * w).sum(1) if w is not None else z.sum(1)
+    else:
+        ws = None
+    if has_target:
+        valid = tgt != ignore_index
+        inrange = (tgt >= 0) & (tgt < v)
+        idx = torch.where(inrange, tgt, 0).unsqueeze(1)
+        tl = z.gather(1, idx).squeeze(1) if v else z.new_zeros(rows)
+        tl = torch.where(valid, torch.where(inrange, tl, float("nan")), 0.0)
+        # other_mass = sum over j != y of exp(z - lse): knock the target out, then sum.
+        z.scatter_(1, idx, float("-inf")) if v else None
+        z.sub_(lse.unsqueeze(1)).exp_()
+        om = z.sum(1)
+        om = torch.where(valid & inrange, om, 0.0)
+    else:
+        tl = z.new_zeros(rows)
+        om = z.new_zeros(rows)
+    return lse, tl, om, ws
+
+
+def _torch_forward(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap,
+                   need_ws, logits_out, chunk_bytes, logits=None):
+    """Statistics by row chunks. ``logits`` (raw, N x V) replaces the matmul for the plain op."""
+    n = target.shape[0]
+    v = weight.shape[0] if logits is None else logits.shape[1]
+    acc = _acc_dtype(input if logits is None else logits)
+    dev = target.device
+    lse = torch.empty(n, dtype=acc, device=dev)
+    tl = torch.empty(n, dtype=acc, device=dev)
+    om = torch.empty(n, dtype=acc, device=dev)
+    ws = torch.empty(n, dtype=acc, device=dev) if need_ws else None
+    step = _rows_per_chunk(v, chunk_bytes)
+    has_target = probs is None
+    if has_target:
+        _check_range(target, ignore_index, v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        if logits is None:
+            z = _chunk_logits(input, weight, bias, r0, r1, acc)
+        else:
+            z = logits[r0:r1].to(acc, copy=True)
+        _transform(z, scale, softcap)
+        if logits_out is not None:
+            logits_out[r0:r1].copy_(z)
+            if logits_out.dtype != acc:
+                # the loss sees the logits the caller sees (rounded to their dtype), as in eager
+                z = logits_out[r0:r1].to(acc)
+        w = _weights_rows(class_weight, probs, r0, r1, acc)
+        s = _stats_chunk(z, target[r0:r1] if has_target else None, ignore_index, w, need_ws, has_target)
+        lse[r0:r1], tl[r0:r1], om[r0:r1] = s[0], s[1], s[2]
+        if need_ws:
+            ws[r0:r1] = s[3]
+    return lse, tl, om, ws
+
+
+def _grad_chunk(z_raw, tgt, lse, om, a, b, c, w, ignore_index, scale, softcap, glog, has_target):
+    """G (w.r.t. the raw logits x) for one chunk; ``z_raw`` is the fp32 chunk of raw logits (destroyed)."""
+    rows, v = z_raw.shape
+    if softcap is not None:
+        t = torch.tanh(z_raw * (scale / softcap))
+        dzdx = (1.0 - t * t).mul_(scale)
+        z = t.mul_(softcap)
+    else:
+        dzdx = scale
+        z = z_raw.mul_(scale) if scale != 1.0 else z_raw
+    # p * a
+    g = z.sub_(lse.unsqueeze(1)).exp_().mul_(a.unsqueeze(1))
+    if c is not None:
+        if w is None:
+            g.sub_(c.unsqueeze(1))
+        else:
+            g.sub_(c.unsqueeze(1) * w)
+    if has_target and v:
+        valid = tgt != ignore_index
+        inrange = (tgt >= 0) & (tgt < v)
+        idx = torch.where(inrange, tgt, 0).unsqueeze(1)
+        # the collapse-safe target entry: a p_y - b - c w_y = -a * other_mass + (a - b) - c w_y
+        ty = -a * om + (a - b)
+        if c is not None:
+            wy = 1.0 if w is None else (w.gather(1, idx).squeeze(1) if w.dim() == 2 else w[idx.squeeze(1)])
+            ty = ty - c * wy
+        cur = g.gather(1, idx).squeeze(1)
+        g.scatter_(1, idx, torch.where(valid & inrange, ty, cur).unsqueeze(1))
+    if glog is not None:
+        g.add_(glog)
+    if not isinstance(dzdx, float) or dzdx != 1.0:
+        g.mul_(dzdx)
+    return g
+
+
+def _torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c, ignore_index, scale,
+                    softcap, logits, grad_logits, needs, chunk_bytes, raw_logits=None):
+    """Gradients by row chunks; returns (grad_input, grad_weight, grad_bias) — or grad_raw for the plain op."""
+    n = target.shape[0]
+    base = input if raw_logits is None else raw_logits
+    acc = _acc_dtype(base)
+    v = weight.shape[0] if raw_logits is None else raw_logits.shape[1]
+    need_in, need_w, need_b = needs
+    gi = torch.empty_like(input) if (raw_logits is None and need_in) else None
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if (raw_logits is None and need_w) else None
+    gb = torch.zeros(v, dtype=acc, device=weight.device) if (raw_logits is None and need_b) else None
+    graw = torch.empty(raw_logits.shape, dtype=raw_logits.dtype, device=raw_logits.device) if raw_logits is not None else None
+    step = _rows_per_chunk(v, chunk_bytes)
+    has_target = probs is None
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        if raw_logits is not None:
+            x = raw_logits[r0:r1].to(acc, copy=True)
+        elif logits is not None and softcap is None:
+            # saved z = scale * x: undo the scale instead of recomputing the matmul
+            x = logits[r0:r1].to(acc, copy=True)
+            if scale != 1.0:
+                x.div_(scale)
+        elif logits is not None:
+            # saved z = softcap * tanh(scale * x / softcap): dz/dx from z directly
+            zc = logits[r0:r1].to(acc, copy=True)
+            t = zc / softcap
+            dzdx = (1.0 - t * t).mul_(scale)
+            g = zc.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(a[r0:r1].unsqueeze(1))
+            x = None
+        else:
+            x = _chunk_logits(input, weight, bias, r0, r1, acc)
+        w = _weights_rows(class_weight, probs, r0, r1, acc)
+        glog = None if grad_logits is None else grad_logits[r0:r1].to(acc)
+        tgt = target[r0:r1] if has_target else None
+        cc = None if c is None else c[r0:r1]
+        if x is not None:
+            g = _grad_chunk(x, tgt, lse[r0:r1], om[r0:r1], a[r0:r1], b[r0:r1], cc, w, ignore_index, scale,
+                            softcap, glog, has_target)
+        else:
+            # softcap with saved logits: same steps as _grad_chunk on z
+            g = _finish_grad(g, tgt, om[r0:r1], a[r0:r1], b[r0:r1], cc, w, ignore_index, glog, has_target, dzdx)
+        if graw is not None:
+            graw[r0:r1] = g
+            continue
+        if need_in:
+            gi[r0:r1] = (g.to(weight.dtype) @ weight).to(input.dtype) if weight.dtype != acc else g @ weight
+        if need_w:
+            e = input[r0:r1]
+            gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
+        if need_b:
+            gb.add_(g.sum(0))
+    if graw is not None:
+        return graw
+    return gi, gw, gb
+
+
+def _finish_grad(g, tgt, om, a, b, c, w, ignore_index, glog, has_target, dzdx):
+    rows, v = g.shape
+    if c is not None:
+        g.sub_(c.unsqueeze(1) if w is None else c.unsqueeze(1) * w)
+    if has_target and v:
+        valid = tgt != ignore_index
+        inrange = (tgt >= 0) & (tgt < v)
+        idx = torch.where(inrange, tgt, 0).unsqueeze(1)
+        ty = -a * om + (a - b)
+        if c is not None:
+            wy = 1.0 if w is None else (w.gather(1, idx).squeeze(1) if w.dim() == 2 else w[idx.squeeze(1)])
+            ty = ty - c * wy
+        cur = g.gather(1, idx).squeeze(1)
+        g.scatter_(1, idx, torch.where(valid & inrange, ty, cur).unsqueeze(1))
+    if glog is not None:
+        g.add_(glog)
+    return g.mul_(dzdx)
+
+
+# --------------------------------------------------------------------------------------
+# ops
+# --------------------------------------------------------------------------------------
+
+
+def _use_triton(t: torch.Tensor, probs) -> bool:
+    return probs is None and config.use_triton(t)
+
+
+@torch.library.custom_op("smx::linear_ce_stats", mutates_args=())
+def _linear_ce_stats(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    probs: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
+    need_weighted_sum: bool,
+    return_logits: bool,
+    logits_dtype: torch.dtype | None,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, v = input.shape[0], weight.shape[0]
+    logits_out = None
+    if return_logits:
+        logits_out = torch.empty((n, v), dtype=logits_dtype or input.dtype, device=input.device)
+    if _use_triton(input, probs):
+        from .triton_linear_ce import lce_forward
+
+        lse, tl, om, ws = lce_forward(input, weight, bias, target, ignore_index=ignore_index, scale=scale,
+                                      softcap=softcap, class_weight=class_weight,
+                                      need_weighted_sum=need_weighted_sum, logits_out=logits_out)
+    else:
+        lse, tl, om, ws = _torch_forward(input, weight, bias, target, probs, class_weight, ignore_index, scale,
+                                         softcap, need_weighted_sum, logits_out, chunk_bytes)
+    if ws is None:
+        ws = lse.new_empty(0)
+    return lse, tl, om, ws, (logits_out if logits_out is not None else input.new_empty(0))
+
+
+@_linear_ce_stats.register_fake
+def _(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum,
+      return_logits, logits_dtype, chunk_bytes):
+    n, v = input.shape[0], weight.shape[0]
+    acc = _acc_dtype(input)
+    vec = input.new_empty(n, dtype=acc)
+    ws = input.new_empty(n if need_weighted_sum else 0, dtype=acc)
+    logits = input.new_empty((n, v) if return_logits else (0,), dtype=(logits_dtype or input.dtype) if return_logits else input.dtype)
+    return vec, input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc), ws, logits
+
+
+@torch.library.custom_op("smx::linear_ce_backward", mutates_args=())
+def _linear_ce_backward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    probs: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    other_mass: torch.Tensor,
+    coef_a: torch.Tensor,
+    coef_b: torch.Tensor,
+    coef_c: torch.Tensor | None,
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
+    logits: torch.Tensor | None,
+    grad_logits: torch.Tensor | None,
+    filter_eps: float | None,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(input, probs):
+        from .triton_linear_ce import lce_backward
+
+        gi, gw, gb = lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c,
+                                  ignore_index=ignore_index, scale=scale, softcap=softcap,
+                                  class_weight=class_weight, logits=logits, grad_logits=grad_logits,
+                                  filter_eps=filter_eps, need_input_grad=need_input_grad,
+                                  need_weight_grad=need_weight_grad, need_bias_grad=need_bias_grad)
+    else:
+        gi, gw, gb = _torch_backward(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a,
+                                     coef_b, coef_c, ignore_index, scale, softcap, logits, grad_logits,
+                                     (need_input_grad, need_weight_grad, need_bias_grad), chunk_bytes)
+    gi = gi if gi is not None else input.new_empty(0)
+    gw = gw.to(weight.dtype) if gw is not None else weight.new_empty(0)
+    gb = gb.to(bias.dtype) if (gb is not None and bias is not None) else weight.new_empty(0)
+    return gi, gw, gb
+
+
+@_linear_ce_backward.register_fake
+def _(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a, coef_b, coef_c, ignore_index,
+      scale, softcap, logits, grad_logits, filter_eps, need_input_grad, need_weight_grad, need_bias_grad,
+      chunk_bytes):
+    gi = torch.empty_like(input) if need_input_grad else input.new_empty(0)
+    gw = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    gb = torch.empty_like(bias) if (need_bias_grad and bias is not None) else weight.new_empty(0)
+    return gi, gw, gb
+
+
+def _lce_setup(ctx, inputs, output):
+    (input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap, need_ws, return_logits,
+     logits_dtype, chunk_bytes) = inputs
+    lse, tl, om, ws, logits = output
+    ctx.args = (ignore_index, scale, softcap, chunk_bytes)
+    ctx.has_bias = bias is not None
+    ctx.return_logits = return_logits
+    ctx.save_for_backward(input, weight, bias, target, probs, class_weight, lse, om,
+                          logits if return_logits else None)
+
+
+def _coefs(lse, grad_lse, grad_tl, grad_ws):
+    a = grad_lse if grad_lse is not None else torch.zeros_like(lse)
+    b = -grad_tl if grad_tl is not None else torch.zeros_like(lse)
+    c = -grad_ws if (grad_ws is not None and grad_ws.numel()) else None
+    return a.to(lse.dtype), b.to(lse.dtype), (c.to(lse.dtype) if c is not None else None)
+
+
+def _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, grad_logits):
+    input, weight, bias, target, probs, class_weight, lse, om, logits = ctx.saved_tensors
+    ignore_index, scale, softcap, chunk_bytes = ctx.args
+    a, b, c = _coefs(lse, grad_lse, grad_tl, grad_ws)
+    if grad_logits is not None and (not ctx.return_logits or grad_logits.numel() == 0):
+        grad_logits = None
+    need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_b = ctx.has_bias and ctx.needs_input_grad[2]
+    gi, gw, gb = _linear_ce_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c,
+                                     ignore_index, scale, softcap, logits, grad_logits, None, need_in, need_w,
+                                     need_b, chunk_bytes)
+    return (gi if need_in else None, gw if need_w else None, gb if need_b else None,
+            None, None, None, None, None, None, None, None, None, None)
+
+
+_linear_ce_stats.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+@torch.library.custom_op("smx::ce_stats", mutates_args=())
+def _ce_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    probs: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
+    need_weighted_sum: bool,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(logits, probs):
+        from .triton_linear_ce import ce_forward
+
+        lse, tl, om, ws = ce_forward(logits, target, ignore_index=ignore_index, scale=scale, softcap=softcap,
+                                     class_weight=class_weight, need_weighted_sum=need_weighted_sum)
+    else:
+        lse, tl, om, ws = _torch_forward(logits, None, None, target, probs, class_weight, ignore_index, scale,
+                                         softcap, need_weighted_sum, None, chunk_bytes, logits=logits)
+    return lse, tl, om, (ws if ws is not None else lse.new_empty(0))
+
+
+@_ce_stats.register_fake
+def _(logits, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum, chunk_bytes):
+    n = logits.shape[0]
+    acc = _acc_dtype(logits)
+    return (logits.new_empty(n, dtype=acc), logits.new_empty(n, dtype=acc), logits.new_empty(n, dtype=acc),
+            logits.new_empty(n if need_weighted_sum else 0, dtype=acc))
+
+
+@torch.library.custom_op("smx::ce_backward", mutates_args=())
+def _ce_backward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    probs: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    other_mass: torch.Tensor,
+    coef_a: torch.Tensor,
+    coef_b: torch.Tensor,
+    coef_c: torch.Tensor | None,
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
+    chunk_bytes: int,
+) -> torch.Tensor:
+    if _use_triton(logits, probs):
+        from .triton_linear_ce import ce_backward
+
+        return ce_backward(logits, target, lse, other_mass, coef_a, coef_b, coef_c, ignore_index=ignore_index,
+                           scale=scale, softcap=softcap, class_weight=class_weight, out_dtype=logits.dtype)
+    return _torch_backward(logits, logits, None, target, probs, class_weight, lse, other_mass, coef_a, coef_b,
+                           coef_c, ignore_index, scale, softcap, None, None, (False, False, False), chunk_bytes,
+                           raw_logits=logits)
+
+
+@_ce_backward.register_fake
+def _(logits, target, probs, class_weight, lse, other_mass, coef_a, coef_b, coef_c, ignore_index, scale, softcap,
+      chunk_bytes):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, probs, class_weight, ignore_index, scale, softcap, need_ws, chunk_bytes = inputs
+    lse, tl, om, ws = output
+    ctx.args = (ignore_index, scale, softcap, chunk_bytes)
+    ctx.save_for_backward(logits, target, probs, class_weight, lse, om)
+
+
+def _ce_backward_autograd(ctx, grad_lse, grad_tl, grad_om, grad_ws):
+    logits, target, probs, class_weight, lse, om = ctx.saved_tensors
+    ignore_index, scale, softcap, chunk_bytes = ctx.args
+    a, b, c = _coefs(lse, grad_lse, grad_tl, grad_ws)
+    g = _ce_backward(logits, target, probs, class_weight, lse, om, a, b, c, ignore_index, scale, softcap,
+                     chunk_bytes)
+    return g, None, None, None, None, None, None, None, None
+
+
+_ce_stats.register_autograd(_ce_backward_autograd, setup_context=_ce_setup)
+
+
+# --------------------------------------------------------------------------------------
+# composing the loss from the row statistics
+# --------------------------------------------------------------------------------------
+
+
+def _compose(lse, tl, ws, target, probs, v, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+             lse_square_scale):
+    """The loss (and z-loss) from the row statistics, with torch's cross_entropy semantics.
+
+    Class-index targets, row i valid when ``target_i != ignore_index``:
+        nll_i    = w_{y_i} (lse_i - z_{i,y_i})
+        smooth_i = (sum_j w_j lse_i - sum_j w_j z_ij) / V
+        loss_i   = tw_i ((1 - eps) nll_i + eps smooth_i)         (0 for ignored rows)
+        mean     = sum_i loss_i / sum_{valid i} tw_i w_{y_i}      (torch: NaN when nothing is valid)
+    Soft targets q (no ignore_index): loss_i = tw_i sum_j w_j q'_j (lse_i - z_ij), q' = (1-eps) q + eps/V,
+        mean = sum_i loss_i / sum_i tw_i (torch: / N).
+    z-loss: zl_i = lse_square_scale * tw_i * lse_i^2 on valid rows; mean over sum_{valid} tw_i.
+    """
+    acc = lse.dtype
+    eps = label_smoothing
+    tw = None if token_weight is None else token_weight.to(acc)
+    if probs is None:
+        valid = target != ignore_index
+        if class_weight is not None:
+            cw = class_weight.to(acc)
+            wy = cw[torch.where(valid & (target >= 0) & (target < v), target, 0)]
+            wsum = cw.sum()
+        else:
+            wy, wsum = None, float(v)
+        nll = lse - tl
+        if wy is not None:
+            nll = nll * wy
+        row = nll
+        if eps:
+            smooth = (lse * wsum - ws) / v
+            row = (1.0 - eps) * nll + eps * smooth
+        if tw is not None:
+            row = row * tw
+        row = torch.where(valid, row, 0.0)
+        denom_w = torch.where(valid, 1.0, 0.0).to(acc)
+        if wy is not None:
+            denom_w = denom_w * wy
+        if tw is not None:
+            denom_w = denom_w * tw
+        zvalid = valid
+    else:
+        # ws = sum_j w_j q_j z_ij ; sum_j w_j q'_j computed from probs
+        # ``probs`` are the (already smoothed) q'; ws = sum_j w_j q'_j z_ij
+        qw = (probs.to(acc) if class_weight is None else probs.to(acc) * class_weight.to(acc)).sum(1)
+        row = lse * qw - ws
+        if tw is not None:
+            row = row * tw
+        denom_w = tw if tw is not None else torch.ones_like(lse)
+        zvalid = torch.ones_like(lse, dtype=torch.bool)
+    zl_rows = None
+    if lse_square_scale:
+        zl_rows = lse_square_scale * lse * lse
+        if tw is not None:
+            zl_rows = zl_rows * tw
+        zl_rows = torch.where(zvalid, zl_rows, 0.0)
+    if reduction == "none":
+        return row, zl_rows
+    if reduction == "sum":
+        return row.sum(), (zl_rows.sum() if zl_rows is not None else None)
+    loss = row.sum() / denom_w.sum()
+    zl = None
+    if zl_rows is not None:
+        zcount = torch.where(zvalid, tw if tw is not None else torch.ones_like(lse), 0.0).sum()
+        zl = zl_rows.sum() / zcount
+    return loss, zl
+
+
+def _check_common(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
+                  scale, lse_square_scale, what):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    if not isinstance(lse_square_scale, (int, float)) or lse_square_scale < 0:
+        raise ValueError(f"lse_square_scale must be a number >= 0, got {lse_square_scale!r}")
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor) or class_weight.shape != (v,):
+            shape = getattr(class_weight, "shape", None)
+            raise ValueError(f"class_weight must be a tensor of shape ({v},) (one weight per class), got {shape}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+    if token_weight is not None:
+        if not isinstance(token_weight, torch.Tensor) or token_weight.numel() != n:
+            raise ValueError(f"token_weight must have one weight per target ({n}), got shape "
+                             f"{getattr(token_weight, 'shape', None)}")
+
+
+def _targets(target, lead_shape, v, what):
+    """Split class-index and probability targets; returns (index_target (N,) int64, probs (N, V) or None)."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if target.dtype.is_floating_point:
+        if target.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("gradients w.r.t. probability targets are not supported; pass target.detach() "
+                                      "or use F.cross_entropy")
+        if tuple(target.shape) != (*lead_shape, v):
+            raise ValueError(f"probability targets must have shape {(*lead_shape, v)} (one distribution per "
+                             f"{what} row), got {tuple(target.shape)}")
+        return None, target.reshape(-1, v)
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"target must hold class indices (integer) or probabilities (float), got {target.dtype}")
+    if tuple(target.shape) != tuple(lead_shape):
+        raise ValueError(f"target of shape {tuple(target.shape)} does not match the {what} rows {tuple(lead_shape)}")
+    return target.reshape(-1).long(), None
+
+
+def _check_range(target, ignore_index, v):
+    """torch's error for a target outside [0, V) (runs inside the op, so also under torch.compile)."""
+    if target is None or target.numel() == 0 or target.is_cuda:
+        return  # on CUDA the kernels give NaN for an out-of-range target instead of a host sync
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"Target {int(target[i])} is out of bounds (number of classes {v}, "
+                         f"ignore_index {ignore_index})")
+
+
+def _finish(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_lse, return_z_loss):
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+        if zl is not None:
+            loss = loss + zl.reshape(lead_shape)
+            zl = zl.reshape(lead_shape)
+    elif zl is not None:
+        loss = loss + zl
+    loss = loss.to(out_dtype)
+    if not (return_lse or return_z_loss):
+        return loss
+    return CrossEntropyOutput(
+        loss,
+        lse_rows.reshape(lead_shape) if return_lse else None,
+        (zl.detach().to(out_dtype) if zl is not None else torch.zeros_like(loss).detach()) if return_z_loss else None,
+    )
+
+
+def _autocast(*ts):
+    """Emulate F.linear under autocast: cast the floating tensors to the autocast dtype."""
+    dev = next((t.device.type for t in ts if t is not None), "cpu")
+    if dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return tuple(None if t is None else t.to(dt) for t in ts)
+    return ts
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    lse_square_scale: float = 0.0,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+    dtype: torch.dtype | None = None,
+    filter_eps: float | None = None,
+    chunk_bytes: int | None = None,
+):
+    """Cross-entropy of ``input @ weight.T + bias`` without materializing the logits (cut cross-entropy).
+
+    Equals ``F.cross_entropy(z, target, weight=class_weight, ignore_index=..., reduction=...,
+    label_smoothing=...)`` with ``z = softcap * tanh(scale * (input @ weight.T + bias) / softcap)``
+    (or ``scale * (...)`` without softcap; ``scale = 1 / temperature``), forward and backward,
+    but the N x V logits never exist: only chunks of them (CPU) or tiles in on-chip memory
+    (CUDA, Triton).
+
+    Args:
+        input: embeddings (hidden states), shape ``(*, D)``, fp32/bf16/fp16/fp64.
+        weight: the classifier (LM head), shape ``(V, D)``, same dtype as ``input``
+            (this is ``F.linear``'s weight; ``F.linear_cross_entropy`` calls it ``linear_weight``).
+        target: class indices of shape ``(*)`` (int64/int32) or class probabilities of shape
+            ``(*, V)`` (float, "soft targets").
+        bias: ``(V,)`` or None (``F.linear_cross_entropy``'s ``linear_bias``).
+        class_weight: per-class rescaling weight ``(V,)`` — ``F.cross_entropy``'s ``weight``.
+        token_weight: per-token weights of shape ``(*)``; the loss of token i is multiplied by
+            ``token_weight[i]`` and ``mean`` divides by the sum of the effective weights
+            (token weight times class weight of the target) over non-ignored tokens.
+        ignore_index: target value (any sign) whose tokens contribute nothing.
+        reduction: ``"none"`` (shape ``(*)``), ``"mean"`` (a mean over zero valid targets is NaN
+            with zero gradients, as in torch) or ``"sum"``.
+        label_smoothing: in ``[0, 1]``, torch's definition.
+        scale: multiplies the logits (``1 / temperature``).
+        softcap: logit soft-capping ``softcap * tanh(z / softcap)`` (Gemma 2), or None.
+        lse_square_scale: z-loss coefficient (PaLM: ``1e-4``): adds ``scale * lse^2`` per valid
+            token, reduced like the loss. 0 (default) adds nothing.
+        return_lse: also return the per-token log-sum-exp (fp32, differentiable).
+        return_z_loss: also return the z-loss term alone (detached; it is already in ``loss``).
+        dtype: dtype of the loss; default ``input.dtype`` (as ``F.cross_entropy`` on logits of
+            that dtype). The math is fp32 for half inputs (fp64 for fp64).
+        filter_eps: gradient filtering threshold of CCE (CUDA only; skips gradient tiles whose
+            entries are all below it). None (default) is exact.
+        chunk_bytes: size of one logits chunk on the torch path (default 32 MiB).
+
+    Returns:
+        ``loss``; or ``CrossEntropyOutput(loss, lse, z_loss)`` when ``return_lse`` or
+        ``return_z_loss``. Gradients flow to ``input``, ``weight`` and ``bias`` (fp32
+        accumulation), and to ``lse`` when it is used.
+
+    Raises:
+        TypeError: non-tensor or non-float ``input``/``weight``, integer targets of another
+            dtype kind, a non-int ``ignore_index``.
+        ValueError: mismatched shapes (``D``, rows of ``target``, ``(V,)`` of bias/class_weight),
+            an unknown ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``softcap <= 0``,
+            ``ignore_index`` with probability targets used together with ``token_weight`` shape errors.
+        IndexError: a (non-ignored) target outside ``[0, V)`` (CPU; on CUDA that token's loss is NaN).
+
+    Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024);
+    online log-sum-exp: Milakov & Gimelshein (2018); the collapse-safe target gradient:
+    ALGORITHMS.md 1.4. Peers: ``F.linear_cross_entropy``, Apple's ``cut_cross_entropy``,
+    Liger-Kernel's fused linear cross-entropy.
+    """
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    input, weight, bias = _autocast(input, weight, bias)
+    if input.dtype not in _FLOAT or weight.dtype not in _FLOAT:
+        raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, D), got shape {tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input (*, D) and weight (V, D) disagree on D: {tuple(input.shape)} vs {tuple(weight.shape)}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"input and weight must have the same dtype (as for F.linear), got {input.dtype} and "
+                        f"{weight.dtype}")
+    v = weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (v,)):
+        raise ValueError(f"bias must be a tensor of shape ({v},), got {getattr(bias, 'shape', None)}")
+    lead = tuple(input.shape[:-1])
+    tgt, probs = _targets(target, lead, v, "input")
+    n = 1
+    for s in lead:
+        n *= s
+    _check_common(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
+                  scale, lse_square_scale, "input")
+    x2 = input.reshape(n, input.shape[-1])
+    if bias is not None and bias.dtype != input.dtype:
+        bias = bias.to(input.dtype)
+    out_dtype = dtype or input.dtype
+    return _run(lambda need_ws, t, p: _linear_ce_stats(
+        x2, weight, bias, t, p, class_weight, int(ignore_index), float(scale),
+        None if softcap is None else float(softcap), need_ws, False, None,
+        int(chunk_bytes or DEFAULT_CHUNK_BYTES))[:4], tgt, probs, n, v, lead, class_weight, token_weight,
+        ignore_index, reduction, label_smoothing, lse_square_scale, out_dtype, return_lse, return_z_loss)
+
+
+def _run(stats, tgt, probs, n, v, lead, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+         lse_square_scale, out_dtype, return_lse, return_z_loss):
+    eps = float(label_smoothing)
+    if probs is not None:
+        # soft targets: weighted_sum = sum_j w_j q'_j z_ij with the smoothed q'
+        q = probs if not eps else probs * (1.0 - eps) + eps / v
+        dummy = torch.zeros(n, dtype=torch.long, device=probs.device)
+        lse, tl, om, ws = stats(True, dummy, q)
+        probs_for_compose = q
+    else:
+        lse, tl, om, ws = stats(bool(eps), tgt, None)
+        probs_for_compose = None
+    tw = None if token_weight is None else token_weight.reshape(-1)
+    loss, zl = _compose(lse, tl, ws, tgt, probs_for_compose, v, class_weight, tw, ignore_index, reduction,
+                        0.0 if probs is not None else eps, lse_square_scale)
+    return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    dim: int = -1,
+    token_weight: torch.Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    lse_square_scale: float = 0.0,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+    dtype: torch.dtype | None = None,
+    chunk_bytes: int | None = None,
+):
+    """``F.cross_entropy`` computed online: no log-softmax, no fp32 copy of the logits, one gradient buffer.
+
+    Same arguments and results as ``F.cross_entropy`` (``weight`` is the per-class weight;
+    class-index or probability targets), plus the options of :func:`linear_cross_entropy`
+    (``token_weight``, ``scale``, ``softcap``, ``lse_square_scale``, ``return_lse``,
+    ``return_z_loss``, ``dtype``). The forward keeps two fp32 numbers per row (lse and the
+    target logit); the backward writes ``softmax - onehot`` straight into a gradient of the
+    logits' dtype.
+
+    Args:
+        input: logits, shape ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` with the classes on
+            ``dim`` (default: the last dim, or dim 1 when ``input.dim() >= 2`` per torch when
+            ``dim`` is not given explicitly — see Raises), fp16/bf16/fp32/fp64, any strides.
+        target: class indices of the other dims' shape, or probabilities of ``input``'s shape.
+
+    Returns / Raises: as :func:`linear_cross_entropy`.
+
+    Source: online log-sum-exp (Milakov & Gimelshein, 2018); the collapse-safe target gradient
+    (ALGORITHMS.md 1.4); Liger-Kernel's cross-entropy is the peer.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOAT:
+        raise TypeError(f"input must be floating point, got {input.dtype}")
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (the classes)")
+    d = dim % input.dim()
+    x = input.movedim(d, -1) if d != input.dim() - 1 else input
+    v = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    if target.dtype.is_floating_point and d != input.dim() - 1:
+        target = target.movedim(d, -1)
+    tgt, probs = _targets(target, lead, v, "logits")
+    n = 1
+    for s in lead:
+        n *= s
+    _check_common(target, n, v, weight, token_weight, ignore_index, reduction, label_smoothing, softcap, scale,
+                  lse_square_scale, "logits")
+    x2 = x.reshape(n, v)
+    out_dtype = dtype or input.dtype
+    return _run(lambda need_ws, t, p: _ce_stats(
+        x2, t, p, weight, int(ignore_index), float(scale), None if softcap is None else float(softcap),
+        need_ws, int(chunk_bytes or DEFAULT_CHUNK_BYTES)), tgt, probs, n, v, lead, weight, token_weight,
+        ignore_index, reduction, label_smoothing, lse_square_scale, out_dtype, return_lse, return_z_loss)
