@@ -507,6 +507,225 @@ _ce_stats.register_autograd(_ce_backward_autograd, setup_context=_ce_setup)
 
 
 # --------------------------------------------------------------------------------------
+# CPU fast path: scalar reductions, gradients computed in the forward pass
+# --------------------------------------------------------------------------------------
+#
+# For reduction mean/sum the per-row backward coefficients are known in the forward up to
+# the scalar grad_output (they depend only on the targets, the weights and the row's own
+# lse), so the forward computes the gradients while each logits chunk is hot in cache:
+# 3 matmuls (as eager) instead of 4 (stats, then recompute in backward). The same idea as
+# PyTorch's chunked F.linear_cross_entropy and Liger-Kernel's fused linear CE.
+
+
+def _scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction, eps, z_scale, acc):
+    """Per-row coefficients (a0, b0, c0, zc) of d(loss)/d(lse, -target_logit, -weighted_sum) for grad_output 1.
+
+    ``a_i = a0_i + zc_i * lse_i`` (the z-loss term depends on the row's lse)."""
+    valid = target != ignore_index
+    r = valid.to(acc)
+    if token_weight is not None:
+        r = r * token_weight.to(acc)
+    if class_weight is not None:
+        cw = class_weight.to(acc)
+        wy = cw[torch.where(valid & (target >= 0) & (target < v), target, 0)]
+        wsum = cw.sum()
+    else:
+        wy, wsum = None, float(v)
+    if reduction == "mean":
+        den = (r * wy).sum() if wy is not None else r.sum()
+        den_z = r.sum()
+        f = torch.where(den != 0, 1.0 / den, 0.0)
+        fz = torch.where(den_z != 0, 1.0 / den_z, 0.0)
+    else:
+        f = fz = 1.0
+    rw = r * f
+    base = rw * wy if wy is not None else rw
+    b0 = (1.0 - eps) * base
+    a0 = b0 + (eps / v) * rw * wsum if eps else b0
+    c0 = rw * (eps / v) if eps else None
+    zc = 2.0 * z_scale * r * fz if z_scale else None
+    return a0, b0, c0, zc
+
+
+def _fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
+                   scale, softcap, logits_out, chunk_bytes):
+    n, v = target.shape[0], weight.shape[0]
+    acc = _acc_dtype(input)
+    _check_range(target, ignore_index, v)
+    a0, b0, c0, zc = _scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction, eps, z_scale, acc)
+    lse = input.new_empty(n, dtype=acc)
+    tl = input.new_empty(n, dtype=acc)
+    ws = input.new_empty(n, dtype=acc) if eps else None
+    gi = torch.empty_like(input)
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    gb = torch.zeros(v, dtype=acc, device=weight.device) if bias is not None else None
+    w_full = class_weight.to(acc) if class_weight is not None else None
+    step = _rows_per_chunk(v, chunk_bytes)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        z = _chunk_logits(input, weight, bias, r0, r1, acc)
+        _transform(z, scale, softcap)
+        if logits_out is not None:
+            logits_out[r0:r1].copy_(z)
+            if logits_out.dtype != acc:
+                z = logits_out[r0:r1].to(acc)
+        dzdx = None
+        if softcap is not None:
+            t = z / softcap
+            dzdx = (1.0 - t * t).mul_(scale)
+        elif scale != 1.0:
+            dzdx = scale
+        tgt = target[r0:r1]
+        valid = tgt != ignore_index
+        idx = torch.where(valid, tgt, 0).unsqueeze(1)
+        l = torch.logsumexp(z, 1) if v else z.new_full((r1 - r0,), float("-inf"))
+        lse[r0:r1] = l
+        tl[r0:r1] = torch.where(valid, z.gather(1, idx).squeeze(1), 0.0)
+        if ws is not None:
+            ws[r0:r1] = (z * w_full).sum(1) if w_full is not None else z.sum(1)
+        p = z.sub_(l.unsqueeze(1)).exp_()
+        p.scatter_(1, idx, 0.0)
+        om = p.sum(1)  # mass of the other classes: the collapse-safe 1 - p_target
+        a = a0[r0:r1] if zc is None else a0[r0:r1] + zc[r0:r1] * l
+        b = b0[r0:r1]
+        g = p.mul_(a.unsqueeze(1))
+        ty = -a * om + (a - b)
+        if c0 is not None:
+            c = c0[r0:r1]
+            g.sub_(c.unsqueeze(1) * w_full if w_full is not None else c.unsqueeze(1))
+            ty = ty - c * (w_full[idx.squeeze(1)] if w_full is not None else 1.0)
+        g.scatter_(1, idx, torch.where(valid, ty, 0.0).unsqueeze(1)) if v else None
+        if dzdx is not None:
+            g.mul_(dzdx)
+        gi[r0:r1] = (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
+        e = input[r0:r1]
+        gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
+        if gb is not None:
+            gb.add_(g.sum(0))
+    loss, zl = _compose(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
+                        z_scale)
+    return loss, zl, lse, gi, gw.to(weight.dtype), (gb.to(bias.dtype) if gb is not None else None)
+
+
+@torch.library.custom_op("smx::linear_ce_loss", mutates_args=())
+def _linear_ce_loss(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    token_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    scale: float,
+    softcap: float | None,
+    return_logits: bool,
+    logits_dtype: torch.dtype | None,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z_loss, logits, grad_input, grad_weight, grad_bias) for grad_output = 1; fp32 loss."""
+    n, v = input.shape[0], weight.shape[0]
+    logits_out = None
+    if return_logits:
+        logits_out = torch.empty((n, v), dtype=logits_dtype or input.dtype, device=input.device)
+    loss, zl, _, gi, gw, gb = _fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index,
+                                             reduction, label_smoothing, lse_square_scale, scale, softcap,
+                                             logits_out, chunk_bytes)
+    acc = _acc_dtype(input)
+    return (loss.to(acc), (zl if zl is not None else loss.new_zeros(())).to(acc),
+            logits_out if logits_out is not None else input.new_empty(0), gi, gw,
+            gb if gb is not None else weight.new_empty(0))
+
+
+@_linear_ce_loss.register_fake
+def _(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+      lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes):
+    acc = _acc_dtype(input)
+    n, v = input.shape[0], weight.shape[0]
+    logits = input.new_empty((n, v), dtype=logits_dtype or input.dtype) if return_logits else input.new_empty(0)
+    return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc), logits, torch.empty_like(input),
+            torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0))
+
+
+@torch.library.custom_op("smx::linear_ce_loss_backward", mutates_args=())
+def _linear_ce_loss_backward(
+    grad_loss: torch.Tensor,
+    grad_input: torch.Tensor,
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor | None,
+    grad_logits: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale the gradients the forward computed by ``grad_loss``; add a returned logits' gradient, by chunks.
+
+    ``grad_logits`` (w.r.t. the returned logits, N x V) is skipped when it is all zero — the
+    usual case: autograd hands a logits output that nothing used a zero gradient."""
+    gl = grad_loss.reshape(())
+    gi = grad_input * gl.to(grad_input.dtype)
+    gw = grad_weight * gl.to(grad_weight.dtype)
+    gb = grad_bias * gl.to(grad_bias.dtype) if grad_bias is not None else weight.new_empty(0)
+    if grad_logits is None or logits is None or grad_logits.numel() == 0 or not bool(grad_logits.any()):
+        return gi, gw, gb
+    n, v = logits.shape
+    acc = _acc_dtype(input)
+    gw_acc = gw.to(acc)
+    gb_acc = gb.to(acc) if grad_bias is not None else None
+    step = _rows_per_chunk(v, chunk_bytes)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        g = grad_logits[r0:r1].to(acc, copy=True)
+        if softcap is not None:
+            t = logits[r0:r1].to(acc) / softcap
+            g.mul_((1.0 - t * t).mul_(scale))
+        elif scale != 1.0:
+            g.mul_(scale)
+        gi[r0:r1] += ((g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight).to(gi.dtype)
+        e = input[r0:r1]
+        gw_acc.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
+        if gb_acc is not None:
+            gb_acc.add_(g.sum(0))
+    return gi, gw_acc.to(weight.dtype), (gb_acc.to(grad_bias.dtype) if gb_acc is not None else gb)
+
+
+@_linear_ce_loss_backward.register_fake
+def _(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale, softcap, chunk_bytes):
+    return (torch.empty_like(grad_input), torch.empty_like(grad_weight),
+            torch.empty_like(grad_bias) if grad_bias is not None else weight.new_empty(0))
+
+
+def _fused_setup(ctx, inputs, output):
+    (input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+     lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes) = inputs
+    loss, zl, logits, gi, gw, gb = output
+    ctx.has_bias = bias is not None
+    ctx.return_logits = return_logits
+    ctx.args = (scale, softcap, chunk_bytes)
+    ctx.save_for_backward(gi, gw, gb if bias is not None else None, logits if return_logits else None,
+                          input, weight)
+
+
+def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
+    gi, gw, gb, logits, input, weight = ctx.saved_tensors
+    scale, softcap, chunk_bytes = ctx.args
+    if not ctx.return_logits:
+        grad_logits = None
+    gi, gw, gb = _linear_ce_loss_backward(grad_loss, gi, gw, gb, grad_logits, logits, input, weight, scale, softcap,
+                                          chunk_bytes)
+    return ((gi if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
+             gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
+
+
+_linear_ce_loss.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+# --------------------------------------------------------------------------------------
 # composing the loss from the row statistics
 # --------------------------------------------------------------------------------------
 
@@ -761,29 +980,58 @@ def linear_cross_entropy(
     if bias is not None and bias.dtype != input.dtype:
         bias = bias.to(input.dtype)
     out_dtype = dtype or input.dtype
-    return _run(lambda need_ws, t, p: _linear_ce_stats(
-        x2, weight, bias, t, p, class_weight, int(ignore_index), float(scale),
-        None if softcap is None else float(softcap), need_ws, False, None,
-        int(chunk_bytes or DEFAULT_CHUNK_BYTES))[:4], tgt, probs, n, v, lead, class_weight, token_weight,
-        ignore_index, reduction, label_smoothing, lse_square_scale, out_dtype, return_lse, return_z_loss)
+    loss, zl, lse, _ = _linear_ce_core(
+        x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
+        int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
+        None if softcap is None else float(softcap), False, None, int(chunk_bytes or DEFAULT_CHUNK_BYTES),
+        return_lse, filter_eps)
+    return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
 
 
-def _run(stats, tgt, probs, n, v, lead, class_weight, token_weight, ignore_index, reduction, label_smoothing,
-         lse_square_scale, out_dtype, return_lse, return_z_loss):
-    eps = float(label_smoothing)
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
+                    scale, softcap, return_logits, logits_dtype, chunk_bytes, need_lse=False, filter_eps=None):
+    """Validated, flattened arguments -> (loss or rows (fp32/fp64), z_loss or None, lse (N,) or None, logits or None).
+
+    Picks the CPU fused path (gradients in the forward, 3 matmuls) for scalar reductions of
+    class-index targets when a gradient is needed, else the statistics op (any device)."""
+    n, v = x2.shape[0], weight.shape[0]
+    fused = (probs is None and reduction != "none" and not need_lse and not config.use_triton(x2)
+             and _needs_grad(x2, weight, bias))
+    if fused:
+        loss, zl, logits, _, _, _ = _linear_ce_loss(x2, weight, bias, tgt, class_weight, token_weight, ignore_index,
+                                                    reduction, eps, z_scale, scale, softcap, return_logits,
+                                                    logits_dtype, chunk_bytes)
+        return loss, (zl if z_scale else None), None, (logits if return_logits else None)
+    out = {}
+
+    def stats(need_ws, t, p):
+        lse, tl, om, ws, logits = _linear_ce_stats(x2, weight, bias, t, p, class_weight, ignore_index, scale, softcap,
+                                                   need_ws, return_logits, logits_dtype, chunk_bytes)
+        out["logits"] = logits if return_logits else None
+        return lse, tl, om, ws
+
+    loss, zl, lse = _run_stats(stats, tgt, probs, n, v, class_weight, token_weight, ignore_index, reduction, eps,
+                               z_scale)
+    return loss, zl, lse, out["logits"]
+
+
+def _run_stats(stats, tgt, probs, n, v, class_weight, token_weight, ignore_index, reduction, eps, z_scale):
+    """Run a statistics op and compose the loss: -> (loss or rows, z_loss or None, lse)."""
     if probs is not None:
         # soft targets: weighted_sum = sum_j w_j q'_j z_ij with the smoothed q'
         q = probs if not eps else probs * (1.0 - eps) + eps / v
         dummy = torch.zeros(n, dtype=torch.long, device=probs.device)
         lse, tl, om, ws = stats(True, dummy, q)
-        probs_for_compose = q
+        loss, zl = _compose(lse, tl, ws, None, q, v, class_weight, token_weight, ignore_index, reduction, 0.0, z_scale)
     else:
         lse, tl, om, ws = stats(bool(eps), tgt, None)
-        probs_for_compose = None
-    tw = None if token_weight is None else token_weight.reshape(-1)
-    loss, zl = _compose(lse, tl, ws, tgt, probs_for_compose, v, class_weight, tw, ignore_index, reduction,
-                        0.0 if probs is not None else eps, lse_square_scale)
-    return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+        loss, zl = _compose(lse, tl, ws, tgt, None, v, class_weight, token_weight, ignore_index, reduction, eps,
+                            z_scale)
+    return loss, zl, lse
 
 
 def cross_entropy(
@@ -844,7 +1092,10 @@ def cross_entropy(
                   lse_square_scale, "logits")
     x2 = x.reshape(n, v)
     out_dtype = dtype or input.dtype
-    return _run(lambda need_ws, t, p: _ce_stats(
-        x2, t, p, weight, int(ignore_index), float(scale), None if softcap is None else float(softcap),
-        need_ws, int(chunk_bytes or DEFAULT_CHUNK_BYTES)), tgt, probs, n, v, lead, weight, token_weight,
-        ignore_index, reduction, label_smoothing, lse_square_scale, out_dtype, return_lse, return_z_loss)
+    cb = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
+    sc, cap = float(scale), None if softcap is None else float(softcap)
+    loss, zl, lse = _run_stats(
+        lambda need_ws, t, p: _ce_stats(x2, t, p, weight, int(ignore_index), sc, cap, need_ws, cb), tgt, probs, n, v,
+        weight, None if token_weight is None else token_weight.reshape(-1), int(ignore_index), reduction,
+        float(label_smoothing), float(lse_square_scale))
+    return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
