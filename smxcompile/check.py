@@ -41,16 +41,23 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     with the original subgraph's output (``torch.allclose`` with the options' tolerances, fp32;
     NaNs must sit in the same places).
     """
+    from .passes.cross_entropy import claimed_nodes, find_ce_sites, input_nodes, run_site
     from .passes.framework import subgraphs
     from .passes.softmax import find_softmax_sites
 
-    matches = {m.key: m for m in find_softmax_sites(gm.graph, options) if m.action == "rewritten"}
+    ce = [m for m in find_ce_sites(gm.graph, options) if m.action == "rewritten"]
+    matches = {m.key: m for m in find_softmax_sites(gm.graph, options, exclude=claimed_nodes(ce))
+               if m.action == "rewritten"}
+    ce_matches = {m.key: m for m in ce}
     # sites inside higher-order-op bodies (checkpoint, cond) cannot be captured by the interpreter: keep them
     unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:]
-                    for m in find_softmax_sites(g, options, prefix=prefix) if m.action == "rewritten"}
+                    for m in [*find_softmax_sites(g, options, prefix=prefix), *find_ce_sites(g, options, prefix=prefix)]
+                    if m.action == "rewritten"}
     if unverifiable:
         log.warning("smx check: %d site(s) inside subgraphs cannot be checked; they are kept", len(unverifiable))
-    wanted = set(matches)
+    wanted = set(matches) | set(ce_matches)
+    for m in ce_matches.values():
+        wanted.update(n.name for n in input_nodes(m))
     for m in matches.values():
         wanted.add(m.x.name)
         if m.mask is not None:
@@ -59,11 +66,23 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
         values = _capture(gm, example_inputs, wanted)
     except Exception as e:  # the graph could not run eagerly here: keep every site, say why
         log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
-        return frozenset(matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | unverifiable
     if values is None:
         log.warning("smx check: example inputs are not real tensors; sites are kept")
-        return frozenset(matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | unverifiable
     bad = set(unverifiable)
+    for name, m in ce_matches.items():
+        try:
+            with torch.no_grad():
+                ours = run_site(m, values)
+        except Exception as e:  # e.g. a target out of range: torch's error, the original is kept
+            log.warning("smx check: site %s (%s) failed on the example inputs (%s); the original is kept",
+                        name, m.kind, e)
+            bad.add(name)
+            continue
+        if not _close(ours, values[name], options):
+            log.warning("smx check: site %s (%s) disagrees with eager; the original is kept", name, m.kind)
+            bad.add(name)
     for name, m in matches.items():
         x = values[m.x.name]
         if m.pre_cast is not None:
@@ -72,11 +91,13 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
         with torch.no_grad():
             ours = op(x, m.dim, float(m.scale), m.softcap, values.get(m.mask.name) if m.mask is not None else None,
                       m.out_dtype, False)[0]
-        ref = values[name]
-        ok = ours.shape == ref.shape and torch.equal(ours.isnan(), ref.isnan()) and torch.allclose(
-            ours.float().nan_to_num(), ref.float().nan_to_num(), rtol=options.check_rtol, atol=options.check_atol
-        )
-        if not ok:
+        if not _close(ours, values[name], options):
             log.warning("smx check: site %s (%s) disagrees with eager; the original is kept", name, m.kind)
             bad.add(name)
     return frozenset(bad)
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, options: SmxOptions) -> bool:
+    return ours.shape == ref.shape and torch.equal(ours.isnan(), ref.isnan()) and torch.allclose(
+        ours.float().nan_to_num(), ref.float().nan_to_num(), rtol=options.check_rtol, atol=options.check_atol
+    )

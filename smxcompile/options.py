@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 #: Every rewrite kind smxcompile knows, by name. Each can be switched off with
 #: ``options={"disable": ["softmax"]}`` or ``options={"softmax": False}``.
-REWRITE_KINDS = ("softmax", "log_softmax")
+REWRITE_KINDS = ("softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
 
 _CPU_POLICIES = ("auto", "rewrite", "keep")
 

@@ -75,12 +75,14 @@ else:
 __all__ = ["lce_forward", "lce_backward", "ce_forward", "ce_backward"]
 
 # Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages. Not tuned on a GPU
-# yet; sized so that a 128 x 128 fp32 logit tile and the operand stages fit an sm_80 / sm_90
-# SM (shared memory ~96 KB forward, ~64 KB backward).
+# yet; sized (compiled for sm_90) to use <= 96 KiB of shared memory in every variant, so
+# they also fit sm_80 / sm_86 / sm_89. The fp32 backward keeps two [BLOCK_N, BLOCK_V] fp32
+# operands in shared memory (three with tf32x3), hence its smaller tile.
 _FWD_BLOCKS_16 = (128, 128, 64)
 _FWD_BLOCKS_32 = (128, 128, 32)
 _FWD_WARPS, _FWD_STAGES = 8, 3
-_BWD_BLOCKS = (128, 128, 32)
+_BWD_BLOCKS_16 = (128, 128, 32)
+_BWD_BLOCKS_32 = (64, 64, 32)
 _BWD_WARPS, _BWD_STAGES = 8, 2
 # Logits-given paths (no tl.dot: any block sizes).
 _CE_BLOCKS = (8, 1024)
@@ -125,9 +127,20 @@ if triton is not None:
         return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
     @triton.jit
+    def _dot(a, b, acc, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        """``acc + a @ b`` with fp32 accumulation. DOT_F32 (interpreter only: its tl.dot
+        multiplies bf16 bit patterns as integers) upcasts the operands first, which is exact
+        for bf16 products with an fp32 sum, i.e. what the tensor cores compute."""
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
     def _x_tile(src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
                 FROM_MATMUL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                DOT_F32: tl.constexpr):
         """Raw logits ``x`` of a [BLOCK_N, BLOCK_V] tile in fp32 (0 outside the problem).
 
         FROM_MATMUL: ``input[rows] @ weight[cols].T (+ bias)``, ``src`` being the input (N, D);
@@ -141,7 +154,7 @@ if triton is not None:
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptr + (cols[:, None] * w_s0 + ks[None, :] * w_s1),
                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(e, tl.trans(w), acc, input_precision=PREC)
+                acc = _dot(e, tl.trans(w), acc, PREC, DOT_F32)
             if HAS_BIAS:
                 bv = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
                 acc = acc + bv[None, :]
@@ -166,6 +179,7 @@ if triton is not None:
         FROM_MATMUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
         NEED_WS: tl.constexpr, WRITE_LOGITS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):
         """One program: BLOCK_N rows x the vocabulary slice [pid_s * v_per_split, +v_per_split).
 
@@ -189,7 +203,7 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK_V).to(tl.int64)
             col_ok = cols < V
             x = _x_tile(src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
-                        FROM_MATMUL, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PREC)
+                        FROM_MATMUL, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
             z = _transform(x, scale, softcap, HAS_SOFTCAP)
             if WRITE_LOGITS:
                 tl.store(out_ptr + (rows[:, None] * out_s0 + cols[None, :] * out_s1),
@@ -233,7 +247,7 @@ if triton is not None:
         HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
         NEED_GI: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, WRITE_GX: tl.constexpr,
         GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         """One program: one [BLOCK_N, BLOCK_V] tile of G (see the module docstring)."""
         pid = tl.program_id(0)
@@ -260,11 +274,11 @@ if triton is not None:
 
         if Z_FROM == 0:
             x = _x_tile(e_ptr, e_s0, e_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
-                        True, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PREC)
+                        True, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
             z = _transform(x, scale, softcap, HAS_SOFTCAP)
         elif Z_FROM == 1:
             x = _x_tile(src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
-                        False, False, BLOCK_N, BLOCK_V, BLOCK_D, PREC)
+                        False, False, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
             z = _transform(x, scale, softcap, HAS_SOFTCAP)
         else:
             z = tl.load(src_ptr + (rows[:, None] * src_s0 + cols[None, :] * src_s1), mask=ok,
@@ -315,13 +329,13 @@ if triton is not None:
                         if NEED_GI:
                             w = tl.load(w_ptr + (cols[:, None] * w_s0 + ks[None, :] * w_s1),
                                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                            gi = tl.dot(gxc, w, input_precision=PREC)
+                            gi = _dot(gxc, w, None, PREC, DOT_F32)
                             tl.atomic_add(gi_ptr + (rows[:, None] * D + ks[None, :]), gi,
                                           mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
                         if NEED_GW:
                             e = tl.load(e_ptr + (rows[:, None] * e_s0 + ks[None, :] * e_s1),
                                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                            gw = tl.dot(tl.trans(gxc), e, input_precision=PREC)
+                            gw = _dot(tl.trans(gxc), e, None, PREC, DOT_F32)
                             tl.atomic_add(gw_ptr + (cols[:, None] * D + ks[None, :]), gw,
                                           mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")
 
@@ -405,6 +419,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "ieee"  # ignored for fp16 / bf16 operands (tensor cores, fp32 accumulation)
     return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
+
+
+def _dot_f32(t: torch.Tensor | None) -> bool:
+    """Upcast bf16 tl.dot operands to fp32: only in the interpreter, whose tl.dot mishandles
+    bf16 (stored as uint16 bit patterns)."""
+    return t is not None and t.dtype == torch.bfloat16 and _interpreted()
 
 
 def _block(name: str, value: int | None, default: int, extent: int, minimum: int) -> int:
@@ -553,7 +573,7 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
             N, V, D, v_per_split, scale, 1.0 if softcap is None else softcap,
             FROM_MATMUL=from_matmul, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, NEED_WS=bool(need_weighted_sum), WRITE_LOGITS=logits_out is not None,
-            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, **opts,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(w if from_matmul else None), **opts,
         )
     # merge the partial online-softmax states: m = max m_s, d = sum_s d_s exp(m_s - m)
     m_p, d_p, do_p, t_p = part[0], part[1], part[2], part[3]
@@ -717,7 +737,8 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
             ``grad_bias`` has bias's dtype (weight's when bias is None).
         block_n, block_v, block_d, num_warps, num_stages: launch overrides (defaults
-            128 x 128 x 32, 8 warps, 2 stages; blocks >= 16, powers of two).
+            128 x 128 x 32 for fp16 / bf16, 64 x 64 x 32 for fp32, 8 warps, 2 stages; blocks
+            >= 16, powers of two; shrunk to small problems).
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``.
@@ -748,8 +769,9 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     for name, dt in (("input_grad_dtype", input_grad_dtype), ("weight_grad_dtype", weight_grad_dtype)):
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise TypeError(f"{name} must be a floating-point torch.dtype, got {dt!r}")
-    blocks = (_block("block_n", block_n, _BWD_BLOCKS[0], N, 16), _block("block_v", block_v, _BWD_BLOCKS[1], V, 16),
-              _block("block_d", block_d, _BWD_BLOCKS[2], D, 16))
+    bn, bv, bd = _BWD_BLOCKS_16 if input.dtype != torch.float32 else _BWD_BLOCKS_32
+    blocks = (_block("block_n", block_n, bn, N, 16), _block("block_v", block_v, bv, V, 16),
+              _block("block_d", block_d, bd, D, 16))
     opts = _launch_opts(num_warps, num_stages, _BWD_WARPS, _BWD_STAGES)
     _check_runtime(input)
 
@@ -757,18 +779,15 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     gi = torch.zeros((N, D), **f32) if need_input_grad else None
     gw = torch.zeros((V, D), **f32) if need_weight_grad else None
     gb = torch.zeros((V,), **f32) if need_bias_grad else None
-    if N and V and (need_input_grad or need_weight_grad or need_bias_grad):
-        if not (D or need_bias_grad):
-            pass  # empty (N, 0) / (V, 0) gradients: nothing to accumulate
-        else:
-            _backward_launch(
-                src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
-                om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
-                gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
-                filter_eps=filter_eps if grad_logits is None else None,
-                z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
-                prec=_dot_precision(input.dtype),
-            )
+    if N and V and ((D and (need_input_grad or need_weight_grad)) or need_bias_grad):
+        _backward_launch(
+            src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
+            om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
+            gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
+            filter_eps=filter_eps if grad_logits is None else None,
+            z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
+            prec=_dot_precision(input.dtype),
+        )
     return (
         None if gi is None else gi.to(input_grad_dtype),
         None if gw is None else gw.to(weight_grad_dtype),
@@ -806,7 +825,7 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
             NEED_GB=gb is not None, WRITE_GX=gx is not None, GROUP_N=_GROUP_N,
-            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, **opts,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(e), **opts,
         )
 
 

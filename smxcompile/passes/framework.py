@@ -22,6 +22,7 @@ from torch.fx import Graph
 
 from ..options import SmxOptions
 from ..report import Report, Site
+from .cross_entropy import claimed_nodes, find_ce_sites, rewrite_ce
 from .softmax import find_softmax_sites, rewrite_softmax
 
 log = logging.getLogger("smxcompile")
@@ -57,8 +58,12 @@ def subgraphs(graph: Graph) -> list[tuple[str, Graph, torch.fx.GraphModule | Non
 
 def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: frozenset[str] = frozenset()) -> Report:
     """Every candidate site of ``graph`` (and its subgraphs) and what the passes would do; does not change it."""
-    return Report([m.to_site(graph_tag) for prefix, g, _ in subgraphs(graph)
-                   for m in find_softmax_sites(g, options, skip, prefix)])
+    sites = []
+    for prefix, g, _ in subgraphs(graph):
+        ce = find_ce_sites(g, options, skip, prefix)
+        sm = find_softmax_sites(g, options, skip, prefix, exclude=claimed_nodes(ce))
+        sites += [m.to_site(graph_tag) for m in ce] + [m.to_site(graph_tag) for m in sm]
+    return Report(sites)
 
 
 class SmxPass(CustomGraphPass):
@@ -85,6 +90,26 @@ class SmxPass(CustomGraphPass):
 
     def _rewrite(self, graph: Graph, prefix: str) -> bool:
         """Rewrite every site of one graph; True if anything changed."""
+        # cross-entropy first: it owns the log_softmax of nll_loss(log_softmax(x))
+        ce = find_ce_sites(graph, self.options, self.skip, prefix)
+        ce_sites = [m.to_site(self.graph_tag) for m in ce]
+        changed = False
+        taken_ce: set = set()
+        for m in ce:
+            if m.action != "rewritten":
+                continue
+            touched = set(m.dead)
+            if touched & taken_ce:
+                continue
+            taken_ce |= touched
+            rewrite_ce(graph, m)
+            changed = True
+        if changed:
+            graph.lint()
+        self.report.sites.extend(ce_sites)
+        return self._rewrite_softmax(graph, prefix) or changed
+
+    def _rewrite_softmax(self, graph: Graph, prefix: str) -> bool:
         first = find_softmax_sites(graph, self.options, self.skip, prefix)
         outcome: dict[str, Site] = {}
         matches = first

@@ -485,7 +485,7 @@ def _is_plain(m: SoftmaxMatch) -> bool:
 
 
 def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),
-                       prefix: str = "") -> list[SoftmaxMatch]:
+                       prefix: str = "", exclude: set | frozenset = frozenset()) -> list[SoftmaxMatch]:
     """Every softmax / log-softmax site of ``graph``, each with the action the backend will take.
 
     Pure analysis: the graph is not changed. ``prefix`` names the subgraph (``"wrap_body_0/"``)
@@ -495,7 +495,7 @@ def find_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] =
     matches: list[SoftmaxMatch] = []
     claimed: set[Node] = set()
     for node in reversed(list(graph.nodes)):  # outermost patterns first (log(softmax) before softmax)
-        if node in claimed or node.op not in ("call_function", "call_method"):
+        if node in claimed or node in exclude or node.op not in ("call_function", "call_method"):
             continue
         m = _handwritten_log_softmax(node) or _call_softmax(node) or _handwritten_softmax(node)
         if m is None:

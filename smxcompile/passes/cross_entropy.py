@@ -1,0 +1,694 @@
+"""Cross-entropy sites: ``linear -> ... -> cross_entropy`` becomes cut cross-entropy.
+
+Matched in the Dynamo (pre-grad) graph, where the loss is still one call:
+
+* ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``, inlined to it), ``F.nll_loss(F.log_softmax(x))``
+  and ``F.linear_cross_entropy``;
+* whose logits come from ``F.linear`` / ``nn.Linear``, ``x @ W.T``, ``matmul(x, M)`` with a 2-D
+  ``M``, or ``addmm`` (GPT-2's Conv1D), through the ops real code puts in between: up-casts
+  (``.float()``), ``view``/``reshape``/``flatten`` of the token dims, next-token shifting by
+  slicing (``logits[..., :-1, :]``), temperature (``x / T``, ``x * s``) and soft-capping
+  (``cap * tanh(x / cap)``).
+
+Such a site (kind ``linear_cross_entropy``) is replaced by
+:func:`smxcompile.kernels.cross_entropy` 's cut cross-entropy (Wijmans et al., "Cut Your
+Losses in Large-Vocabulary Language Models", 2024): the N x V logits, their fp32 copy, the
+log-softmax and the logits gradient are never materialized. When the logits are also
+returned by the graph (Hugging Face models return them), the op writes them once, in their
+own dtype, and computes the loss from the same chunks; only that returned tensor remains.
+
+Cross-entropy on logits that do not come from a linear layer (kind ``cross_entropy``)
+becomes the online CE op ``smx::ce_stats`` (no log-softmax, no fp32 copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+
+from ..options import SmxOptions
+from ..report import Site, user_location
+from .graph_utils import canon, cast_dtype, is_mutation, is_number, stack_trace, tensor_val
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Smallest vocabulary from which a CPU linear -> cross-entropy is rewritten by default: below it the
+#: logits are small and Inductor's fused code is as fast (benchmarks/bench_linear_ce.py).
+CPU_MIN_VOCAB = 4096
+
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_NLL_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+_LCE_PARAMS = ("input", "linear_weight", "target")
+_VIEW_METHODS = {"view", "reshape", "flatten", "contiguous", "clone"}
+_VIEW_FNS = {torch.reshape, torch.flatten}
+
+
+@dataclasses.dataclass
+class CEMatch:
+    kind: str                           # "linear_cross_entropy" | "cross_entropy"
+    anchor: Node                        # the loss call
+    logits: Node                        # the CE's input
+    target: Node
+    class_weight: Any = None            # Node or None
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    spelling: str = ""
+    # linear part
+    linear: Node | None = None
+    h: Node | None = None
+    weight: Node | None = None
+    weight_t: bool = False               # the matched weight is (D, V) and must be transposed
+    bias: Any = None
+    scale: float = 1.0
+    softcap: float | None = None
+    slices: list = dataclasses.field(default_factory=list)   # getitem index tuples to apply to h
+    escape: Node | None = None          # chain node whose value is also a graph output
+    dead: list[Node] = dataclasses.field(default_factory=list)
+    loss_nodes: list[Node] = dataclasses.field(default_factory=list)   # the loss call (+ its log_softmax)
+    absorbed: list[str] = dataclasses.field(default_factory=list)
+    action: str = "rewritten"
+    reason: str = ""
+    device: str = "?"
+    prefix: str = ""
+    note: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.prefix + self.anchor.name
+
+    @property
+    def op(self) -> str:
+        return "smx::linear_cross_entropy" if self.kind == "linear_cross_entropy" else "smx::cross_entropy"
+
+    def detail(self) -> str:
+        parts = [self.spelling, f"reduction={self.reduction}", f"ignore_index={self.ignore_index}"]
+        if self.label_smoothing:
+            parts.append(f"label_smoothing={self.label_smoothing}")
+        if self.class_weight is not None:
+            parts.append("class weights")
+        parts += self.absorbed
+        if self.note:
+            parts.append(self.note)
+        return ", ".join(p for p in parts if p)
+
+    def to_site(self, graph_tag: str) -> Site:
+        return Site(kind=self.kind, action=self.action, reason=self.reason,
+                    location=user_location(stack_trace(self.anchor)),
+                    op=self.op if self.action == "rewritten" else "", detail=self.detail(), graph=graph_tag,
+                    node=self.key)
+
+
+def _bind(node: Node, params: tuple[str, ...]) -> dict[str, Any] | None:
+    if len(node.args) > len(params):
+        return None
+    b = dict(zip(params, node.args))
+    for k, v in node.kwargs.items():
+        if k in b:
+            return None
+        b[k] = v
+    return b
+
+
+def _dtype(n: Any) -> torch.dtype | None:
+    v = tensor_val(n)
+    return v.dtype if v is not None else None
+
+
+def _loss_call(node: Node) -> CEMatch | None:
+    """A cross-entropy call (any spelling) -> a match with the loss arguments filled in, else None."""
+    if node.op != "call_function":
+        return None
+    extra_nodes: list[Node] = []
+    if node.target is F.cross_entropy:
+        b = _bind(node, _CE_PARAMS)
+        spelling = "F.cross_entropy"
+    elif node.target is F.nll_loss:
+        b = _bind(node, _NLL_PARAMS)
+        if b is None:
+            return None
+        ls = b.get("input")
+        c = canon(ls) if isinstance(ls, Node) else None
+        if c is None or c[0] != "log_softmax" or len(ls.users) != 1:
+            return None
+        lv, x = tensor_val(ls), c[1].get("input")
+        dim = c[1].get("dim")
+        if lv is None or not isinstance(x, Node) or not isinstance(dim, int) or c[1].get("dtype") is not None:
+            return None
+        class_dim = 1 if lv.dim() >= 2 else 0
+        if dim % max(lv.dim(), 1) != class_dim:
+            return None  # log-softmax over another dim: not a cross-entropy
+        b = dict(b)
+        b["input"] = x
+        extra_nodes = [ls]
+        spelling = "nll_loss(log_softmax)"
+    elif getattr(F, "linear_cross_entropy", None) is not None and node.target is F.linear_cross_entropy:
+        b = _bind(node, _LCE_PARAMS)
+        if b is None:
+            return None
+        ii = b.get("ignore_index")
+        m = CEMatch("linear_cross_entropy", node, node, b.get("target"), b.get("weight"),
+                    -(2 ** 62) if ii is None else ii, b.get("reduction", "mean"), b.get("label_smoothing", 0.0),
+                    "F.linear_cross_entropy")
+        m.h, m.weight, m.bias = b.get("input"), b.get("linear_weight"), b.get("linear_bias")
+        m.linear = node
+        m.dead = [node]
+        m.loss_nodes = [node]
+        return m
+    else:
+        return None
+    if b is None:
+        return None
+    if b.get("size_average") is not None or b.get("reduce") is not None:
+        return CEMatch("cross_entropy", node, b.get("input"), b.get("target"), action="skipped",
+                       reason="legacy size_average/reduce arguments", spelling=spelling)
+    m = CEMatch("cross_entropy", node, b.get("input"), b.get("target"), b.get("weight"), b.get("ignore_index", -100),
+                b.get("reduction", "mean"), b.get("label_smoothing", 0.0), spelling)
+    m.dead = [node] + extra_nodes
+    m.loss_nodes = list(m.dead)
+    return m
+
+
+def _linear(n: Node) -> tuple[Node, Node, bool, Any] | None:
+    """``(h, weight, weight_is_DxV, bias)`` when ``n`` is a linear layer's output, else None."""
+    if n.op != "call_function":
+        return None
+    if n.target in (F.linear, torch._C._nn.linear):
+        b = _bind(n, ("input", "weight", "bias"))
+        if b is None or not isinstance(b.get("input"), Node) or not isinstance(b.get("weight"), Node):
+            return None
+        wv = tensor_val(b["weight"])
+        if wv is None or wv.dim() != 2:
+            return None
+        return b["input"], b["weight"], False, b.get("bias")
+    if n.target is torch.addmm:
+        b = _bind(n, ("input", "mat1", "mat2"))
+        if b is None or set(b) - {"input", "mat1", "mat2"}:
+            return None
+        bias, h, w = b.get("input"), b.get("mat1"), b.get("mat2")
+        bv, wv = tensor_val(bias), tensor_val(w)
+        if bv is None or wv is None or bv.dim() != 1 or wv.dim() != 2 or not isinstance(h, Node):
+            return None
+        return h, w, True, bias
+    c = canon(n)
+    if c is not None and c[0] == "matmul" and n.target not in (torch.einsum, torch.baddbmm, torch.bmm):
+        h, m = c[1].get("input"), c[1].get("other")
+        hv, mv = tensor_val(h), tensor_val(m)
+        if hv is None or mv is None or mv.dim() != 2 or hv.dim() < 1:
+            return None
+        # x @ W.T / W.t() / W.transpose(0, 1): use W directly
+        if m.op == "call_method" and m.target in ("t", "T") or (
+            m.op == "call_function" and m.target in (torch.t,)
+        ) or (m.op == "call_method" and m.target == "transpose" and set(m.args[1:]) in ({0, 1}, {-1, -2}, {0, -1}, {-2, 1})):
+            return h, m.args[0], False, None
+        if m.op == "call_function" and m.target is getattr and m.args[1] in ("T", "mT"):
+            return h, m.args[0], False, None
+        return h, m, True, None
+    return None
+
+
+def _get_attr_T(n: Node) -> bool:
+    return n.op == "call_function" and n.target is getattr and len(n.args) == 2 and n.args[1] in ("T", "mT")
+
+
+def _leading_slice(n: Node, ndim: int) -> tuple | None:
+    """The index of ``x[idx]`` when it only slices leading dims (``[..., :-1, :]``, ``[:, 1:]``), else None."""
+    if n.op != "call_function" or n.target is not operator.getitem or len(n.args) != 2:
+        return None
+    idx = n.args[1]
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in idx):
+        return None
+    if any(isinstance(s, slice) and not all(v is None or isinstance(v, int) for v in (s.start, s.stop, s.step))
+           for s in idx):
+        return None
+    # where does the last dim land?
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        if idx.count(Ellipsis) > 1:
+            return None
+        after = idx[k + 1:]
+        if after:
+            last = after[-1]
+            if last != slice(None):
+                return None
+            idx = idx[:-1]  # drop the explicit full slice of the last dim
+            if idx and idx[-1] is Ellipsis:
+                pass
+    else:
+        if len(idx) > ndim:
+            return None
+        if len(idx) == ndim:
+            if idx[-1] != slice(None):
+                return None
+            idx = idx[:-1]
+    # now idx indexes only dims < ndim - 1 (Ellipsis covers the rest up to but excluding the last dim)
+    if Ellipsis in idx:
+        # "..., a" with a for the second-to-last: rewrite on h as (..., a, :)
+        return tuple(idx) + (slice(None),)
+    return tuple(idx)
+
+
+def _scalar_of(n: Node) -> tuple[Node, float] | None:
+    """``x * s``, ``s * x``, ``x / s`` with a python number -> (x, factor)."""
+    c = canon(n)
+    if c is None or c[0] not in ("mul", "div"):
+        return None
+    a, b = c[1].get("input"), c[1].get("other")
+    if c[0] == "div":
+        if isinstance(a, Node) and is_number(b) and b != 0:
+            return a, 1.0 / float(b)
+        return None
+    if isinstance(a, Node) and is_number(b):
+        return a, float(b)
+    if isinstance(b, Node) and is_number(a):
+        return b, float(a)
+    return None
+
+
+def _softcap_at(n: Node) -> tuple[Node, float, list[Node]] | None:
+    """``c * tanh(y / c)`` ending at ``n`` -> (y, c, interior nodes [tanh, div]); ``n`` may have several users."""
+    s = _scalar_of(n)
+    if s is None:
+        return None
+    t, cap = s
+    if cap <= 0 or len(t.users) != 1:
+        return None
+    ct = canon(t)
+    if ct is None or ct[0] != "tanh" or not isinstance(ct[1].get("input"), Node):
+        return None
+    d = ct[1]["input"]
+    inner = _scalar_of(d)
+    if inner is None or len(d.users) != 1:
+        return None
+    y, k = inner
+    if abs(k * cap - 1.0) > 1e-6:
+        return None
+    return y, cap, [t, d]
+
+
+def _walk_to_linear(m: CEMatch) -> str:
+    """Fill the linear part of ``m`` by walking up from the CE input; returns why it is not cut CE ('' if it is)."""
+    n = m.logits
+    lv = tensor_val(n)
+    if lv is None:
+        return "logits have no recorded shape"
+    if lv.dim() == 0 or (lv.dim() >= 3):
+        return f"logits of rank {lv.dim()}: cut CE needs (N, V) logits with the classes last"
+    v = lv.shape[-1]
+    chain: list[Node] = []
+    slices: list = []
+    scale, softcap = 1.0, None
+    seen_softcap = False
+    absorbed: list[str] = []
+    for _ in range(64):
+        lin = _linear(n)
+        if lin is not None:
+            hv = tensor_val(lin[0])
+            ov = tensor_val(n)
+            if hv is None or ov is None or ov.shape[-1] != v:
+                return "the linear layer's output does not keep the class dim last"
+            m.linear, (m.h, m.weight, m.weight_t, m.bias) = n, lin
+            break
+        nv = tensor_val(n)
+        if nv is None:
+            return f"'{n.name}' has no recorded value"
+        nxt = None
+        if cast_dtype(n) is not None:
+            src = _dtype(n.args[0])
+            if src is not None and torch.finfo(cast_dtype(n)).bits < torch.finfo(src).bits:
+                return f"'{n.name}' casts the logits down ({src} -> {cast_dtype(n)})"
+            nxt = n.args[0]
+            absorbed.append(f"{str(cast_dtype(n)).replace('torch.', '')} cast")
+        elif (n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS):
+            src = n.args[0]
+            sv = tensor_val(src)
+            if sv is None or sv.shape[-1] != v or nv.shape[-1] != v:
+                return f"'{n.name}' reshapes across the class dim"
+            if n.target == "contiguous" or n.target == "clone":
+                if n.kwargs:
+                    return f"'{n.name}' has unsupported arguments"
+            nxt = src
+        elif (sl := _leading_slice(n, (tensor_val(n.args[0]).dim() if isinstance(n.args[0], Node)
+                                       and tensor_val(n.args[0]) is not None else 0))) is not None:
+            slices.insert(0, sl)
+            nxt = n.args[0]
+            absorbed.append("row slice " + _fmt_index(n.args[1]))
+        elif (sc := _softcap_at(n)) is not None:
+            if seen_softcap:
+                return "two soft-caps"
+            if scale != 1.0:
+                return "a scale after the soft-cap (the op scales before capping)"
+            seen_softcap = True
+            softcap = sc[1]
+            chain.extend(sc[2])
+            nxt = sc[0]
+            absorbed.append(f"softcap={sc[1]:g}")
+        elif (s := _scalar_of(n)) is not None:
+            scale *= s[1]
+            nxt = s[0]
+            absorbed.append(f"scale={s[1]:g}")
+        else:
+            return f"logits come from '{n.name}' ({n.target if n.op != 'call_method' else '.' + str(n.target)}), " \
+                   "not a linear layer"
+        chain.append(n)
+        n = nxt
+        if not isinstance(n, Node):
+            return "logits are not a tensor node"
+    else:
+        return "chain too long"
+    if seen_softcap and scale != 1.0:
+        # the scales we met came *before* (closer to the CE) ... handled above; here they are below the cap
+        pass
+    m.scale, m.softcap = scale, softcap
+    m.slices = slices
+    m.absorbed = absorbed
+    m.dead = [m.anchor] + [d for d in m.dead if d is not m.anchor] + chain + [m.linear]
+    return ""
+
+
+def _fmt_index(idx: Any) -> str:
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+
+    def one(i):
+        if i is Ellipsis:
+            return "..."
+        if isinstance(i, slice):
+            return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}" + (
+                f":{i.step}" if i.step is not None else "")
+        return str(i)
+
+    return "[" + ", ".join(one(i) for i in idx) + "]"
+
+
+def _is_reshape(k: Node) -> bool:
+    return (k.op == "call_method" and k.target in _VIEW_METHODS) or (
+        k.op == "call_function" and k.target in (_VIEW_FNS | {operator.getitem}))
+
+
+def _check_escapes(m: CEMatch) -> str:
+    """Interior nodes used outside the pattern: allowed once, as a graph output after all transforms."""
+    interior = set(m.dead)
+    escapes = []
+    for n in m.dead:
+        if n is m.anchor:
+            continue
+        outside = [u for u in n.users if u not in interior]
+        if outside:
+            escapes.append((n, outside))
+    if not escapes:
+        return ""
+    if len(escapes) > 1:
+        return "several intermediate logits tensors are used outside the loss"
+    n, outside = escapes[0]
+    if n in m.loss_nodes:
+        return f"the loss's log-softmax ('{n.name}') is used outside the loss"
+    if any(u.op != "output" for u in outside):
+        return (f"the logits ('{n.name}') also feed other computation ('{outside[0].name}'): cut CE would "
+                "compute them twice; the plain CE rewrite applies instead")
+    # nodes from the linear layer down to the escaping node: transforms and casts only (no view/slice)
+    between, stack = set(), [n]
+    while stack:
+        k = stack.pop()
+        if k in between or k not in interior:
+            continue
+        between.add(k)
+        stack.extend(k.all_input_nodes)
+    if any(_is_reshape(k) for k in between if k is not m.linear):
+        return (f"the returned logits ('{n.name}') are a reshaped/sliced view; cut CE can only return "
+                "the linear layer's (transformed) output")
+    below = interior - between - set(m.loss_nodes)
+    if any(_scalar_of(k) is not None or (canon(k) is not None and canon(k)[0] == "tanh") for k in below):
+        return "the returned logits are taken before the temperature/soft-cap that the loss applies"
+    m.escape = n
+    ev = tensor_val(n)
+    shape = "x".join(str(d) for d in ev.shape) if ev is not None else "?"
+    m.note = (f"logits {shape} {str(ev.dtype).replace('torch.', '') if ev is not None else ''} are also a graph "
+              "output: written once by the op and kept (they are returned); no fp32 copy, log-softmax or "
+              "logits-gradient buffer")
+    return ""
+
+
+def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
+    if m.action != "rewritten":
+        return
+    if not isinstance(m.reduction, str) or m.reduction not in ("none", "mean", "sum"):
+        m.action, m.reason = "skipped", f"reduction {m.reduction!r} is not a constant none/mean/sum"
+        return
+    if not isinstance(m.ignore_index, int) or isinstance(m.ignore_index, bool):
+        m.action, m.reason = "skipped", "ignore_index is not a constant int"
+        return
+    if not is_number(m.label_smoothing):
+        m.action, m.reason = "skipped", "label_smoothing is not a constant"
+        return
+    if m.class_weight is not None and not isinstance(m.class_weight, Node):
+        m.action, m.reason = "skipped", "class weight is not a tensor"
+        return
+    tv = tensor_val(m.target)
+    if tv is None:
+        m.action, m.reason = "skipped", "target has no recorded value"
+        return
+    if m.kind == "cross_entropy" and m.linear is None:
+        why = _walk_to_linear(m)
+        if not why:
+            why = _check_escapes(m)
+            if why:
+                m.note = f"not cut: {why}"
+                m.linear = None
+                m.dead = list(m.loss_nodes)
+                m.escape = None
+                m.absorbed = []
+                m.scale, m.softcap, m.slices = 1.0, None, []
+            else:
+                m.kind = "linear_cross_entropy"
+        else:
+            m.note = f"not cut: {why}"
+    if m.kind == "linear_cross_entropy" and m.linear is not None and m.linear is not m.anchor:
+        m.dead = _dedupe(m.dead)
+    lv = tensor_val(m.h if m.kind == "linear_cross_entropy" else m.logits)
+    if lv is None:
+        m.action, m.reason = "skipped", "input has no recorded value"
+        return
+    m.device = lv.device.type
+    if lv.dtype not in _FLOAT:
+        m.action, m.reason = "skipped", f"dtype {lv.dtype} is not floating point"
+        return
+    if m.kind == "cross_entropy":
+        xv = tensor_val(m.logits)
+        if xv is None or xv.dim() == 0:
+            m.action, m.reason = "skipped", "logits have no class dim"
+            return
+        if xv.dim() > 2:
+            m.action, m.reason = "skipped", (f"logits of rank {xv.dim()} (classes on dim 1): the fused CE "
+                                             "would copy them to put the classes last")
+            return
+    if m.kind == "linear_cross_entropy":
+        wv = tensor_val(m.weight)
+        hv = tensor_val(m.h)
+        if wv is None or hv is None or wv.dtype != hv.dtype and not _autocast_in(m):
+            m.action, m.reason = "skipped", "input and weight dtypes differ"
+            return
+        if tv.dtype.is_floating_point and m.escape is not None:
+            pass
+    if tv.dtype.is_floating_point and tv.requires_grad:
+        m.action, m.reason = "skipped", "probability targets that require grad (distillation): not supported"
+        return
+    # a mutation between the first pattern node and the loss could change what the op reads
+    mut = _mutation_inside(m)
+    if mut is not None:
+        m.action, m.reason = "skipped", f"in-place op '{mut.name}' runs inside the pattern"
+        return
+    if not options.enabled(m.kind):
+        m.action, m.reason = "kept", f"rewrite kind '{m.kind}' disabled by options"
+        return
+    if m.key in skip:
+        m.action, m.reason = "kept", "check failed: the rewrite disagreed with eager on the example inputs"
+        return
+    if m.device == "cpu":
+        if options.cpu == "keep":
+            m.action, m.reason = "kept", "options cpu='keep'"
+        elif options.cpu == "auto":
+            if m.kind == "cross_entropy":
+                m.action, m.reason = "kept", (
+                    "CPU: Inductor's fused C++ cross-entropy is as fast on CPU (options cpu='rewrite' forces it)")
+            else:
+                v = tensor_val(m.weight).shape[1 if m.weight_t else 0]
+                if not isinstance(v, int) or v < CPU_MIN_VOCAB:
+                    m.action, m.reason = "kept", (
+                        f"CPU: {v} classes; below {CPU_MIN_VOCAB} the logits are small and Inductor's fused code "
+                        "is as fast (options cpu='rewrite' forces it)")
+        return
+    if m.device != "cuda":
+        m.action, m.reason = "kept", f"device '{m.device}' has no smx kernel"
+
+
+def _autocast_in(m: CEMatch) -> bool:
+    lv = tensor_val(m.linear)
+    hv = tensor_val(m.h)
+    return lv is not None and hv is not None and lv.dtype != hv.dtype
+
+
+def _dedupe(nodes: list[Node]) -> list[Node]:
+    seen, out = set(), []
+    for n in nodes:
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def _mutation_inside(m: CEMatch) -> Node | None:
+    pattern = set(m.dead)
+    nodes = list(m.anchor.graph.nodes)
+    first = next((n for n in nodes if n in pattern), None)
+    if first is None:
+        return None
+    n = first
+    while n is not m.anchor:
+        if n not in pattern and is_mutation(n):
+            return n
+        n = n.next
+    return None
+
+
+def find_ce_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),
+                  prefix: str = "") -> list[CEMatch]:
+    """Every cross-entropy site of ``graph`` with the action the backend will take (pure analysis)."""
+    from .softmax import _functorch_op
+
+    functorch = _functorch_op(graph)
+    out = []
+    for node in graph.nodes:
+        m = _loss_call(node)
+        if m is None:
+            continue
+        m.prefix = prefix
+        if m.action == "rewritten" and functorch is not None:
+            m.action, m.reason = "skipped", f"the graph runs a torch.func transform ('{functorch}')"
+        _decide(m, options, skip)
+        out.append(m)
+    return out
+
+
+def claimed_nodes(matches: list[CEMatch]) -> set[Node]:
+    """Nodes that rewritten CE sites own (the softmax pass must leave them alone)."""
+    return {n for m in matches if m.action == "rewritten" for n in m.dead}
+
+
+# --------------------------------------------------------------------------- rewriting
+
+
+def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_index: int, reduction: str,
+                               label_smoothing: float, scale: float, softcap, loss_dtype, return_logits: bool,
+                               logits_dtype, weight_t: bool):
+    """What a rewritten ``linear -> cross_entropy`` site calls: -> (loss, logits or None)."""
+    from ..kernels.cross_entropy import _finish, _linear_ce_core, _autocast, DEFAULT_CHUNK_BYTES
+
+    if weight_t:
+        weight = weight.t()
+    h, weight, bias = _autocast(h, weight, bias)
+    d = h.shape[-1]
+    lead = tuple(h.shape[:-1])
+    x2 = h.reshape(-1, d)
+    if target.dtype.is_floating_point:
+        tgt, probs = None, target.reshape(-1, weight.shape[0])
+    else:
+        tgt, probs = target.reshape(-1).long(), None
+        lead_t = tuple(target.shape)
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
+    loss, zl, lse, logits = _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
+                                            float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
+                                            DEFAULT_CHUNK_BYTES)
+    if reduction == "none":
+        loss = loss.reshape(lead_t if probs is None else tuple(target.shape[:-1]))
+    loss = loss.to(loss_dtype)
+    if return_logits:
+        logits = logits.reshape(*lead, weight.shape[0])
+    return loss, logits
+
+
+def graph_cross_entropy(logits, target, class_weight, ignore_index: int, reduction: str, label_smoothing: float,
+                        loss_dtype):
+    """What a rewritten plain cross-entropy site calls (``F.cross_entropy`` semantics, online)."""
+    from ..kernels.cross_entropy import cross_entropy
+
+    return cross_entropy(logits, target, class_weight, ignore_index, reduction, label_smoothing,
+                         dim=1 if logits.dim() >= 2 else 0, dtype=loss_dtype)
+
+
+def rewrite_ce(graph: Graph, m: CEMatch) -> None:
+    """Replace the loss call (and the logits chain) by the cut / online cross-entropy."""
+    loss_dtype = _dtype(m.anchor)
+    with graph.inserting_before(m.anchor):
+        if m.kind == "linear_cross_entropy":
+            h = m.h
+            for idx in m.slices:
+                h = graph.call_function(operator.getitem, (h, idx))
+            logits_dtype = _dtype(m.escape) if m.escape is not None else None
+            call = graph.call_function(graph_linear_cross_entropy, (
+                h, m.weight, m.bias, m.target, m.class_weight, int(m.ignore_index), m.reduction,
+                float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, m.escape is not None, logits_dtype,
+                m.weight_t))
+            out = graph.call_function(operator.getitem, (call, 0))
+            if m.escape is not None:
+                lg = graph.call_function(operator.getitem, (call, 1))
+                for k in ("example_value", "val"):
+                    if k in m.escape.meta:
+                        lg.meta[k] = m.escape.meta[k]
+                interior = set(m.dead)
+                for u in list(m.escape.users):
+                    if u not in interior:
+                        u.replace_input_with(m.escape, lg)
+        else:
+            out = graph.call_function(graph_cross_entropy, (
+                m.logits, m.target, m.class_weight, int(m.ignore_index), m.reduction, float(m.label_smoothing),
+                loss_dtype))
+            call = out
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if k in m.anchor.meta:
+            call.meta[k] = m.anchor.meta[k]
+            out.meta[k] = m.anchor.meta[k]
+    for k in ("example_value", "val"):
+        if k in m.anchor.meta:
+            out.meta[k] = m.anchor.meta[k]
+    m.anchor.replace_all_uses_with(out)
+    pending = _dedupe([m.anchor] + list(m.dead))
+    while pending:
+        dead_now = [n for n in pending if not n.users]
+        if not dead_now:
+            break
+        for n in dead_now:
+            graph.erase_node(n)
+            pending.remove(n)
+
+
+def run_site(m: CEMatch, values: dict[str, Any]):
+    """The rewritten site's loss on captured values (for the ``check`` option)."""
+    def get(a):
+        return values[a.name] if isinstance(a, Node) else a
+
+    loss_dtype = _dtype(m.anchor)
+    if m.kind == "linear_cross_entropy":
+        h = get(m.h)
+        for idx in m.slices:
+            h = h[idx]
+        return graph_linear_cross_entropy(h, get(m.weight), get(m.bias), get(m.target), get(m.class_weight),
+                                          int(m.ignore_index), m.reduction, float(m.label_smoothing), float(m.scale),
+                                          m.softcap, loss_dtype, False, None, m.weight_t)[0]
+    return graph_cross_entropy(get(m.logits), get(m.target), get(m.class_weight), int(m.ignore_index), m.reduction,
+                               float(m.label_smoothing), loss_dtype)
+
+
+def input_nodes(m: CEMatch) -> list[Node]:
+    """Nodes whose values :func:`run_site` reads."""
+    ns = [m.h, m.weight, m.bias, m.target, m.class_weight] if m.kind == "linear_cross_entropy" else [
+        m.logits, m.target, m.class_weight]
+    return [n for n in ns if isinstance(n, Node)]
