@@ -506,7 +506,7 @@ def _fmt_num(v: float | None, digits: int = 3) -> str:
         return f"{v:.0f}"
     if abs(v) >= 10:
         return f"{v:.1f}"
-    return f"{v:.{digits}f}" if abs(v) >= 0.01 else f"{v:.2g}"
+    return f"{v:.{digits}f}" if abs(v) >= 10 ** -digits else f"{v:.2g}"
 
 
 def summarize(res: dict) -> dict:
@@ -758,18 +758,23 @@ def main(argv: list[str] | None = None) -> int:
                               "results": []}
     results: list[dict] = result["results"]
     workdir = tempfile.mkdtemp(prefix="bench_linear_ce_")
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(args.vocab) * len(variants), unit="variant", dynamic_ncols=True, file=sys.stderr)
-        log = bar.write
-    except ImportError:
-        bar = None
-
-        def log(msg: str) -> None:
-            print(msg, flush=True)
-
     t_start = time.monotonic()
+    bar = None
+    if sys.stderr.isatty():  # a progress bar on a terminal; plain timestamped lines in a log
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(args.vocab) * len(variants), unit="variant", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            pass
+
+    def log(msg: str) -> None:
+        line = f"[{time.monotonic() - t_start:7.1f}s] {msg}"
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
     base_spec = {"tokens": n, "dim": d, "threads": args.threads, "seed": args.seed, "ignore_frac": args.ignore_frac,
                  "rounds": args.rounds, "chunk_bytes": args.chunk_bytes, "loss_rtol": args.loss_rtol,
                  "grad_rtol": args.grad_rtol}

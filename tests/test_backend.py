@@ -145,16 +145,26 @@ def _train_compiled_and_eager(seed, steps, options):
 def test_training_matches_eager():
     reps = _train_compiled_and_eager(0, 3, REWRITE)
     assert len(reps) == 1  # one graph, compiled once (forward + backward through AOTAutograd)
-    assert [(s.kind, s.action) for s in reps[0]] == [("softmax", "rewritten"), ("log_softmax", "rewritten")]
-    assert "scale=0.5" in reps[0].sites[0].detail
+    # nll_loss(log_softmax(head(h))) is a linear -> cross-entropy: cut CE owns the log-softmax
+    assert [(s.kind, s.action) for s in reps[0]] == [("linear_cross_entropy", "rewritten"), ("softmax", "rewritten")]
+    assert "nll_loss(log_softmax)" in reps[0].sites[0].detail
+    assert "scale=0.5" in reps[0].sites[1].detail
+
+
+def test_training_matches_eager_without_ce_rewrite():
+    reps = _train_compiled_and_eager(0, 3, {**REWRITE, "linear_cross_entropy": False})
+    assert [(s.kind, s.action) for s in reps[0]] == [
+        ("linear_cross_entropy", "kept"), ("softmax", "rewritten"), ("log_softmax", "rewritten")]
 
 
 def test_training_default_cpu_policy_matches_eager():
     # cpu="auto" on short rows: both sites are kept for Inductor, which still trains like eager
     (rep,) = _train_compiled_and_eager(1, 2, None)
-    assert [(s.kind, s.action) for s in rep] == [("softmax", "kept"), ("log_softmax", "kept")]
-    assert rep.sites[0].reason.startswith("CPU: Inductor fuses")
-    assert rep.sites[1].reason.startswith("CPU: rows of 5 columns")
+    assert [(s.kind, s.action) for s in rep] == [("linear_cross_entropy", "kept"), ("softmax", "kept"),
+                                                 ("log_softmax", "kept")]
+    assert rep.sites[0].reason.startswith("CPU: 5 classes; below 4096")
+    assert rep.sites[1].reason.startswith("CPU: Inductor fuses")
+    assert rep.sites[2].reason.startswith("CPU: rows of 5 columns")
 
 
 @pytest.mark.parametrize("requires_grad,cols,action", [

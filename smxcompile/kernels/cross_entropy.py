@@ -35,6 +35,7 @@ buffer of at most ``chunk_bytes``.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -69,12 +70,36 @@ class CrossEntropyOutput(NamedTuple):
 # --------------------------------------------------------------------------------------
 
 
+def _autocast_on(device: torch.device) -> bool:
+    return device.type in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(device.type)
+
+
+def _autocast_off(fn):
+    """Run ``fn`` (a torch-path kernel) with autocast disabled.
+
+    A custom op's implementation runs with the caller's autocast state, so without this its
+    fp32 matmuls (and a backward called inside an autocast region) would be cast to the
+    autocast dtype. The op's inputs were already cast by the public functions."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if _autocast_on(dev):
+            with torch.autocast(dev.type, enabled=False):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _rows_per_chunk(v: int, chunk_bytes: int | None, itemsize: int = 4) -> int:
+def _rows_per_chunk(v: int, chunk_bytes: int | None, dtype: torch.dtype = torch.float32) -> int:
+    """Rows of one logits chunk: ``chunk_bytes`` of ``dtype`` (the accumulation dtype) entries."""
     budget = DEFAULT_CHUNK_BYTES if not chunk_bytes else chunk_bytes
+    itemsize = torch.finfo(dtype).bits // 8
     return max(1, budget // max(1, v * itemsize))
 
 
@@ -136,6 +161,7 @@ def _stats_chunk(z, tgt, ignore_index, w, need_ws, has_target):
     return lse, tl, om, ws
 
 
+@_autocast_off
 def _torch_forward(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap,
                    need_ws, logits_out, chunk_bytes, logits=None):
     """Statistics by row chunks. ``logits`` (raw, N x V) replaces the matmul for the plain op."""
@@ -147,7 +173,7 @@ def _torch_forward(input, weight, bias, target, probs, class_weight, ignore_inde
     tl = torch.empty(n, dtype=acc, device=dev)
     om = torch.empty(n, dtype=acc, device=dev)
     ws = torch.empty(n, dtype=acc, device=dev) if need_ws else None
-    step = _rows_per_chunk(v, chunk_bytes)
+    step = _rows_per_chunk(v, chunk_bytes, acc)
     has_target = probs is None
     if has_target:
         _check_range(target, ignore_index, v)
@@ -206,6 +232,7 @@ def _grad_chunk(z_raw, tgt, lse, om, a, b, c, w, ignore_index, scale, softcap, g
     return g
 
 
+@_autocast_off
 def _torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c, ignore_index, scale,
                     softcap, logits, grad_logits, needs, chunk_bytes, raw_logits=None):
     """Gradients by row chunks; returns (grad_input, grad_weight, grad_bias) — or grad_raw for the plain op."""
@@ -218,7 +245,7 @@ def _torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if (raw_logits is None and need_w) else None
     gb = torch.zeros(v, dtype=acc, device=weight.device) if (raw_logits is None and need_b) else None
     graw = torch.empty(raw_logits.shape, dtype=raw_logits.dtype, device=raw_logits.device) if raw_logits is not None else None
-    step = _rows_per_chunk(v, chunk_bytes)
+    step = _rows_per_chunk(v, chunk_bytes, acc)
     has_target = probs is None
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -365,7 +392,10 @@ def _linear_ce_backward(
 
         gi, gw, gb = lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c,
                                   ignore_index=ignore_index, scale=scale, softcap=softcap,
-                                  class_weight=class_weight, logits=logits, grad_logits=grad_logits,
+                                  class_weight=class_weight,
+                                  # saved logits rounded below fp32 would disagree with the fp32 lse: recompute
+                                  logits=logits if logits is not None and logits.dtype == torch.float32 else None,
+                                  grad_logits=grad_logits,
                                   filter_eps=filter_eps, need_input_grad=need_input_grad,
                                   need_weight_grad=need_weight_grad, need_bias_grad=need_bias_grad)
     else:
@@ -547,6 +577,16 @@ def _scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction
     return a0, b0, c0, zc
 
 
+def _saved_grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the gradients the fused forward computes for grad_output = 1.
+
+    fp16 keeps them in fp32: they are scaled by the real grad_output only in the backward, and
+    an unscaled fp16 gradient (``p / N`` of a mean, before a loss scaler's 2^16) underflows
+    where torch's scaled one does not. bf16 has fp32's range: it keeps its own dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+@_autocast_off
 def _fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
                    scale, softcap, logits_out, chunk_bytes):
     n, v = target.shape[0], weight.shape[0]
@@ -556,11 +596,14 @@ def _fused_forward(input, weight, bias, target, class_weight, token_weight, igno
     lse = input.new_empty(n, dtype=acc)
     tl = input.new_empty(n, dtype=acc)
     ws = input.new_empty(n, dtype=acc) if eps else None
-    gi = torch.empty_like(input)
+    gdt = _saved_grad_dtype(input.dtype)
+    gi = torch.empty(input.shape, dtype=gdt, device=input.device)
+    # the matmul for grad_input runs in gi's dtype (fp16: on an fp32 copy of the weight)
+    w_gi = weight if weight.dtype == gdt else weight.to(gdt)
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     gb = torch.zeros(v, dtype=acc, device=weight.device) if bias is not None else None
     w_full = class_weight.to(acc) if class_weight is not None else None
-    step = _rows_per_chunk(v, chunk_bytes)
+    step = _rows_per_chunk(v, chunk_bytes, acc)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z = _chunk_logits(input, weight, bias, r0, r1, acc)
@@ -597,14 +640,14 @@ def _fused_forward(input, weight, bias, target, class_weight, token_weight, igno
         g.scatter_(1, idx, torch.where(valid, ty, 0.0).unsqueeze(1)) if v else None
         if dzdx is not None:
             g.mul_(dzdx)
-        gi[r0:r1] = (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
+        gi[r0:r1] = (g.to(w_gi.dtype) @ w_gi) if w_gi.dtype != acc else g @ w_gi
         e = input[r0:r1]
         gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
         if gb is not None:
             gb.add_(g.sum(0))
     loss, zl = _compose(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
                         z_scale)
-    return loss, zl, lse, gi, gw.to(weight.dtype), (gb.to(bias.dtype) if gb is not None else None)
+    return loss, zl, lse, gi, gw.to(gdt), (gb.to(_saved_grad_dtype(bias.dtype)) if gb is not None else None)
 
 
 @torch.library.custom_op("smx::linear_ce_loss", mutates_args=())
@@ -625,7 +668,10 @@ def _linear_ce_loss(
     logits_dtype: torch.dtype | None,
     chunk_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, z_loss, logits, grad_input, grad_weight, grad_bias) for grad_output = 1; fp32 loss."""
+    """(loss, z_loss, logits, grad_input, grad_weight, grad_bias) for grad_output = 1; fp32 loss.
+
+    The gradients have the dtype of input / weight / bias, except fp16: fp32 (see
+    :func:`_saved_grad_dtype`)."""
     n, v = input.shape[0], weight.shape[0]
     logits_out = None
     if return_logits:
@@ -645,8 +691,10 @@ def _(input, weight, bias, target, class_weight, token_weight, ignore_index, red
     acc = _acc_dtype(input)
     n, v = input.shape[0], weight.shape[0]
     logits = input.new_empty((n, v), dtype=logits_dtype or input.dtype) if return_logits else input.new_empty(0)
-    return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc), logits, torch.empty_like(input),
-            torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty(0))
+    return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc), logits,
+            torch.empty_like(input, dtype=_saved_grad_dtype(input.dtype)),
+            torch.empty_like(weight, dtype=_saved_grad_dtype(weight.dtype)),
+            torch.empty_like(bias, dtype=_saved_grad_dtype(bias.dtype)) if bias is not None else weight.new_empty(0))
 
 
 @torch.library.custom_op("smx::linear_ce_loss_backward", mutates_args=())
@@ -665,39 +713,46 @@ def _linear_ce_loss_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale the gradients the forward computed by ``grad_loss``; add a returned logits' gradient, by chunks.
 
-    ``grad_logits`` (w.r.t. the returned logits, N x V) is skipped when it is all zero — the
-    usual case: autograd hands a logits output that nothing used a zero gradient."""
-    gl = grad_loss.reshape(())
-    gi = grad_input * gl.to(grad_input.dtype)
-    gw = grad_weight * gl.to(grad_weight.dtype)
-    gb = grad_bias * gl.to(grad_bias.dtype) if grad_bias is not None else weight.new_empty(0)
-    if grad_logits is None or logits is None or grad_logits.numel() == 0 or not bool(grad_logits.any()):
-        return gi, gw, gb
-    n, v = logits.shape
+    The scaling runs in fp32 (fp64) and rounds once to the dtype of ``input`` / ``weight`` (the
+    bias has the weight's dtype, as for ``F.linear``): ``grad_loss`` is not rounded to a half
+    dtype first. ``grad_logits`` (w.r.t. the returned logits, N x V) is skipped when it is all
+    zero — the usual case: autograd hands a logits output that nothing used a zero gradient."""
+    return _scale_fused_grads(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight,
+                              scale, softcap, chunk_bytes)
+
+
+@_autocast_off
+def _scale_fused_grads(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale,
+                       softcap, chunk_bytes):
     acc = _acc_dtype(input)
-    gw_acc = gw.to(acc)
-    gb_acc = gb.to(acc) if grad_bias is not None else None
-    step = _rows_per_chunk(v, chunk_bytes)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        g = grad_logits[r0:r1].to(acc, copy=True)
-        if softcap is not None:
-            t = logits[r0:r1].to(acc) / softcap
-            g.mul_((1.0 - t * t).mul_(scale))
-        elif scale != 1.0:
-            g.mul_(scale)
-        gi[r0:r1] += ((g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight).to(gi.dtype)
-        e = input[r0:r1]
-        gw_acc.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
-        if gb_acc is not None:
-            gb_acc.add_(g.sum(0))
-    return gi, gw_acc.to(weight.dtype), (gb_acc.to(grad_bias.dtype) if gb_acc is not None else gb)
+    gl = grad_loss.reshape(()).to(acc)
+    gi = grad_input.to(acc) * gl
+    gw = grad_weight.to(acc) * gl
+    gb = grad_bias.to(acc) * gl if grad_bias is not None else None
+    if not (grad_logits is None or logits is None or grad_logits.numel() == 0 or not bool(grad_logits.any())):
+        n, v = logits.shape
+        step = _rows_per_chunk(v, chunk_bytes, acc)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            g = grad_logits[r0:r1].to(acc, copy=True)
+            if softcap is not None:
+                t = logits[r0:r1].to(acc) / softcap
+                g.mul_((1.0 - t * t).mul_(scale))
+            elif scale != 1.0:
+                g.mul_(scale)
+            gi[r0:r1] += (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
+            e = input[r0:r1]
+            gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
+            if gb is not None:
+                gb.add_(g.sum(0))
+    return (gi.to(input.dtype), gw.to(weight.dtype),
+            gb.to(weight.dtype) if gb is not None else weight.new_empty(0))
 
 
 @_linear_ce_loss_backward.register_fake
 def _(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale, softcap, chunk_bytes):
-    return (torch.empty_like(grad_input), torch.empty_like(grad_weight),
-            torch.empty_like(grad_bias) if grad_bias is not None else weight.new_empty(0))
+    return (torch.empty_like(input), torch.empty_like(weight),
+            weight.new_empty(grad_bias.shape) if grad_bias is not None else weight.new_empty(0))
 
 
 def _fused_setup(ctx, inputs, output):
@@ -798,15 +853,18 @@ def _compose(lse, tl, ws, target, probs, v, class_weight, token_weight, ignore_i
 
 
 def _check_common(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
-                  scale, lse_square_scale, what):
+                  scale, lse_square_scale, what, device, dtype):
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in _FLOAT):
+        raise TypeError(f"dtype must be a floating point dtype (the loss's dtype) or None, got {dtype!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
         raise TypeError(f"scale must be a real number, got {scale!r}")
     if not isinstance(lse_square_scale, (int, float)) or lse_square_scale < 0:
@@ -817,10 +875,18 @@ def _check_common(target, n, v, class_weight, token_weight, ignore_index, reduct
             raise ValueError(f"class_weight must be a tensor of shape ({v},) (one weight per class), got {shape}")
         if not class_weight.dtype.is_floating_point:
             raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+        if class_weight.requires_grad and torch.is_grad_enabled():
+            # as F.cross_entropy (which raises a RuntimeError; NotImplementedError is one)
+            raise NotImplementedError("gradients w.r.t. class_weight are not supported (neither are they by "
+                                      "F.cross_entropy); pass class_weight.detach()")
     if token_weight is not None:
         if not isinstance(token_weight, torch.Tensor) or token_weight.numel() != n:
             raise ValueError(f"token_weight must have one weight per target ({n}), got shape "
                              f"{getattr(token_weight, 'shape', None)}")
+    for name, t in (("target", target), ("class_weight", class_weight), ("token_weight", token_weight)):
+        if t is not None and t.device != device:
+            raise RuntimeError(f"Expected all tensors to be on the same device: {what} is on {device}, "
+                               f"{name} is on {t.device}")
 
 
 def _targets(target, lead_shape, v, what):
@@ -872,12 +938,25 @@ def _finish(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_lse, re
 
 
 def _autocast(*ts):
-    """Emulate F.linear under autocast: cast the floating tensors to the autocast dtype."""
-    dev = next((t.device.type for t in ts if t is not None), "cpu")
-    if dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return tuple(None if t is None else t.to(dt) for t in ts)
+    """Emulate F.linear under autocast: cast the floating tensors to the autocast dtype.
+
+    As autocast does, fp64 tensors are left alone (they are not "eligible")."""
+    dev = next((t.device for t in ts if t is not None), torch.device("cpu"))
+    if _autocast_on(dev):
+        dt = torch.get_autocast_dtype(dev.type)
+        return tuple(t.to(dt) if (t is not None and t.is_floating_point() and t.dtype != torch.float64) else t
+                     for t in ts)
     return ts
+
+
+def _loss_dtype(dtype, input):
+    """The loss's dtype: ``dtype``, else as ``F.cross_entropy`` on logits of ``input``'s dtype —
+    which autocast runs in fp32 (cross-entropy is on autocast's fp32 list)."""
+    if dtype is not None:
+        return dtype
+    if input.dtype in (torch.float16, torch.bfloat16) and _autocast_on(input.device):
+        return torch.float32
+    return input.dtype
 
 
 def linear_cross_entropy(
@@ -969,17 +1048,21 @@ def linear_cross_entropy(
     v = weight.shape[0]
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (v,)):
         raise ValueError(f"bias must be a tensor of shape ({v},), got {getattr(bias, 'shape', None)}")
+    if bias is not None and bias.dtype != input.dtype:
+        raise TypeError(f"bias must have the dtype of input and weight (as for F.linear), got {bias.dtype} and "
+                        f"{input.dtype}")
+    if weight.device != input.device or (bias is not None and bias.device != input.device):
+        raise RuntimeError(f"Expected all tensors to be on the same device: input is on {input.device}, weight on "
+                           f"{weight.device}" + (f", bias on {bias.device}" if bias is not None else ""))
     lead = tuple(input.shape[:-1])
     tgt, probs = _targets(target, lead, v, "input")
     n = 1
     for s in lead:
         n *= s
     _check_common(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
-                  scale, lse_square_scale, "input")
+                  scale, lse_square_scale, "input", input.device, dtype)
     x2 = input.reshape(n, input.shape[-1])
-    if bias is not None and bias.dtype != input.dtype:
-        bias = bias.to(input.dtype)
-    out_dtype = dtype or input.dtype
+    out_dtype = _loss_dtype(dtype, input)
     loss, zl, lse, _ = _linear_ce_core(
         x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
         int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
@@ -999,8 +1082,10 @@ def _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ig
     Picks the CPU fused path (gradients in the forward, 3 matmuls) for scalar reductions of
     class-index targets when a gradient is needed, else the statistics op (any device)."""
     n, v = x2.shape[0], weight.shape[0]
+    # token_weight needing a gradient: the statistics op (the fused op has no gradient for it;
+    # in _compose it is a plain differentiable factor)
     fused = (probs is None and reduction != "none" and not need_lse and not config.use_triton(x2)
-             and _needs_grad(x2, weight, bias))
+             and _needs_grad(x2, weight, bias) and not _needs_grad(token_weight))
     if fused:
         loss, zl, logits, _, _, _ = _linear_ce_loss(x2, weight, bias, tgt, class_weight, token_weight, ignore_index,
                                                     reduction, eps, z_scale, scale, softcap, return_logits,
@@ -1042,7 +1127,7 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     *,
-    dim: int = -1,
+    dim: int | None = None,
     token_weight: torch.Tensor | None = None,
     scale: float = 1.0,
     softcap: float | None = None,
@@ -1063,9 +1148,11 @@ def cross_entropy(
 
     Args:
         input: logits, shape ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` with the classes on
-            ``dim`` (default: the last dim, or dim 1 when ``input.dim() >= 2`` per torch when
-            ``dim`` is not given explicitly — see Raises), fp16/bf16/fp32/fp64, any strides.
+            ``dim``; fp16/bf16/fp32/fp64, any strides.
         target: class indices of the other dims' shape, or probabilities of ``input``'s shape.
+        dim: the classes' dim. None (default): torch's — dim 1 (dim 0 for a 1-d input), so
+            ``(N, C, d1, ...)`` logits work as in ``F.cross_entropy``. Pass ``dim=-1`` for
+            ``(B, T, V)`` language-model logits with ``(B, T)`` targets.
 
     Returns / Raises: as :func:`linear_cross_entropy`.
 
@@ -1078,6 +1165,13 @@ def cross_entropy(
         raise TypeError(f"input must be floating point, got {input.dtype}")
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension (the classes)")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if dim is None:
+        dim = 1 if input.dim() >= 2 else 0  # F.cross_entropy's class dim
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -input.dim() <= dim < input.dim():
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-input.dim()}, "
+                         f"{input.dim() - 1}], but got {dim})")
     d = dim % input.dim()
     x = input.movedim(d, -1) if d != input.dim() - 1 else input
     v = x.shape[-1]
@@ -1089,9 +1183,9 @@ def cross_entropy(
     for s in lead:
         n *= s
     _check_common(target, n, v, weight, token_weight, ignore_index, reduction, label_smoothing, softcap, scale,
-                  lse_square_scale, "logits")
+                  lse_square_scale, "logits", input.device, dtype)
     x2 = x.reshape(n, v)
-    out_dtype = dtype or input.dtype
+    out_dtype = _loss_dtype(dtype, input)
     cb = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
     sc, cap = float(scale), None if softcap is None else float(softcap)
     loss, zl, lse = _run_stats(

@@ -53,6 +53,9 @@ inputs use the tensor cores with fp32 accumulation.
 
 On a machine without a GPU the kernels run through Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before triton was imported; they then accept CPU tensors.
+Two interpreter-only constexprs (both False on a GPU) make it compute what the GPU does:
+``DOT_F32`` upcasts bf16 ``tl.dot`` operands (the interpreter multiplies their uint16 bit
+patterns) and ``FIX_BF16`` rounds fp32 -> bf16 casts to nearest even (it truncates).
 """
 
 from __future__ import annotations
@@ -127,6 +130,18 @@ if triton is not None:
         return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
     @triton.jit
+    def _to(x, ptr, FIX_BF16: tl.constexpr):
+        """fp32 ``x`` cast to ``ptr``'s element type, rounding to nearest even. FIX_BF16 (the
+        interpreter only, whose fp32 -> bf16 cast truncates) rounds the bits by hand first."""
+        ty = ptr.dtype.element_ty
+        if FIX_BF16:
+            if ty == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                x = bits.to(tl.float32, bitcast=True)
+        return x.to(ty)
+
+    @triton.jit
     def _dot(a, b, acc, PREC: tl.constexpr, DOT_F32: tl.constexpr):
         """``acc + a @ b`` with fp32 accumulation. DOT_F32 (interpreter only: its tl.dot
         multiplies bf16 bit patterns as integers) upcasts the operands first, which is exact
@@ -179,7 +194,7 @@ if triton is not None:
         FROM_MATMUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
         NEED_WS: tl.constexpr, WRITE_LOGITS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-        DOT_F32: tl.constexpr,
+        DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
     ):
         """One program: BLOCK_N rows x the vocabulary slice [pid_s * v_per_split, +v_per_split).
 
@@ -207,7 +222,7 @@ if triton is not None:
             z = _transform(x, scale, softcap, HAS_SOFTCAP)
             if WRITE_LOGITS:
                 tl.store(out_ptr + (rows[:, None] * out_s0 + cols[None, :] * out_s1),
-                         z.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                         _to(z, out_ptr, FIX_BF16), mask=row_ok[:, None] & col_ok[None, :])
             zm = tl.where(col_ok[None, :], z, float("-inf"))
             m_new = tl.maximum(m, tl.max(zm, axis=1))
             ms_new = _safe_max(m_new)
@@ -247,7 +262,7 @@ if triton is not None:
         HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
         NEED_GI: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, WRITE_GX: tl.constexpr,
         GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr, DOT_F32: tl.constexpr,
+        PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
     ):
         """One program: one [BLOCK_N, BLOCK_V] tile of G (see the module docstring)."""
         pid = tl.program_id(0)
@@ -309,7 +324,7 @@ if triton is not None:
 
         if WRITE_GX:
             # ce_backward: the gradient w.r.t. the raw logits, written once in the output dtype
-            tl.store(gx_ptr + (rows[:, None] * V + cols[None, :]), gx.to(gx_ptr.dtype.element_ty), mask=ok)
+            tl.store(gx_ptr + (rows[:, None] * V + cols[None, :]), _to(gx, gx_ptr, FIX_BF16), mask=ok)
         else:
             keep = True
             if FILTER:
@@ -322,7 +337,7 @@ if triton is not None:
                 if NEED_GB:
                     tl.atomic_add(gb_ptr + cols, tl.sum(gx, axis=0), mask=col_ok, sem="relaxed")
                 if NEED_GI or NEED_GW:
-                    gxc = gx.to(e_ptr.dtype.element_ty)
+                    gxc = _to(gx, e_ptr, FIX_BF16)
                     for k in range(0, D, BLOCK_D):
                         ks = k + tl.arange(0, BLOCK_D).to(tl.int64)
                         k_ok = ks < D
@@ -573,7 +588,8 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
             N, V, D, v_per_split, scale, 1.0 if softcap is None else softcap,
             FROM_MATMUL=from_matmul, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, NEED_WS=bool(need_weighted_sum), WRITE_LOGITS=logits_out is not None,
-            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(w if from_matmul else None), **opts,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(w if from_matmul else None),
+            FIX_BF16=_interpreted(), **opts,
         )
     # merge the partial online-softmax states: m = max m_s, d = sum_s d_s exp(m_s - m)
     m_p, d_p, do_p, t_p = part[0], part[1], part[2], part[3]
@@ -825,7 +841,8 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
             NEED_GB=gb is not None, WRITE_GX=gx is not None, GROUP_N=_GROUP_N,
-            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(e), **opts,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=_dot_f32(e),
+            FIX_BF16=_interpreted(), **opts,
         )
 
 

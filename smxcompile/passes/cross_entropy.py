@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from ..options import SmxOptions
 from ..report import Site, user_location
@@ -67,8 +68,13 @@ class CEMatch:
     bias: Any = None
     scale: float = 1.0
     softcap: float | None = None
-    slices: list = dataclasses.field(default_factory=list)   # getitem index tuples to apply to h
+    # what the logits chain does to the rows, top-down, to replay on h:
+    # ("reshape", lead shape) / ("flatten", None) / ("slice", index)
+    row_ops: list = dataclasses.field(default_factory=list)
     escape: Node | None = None          # chain node whose value is also a graph output
+    pad_rows: bool = False              # the escape is above a row slice: all rows computed, the dropped ones ignored
+    compute_dtype: Any = None           # the linear layer's dtype when it differs from h's (autocast)
+    classes_last: bool = False          # ``logits`` has the classes on its last dim, whatever its rank
     dead: list[Node] = dataclasses.field(default_factory=list)
     loss_nodes: list[Node] = dataclasses.field(default_factory=list)   # the loss call (+ its log_softmax)
     absorbed: list[str] = dataclasses.field(default_factory=list)
@@ -133,6 +139,12 @@ def _loss_call(node: Node) -> CEMatch | None:
         if b is None:
             return None
         ls = b.get("input")
+        # fairseq style: nll_loss(log_softmax(x, -1).view(-1, V), y.view(-1)): views that keep the classes last
+        views: list[Node] = []
+        nv = tensor_val(ls)
+        while isinstance(ls, Node) and _keeps_last_dim(ls) and len(ls.users) == 1:
+            views.append(ls)
+            ls = ls.args[0]
         c = canon(ls) if isinstance(ls, Node) else None
         if c is None or c[0] != "log_softmax" or len(ls.users) != 1:
             return None
@@ -140,20 +152,26 @@ def _loss_call(node: Node) -> CEMatch | None:
         dim = c[1].get("dim")
         if lv is None or not isinstance(x, Node) or not isinstance(dim, int) or c[1].get("dtype") is not None:
             return None
-        class_dim = 1 if lv.dim() >= 2 else 0
-        if dim % max(lv.dim(), 1) != class_dim:
+        nd = max(lv.dim(), 1)
+        if views:
+            # nll_loss's class dim is the last one only for (N, C) / (C,) inputs
+            if nv is None or nv.dim() > 2 or dim % nd != nd - 1:
+                return None
+        elif dim % nd != (1 if lv.dim() >= 2 else 0):
             return None  # log-softmax over another dim: not a cross-entropy
         b = dict(b)
         b["input"] = x
-        extra_nodes = [ls]
+        extra_nodes = views + [ls]
+        classes_last = bool(views)
         spelling = "nll_loss(log_softmax)"
     elif getattr(F, "linear_cross_entropy", None) is not None and node.target is F.linear_cross_entropy:
         b = _bind(node, _LCE_PARAMS)
         if b is None:
             return None
         ii = b.get("ignore_index")
+        # F.linear_cross_entropy maps ignore_index=None to -100 (F.cross_entropy's default)
         m = CEMatch("linear_cross_entropy", node, node, b.get("target"), b.get("weight"),
-                    -(2 ** 62) if ii is None else ii, b.get("reduction", "mean"), b.get("label_smoothing", 0.0),
+                    -100 if ii is None else ii, b.get("reduction", "mean"), b.get("label_smoothing", 0.0),
                     "F.linear_cross_entropy")
         m.h, m.weight, m.bias = b.get("input"), b.get("linear_weight"), b.get("linear_bias")
         m.linear = node
@@ -165,13 +183,74 @@ def _loss_call(node: Node) -> CEMatch | None:
     if b is None:
         return None
     if b.get("size_average") is not None or b.get("reduce") is not None:
-        return CEMatch("cross_entropy", node, b.get("input"), b.get("target"), action="skipped",
-                       reason="legacy size_average/reduce arguments", spelling=spelling)
+        legacy = {k: b[k] for k in ("size_average", "reduce") if b.get(k) is not None}
+        reduction = "?"
+        if all(isinstance(v, bool) for v in legacy.values()):
+            reduction = torch.nn._reduction.legacy_get_string(legacy.get("size_average"), legacy.get("reduce"),
+                                                              emit_warning=False)
+        return CEMatch("cross_entropy", node, b.get("input"), b.get("target"), reduction=reduction, action="skipped",
+                       reason="legacy size_average/reduce arguments", spelling=spelling,
+                       note=", ".join(f"{k}={v}" for k, v in legacy.items()))
     m = CEMatch("cross_entropy", node, b.get("input"), b.get("target"), b.get("weight"), b.get("ignore_index", -100),
                 b.get("reduction", "mean"), b.get("label_smoothing", 0.0), spelling)
     m.dead = [node] + extra_nodes
+    if node.target is F.nll_loss:
+        m.classes_last = classes_last
+    else:
+        # F.cross_entropy(logits.transpose(1, 2), y): (B, T, V) logits with the classes moved to dim 1
+        src = _classes_moved_to_dim1(m.logits)
+        tv = tensor_val(m.target)
+        if src is not None and tv is not None and not tv.dtype.is_floating_point and len(m.logits.users) == 1:
+            m.dead.append(m.logits)
+            m.absorbed.append(f"classes moved to dim 1 by '{m.logits.name}'")
+            m.logits, m.classes_last = src, True
     m.loss_nodes = list(m.dead)
     return m
+
+
+def _keeps_last_dim(n: Node) -> bool:
+    """A view/reshape/flatten/contiguous whose input and output have the same (known) last dim."""
+    if not ((n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS)):
+        return False
+    if not n.args or not isinstance(n.args[0], Node) or (n.target in ("contiguous", "clone") and n.kwargs):
+        return False
+    sv, nv = tensor_val(n.args[0]), tensor_val(n)
+    return sv is not None and nv is not None and sv.dim() >= 1 and nv.dim() >= 1 and _same(sv.shape[-1], nv.shape[-1])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Sizes (ints or SymInts) known to be equal, without adding a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def _classes_moved_to_dim1(n: Any) -> Node | None:
+    """``x`` when ``n`` is a 3-D ``x.transpose(1, 2)`` (``permute(0, 2, 1)``, ``movedim(-1, 1)``, ``swapaxes``), else None."""
+    if not isinstance(n, Node) or n.op not in ("call_method", "call_function"):
+        return None
+    nv = tensor_val(n)
+    if nv is None or nv.dim() != 3 or not n.args or not isinstance(n.args[0], Node) or n.kwargs:
+        return None
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if n.op == "call_function" and n.target not in (torch.transpose, torch.swapaxes, torch.swapdims, torch.permute,
+                                                    torch.movedim, torch.moveaxis):
+        return None
+    rest = n.args[1:]
+    if name in ("transpose", "swapaxes", "swapdims"):
+        ok = len(rest) == 2 and all(isinstance(d, int) for d in rest) and {d % 3 for d in rest} == {1, 2}
+    elif name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        ok = all(isinstance(d, int) for d in dims) and tuple(d % 3 for d in dims) == (0, 2, 1)
+    elif name in ("movedim", "moveaxis"):
+        ok = len(rest) == 2 and all(isinstance(d, int) for d in rest) and (rest[0] % 3, rest[1] % 3) in ((2, 1), (1, 2))
+    else:
+        return None
+    return n.args[0] if ok else None
 
 
 def _linear(n: Node) -> tuple[Node, Node, bool, Any] | None:
@@ -299,11 +378,11 @@ def _walk_to_linear(m: CEMatch) -> str:
     lv = tensor_val(n)
     if lv is None:
         return "logits have no recorded shape"
-    if lv.dim() == 0 or (lv.dim() >= 3):
+    if lv.dim() == 0 or (lv.dim() >= 3 and not m.classes_last):
         return f"logits of rank {lv.dim()}: cut CE needs (N, V) logits with the classes last"
     v = lv.shape[-1]
     chain: list[Node] = []
-    slices: list = []
+    slices: list = []   # (index, lead shape of the sliced tensor, lead shape of the result), bottom-up
     scale, softcap = 1.0, None
     seen_softcap = False
     absorbed: list[str] = []
@@ -312,7 +391,7 @@ def _walk_to_linear(m: CEMatch) -> str:
         if lin is not None:
             hv = tensor_val(lin[0])
             ov = tensor_val(n)
-            if hv is None or ov is None or ov.shape[-1] != v:
+            if hv is None or ov is None or not _same(ov.shape[-1], v):
                 return "the linear layer's output does not keep the class dim last"
             m.linear, (m.h, m.weight, m.weight_t, m.bias) = n, lin
             break
@@ -329,7 +408,7 @@ def _walk_to_linear(m: CEMatch) -> str:
         elif (n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS):
             src = n.args[0]
             sv = tensor_val(src)
-            if sv is None or sv.shape[-1] != v or nv.shape[-1] != v:
+            if sv is None or sv.dim() == 0 or nv.dim() == 0 or not _same(sv.shape[-1], v) or not _same(nv.shape[-1], v):
                 return f"'{n.name}' reshapes across the class dim"
             if n.target == "contiguous" or n.target == "clone":
                 if n.kwargs:
@@ -337,7 +416,7 @@ def _walk_to_linear(m: CEMatch) -> str:
             nxt = src
         elif (sl := _leading_slice(n, (tensor_val(n.args[0]).dim() if isinstance(n.args[0], Node)
                                        and tensor_val(n.args[0]) is not None else 0))) is not None:
-            slices.insert(0, sl)
+            slices.append((sl, tuple(tensor_val(n.args[0]).shape[:-1]), tuple(nv.shape[:-1])))
             nxt = n.args[0]
             absorbed.append("row slice " + _fmt_index(n.args[1]))
         elif (sc := _softcap_at(n)) is not None:
@@ -366,9 +445,26 @@ def _walk_to_linear(m: CEMatch) -> str:
     if seen_softcap and scale != 1.0:
         # the scales we met came *before* (closer to the CE) ... handled above; here they are below the cap
         pass
+    # replay the slices on h's rows top-down; a reshape of the rows before a slice is replayed too
+    # (``logits.view(-1, V)[:-1]`` slices the flattened rows, not h's first dim)
+    cur = tuple(tensor_val(m.linear).shape[:-1])
+    row_ops: list = []
+    for idx, lead_in, lead_out in reversed(slices):
+        if not _same_shape(lead_in, cur):
+            if len(lead_in) == 1:
+                row_ops.append(("flatten", None))   # the usual case: ``.view(-1, V)`` then slice; any shapes
+            elif all(isinstance(d, int) for d in lead_in):
+                row_ops.append(("reshape", lead_in))
+            else:
+                return "a row slice of reshaped logits with symbolic shapes"
+        row_ops.append(("slice", idx))
+        cur = lead_out
     m.scale, m.softcap = scale, softcap
-    m.slices = slices
-    m.absorbed = absorbed
+    m.row_ops = row_ops
+    m.absorbed = m.absorbed + absorbed
+    lin_v, h_v = tensor_val(m.linear), tensor_val(m.h)
+    if lin_v is not None and h_v is not None and lin_v.dtype != h_v.dtype:
+        m.compute_dtype = lin_v.dtype   # autocast: the layer ran in its dtype, wherever the loss runs
     m.dead = [m.anchor] + [d for d in m.dead if d is not m.anchor] + chain + [m.linear]
     return ""
 
@@ -410,8 +506,12 @@ def _check_escapes(m: CEMatch) -> str:
     n, outside = escapes[0]
     if n in m.loss_nodes:
         return f"the loss's log-softmax ('{n.name}') is used outside the loss"
+    mut = next((u for u in outside if is_mutation(u)), None)
+    if mut is not None:
+        return f"the logits ('{n.name}') are modified in place by '{mut.name}'"
     if any(u.op != "output" for u in outside):
-        return (f"the logits ('{n.name}') also feed other computation ('{outside[0].name}'): cut CE would "
+        other = next(u for u in outside if u.op != "output")
+        return (f"the logits ('{n.name}') also feed other computation ('{other.name}'): cut CE would "
                 "compute them twice; the plain CE rewrite applies instead")
     # nodes from the linear layer down to the escaping node: transforms and casts only (no view/slice)
     between, stack = set(), [n]
@@ -427,6 +527,14 @@ def _check_escapes(m: CEMatch) -> str:
     below = interior - between - set(m.loss_nodes)
     if any(_scalar_of(k) is not None or (canon(k) is not None and canon(k)[0] == "tanh") for k in below):
         return "the returned logits are taken before the temperature/soft-cap that the loss applies"
+    if any(op == "slice" for op, _ in m.row_ops):
+        # the loss reads fewer rows than are returned (``logits[..., :-1, :]`` for the next-token shift):
+        # the op computes every row and the dropped ones get ignore_index targets
+        tv = tensor_val(m.target)
+        if tv is None or tv.dtype.is_floating_point:
+            return ("the returned logits are taken before a row slice and the targets are probabilities "
+                    "(rows cannot be ignored)")
+        m.pad_rows = True
     m.escape = n
     ev = tensor_val(n)
     shape = "x".join(str(d) for d in ev.shape) if ev is not None else "?"
@@ -456,20 +564,18 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         m.action, m.reason = "skipped", "target has no recorded value"
         return
     if m.kind == "cross_entropy" and m.linear is None:
-        why = _walk_to_linear(m)
-        if not why:
-            why = _check_escapes(m)
-            if why:
-                m.note = f"not cut: {why}"
-                m.linear = None
-                m.dead = list(m.loss_nodes)
-                m.escape = None
-                m.absorbed = []
-                m.scale, m.softcap, m.slices = 1.0, None, []
-            else:
-                m.kind = "linear_cross_entropy"
-        else:
+        absorbed = list(m.absorbed)
+        why = _walk_to_linear(m) or _check_escapes(m)
+        if why:
+            # not cut: the plain CE on the same logits (the walk's partial results are dropped)
             m.note = f"not cut: {why}"
+            m.linear = m.h = m.weight = m.bias = m.escape = m.compute_dtype = None
+            m.weight_t, m.pad_rows = False, False
+            m.dead = list(m.loss_nodes)
+            m.absorbed = absorbed
+            m.scale, m.softcap, m.row_ops = 1.0, None, []
+        else:
+            m.kind = "linear_cross_entropy"
     if m.kind == "linear_cross_entropy" and m.linear is not None and m.linear is not m.anchor:
         m.dead = _dedupe(m.dead)
     lv = tensor_val(m.h if m.kind == "linear_cross_entropy" else m.logits)
@@ -485,7 +591,7 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         if xv is None or xv.dim() == 0:
             m.action, m.reason = "skipped", "logits have no class dim"
             return
-        if xv.dim() > 2:
+        if xv.dim() > 2 and not m.classes_last:
             m.action, m.reason = "skipped", (f"logits of rank {xv.dim()} (classes on dim 1): the fused CE "
                                              "would copy them to put the classes last")
             return
@@ -495,8 +601,6 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         if wv is None or hv is None or wv.dtype != hv.dtype and not _autocast_in(m):
             m.action, m.reason = "skipped", "input and weight dtypes differ"
             return
-        if tv.dtype.is_floating_point and m.escape is not None:
-            pass
     if tv.dtype.is_floating_point and tv.requires_grad:
         m.action, m.reason = "skipped", "probability targets that require grad (distillation): not supported"
         return
@@ -520,7 +624,10 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
                     "CPU: Inductor's fused C++ cross-entropy is as fast on CPU (options cpu='rewrite' forces it)")
             else:
                 v = tensor_val(m.weight).shape[1 if m.weight_t else 0]
-                if not isinstance(v, int) or v < CPU_MIN_VOCAB:
+                if not isinstance(v, int):
+                    # symbolic vocabulary (dynamic=True): decide on the example's size (a speed choice only)
+                    v = optimization_hint(v, fallback=0)
+                if v < CPU_MIN_VOCAB:
                     m.action, m.reason = "kept", (
                         f"CPU: {v} classes; below {CPU_MIN_VOCAB} the logits are small and Inductor's fused code "
                         "is as fast (options cpu='rewrite' forces it)")
@@ -587,39 +694,74 @@ def claimed_nodes(matches: list[CEMatch]) -> set[Node]:
 
 def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_index: int, reduction: str,
                                label_smoothing: float, scale: float, softcap, loss_dtype, return_logits: bool,
-                               logits_dtype, weight_t: bool):
-    """What a rewritten ``linear -> cross_entropy`` site calls: -> (loss, logits or None)."""
-    from ..kernels.cross_entropy import _finish, _linear_ce_core, _autocast, DEFAULT_CHUNK_BYTES
+                               logits_dtype, weight_t: bool, compute_dtype=None, row_ops=None):
+    """What a rewritten ``linear -> cross_entropy`` site calls: -> (loss, logits or None).
+
+    ``compute_dtype``: the dtype the linear layer ran in (autocast), applied explicitly so the result does
+    not depend on whether the loss itself sits inside the autocast region. ``row_ops``: the row slices
+    (and reshapes) the loss applied to the returned logits; every row of ``h`` is computed (the logits are
+    returned whole) and the rows the loss dropped get ``ignore_index`` targets.
+    """
+    from ..kernels.cross_entropy import DEFAULT_CHUNK_BYTES, _autocast, _linear_ce_core
 
     if weight_t:
         weight = weight.t()
-    h, weight, bias = _autocast(h, weight, bias)
+    if compute_dtype is not None:
+        h, weight, bias = (None if t is None else t.to(compute_dtype) for t in (h, weight, bias))
+    else:
+        h, weight, bias = _autocast(h, weight, bias)
     d = h.shape[-1]
     lead = tuple(h.shape[:-1])
     x2 = h.reshape(-1, d)
+    sel = None
     if target.dtype.is_floating_point:
         tgt, probs = None, target.reshape(-1, weight.shape[0])
     else:
         tgt, probs = target.reshape(-1).long(), None
-        lead_t = tuple(target.shape)
+        if row_ops:
+            sel = _row_ops(torch.arange(x2.shape[0], device=target.device).reshape(*lead, 1), row_ops).reshape(-1)
+            tgt = torch.full((x2.shape[0],), ignore_index, dtype=torch.long, device=target.device).index_put(
+                (sel,), tgt)
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
     loss, zl, lse, logits = _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
                                             float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
                                             DEFAULT_CHUNK_BYTES)
     if reduction == "none":
-        loss = loss.reshape(lead_t if probs is None else tuple(target.shape[:-1]))
+        if sel is not None:
+            loss = loss[sel]
+        loss = loss.reshape(tuple(target.shape) if probs is None else tuple(target.shape[:-1]))
     loss = loss.to(loss_dtype)
     if return_logits:
         logits = logits.reshape(*lead, weight.shape[0])
     return loss, logits
 
 
+def _row_ops(x, row_ops):
+    """Apply the logits chain's row reshapes / slices to ``x`` (``h``, or a row-index tensor with a trailing dim)."""
+    for op, a in row_ops:
+        if op == "flatten":
+            x = x.flatten(0, -2)
+        elif op == "reshape":
+            x = x.reshape(*a, x.shape[-1])
+        else:
+            x = x[a]
+    return x
+
+
 def graph_cross_entropy(logits, target, class_weight, ignore_index: int, reduction: str, label_smoothing: float,
-                        loss_dtype):
-    """What a rewritten plain cross-entropy site calls (``F.cross_entropy`` semantics, online)."""
+                        loss_dtype, classes_last: bool = False):
+    """What a rewritten plain cross-entropy site calls (``F.cross_entropy`` semantics, online).
+
+    ``classes_last``: ``logits`` (any rank) have the classes on their last dim and ``target`` holds class
+    indices for its rows in order (``nll_loss(log_softmax(x, -1).view(-1, V), y)``,
+    ``cross_entropy(x.transpose(1, 2), y)``); the loss has ``target``'s shape."""
     from ..kernels.cross_entropy import cross_entropy
 
+    if classes_last:
+        loss = cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), class_weight, ignore_index,
+                             reduction, label_smoothing, dim=1, dtype=loss_dtype)
+        return loss.reshape(target.shape) if reduction == "none" else loss
     return cross_entropy(logits, target, class_weight, ignore_index, reduction, label_smoothing,
                          dim=1 if logits.dim() >= 2 else 0, dtype=loss_dtype)
 
@@ -630,13 +772,24 @@ def rewrite_ce(graph: Graph, m: CEMatch) -> None:
     with graph.inserting_before(m.anchor):
         if m.kind == "linear_cross_entropy":
             h = m.h
-            for idx in m.slices:
-                h = graph.call_function(operator.getitem, (h, idx))
+            kwargs: dict[str, Any] = {}
+            if m.compute_dtype is not None:
+                kwargs["compute_dtype"] = m.compute_dtype
+            if m.pad_rows:
+                kwargs["row_ops"] = tuple(m.row_ops)
+            else:
+                for op, a in m.row_ops:
+                    if op == "flatten":
+                        h = graph.call_method("flatten", (h, 0, -2))
+                    elif op == "reshape":
+                        h = graph.call_method("reshape", (h, (*a, -1)))
+                    else:
+                        h = graph.call_function(operator.getitem, (h, a))
             logits_dtype = _dtype(m.escape) if m.escape is not None else None
             call = graph.call_function(graph_linear_cross_entropy, (
                 h, m.weight, m.bias, m.target, m.class_weight, int(m.ignore_index), m.reduction,
                 float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, m.escape is not None, logits_dtype,
-                m.weight_t))
+                m.weight_t), kwargs)
             out = graph.call_function(operator.getitem, (call, 0))
             if m.escape is not None:
                 lg = graph.call_function(operator.getitem, (call, 1))
@@ -650,7 +803,7 @@ def rewrite_ce(graph: Graph, m: CEMatch) -> None:
         else:
             out = graph.call_function(graph_cross_entropy, (
                 m.logits, m.target, m.class_weight, int(m.ignore_index), m.reduction, float(m.label_smoothing),
-                loss_dtype))
+                loss_dtype), {"classes_last": True} if m.classes_last else {})
             call = out
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if k in m.anchor.meta:
@@ -677,14 +830,12 @@ def run_site(m: CEMatch, values: dict[str, Any]):
 
     loss_dtype = _dtype(m.anchor)
     if m.kind == "linear_cross_entropy":
-        h = get(m.h)
-        for idx in m.slices:
-            h = h[idx]
-        return graph_linear_cross_entropy(h, get(m.weight), get(m.bias), get(m.target), get(m.class_weight),
-                                          int(m.ignore_index), m.reduction, float(m.label_smoothing), float(m.scale),
-                                          m.softcap, loss_dtype, False, None, m.weight_t)[0]
+        return graph_linear_cross_entropy(_row_ops(get(m.h), m.row_ops), get(m.weight), get(m.bias), get(m.target),
+                                          get(m.class_weight), int(m.ignore_index), m.reduction,
+                                          float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, False, None,
+                                          m.weight_t, compute_dtype=m.compute_dtype)[0]
     return graph_cross_entropy(get(m.logits), get(m.target), get(m.class_weight), int(m.ignore_index), m.reduction,
-                               float(m.label_smoothing), loss_dtype)
+                               float(m.label_smoothing), loss_dtype, classes_last=m.classes_last)
 
 
 def input_nodes(m: CEMatch) -> list[Node]:
