@@ -97,6 +97,10 @@ def test_quick_demo_end_to_end(tmp_path):
     softmax_sites = [site for site in report["sites"] if site["kind"] == "softmax"]
     assert len(softmax_sites) >= settings["layers"], report
     assert all(site["action"] in ("rewritten", "kept", "skipped") for site in softmax_sites)
+    # the LM head + loss is one linear -> cross-entropy site (kept on CPU below 4096 classes: --quick has 2048)
+    ce_sites = [site for site in report["sites"] if site["kind"] == "linear_cross_entropy"]
+    assert [site["action"] for site in ce_sites] == ["kept"], ce_sites
+    assert "2048 classes" in ce_sites[0]["reason"]
 
 
 def _register_test_backends() -> None:
