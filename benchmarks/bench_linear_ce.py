@@ -35,6 +35,8 @@ Metrics, per variant (each variant runs in its own fresh subprocess, one after t
 
   step s        wall time of one step (forward + backward, x.grad and W.grad set to None before),
                 median of --rounds steps, after one warm-up step (which includes compilation).
+  cpu s         CPU seconds the process used during that step (all threads; median): with T threads
+                a step that keeps them busy reads about T x step s.
   warm-up s     that first step: compile + first run.
   peak GB       peak resident memory of the process during one step ABOVE its resident memory
                 just before the step (inputs, compiled code and libraries already resident, no
@@ -45,7 +47,12 @@ Metrics, per variant (each variant runs in its own fresh subprocess, one after t
                 needs beyond its unavoidable outputs.
   check         loss and gradients against eager's (same inputs, same seed): |dloss| / |loss|
                 <= --loss-rtol and max|dgrad| / max|grad_eager| <= --grad-rtol for x.grad and
-                W.grad, both finite and non-zero; otherwise FAILED (and the exit status is 1).
+                W.grad, both finite and non-zero; otherwise FAILED. The exit status is 1 when a
+                variant FAILED, raised an error or was killed (not when skipped or unavailable).
+
+  others        cores' worth of CPU that OTHER processes used while the variant ran (machine-wide
+                busy time from /proc/stat minus this benchmark's own). Above ~0.1 the variant shared
+                the CPUs and its step time is inflated; rerun it on a quiet machine.
 
 GB = 10^9 bytes. (/ind) = ratio to inductor in the same run (< 1: faster / smaller).
 
@@ -304,10 +311,13 @@ def run_worker(spec_path: str) -> int:
             w.grad = None
             loss = None
             with StepPeak() as m:
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 loss = step()
                 dt = time.perf_counter() - t0
+                cpu = time.process_time() - c0
             out["step_s"].append(dt)
+            out.setdefault("step_cpu_s", []).append(cpu)
             out["peak_bytes"].append(m.peak)
             out["base_rss_bytes"].append(m.base)
             out["mem_method"] = m.method
@@ -460,6 +470,7 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
     th = threading.Thread(target=reader, daemon=True)
     th.start()
     t0 = time.monotonic()
+    busy0, ru0 = _busy_cpu_s(), _children_cpu_s()
     max_rss = 0
     killed = None
     while proc.poll() is None:
@@ -478,6 +489,11 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
         time.sleep(0.05)
     proc.wait()
     th.join(timeout=5)
+    wall = time.monotonic() - t0
+    busy1, ru1 = _busy_cpu_s(), _children_cpu_s()
+    others = None
+    if busy0 is not None and busy1 is not None and wall > 0:
+        others = max(0.0, (busy1 - busy0) - (ru1 - ru0)) / wall
     res: dict[str, Any]
     if killed:
         res = {"variant": spec["variant"], "vocab": spec["vocab"], "status": "killed", "error": killed}
@@ -490,8 +506,32 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
     if res.get("status") in ("error", "killed") and tail:
         res["log_tail"] = "\n".join(tail)
     res["sampled_max_rss_bytes"] = max_rss
-    res["wall_s"] = time.monotonic() - t0
+    res["wall_s"] = wall
+    res["other_load"] = others  # cores' worth of CPU used by other processes while this variant ran
     return res
+
+
+def _busy_cpu_s() -> float | None:
+    """Non-idle CPU seconds of the whole machine so far (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    busy = sum(vals[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (the worker, once reaped)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF):
+        ru = resource.getrusage(who)
+        total += ru.ru_utime + ru.ru_stime
+    return total
 
 
 # --------------------------------------------------------------------------- output
@@ -514,6 +554,8 @@ def summarize(res: dict) -> dict:
     s: dict[str, Any] = {}
     if res.get("step_s"):
         s["step_s"] = statistics.median(res["step_s"])
+    if res.get("step_cpu_s"):
+        s["cpu_s"] = statistics.median(res["step_cpu_s"])
     if res.get("peak_bytes"):
         s["peak_gb"] = max(res["peak_bytes"]) / GB
         s["transient_gb"] = (max(res["peak_bytes"]) - res["grads_bytes"]) / GB
@@ -521,8 +563,8 @@ def summarize(res: dict) -> dict:
 
 
 def table(results: list[dict], vocabs: list[int]) -> tuple[list[str], list[list[str]]]:
-    head = ["V", "variant", "step s (/ind)", "warm-up s", "peak GB (/ind)", "transient GB (/ind)",
-            "loss", "rel dloss", "rel dx", "rel dW", "check", "smx report / note"]
+    head = ["V", "variant", "step s (/ind)", "cpu s", "warm-up s", "peak GB (/ind)", "transient GB (/ind)",
+            "loss", "rel dloss", "rel dx", "rel dW", "check", "others", "smx report / note"]
     rows = []
     for v in vocabs:
         rs = [r for r in results if r["vocab"] == v and r["variant"] != "reference"]
@@ -552,11 +594,13 @@ def table(results: list[dict], vocabs: list[int]) -> tuple[list[str], list[list[
                 note = (r.get("error") or "")[:110]
             elif st == "FAILED":
                 note = (note + " " + chk.get("why", "")).strip()
-            rows.append([str(v), r["variant"], rat("step_s"), _fmt_num(r.get("warmup_s"), 1), rat("peak_gb"),
-                         rat("transient_gb"), f"{r['loss']:.6f}" if "loss" in r else "-",
+            others = r.get("other_load")
+            rows.append([str(v), r["variant"], rat("step_s"), _fmt_num(s.get("cpu_s")), _fmt_num(r.get("warmup_s"), 1),
+                         rat("peak_gb"), rat("transient_gb"), f"{r['loss']:.6f}" if "loss" in r else "-",
                          f"{chk['loss_rel']:.1e}" if "loss_rel" in chk else "-",
                          f"{chk['dx_rel']:.1e}" if "dx_rel" in chk else "-",
-                         f"{chk['dw_rel']:.1e}" if "dw_rel" in chk else "-", st, note])
+                         f"{chk['dw_rel']:.1e}" if "dw_rel" in chk else "-", st,
+                         f"{others:.2f}" if others is not None else "-", note])
     return head, rows
 
 
@@ -812,7 +856,12 @@ def main(argv: list[str] | None = None) -> int:
                     s = summarize(res)
                     log(f"[V={v}] {name}: {res.get('status')}"
                         + (f", step {s['step_s']:.3f} s, peak {s['peak_gb']:.3f} GB, transient "
-                           f"{s['transient_gb']:.3f} GB" if s else f" ({res.get('error', '')})"))
+                           f"{s['transient_gb']:.3f} GB" if s else f" ({res.get('error', '')})")
+                        + (f"; other processes used {res['other_load']:.2f} cores meanwhile"
+                           if res.get("other_load") is not None else ""))
+                    if (res.get("other_load") or 0) > 0.1:
+                        log(f"WARNING: V={v} {name} shared the CPUs with other processes "
+                            f"({res['other_load']:.2f} cores): its time is inflated")
                     if res.get("status") == "error" and res.get("traceback"):
                         log(res["traceback"])
                 res["estimated_rss_bytes"] = est
@@ -847,8 +896,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"smx report V={r['vocab']}: {r['smx_report']['graphs']} graph(s), sites per kind "
                   f"{r['smx_report']['sites'] or '{}'}; last_report().summary() = {r['smx_report']['last_report']}")
     mm = next((r.get("mem_method") for r in results if r.get("mem_method")), None)
-    print(f"memory: {mm}; peak = max over rounds of (VmHWM during the step - VmRSS just before it); "
-          "transient = peak - (N*D + V*D)*4 gradient bytes")
+    if mm:
+        print(f"memory: {mm}; peak = max over rounds of (VmHWM during the step - VmRSS just before it); "
+              "transient = peak - (N*D + V*D)*4 gradient bytes")
     if args.plot:
         msg = plot(results, args.vocab, variants, args.plot, f"{command}\n{title}")
         print(msg if msg else f"wrote {args.plot}")
@@ -862,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n$ {command}   ({time.monotonic() - t_start:.0f} s)")
     if args.json:
         print(f"wrote {args.json}")
-    bad = [r for r in results if r.get("status") in ("FAILED", "error")]
+    bad = [r for r in results if r.get("status") in ("FAILED", "error", "killed")]
     for r in bad:
         print(f"{r['status']}: V={r['vocab']} {r['variant']}: {r.get('check', {}).get('why') or r.get('error')}")
     return 1 if bad else 0

@@ -1,4 +1,4 @@
-"""Cut cross-entropy on CPU: ``smxcompile.linear_cross_entropy`` / ``smxcompile.cross_entropy`` and the ``smx::*ce*`` ops.
+"""Cut cross-entropy on CPU: ``smxcompile.linear_cross_entropy``, ``smxcompile.cross_entropy``, the ``smx::*ce*`` ops.
 
 Accuracy criterion (the project's, forward AND gradients of input, weight and bias): against an fp64
 gold, our error may not exceed torch's own error (torch run in the input dtype:
@@ -356,6 +356,12 @@ def test_half_inputs_against_gold(name, dtype, reduction):
     x, w, b, t = make_problem(dtype=dtype, bias=bias, seed=4)
     lo, go = check_linear(x, w, b, t, reduction=reduction, chunk_bytes=SMALL_CHUNK, **o)
     assert lo.dtype == dtype and all(g.dtype == dtype for g in go)
+    # fp32 math inside: from the same half logits (one chunk: F.linear's very matmul), the loss is torch's
+    # fp32 cross-entropy of those logits, rounded once
+    with torch.no_grad():
+        ours = LCE(x, w, t, bias=b, reduction=reduction, **o).double()
+        ref32 = ce_reference(F.linear(x, w, b).float(), t, reduction=reduction, **o).double()
+    assert ((ours - ref32).abs() <= eps(dtype) / 2 * ref32.abs() + 1e-6 * (1 + ref32.abs())).all(), (ours, ref32)
 
 
 def test_grad_weight_fp32_accumulation_bf16():
@@ -375,23 +381,32 @@ def test_grad_weight_fp32_accumulation_bf16():
         assert e_ours <= e_torch, (name, e_ours, e_torch)
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_scaled_upstream_gradient_half(dtype):
-    """A loss scaler's grad_output (2^14): the fused path scales its precomputed gradients only in the
-    backward; they must not have underflowed (fp16) or been rounded twice beyond torch's error."""
-    x, w, b, t = make_problem((1024,), d=16, v=512, dtype=dtype, bias=False, ignore_frac=0.0, seed=6)
+@pytest.mark.parametrize("dtype,factor,loss_dtype", [
+    (torch.float16, 2.0**14, None), (torch.bfloat16, 2.0**14, None),
+    (torch.bfloat16, 1 / 3, torch.float32), (torch.float16, 1 / 3, torch.float32),
+], ids=["fp16-scaler", "bf16-scaler", "bf16-third-fp32loss", "fp16-third-fp32loss"])
+def test_scaled_upstream_gradient_half(dtype, factor, loss_dtype):
+    """The fused path computes its gradients for grad_output 1 and scales them in the backward: under a loss
+    scaler's 2^14 they must not have underflowed (fp16), and an fp32 grad_output (1/3, from an fp32 loss) must
+    not be rounded to the half dtype first. Normwise error no worse than torch's (logits cast to the loss
+    dtype: F.cross_entropy(F.linear(...).to(loss_dtype)))."""
+    x, w, b, t = make_problem((512,), d=32, v=256, dtype=dtype, ignore_frac=0.0, seed=6)
     res = {}
     for who in ("ours", "torch", "gold"):
         dt = torch.float64 if who == "gold" else dtype
-        xx, ww = (u.to(dt).requires_grad_() for u in (x, w))
-        f = LCE(xx, ww, t) if who == "ours" else F.cross_entropy(F.linear(xx, ww), t)
-        res[who] = torch.autograd.grad(f, (xx, ww), torch.full_like(f, 2.0**14))
-    for i, name in enumerate(("grad_input", "grad_weight")):
+        xx, ww, bb = (u.to(dt).requires_grad_() for u in (x, w, b))
+        if who == "ours":
+            f = LCE(xx, ww, t, bias=bb, dtype=loss_dtype)
+        else:
+            f = F.cross_entropy(F.linear(xx, ww, bb).to(loss_dtype or dt), t)
+        res[who] = torch.autograd.grad(f, (xx, ww, bb), torch.full_like(f, factor))
+    for i, name in enumerate(("grad_input", "grad_weight", "grad_bias")):
         gold = res["gold"][i]
         e_ours = (res["ours"][i].double() - gold).norm() / gold.norm()
         e_torch = (res["torch"][i].double() - gold).norm() / gold.norm()
-        assert e_ours <= 1.1 * e_torch, (name, e_ours.item(), e_torch.item())
-        assert not (res["ours"][i] == 0).any(), name
+        assert e_ours <= 1.05 * e_torch, (name, e_ours.item(), e_torch.item())
+        # no more flushed to zero than torch's (fp16 subnormals: a 1/3 of p / N may legitimately be 0)
+        assert (res["ours"][i] == 0).sum() <= (res["torch"][i] == 0).sum(), name
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -507,18 +522,20 @@ def test_token_weight_formula(reduction):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("fn", ["linear", "plain"])
 def test_token_weight_gradient(fn, reduction):
-    """A token_weight that requires grad gets its gradient (the fused op has none: the stats path runs)."""
+    """A token_weight that requires grad gets its gradient, also where the fused op would run (it has none
+    for token_weight: the stats path runs)."""
     x, w, b, t = make_problem(seed=13)
+    x.requires_grad_()
     tw = (torch.rand(N) + 0.5).requires_grad_()
     if fn == "linear":
         out = LCE(x, w, t, bias=b, token_weight=tw, reduction=reduction, lse_square_scale=0.01)
     else:
         out = CE(F.linear(x, w, b), t, token_weight=tw, reduction=reduction, lse_square_scale=0.01)
-    g = torch.autograd.grad(out.sum(), tw)[0]
-    tw64 = tw.detach().double().requires_grad_()
-    ref = reference(x.double(), w.double(), b.double(), t, token_weight=tw64, reduction=reduction,
-                    lse_square_scale=0.01)
-    torch.testing.assert_close(g.double(), torch.autograd.grad(ref.sum(), tw64)[0], rtol=1e-5, atol=1e-6)
+    g = torch.autograd.grad(out.sum(), (tw, x))
+    tw64, x64 = tw.detach().double().requires_grad_(), x.detach().double().requires_grad_()
+    ref = reference(x64, w.double(), b.double(), t, token_weight=tw64, reduction=reduction, lse_square_scale=0.01)
+    for a, c in zip(g, torch.autograd.grad(ref.sum(), (tw64, x64))):
+        torch.testing.assert_close(a.double(), c, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("fn", ["linear", "plain"])
@@ -917,6 +934,10 @@ def test_cross_entropy_dims_like_torch():
     zp = torch.randn(7, 6, generator=gen).t()
     tp = torch.randint(0, 7, (6,), generator=gen)
     torch.testing.assert_close(CE(zp, tp, label_smoothing=0.1), F.cross_entropy(zp, tp, label_smoothing=0.1))
+    # int32 / int16 class indices
+    for dt in (torch.int32, torch.int16):
+        torch.testing.assert_close(CE(zp, tp.to(dt)), F.cross_entropy(zp, tp))
+        torch.testing.assert_close(LCE(zp, torch.eye(7), tp.to(dt)), F.cross_entropy(zp, tp))
 
 
 # --------------------------------------------------------------------------- autocast
@@ -1093,15 +1114,17 @@ def test_gradcheck_fp64(fn, kw, reduction):
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph_inductor(reduction, paths):
+@pytest.mark.parametrize("fn,reduction", [("linear", "mean"), ("linear", "none"), ("plain", "mean")])
+def test_compile_fullgraph_inductor(fn, reduction, paths):
     x, w, b, t = make_problem((3, 5), seed=32)
     cw = torch.rand(V) + 0.5
 
     def f(x, w, b, t):
-        out = LCE(x, w, t, bias=b, class_weight=cw, reduction=reduction, label_smoothing=0.1,
-                  lse_square_scale=1e-3, softcap=20.0, chunk_bytes=SMALL_CHUNK)
-        return out.sum()
+        kw = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0,
+                  chunk_bytes=SMALL_CHUNK)
+        if fn == "plain":
+            return CE(F.linear(x, w, b), t, cw, dim=-1, **kw).sum()
+        return LCE(x, w, t, bias=b, class_weight=cw, **kw).sum()
 
     cf = torch.compile(f, fullgraph=True, backend="inductor")
     res = []
@@ -1111,7 +1134,8 @@ def test_compile_fullgraph_inductor(reduction, paths):
         res.append((loss.detach(), *torch.autograd.grad(loss, (xx, ww, bb))))
     for a, c in zip(*res):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
-    assert paths.calls.get("_linear_ce_loss" if reduction == "mean" else "_linear_ce_stats", 0) >= 2
+    op = "_ce_stats" if fn == "plain" else "_linear_ce_loss" if reduction == "mean" else "_linear_ce_stats"
+    assert paths.calls.get(op, 0) >= 2  # the compiled function called our op (and so did eager)
 
 
 def _core(x, w, b, t, reduction, *, scale=1.0, softcap=None, logits_dtype=None):
@@ -1198,15 +1222,16 @@ def _largest_allocation(fn) -> int:
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_largest_temporary_is_a_chunk(reduction):
     """N x V fp32 logits never exist: no single allocation reaches a quarter of them during fwd + bwd
-    (chunk_bytes = 1 MiB; grad_weight is V x D). Control: torch's F.linear + F.cross_entropy does."""
-    n, d, v = 256, 16, 20000
+    (chunk_bytes = 512 KiB: 8 rows; grad_weight is V x D = 512 KiB).
+    Control: torch's F.linear + F.cross_entropy does."""
+    n, d, v = 128, 8, 16384
     x, w, _, t = make_problem((n,), d=d, v=v, bias=False, seed=34)
     x.requires_grad_()
     w.requires_grad_()
     limit = n * v * 4 // 4
 
     def ours():
-        LCE(x, w, t, reduction=reduction, chunk_bytes=1 << 20).sum().backward()
+        LCE(x, w, t, reduction=reduction, chunk_bytes=1 << 19).sum().backward()
 
     def theirs():
         F.cross_entropy(F.linear(x, w), t, reduction=reduction).sum().backward()

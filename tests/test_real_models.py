@@ -23,6 +23,14 @@ forward and once per layer backward, the results match eager, and the same compi
 deliberately broken kernel (additive mask ignored) fails the comparison, which shows the
 tolerances catch a wrong softmax.
 
+For GPT-2, Llama, Mistral (causal LM, some labels -100) and BERT (masked LM: labels -100 except at
+the masked positions) with a 5000-token vocabulary (at least ``CPU_MIN_VOCAB``, so the default CPU
+policy rewrites it), the LM head + loss is cut cross-entropy: the backend report has exactly one
+``linear_cross_entropy`` site, ``rewritten``, whose logits are also returned; the compiled training
+step runs the fused CPU kernel once and matches eager (loss, logits, every gradient). Mistral's
+step passes ``num_items_in_batch`` (transformers' gradient-accumulation normalisation: a sum over
+the tokens divided by that count).
+
 Tolerances (fp32 against eager fp32): the compiled results differ from eager only by Inductor's
 re-association, measured at about 2e-7 relative (``||got - ref|| / ||ref||`` over all outputs, and
 over all gradients). Each tensor must satisfy ``max|got - ref| <= ATOL + RTOL * max|ref|`` with
@@ -82,9 +90,9 @@ class Case:
         return got
 
 
-def _token_inputs(padded: bool) -> dict[str, torch.Tensor]:
+def _token_inputs(padded: bool, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     inputs = {"input_ids": ids, "labels": ids.clone()}
     if padded:  # right padding on the second row: a real padding mask on top of the causal one
         am = torch.ones(BATCH, SEQ, dtype=torch.long)
@@ -94,9 +102,9 @@ def _token_inputs(padded: bool) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _gpt2() -> Case:
+def _gpt2(vocab: int = VOCAB) -> Case:
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=HIDDEN, n_layer=N_LAYERS, n_head=HEADS,
+        vocab_size=vocab, n_positions=SEQ * 2, n_embd=HIDDEN, n_layer=N_LAYERS, n_head=HEADS,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         attn_implementation="eager",
     )
@@ -104,33 +112,35 @@ def _gpt2() -> Case:
     # "GPT2LMHeadModel" names no loss in transformers' LOSS_MAPPING, so each call logs a
     # warning_once, which is a Dynamo graph break; name the loss it falls back to anyway.
     model.loss_type = "ForCausalLM"
-    return Case("gpt2", "gpt2", model, _token_inputs(padded=False), has_mask=True)
+    return Case("gpt2", "gpt2", model, _token_inputs(padded=False, vocab=vocab), has_mask=True)
 
 
 def _llama_like(name: str, config_cls: str, model_cls: str, **extra: Any) -> Callable[[], Case]:
-    def make() -> Case:
+    def make(vocab: int = VOCAB) -> Case:
         cfg = getattr(transformers, config_cls)(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYERS,
+            vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYERS,
             num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,   # GQA: 2 kv heads for 4 heads
             max_position_embeddings=SEQ * 4, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
             pad_token_id=0, attn_implementation="eager", **extra,
         )
         assert cfg.num_key_value_heads < cfg.num_attention_heads
-        return Case(name, name, getattr(transformers, model_cls)(cfg), _token_inputs(padded=True), has_mask=True)
+        return Case(name, name, getattr(transformers, model_cls)(cfg), _token_inputs(padded=True, vocab=vocab),
+                    has_mask=True)
 
     return make
 
 
-def _bert() -> Case:
+def _bert(vocab: int = VOCAB) -> Case:
     cfg = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS, num_attention_heads=HEADS,
+        vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ * 2, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
-    return Case("bert", "bert", transformers.BertForMaskedLM(cfg), _token_inputs(padded=True), has_mask=True)
+    return Case("bert", "bert", transformers.BertForMaskedLM(cfg), _token_inputs(padded=True, vocab=vocab),
+                has_mask=True)
 
 
-def _vit() -> Case:
+def _vit(vocab: int = VOCAB) -> Case:   # (no vocabulary: an image classifier)
     cfg = transformers.ViTConfig(
         image_size=32, patch_size=8, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS,
         num_attention_heads=HEADS, intermediate_size=2 * HIDDEN, hidden_dropout_prob=0.0,
@@ -155,9 +165,9 @@ COMPILED = ["gpt2", "llama", "mistral", "bert", "vit"]
 FORCED = ["gpt2", "llama", "mistral", "bert"]
 
 
-def make_case(name: str) -> Case:
+def make_case(name: str, vocab: int = VOCAB) -> Case:
     torch.manual_seed(0)
-    case = FACTORIES[name]()
+    case = FACTORIES[name](vocab=vocab)
     case.model.train()
     assert case.model.config._attn_implementation == "eager"
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules())
@@ -339,3 +349,75 @@ def test_forced_rewrite_matches_eager(name):
         assert mismatches(bad_out, ref_out), "a softmax that ignores the mask went unnoticed"
         assert mismatches(bad_grads, ref_grads)
         assert global_rel_err(bad_grads, ref_grads) > 10 * RTOL
+
+
+# --------------------------------------------------------------------------- the LM loss: cut cross-entropy
+
+CE_VOCAB = 5000   # >= CPU_MIN_VOCAB: the default CPU policy rewrites the LM head + loss
+MASK_ID = 4       # BERT's [MASK] in these tests (any id < CE_VOCAB)
+
+# the module, not the ``cross_entropy`` function that ``smxcompile.kernels`` re-exports under the same name
+ce_kernels = importlib.import_module("smxcompile.kernels.cross_entropy")
+
+
+def make_ce_case(name: str) -> Case:
+    case = make_case(name, vocab=CE_VOCAB)
+    ids, labels = case.inputs["input_ids"], case.inputs["labels"]
+    if name == "bert":
+        # masked LM: a few masked positions carry the labels, every other position is ignored
+        labels.fill_(-100)
+        for b, t in ((0, 1), (0, 6), (0, 11), (1, 3), (1, 8)):
+            labels[b, t] = ids[b, t]
+            ids[b, t] = MASK_ID
+    else:
+        labels[0, :3] = -100   # ignored prompt tokens (Llama / Mistral also ignore the padding)
+    return case
+
+
+@contextlib.contextmanager
+def fused_ce_spy():
+    """Count runtime calls of the fused CPU linear cross-entropy (``_fused_forward``: loss and gradients
+    in one pass over the logits chunks), which the compiled step reaches through ``smx::linear_ce_loss``."""
+    calls = {"fused_forward": 0}
+    real = ce_kernels._fused_forward
+
+    def spy(*a, **k):
+        calls["fused_forward"] += 1
+        return real(*a, **k)
+
+    ce_kernels._fused_forward = spy
+    try:
+        yield calls
+    finally:
+        ce_kernels._fused_forward = real
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bert"])
+def test_lm_loss_is_cut_cross_entropy(name):
+    case = make_ce_case(name)
+    n_valid = int((case.inputs["labels"] != -100).sum())
+    if name == "mistral":
+        # transformers' gradient accumulation: the loss is a sum over the tokens / this count
+        case.inputs["num_items_in_batch"] = torch.tensor(n_valid + 3)
+    ref_out, ref_grads = train_step(case, case.model)
+    with fused_ce_spy() as calls:
+        (_, (out, grads)), report = compile_and_step(case, None)
+    ce = [s for s in report if s.kind in ("linear_cross_entropy", "cross_entropy")]
+    assert [(s.kind, s.action) for s in ce] == [("linear_cross_entropy", "rewritten")], str(report)
+    site = ce[0]
+    assert site.op == "smx::linear_cross_entropy" and not site.reason
+    # the model returns its logits: the op writes them (fp32 here) and the loss reads the same chunks
+    assert f"logits {BATCH}x{SEQ}x{CE_VOCAB} float32 are also a graph output" in site.detail, site
+    assert ("reduction=sum" if name == "mistral" else "reduction=mean") in site.detail, site
+    assert calls == {"fused_forward": 1}, calls   # one training step, one pass over the logits chunks
+    assert set(out) == {"loss", "logits"} and out["logits"].shape == (BATCH, SEQ, CE_VOCAB)
+    assert not mismatches(out, ref_out), mismatches(out, ref_out)
+    assert not mismatches(grads, ref_grads), mismatches(grads, ref_grads)
+    assert sum(g is not None for g in grads.values()) > 0
+    if name == "mistral":
+        # really normalised by num_items_in_batch, not by the number of valid tokens
+        logits = ref_out["logits"][:, :-1].reshape(-1, CE_VOCAB)
+        labels = case.inputs["labels"][:, 1:].reshape(-1)
+        want = torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / (n_valid + 3)
+        torch.testing.assert_close(out["loss"], want, rtol=1e-5, atol=1e-6)

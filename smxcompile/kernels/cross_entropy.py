@@ -647,7 +647,7 @@ def _fused_forward(input, weight, bias, target, class_weight, token_weight, igno
             gb.add_(g.sum(0))
     loss, zl = _compose(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
                         z_scale)
-    return loss, zl, lse, gi, gw.to(gdt), (gb.to(_saved_grad_dtype(bias.dtype)) if gb is not None else None)
+    return loss, zl, lse, gi, gw.to(gdt), gb  # gb: V numbers, kept in fp32 (fp64): rounded once, in the backward
 
 
 @torch.library.custom_op("smx::linear_ce_loss", mutates_args=())
@@ -670,8 +670,8 @@ def _linear_ce_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, z_loss, logits, grad_input, grad_weight, grad_bias) for grad_output = 1; fp32 loss.
 
-    The gradients have the dtype of input / weight / bias, except fp16: fp32 (see
-    :func:`_saved_grad_dtype`)."""
+    The gradients of input / weight have their dtype, except fp16: fp32 (see
+    :func:`_saved_grad_dtype`); the bias's is fp32 (fp64 for fp64)."""
     n, v = input.shape[0], weight.shape[0]
     logits_out = None
     if return_logits:
@@ -694,7 +694,7 @@ def _(input, weight, bias, target, class_weight, token_weight, ignore_index, red
     return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc), logits,
             torch.empty_like(input, dtype=_saved_grad_dtype(input.dtype)),
             torch.empty_like(weight, dtype=_saved_grad_dtype(weight.dtype)),
-            torch.empty_like(bias, dtype=_saved_grad_dtype(bias.dtype)) if bias is not None else weight.new_empty(0))
+            torch.empty_like(bias, dtype=acc) if bias is not None else weight.new_empty(0))
 
 
 @torch.library.custom_op("smx::linear_ce_loss_backward", mutates_args=())
@@ -1009,7 +1009,8 @@ def linear_cross_entropy(
         return_lse: also return the per-token log-sum-exp (fp32, differentiable).
         return_z_loss: also return the z-loss term alone (detached; it is already in ``loss``).
         dtype: dtype of the loss; default ``input.dtype`` (as ``F.cross_entropy`` on logits of
-            that dtype). The math is fp32 for half inputs (fp64 for fp64).
+            that dtype; under autocast fp32, as torch's autocast runs cross-entropy in fp32).
+            The math is fp32 for half inputs (fp64 for fp64).
         filter_eps: gradient filtering threshold of CCE (CUDA only; skips gradient tiles whose
             entries are all below it). None (default) is exact.
         chunk_bytes: size of one logits chunk on the torch path (default 32 MiB).
@@ -1020,11 +1021,15 @@ def linear_cross_entropy(
         accumulation), and to ``lse`` when it is used.
 
     Raises:
-        TypeError: non-tensor or non-float ``input``/``weight``, integer targets of another
-            dtype kind, a non-int ``ignore_index``.
-        ValueError: mismatched shapes (``D``, rows of ``target``, ``(V,)`` of bias/class_weight),
-            an unknown ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``softcap <= 0``,
-            ``ignore_index`` with probability targets used together with ``token_weight`` shape errors.
+        TypeError: non-tensor or non-float ``input``/``weight``, ``input``/``weight``/``bias`` of
+            different dtypes (as ``F.linear``), targets neither integer nor float, a non-int
+            ``ignore_index``, a non-float ``dtype``.
+        ValueError: mismatched shapes (``D``, rows of ``target``, ``(V,)`` of bias/class_weight,
+            ``token_weight``), an unknown ``reduction``, ``label_smoothing`` outside ``[0, 1]``,
+            ``softcap`` not finite and > 0, ``lse_square_scale < 0``.
+        NotImplementedError: a gradient needed for probability targets or ``class_weight``
+            (torch raises a RuntimeError for the latter; NotImplementedError is one).
+        RuntimeError: tensors on different devices.
         IndexError: a (non-ignored) target outside ``[0, V)`` (CPU; on CUDA that token's loss is NaN).
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024);

@@ -3,19 +3,24 @@
 Matched in the Dynamo (pre-grad) graph, where the loss is still one call:
 
 * ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``, inlined to it), ``F.nll_loss(F.log_softmax(x))``
-  and ``F.linear_cross_entropy``;
+  (also with the log-probabilities flattened in between: ``nll_loss(lprobs.view(-1, V), y.view(-1))``)
+  and ``F.linear_cross_entropy``; 3-D logits whose classes were moved to dim 1 for the loss
+  (``F.cross_entropy(logits.transpose(1, 2), y)``) count as classes-last logits;
 * whose logits come from ``F.linear`` / ``nn.Linear``, ``x @ W.T``, ``matmul(x, M)`` with a 2-D
   ``M``, or ``addmm`` (GPT-2's Conv1D), through the ops real code puts in between: up-casts
   (``.float()``), ``view``/``reshape``/``flatten`` of the token dims, next-token shifting by
-  slicing (``logits[..., :-1, :]``), temperature (``x / T``, ``x * s``) and soft-capping
-  (``cap * tanh(x / cap)``).
+  slicing (``logits[..., :-1, :]``, also of flattened rows: ``logits.view(-1, V)[:-1]``), temperature
+  (``x / T``, ``x * s``) and soft-capping (``cap * tanh(x / cap)``).
 
 Such a site (kind ``linear_cross_entropy``) is replaced by
 :func:`smxcompile.kernels.cross_entropy` 's cut cross-entropy (Wijmans et al., "Cut Your
 Losses in Large-Vocabulary Language Models", 2024): the N x V logits, their fp32 copy, the
 log-softmax and the logits gradient are never materialized. When the logits are also
 returned by the graph (Hugging Face models return them), the op writes them once, in their
-own dtype, and computes the loss from the same chunks; only that returned tensor remains.
+own dtype, and computes the loss from the same chunks; only that returned tensor remains. When the
+loss reads only some rows of the returned logits (the next-token shift), every row is computed and the
+dropped ones get ``ignore_index`` targets. Under autocast the layer's dtype is applied explicitly, so a
+loss outside the autocast region still sees the logits the layer computed.
 
 Cross-entropy on logits that do not come from a linear layer (kind ``cross_entropy``)
 becomes the online CE op ``smx::ce_stats`` (no log-softmax, no fp32 copy).
@@ -210,7 +215,7 @@ def _loss_call(node: Node) -> CEMatch | None:
 
 def _keeps_last_dim(n: Node) -> bool:
     """A view/reshape/flatten/contiguous whose input and output have the same (known) last dim."""
-    if not ((n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS)):
+    if not (n.op == "call_method" and n.target in _VIEW_METHODS or n.op == "call_function" and n.target in _VIEW_FNS):
         return False
     if not n.args or not isinstance(n.args[0], Node) or (n.target in ("contiguous", "clone") and n.kwargs):
         return False
@@ -230,7 +235,7 @@ def _same_shape(a: tuple, b: tuple) -> bool:
 
 
 def _classes_moved_to_dim1(n: Any) -> Node | None:
-    """``x`` when ``n`` is a 3-D ``x.transpose(1, 2)`` (``permute(0, 2, 1)``, ``movedim(-1, 1)``, ``swapaxes``), else None."""
+    """``x`` when ``n`` is a 3-D ``x.transpose(1, 2)`` (``permute(0, 2, 1)``, ``movedim(-1, 1)``, ``swapaxes``...)."""
     if not isinstance(n, Node) or n.op not in ("call_method", "call_function"):
         return None
     nv = tensor_val(n)
@@ -394,7 +399,17 @@ def _walk_to_linear(m: CEMatch) -> str:
             if hv is None or ov is None or not _same(ov.shape[-1], v):
                 return "the linear layer's output does not keep the class dim last"
             m.linear, (m.h, m.weight, m.weight_t, m.bias) = n, lin
+            # ``x @ W.T``: the transpose of W goes with the matmul (unless something else reads it)
+            other = n.args[1] if n.op == "call_function" and len(n.args) == 2 else None
+            if isinstance(other, Node) and other is not m.weight and other.args and other.args[0] is m.weight \
+                    and len(other.users) == 1:
+                chain.append(other)
             break
+        if n.op not in ("call_function", "call_method"):
+            # a graph input (the model and the loss in different graphs, or a loss function compiled alone)
+            return f"logits come from '{n.name}' ({n.op}), not a linear layer"
+        if not n.args:
+            return f"logits come from '{n.name}' ({n.target}), not a linear layer"
         nv = tensor_val(n)
         if nv is None:
             return f"'{n.name}' has no recorded value"
@@ -541,6 +556,8 @@ def _check_escapes(m: CEMatch) -> str:
     m.note = (f"logits {shape} {str(ev.dtype).replace('torch.', '') if ev is not None else ''} are also a graph "
               "output: written once by the op and kept (they are returned); no fp32 copy, log-softmax or "
               "logits-gradient buffer")
+    if m.pad_rows:
+        m.note += "; every row is computed (returned), the rows the loss slices off get ignore_index"
     return ""
 
 
@@ -705,14 +722,17 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
     from ..kernels.cross_entropy import DEFAULT_CHUNK_BYTES, _autocast, _linear_ce_core
 
     if weight_t:
-        weight = weight.t()
+        weight = weight.t()   # a (D, V) classifier (Conv1D / ``x @ M``): made row-major (V, D) below
     if compute_dtype is not None:
         h, weight, bias = (None if t is None else t.to(compute_dtype) for t in (h, weight, bias))
     else:
         h, weight, bias = _autocast(h, weight, bias)
     d = h.shape[-1]
     lead = tuple(h.shape[:-1])
-    x2 = h.reshape(-1, d)
+    # row-major operands: the ops' fake implementations give the gradients the strides of input / weight,
+    # the real ones contiguous tensors (``F.linear(x.t(), W)``, ``F.linear(h, M.t())``); no copy otherwise
+    x2 = h.reshape(-1, d).contiguous()
+    weight = weight.contiguous()
     sel = None
     if target.dtype.is_floating_point:
         tgt, probs = None, target.reshape(-1, weight.shape[0])
