@@ -1238,3 +1238,24 @@ def test_largest_temporary_is_a_chunk(reduction):
 
     assert _largest_allocation(theirs) >= n * v * 4  # the measurement sees the logits
     assert _largest_allocation(ours) < limit
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_with_transposed_weight(reduction):
+    """A non-row-major weight (``M.t()``): the ops' fake outputs are contiguous like the real ones."""
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    m = torch.randn(8, 300, requires_grad=True)
+    y = torch.randint(0, 300, (6,))
+
+    def f(h, m, y):
+        return smxcompile.linear_cross_entropy(h, m.t(), y, reduction=reduction).sum()
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="inductor", fullgraph=True)(h, m, y)
+    g_got = torch.autograd.grad(got, (h, m))
+    want = f(h, m, y)
+    g_want = torch.autograd.grad(want, (h, m))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)

@@ -92,6 +92,11 @@ def _autocast_off(fn):
     return run
 
 
+def _empty(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous empty tensor like ``t`` (the ops' outputs are contiguous, whatever ``t``'s strides)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -241,7 +246,7 @@ def _torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a
     acc = _acc_dtype(base)
     v = weight.shape[0] if raw_logits is None else raw_logits.shape[1]
     need_in, need_w, need_b = needs
-    gi = torch.empty_like(input) if (raw_logits is None and need_in) else None
+    gi = _empty(input) if (raw_logits is None and need_in) else None
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if (raw_logits is None and need_w) else None
     gb = torch.zeros(v, dtype=acc, device=weight.device) if (raw_logits is None and need_b) else None
     graw = torch.empty(raw_logits.shape, dtype=raw_logits.dtype, device=raw_logits.device) if raw_logits is not None else None
@@ -402,7 +407,7 @@ def _linear_ce_backward(
         gi, gw, gb = _torch_backward(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a,
                                      coef_b, coef_c, ignore_index, scale, softcap, logits, grad_logits,
                                      (need_input_grad, need_weight_grad, need_bias_grad), chunk_bytes)
-    gi = gi if gi is not None else input.new_empty(0)
+    gi = gi.contiguous() if gi is not None else input.new_empty(0)
     gw = gw.to(weight.dtype) if gw is not None else weight.new_empty(0)
     gb = gb.to(bias.dtype) if (gb is not None and bias is not None) else weight.new_empty(0)
     return gi, gw, gb
@@ -412,9 +417,9 @@ def _linear_ce_backward(
 def _(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a, coef_b, coef_c, ignore_index,
       scale, softcap, logits, grad_logits, filter_eps, need_input_grad, need_weight_grad, need_bias_grad,
       chunk_bytes):
-    gi = torch.empty_like(input) if need_input_grad else input.new_empty(0)
-    gw = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
-    gb = torch.empty_like(bias) if (need_bias_grad and bias is not None) else weight.new_empty(0)
+    gi = _empty(input) if need_input_grad else input.new_empty(0)
+    gw = _empty(weight) if need_weight_grad else weight.new_empty(0)
+    gb = _empty(bias) if (need_bias_grad and bias is not None) else weight.new_empty(0)
     return gi, gw, gb
 
 
@@ -692,9 +697,9 @@ def _(input, weight, bias, target, class_weight, token_weight, ignore_index, red
     n, v = input.shape[0], weight.shape[0]
     logits = input.new_empty((n, v), dtype=logits_dtype or input.dtype) if return_logits else input.new_empty(0)
     return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc), logits,
-            torch.empty_like(input, dtype=_saved_grad_dtype(input.dtype)),
-            torch.empty_like(weight, dtype=_saved_grad_dtype(weight.dtype)),
-            torch.empty_like(bias, dtype=acc) if bias is not None else weight.new_empty(0))
+            _empty(input, _saved_grad_dtype(input.dtype)),
+            _empty(weight, _saved_grad_dtype(weight.dtype)),
+            _empty(bias, acc) if bias is not None else weight.new_empty(0))
 
 
 @torch.library.custom_op("smx::linear_ce_loss_backward", mutates_args=())
@@ -751,7 +756,7 @@ def _scale_fused_grads(grad_loss, grad_input, grad_weight, grad_bias, grad_logit
 
 @_linear_ce_loss_backward.register_fake
 def _(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale, softcap, chunk_bytes):
-    return (torch.empty_like(input), torch.empty_like(weight),
+    return (_empty(input), _empty(weight),
             weight.new_empty(grad_bias.shape) if grad_bias is not None else weight.new_empty(0))
 
 
