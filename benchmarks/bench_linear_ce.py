@@ -42,7 +42,9 @@ Metrics, per variant (each variant runs in its own fresh subprocess, one after t
                 just before the step (inputs, compiled code and libraries already resident, no
                 gradients yet). Includes the gradients x.grad and W.grad the step must produce.
                 Linux: /proc/self/status VmHWM after a reset with /proc/self/clear_refs, freed
-                heap returned to the OS first with glibc's malloc_trim. Max over the rounds.
+                heap returned to the OS first with glibc's malloc_trim, glibc's mmap threshold
+                fixed at --mmap-threshold (1 MiB) so that RSS follows the live buffers. Max over
+                the rounds.
   transient GB  peak GB minus the gradient bytes (N*D + V*D) * 4: the working memory the loss
                 needs beyond its unavoidable outputs.
   check         loss and gradients against eager's (same inputs, same seed): |dloss| / |loss|
@@ -154,6 +156,27 @@ class StepPeak:
             self.peak = max(0, self._sampled - self.base)
         else:
             self.peak = max(0, (_status_bytes("VmHWM") or 0) - self.base)
+
+
+def smxcompile_source_hash() -> str | None:
+    """Short hash of smxcompile's .py sources as this process finds them (code edited mid-run shows up)."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("smxcompile")
+    if spec is None or not spec.origin:
+        return None
+    root = os.path.dirname(spec.origin)
+    h = hashlib.sha1()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:10]
 
 
 def say(msg: str) -> None:
@@ -280,6 +303,8 @@ def run_worker(spec_path: str) -> int:
         out["inputs_bytes"] = (n * d + v * d) * 4 + n * 8
         out["grads_bytes"] = (n * d + v * d) * 4
         out["valid_tokens"] = int((y != IGNORE_INDEX).sum())
+        out["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        out["smxcompile_src"] = smxcompile_source_hash()
 
         if spec["variant"] == "reference":
             rows = max(1, int(256e6 // (v * 4)))
@@ -428,16 +453,16 @@ def _pid_rss(pid: int) -> int:
 def estimate_bytes(variant: str, n: int, d: int, v: int, chunk_bytes: int | None) -> int:
     """Rough peak RSS of a worker process (overhead + inputs + the step), to skip what cannot fit.
 
-    Step figures (above inputs) calibrated on this benchmark at V=32000; deliberately generous."""
+    Step figures (above inputs) calibrated on this benchmark at V=32000 and 128256; generous."""
     logits = n * v * 4
     grads = (n * d + v * d) * 4
     inputs = grads + n * 8
     overhead = int(1.5 * GB)  # python, torch, compiled code
     step = {
-        "eager": 3.3 * logits,
-        "inductor": 2.2 * logits,   # measured ~1.0 x logits; room for a different fusion
-        "cce": 2.2 * logits,
-        "smx": 2.2 * logits,        # until a rewrite fires, Inductor's footprint
+        "eager": 3.2 * logits,      # measured 2.85 x logits (+ grads) at V=32000 and V=128256
+        "inductor": 1.5 * logits,   # measured 1.0 x logits; room for a different fusion
+        "cce": 1.5 * logits,        # measured 0.9 x logits
+        "smx": 1.5 * logits,        # Inductor's footprint when the rewrite does not fire
         "native": min(logits, 0.4 * GB + 0.1 * logits),
         "smx-op": 3 * (chunk_bytes or 32 * 2**20) + 0.1 * GB,
         "reference": 3 * 256e6,
@@ -454,6 +479,9 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if spec.get("mmap_threshold") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # a fixed threshold: every allocation from that size up is its own mmap, returned to the OS on free
+        env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", spec_path],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -711,11 +739,13 @@ def plot(results: list[dict], vocabs: list[int], variants: list[str], path: str,
             if "step_s" in s:
                 axes[0].bar(xpos, s["step_s"], width, color=c, label=label,
                             hatch="xx" if r.get("status") == "FAILED" else None)
+                axes[0].text(xpos, s["step_s"], f"{s['step_s']:.3g}", ha="center", va="bottom", fontsize=7)
             if "peak_gb" in s:
                 g = r["grads_bytes"] / GB
-                axes[1].bar(xpos, g, width, color=c, alpha=0.35, label=label)
+                axes[1].bar(xpos, g, width, color=c, alpha=0.35)
                 axes[1].bar(xpos, s["transient_gb"], width, bottom=g, color=c,
                             hatch="xx" if r.get("status") == "FAILED" else None)
+                axes[1].text(xpos, s["peak_gb"], f"{s['peak_gb']:.3g}", ha="center", va="bottom", fontsize=7)
             if not s:
                 why = (r or {}).get("status", "not run")
                 for ax in axes:
@@ -724,9 +754,10 @@ def plot(results: list[dict], vocabs: list[int], variants: list[str], path: str,
         ax.set_xticks(range(len(vocabs)), [f"V={v}" for v in vocabs])
         ax.set_ylabel(yl)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     return None
 
@@ -749,7 +780,21 @@ def environment(threads: int) -> dict[str, Any]:
         env["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
+    env["git"] = _git_state()
     return env
+
+
+def _git_state() -> str | None:
+    """HEAD of the checkout the script is in, and whether smxcompile/ has uncommitted changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "smxcompile"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + (" + uncommitted changes in smxcompile/" if dirty else "")) if head else None
 
 
 def _cores() -> int:
@@ -817,6 +862,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"skip the variants that materialize the whole N x V logits ({', '.join(FULL_LOGITS)}) "
                         "whenever those logits exceed 1 GB (the correctness reference is then eager computed by "
                         "row chunks)")
+    p.add_argument("--mmap-threshold", type=int, default=2**20, metavar="BYTES",
+                   help="glibc MALLOC_MMAP_THRESHOLD_ for the variants' processes (default 1 MiB): allocations "
+                        "from that size up get their own mapping, returned to the OS on free, so RSS follows live "
+                        "buffers and peaks repeat to the MB; 0 keeps glibc's dynamic threshold (up to 32 MiB, "
+                        "freed chunks kept in the heap: peaks of chunked variants then vary by 0.1-0.3 GB). A "
+                        "MALLOC_MMAP_THRESHOLD_ already in the environment wins")
     p.add_argument("--variant-timeout", type=float, default=3600, help="seconds before a variant is killed")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
                    help="before each variant, wait up to S seconds until other processes use under 0.1 cores "
@@ -847,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     if env.get("loadavg_at_start") and env["loadavg_at_start"][0] > 0.5 * env["cores"]:
         print(f"WARNING: load average {env['loadavg_at_start'][0]} on {env['cores']} cores: other processes are "
-              "using the CPUs; step times will be noisy", file=sys.stderr)
+              "using the CPUs (or were, in the last minute); the `others` column says, per variant, whether they "
+              "shared the CPUs with it", file=sys.stderr)
     n, d = args.tokens, args.dim
     variants = ["eager"] + [v for v in args.variants if v != "eager"] if "eager" in args.variants else args.variants
     avail0 = mem_available()
@@ -861,7 +913,9 @@ def main(argv: list[str] | None = None) -> int:
                               "settings": {"tokens": n, "dim": d, "vocab": args.vocab, "variants": variants,
                                            "rounds": args.rounds, "ignore_frac": args.ignore_frac, "seed": args.seed,
                                            "loss_rtol": args.loss_rtol, "grad_rtol": args.grad_rtol,
-                                           "chunk_bytes": args.chunk_bytes, "mem_limit_bytes": limit},
+                                           "chunk_bytes": args.chunk_bytes, "mem_limit_bytes": limit,
+                                           "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")
+                                           or (args.mmap_threshold or "glibc default (dynamic)")},
                               "results": []}
     results: list[dict] = result["results"]
     workdir = tempfile.mkdtemp(prefix="bench_linear_ce_")
@@ -884,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base_spec = {"tokens": n, "dim": d, "threads": args.threads, "seed": args.seed, "ignore_frac": args.ignore_frac,
                  "rounds": args.rounds, "chunk_bytes": args.chunk_bytes, "loss_rtol": args.loss_rtol,
-                 "grad_rtol": args.grad_rtol}
+                 "grad_rtol": args.grad_rtol, "mmap_threshold": args.mmap_threshold}
     try:
         for v in args.vocab:
             ref_path = os.path.join(workdir, f"ref-{v}.pt")
@@ -946,9 +1000,17 @@ def main(argv: list[str] | None = None) -> int:
         if r["variant"] == "smx" and r.get("smx_report"):
             print(f"smx report V={r['vocab']}: {r['smx_report']['graphs']} graph(s), sites per kind "
                   f"{r['smx_report']['sites'] or '{}'}; last_report().summary() = {r['smx_report']['last_report']}")
+    srcs = {r.get("smxcompile_src") for r in results if r.get("variant") in ("smx", "smx-op") and r.get("smxcompile_src")}
+    if len(srcs) > 1:
+        print("WARNING: smxcompile's source changed during the run (someone edited it): " + "; ".join(
+            f"V={r['vocab']} {r['variant']} ran source {r.get('smxcompile_src')}" for r in results
+            if r.get("variant") in ("smx", "smx-op")))
+    elif srcs:
+        print(f"smxcompile source hash (sha1 of its .py files): {srcs.pop()}")
     mm = next((r.get("mem_method") for r in results if r.get("mem_method")), None)
     if mm:
-        print(f"memory: {mm}; peak = max over rounds of (VmHWM during the step - VmRSS just before it); "
+        mt = result["settings"]["malloc_mmap_threshold"]
+        print(f"memory: {mm}, MALLOC_MMAP_THRESHOLD_={mt}; peak = max over rounds of (VmHWM during the step - VmRSS just before it); "
               "transient = peak - (N*D + V*D)*4 gradient bytes")
     if args.plot:
         msg = plot(results, args.vocab, variants, args.plot, f"{command}\n{title}")

@@ -276,7 +276,7 @@ class _Counter:
 def paths(monkeypatch):
     """Counts the calls to the torch-path ops: ``paths.calls['_linear_ce_loss']`` etc."""
     c = _Counter()
-    for name in ("_linear_ce_loss", "_linear_ce_stats", "_linear_ce_backward", "_linear_ce_loss_backward",
+    for name in ("_linear_ce_loss", "_linear_ce_stats", "_linear_ce_backward", "_linear_add_logits_grad_",
                  "_ce_stats", "_ce_backward"):
         op = getattr(ce_mod, name)
 
@@ -333,7 +333,8 @@ def test_options_fp32_against_gold(name, reduction, paths):
         assert paths.calls.get("_linear_ce_stats") == 1 and paths.calls.get("_linear_ce_backward") == 1
         assert "_linear_ce_loss" not in paths.calls
     else:
-        assert paths.calls.get("_linear_ce_loss") == 1 and paths.calls.get("_linear_ce_loss_backward") == 1
+        # the fused path's backward only scales the gradients the forward computed (no op call)
+        assert paths.calls.get("_linear_ce_loss") == 1 and "_linear_ce_backward" not in paths.calls
         assert "_linear_ce_stats" not in paths.calls
 
 
@@ -455,7 +456,10 @@ def test_path_selection(case, expect, paths):
         assert paths.calls == {"_linear_ce_stats": 1}
     if grad:
         loss.sum().backward()
-        assert paths.calls.get("_linear_ce_loss_backward" if expect == "fused" else "_linear_ce_backward") == 1
+        if expect == "fused":
+            assert "_linear_ce_backward" not in paths.calls  # gradients came from the forward
+        else:
+            assert paths.calls.get("_linear_ce_backward") == 1
 
 
 # --------------------------------------------------------------------------- options, one by one
@@ -1044,14 +1048,14 @@ def _opcheck_cases():
                               True, None, 64)),
         (ops.linear_ce_loss, (x.half(), w.half(), None, t, None, None, -100, "mean", 0.0, 0.0, 1.0, None, False,
                               None, 64)),
-        # smx::linear_ce_loss_backward(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input,
-        #                              weight, scale, softcap, chunk_bytes)
-        (ops.linear_ce_loss_backward, (torch.tensor(2.0), torch.randn(n, d), torch.randn(v, d), torch.randn(v),
-                                       torch.randn(n, v), torch.randn(n, v), xd, wd, 1.0, None, 64)),
-        (ops.linear_ce_loss_backward, (torch.tensor(0.5), torch.randn(n, d), torch.randn(v, d), None,
-                                       torch.zeros(n, v), torch.randn(n, v), xd, wd, 2.0, 3.0, 64)),
-        (ops.linear_ce_loss_backward, (torch.tensor(3.0), torch.randn(n, d), torch.randn(v, d), None, None, None,
-                                       xd.half(), wd.half(), 1.0, None, 64)),
+        # smx::linear_add_logits_grad_(grad_logits, logits, input, weight, grad_input!, grad_weight!, grad_bias!,
+        #                               scale, softcap, chunk_bytes)  (mutates the three gradients)
+        (ops.linear_add_logits_grad_, (torch.randn(n, v), torch.randn(n, v), xd, wd, torch.randn(n, d),
+                                       torch.randn(v, d), torch.randn(v), 1.0, None, 64)),
+        (ops.linear_add_logits_grad_, (torch.randn(n, v), torch.randn(n, v), xd, wd, torch.randn(n, d),
+                                       torch.randn(v, d), None, 2.0, 3.0, 64)),
+        (ops.linear_add_logits_grad_, (torch.zeros(n, v), torch.randn(n, v), xd, wd, torch.randn(n, d),
+                                       torch.randn(v, d), None, 1.0, None, 64)),
         # smx::ce_stats(logits, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum,
         #               chunk_bytes)
         (ops.ce_stats, (z, t, None, cw, -100, 1.0, None, True, 64)),
@@ -1149,7 +1153,7 @@ def _core(x, w, b, t, reduction, *, scale=1.0, softcap=None, logits_dtype=None):
 def test_returned_logits(reduction, opts, paths):
     """``_linear_ce_core(return_logits=True)``: the logits equal F.linear's (transformed); a loss using both
     the CE loss and the logits gets the right gradients (the grad_logits branch of
-    smx::linear_ce_loss_backward / linear_ce_backward); an unused logits output changes nothing."""
+    smx::linear_add_logits_grad_ / linear_ce_backward); an unused logits output changes nothing."""
     x, w, b, t = make_problem(seed=33)
     red_sum = (lambda l: l.sum()) if reduction == "none" else (lambda l: l)
 

@@ -702,62 +702,56 @@ def _(input, weight, bias, target, class_weight, token_weight, ignore_index, red
             _empty(bias, acc) if bias is not None else weight.new_empty(0))
 
 
-@torch.library.custom_op("smx::linear_ce_loss_backward", mutates_args=())
-def _linear_ce_loss_backward(
-    grad_loss: torch.Tensor,
+@torch.library.custom_op("smx::linear_add_logits_grad_", mutates_args=("grad_input", "grad_weight", "grad_bias"))
+def _linear_add_logits_grad_(
+    grad_logits: torch.Tensor,
+    logits: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
     grad_input: torch.Tensor,
     grad_weight: torch.Tensor,
     grad_bias: torch.Tensor | None,
-    grad_logits: torch.Tensor | None,
-    logits: torch.Tensor | None,
-    input: torch.Tensor,
-    weight: torch.Tensor,
     scale: float,
     softcap: float | None,
     chunk_bytes: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scale the gradients the forward computed by ``grad_loss``; add a returned logits' gradient, by chunks.
+) -> None:
+    """Add the gradient that a *returned* logits tensor receives to the linear layer's gradients, in place.
 
-    The scaling runs in fp32 (fp64) and rounds once to the dtype of ``input`` / ``weight`` (the
-    bias has the weight's dtype, as for ``F.linear``): ``grad_loss`` is not rounded to a half
-    dtype first. ``grad_logits`` (w.r.t. the returned logits, N x V) is skipped when it is all
-    zero — the usual case: autograd hands a logits output that nothing used a zero gradient."""
-    return _scale_fused_grads(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight,
-                              scale, softcap, chunk_bytes)
+    ``logits = transform(input @ weight.T + bias)`` (N x V) was returned by the fused op;
+    ``grad_logits`` is its incoming gradient. Usually nothing used the returned logits and
+    autograd hands a zero gradient: then this does nothing (one read of ``grad_logits``).
+    Otherwise it adds ``G @ weight``, ``G^T @ input`` and ``G.sum(0)`` chunk by chunk (fp32)."""
+    _add_logits_grad(grad_logits, logits, input, weight, grad_input, grad_weight, grad_bias, scale, softcap,
+                     chunk_bytes)
 
 
 @_autocast_off
-def _scale_fused_grads(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale,
-                       softcap, chunk_bytes):
+def _add_logits_grad(grad_logits, logits, input, weight, grad_input, grad_weight, grad_bias, scale, softcap,
+                     chunk_bytes):
+    if grad_logits.numel() == 0 or not bool(grad_logits.any()):
+        return
     acc = _acc_dtype(input)
-    gl = grad_loss.reshape(()).to(acc)
-    gi = grad_input.to(acc) * gl
-    gw = grad_weight.to(acc) * gl
-    gb = grad_bias.to(acc) * gl if grad_bias is not None else None
-    if not (grad_logits is None or logits is None or grad_logits.numel() == 0 or not bool(grad_logits.any())):
-        n, v = logits.shape
-        step = _rows_per_chunk(v, chunk_bytes, acc)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            g = grad_logits[r0:r1].to(acc, copy=True)
-            if softcap is not None:
-                t = logits[r0:r1].to(acc) / softcap
-                g.mul_((1.0 - t * t).mul_(scale))
-            elif scale != 1.0:
-                g.mul_(scale)
-            gi[r0:r1] += (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
-            e = input[r0:r1]
-            gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
-            if gb is not None:
-                gb.add_(g.sum(0))
-    return (gi.to(input.dtype), gw.to(weight.dtype),
-            gb.to(weight.dtype) if gb is not None else weight.new_empty(0))
-
-
-@_linear_ce_loss_backward.register_fake
-def _(grad_loss, grad_input, grad_weight, grad_bias, grad_logits, logits, input, weight, scale, softcap, chunk_bytes):
-    return (_empty(input), _empty(weight),
-            weight.new_empty(grad_bias.shape) if grad_bias is not None else weight.new_empty(0))
+    n, v = logits.shape
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    gb = torch.zeros(v, dtype=acc, device=weight.device) if grad_bias is not None else None
+    step = _rows_per_chunk(v, chunk_bytes, acc)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        g = grad_logits[r0:r1].to(acc, copy=True)
+        if softcap is not None:
+            t = logits[r0:r1].to(acc) / softcap
+            g.mul_((1.0 - t * t).mul_(scale))
+        elif scale != 1.0:
+            g.mul_(scale)
+        gi = (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
+        grad_input[r0:r1] += gi.to(grad_input.dtype)
+        e = input[r0:r1]
+        gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
+        if gb is not None:
+            gb.add_(g.sum(0))
+    grad_weight.add_(gw.to(grad_weight.dtype))
+    if gb is not None:
+        grad_bias.add_(gb.to(grad_bias.dtype))
 
 
 def _fused_setup(ctx, inputs, output):
@@ -774,10 +768,15 @@ def _fused_setup(ctx, inputs, output):
 def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
     gi, gw, gb, logits, input, weight = ctx.saved_tensors
     scale, softcap, chunk_bytes = ctx.args
-    if not ctx.return_logits:
-        grad_logits = None
-    gi, gw, gb = _linear_ce_loss_backward(grad_loss, gi, gw, gb, grad_logits, logits, input, weight, scale, softcap,
-                                          chunk_bytes)
+    # Scale the gradients the forward computed by grad_loss: plain pointwise torch ops (fp32 math, one
+    # rounding), so that under torch.compile Inductor can write the result into the saved buffer.
+    acc = _acc_dtype(input)
+    gl = grad_loss.reshape(()).to(acc)
+    gi = (gi.to(acc) * gl).to(input.dtype)
+    gw = (gw.to(acc) * gl).to(weight.dtype)
+    gb = (gb.to(acc) * gl).to(weight.dtype) if gb is not None else None
+    if ctx.return_logits and grad_logits is not None and grad_logits.numel():
+        _linear_add_logits_grad_(grad_logits, logits, input, weight, gi, gw, gb, scale, softcap, chunk_bytes)
     return ((gi if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
              gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
 
