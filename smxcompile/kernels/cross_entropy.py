@@ -591,9 +591,117 @@ def _saved_grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+#: Use :func:`_fused_forward_fast` where it applies (tests switch it off to compare both paths).
+FAST_FUSED = True
+
+#: Fewest rows per chunk on the fused CPU path: below ~256 rows the three matmuls per chunk run
+#: well under the machine's matmul throughput (the weight is re-read once per chunk).
+MIN_CHUNK_ROWS = 256
+
+
+@_autocast_off
+def _fused_forward_fast(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, z_scale,
+                        scale, logits_out, chunk_bytes):
+    """The fused forward without soft-cap or label smoothing: the gradient factors through the matmuls.
+
+    With ``P'`` = softmax with its target entry replaced by ``-(sum of the other classes)`` (the
+    collapse-safe ``p_y - 1``), the gradient w.r.t. the logits is ``diag(a) P' + diag(a - b) Y``
+    (``Y`` one-hot; ``a == b`` for plain CE), so per chunk
+
+        grad_input  = a * (P' @ W) + (a - b) * W[y]
+        grad_weight += P'^T @ (a * E) + index_add_y((a - b) * E)
+
+    and the only passes over the chunk's logits are the matmul that writes them, a row max,
+    ATen's in-place softmax and one sum. Ignored rows are skipped entirely (unless the logits
+    are returned); chunks reuse one buffer.
+    """
+    n, v = target.shape[0], weight.shape[0]
+    acc = _acc_dtype(input)
+    a0, b0, _, zc = _scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction, 0.0, z_scale, acc)
+    lse = torch.zeros(n, dtype=acc, device=input.device)
+    tl = torch.zeros(n, dtype=acc, device=input.device)
+    gdt = _saved_grad_dtype(input.dtype)
+    w_gi = weight if weight.dtype == gdt else weight.to(gdt)
+    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    gb = torch.zeros(v, dtype=acc, device=weight.device) if bias is not None else None
+    valid_all = target != ignore_index
+    rows = None
+    if logits_out is None:
+        rows = valid_all.nonzero().squeeze(1)  # only the rows that contribute (data-dependent: inside the op)
+        gi = torch.zeros(input.shape, dtype=gdt, device=input.device)
+        count = rows.numel()
+    else:
+        gi = torch.empty(input.shape, dtype=gdt, device=input.device)
+        count = n
+    step = max(_rows_per_chunk(v, chunk_bytes, acc), min(MIN_CHUNK_ROWS, count) if not chunk_bytes else 1)
+    buf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count else None
+    gbuf = torch.empty((min(step, count), input.shape[1]), dtype=acc, device=input.device) if count else None
+    same = input.dtype == acc and weight.dtype == acc
+    for r0 in range(0, count, step):
+        r1 = min(count, r0 + step)
+        r = r1 - r0
+        sel = slice(r0, r1) if rows is None else rows[r0:r1]
+        e = input[sel]
+        z = buf[:r]
+        if same:
+            if bias is not None:
+                torch.addmm(bias, e, weight.t(), out=z)
+            else:
+                torch.mm(e, weight.t(), out=z)
+        else:
+            z.copy_(torch.addmm(bias, e, weight.t()) if bias is not None else e @ weight.t())
+        if scale != 1.0:
+            z.mul_(scale)
+        if logits_out is not None:
+            logits_out[sel].copy_(z)
+            if logits_out.dtype != acc:
+                z.copy_(logits_out[sel])  # the loss sees the logits the caller sees, as in eager
+        tgt = target[sel]
+        valid = valid_all[sel]
+        idx = torch.where(valid, tgt, 0).unsqueeze(1)
+        tl[sel] = torch.where(valid, z.gather(1, idx).squeeze(1), 0.0)
+        m, am = z.max(1)
+        torch.ops.aten._softmax.out(z, 1, False, out=z)
+        # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
+        l = m - torch.log(z.gather(1, am.unsqueeze(1)).squeeze(1))
+        lse[sel] = l
+        z.scatter_(1, idx, 0.0)
+        om = z.sum(1)  # mass of the other classes: the collapse-safe 1 - p_target
+        z.scatter_(1, idx, (-om).unsqueeze(1))
+        a = a0[sel] if zc is None else a0[sel] + zc[sel] * l
+        a = torch.where(valid, a, 0.0)
+        ab = torch.where(valid, a - b0[sel], 0.0)
+        a_s, ab_s = a * scale, ab * scale
+        has_ab = bool((ab_s != 0).any())
+        ef = e if e.dtype == acc else e.to(acc)
+        g = gbuf[:r]
+        if w_gi.dtype == acc:
+            torch.mm(z, w_gi, out=g)
+        else:
+            g.copy_(z.to(w_gi.dtype) @ w_gi)
+        g.mul_(a_s.unsqueeze(1))
+        if has_ab:
+            g.add_(w_gi.index_select(0, idx.squeeze(1)).to(acc) * ab_s.unsqueeze(1))
+        gi[sel] = g.to(gdt)
+        gw.addmm_(z.t(), ef * a_s.unsqueeze(1))
+        if has_ab:
+            gw.index_add_(0, idx.squeeze(1), ef * ab_s.unsqueeze(1))
+        if gb is not None:
+            gb.add_(z.t() @ a_s)
+            if has_ab:
+                gb.index_add_(0, idx.squeeze(1), ab_s)
+    loss, zl = _compose(lse, tl, None, target, None, v, class_weight, token_weight, ignore_index, reduction, 0.0,
+                        z_scale)
+    return loss, zl, lse, gi, gw.to(gdt), gb
+
+
 @_autocast_off
 def _fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
                    scale, softcap, logits_out, chunk_bytes):
+    if FAST_FUSED and softcap is None and not eps and weight.shape[0]:
+        _check_range(target, ignore_index, weight.shape[0])
+        return _fused_forward_fast(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction,
+                                   z_scale, scale, logits_out, chunk_bytes)
     n, v = target.shape[0], weight.shape[0]
     acc = _acc_dtype(input)
     _check_range(target, ignore_index, v)
@@ -708,6 +816,10 @@ def _linear_add_logits_grad_(
     logits: torch.Tensor,
     input: torch.Tensor,
     weight: torch.Tensor,
+    grad_loss: torch.Tensor,
+    saved_input_grad: torch.Tensor,
+    saved_weight_grad: torch.Tensor,
+    saved_bias_grad: torch.Tensor | None,
     grad_input: torch.Tensor,
     grad_weight: torch.Tensor,
     grad_bias: torch.Tensor | None,
@@ -720,20 +832,24 @@ def _linear_add_logits_grad_(
     ``logits = transform(input @ weight.T + bias)`` (N x V) was returned by the fused op;
     ``grad_logits`` is its incoming gradient. Usually nothing used the returned logits and
     autograd hands a zero gradient: then this does nothing (one read of ``grad_logits``).
-    Otherwise it adds ``G @ weight``, ``G^T @ input`` and ``G.sum(0)`` chunk by chunk (fp32)."""
-    _add_logits_grad(grad_logits, logits, input, weight, grad_input, grad_weight, grad_bias, scale, softcap,
-                     chunk_bytes)
+    Otherwise it adds ``G @ weight``, ``G^T @ input`` and ``G.sum(0)`` chunk by chunk, in fp32, to
+    ``saved * grad_loss`` (recomputed from the forward's gradients, so the sum is rounded once) and
+    overwrites the three gradients with the result."""
+    _add_logits_grad(grad_logits, logits, input, weight, grad_loss, saved_input_grad, saved_weight_grad,
+                     saved_bias_grad, grad_input, grad_weight, grad_bias, scale, softcap, chunk_bytes)
 
 
 @_autocast_off
-def _add_logits_grad(grad_logits, logits, input, weight, grad_input, grad_weight, grad_bias, scale, softcap,
-                     chunk_bytes):
+def _add_logits_grad(grad_logits, logits, input, weight, grad_loss, saved_gi, saved_gw, saved_gb, grad_input,
+                     grad_weight, grad_bias, scale, softcap, chunk_bytes):
     if grad_logits.numel() == 0 or not bool(grad_logits.any()):
         return
     acc = _acc_dtype(input)
+    gl = grad_loss.reshape(()).to(acc)
     n, v = logits.shape
-    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    gb = torch.zeros(v, dtype=acc, device=weight.device) if grad_bias is not None else None
+    gi = saved_gi.to(acc) * gl
+    gw = saved_gw.to(acc) * gl
+    gb = saved_gb.to(acc) * gl if (grad_bias is not None and saved_gb is not None) else None
     step = _rows_per_chunk(v, chunk_bytes, acc)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -743,15 +859,15 @@ def _add_logits_grad(grad_logits, logits, input, weight, grad_input, grad_weight
             g.mul_((1.0 - t * t).mul_(scale))
         elif scale != 1.0:
             g.mul_(scale)
-        gi = (g.to(weight.dtype) @ weight) if weight.dtype != acc else g @ weight
-        grad_input[r0:r1] += gi.to(grad_input.dtype)
+        gi[r0:r1] += (g.to(weight.dtype) @ weight).to(acc) if weight.dtype != acc else g @ weight
         e = input[r0:r1]
         gw.addmm_(g.t(), e if e.dtype == acc else e.to(acc))
         if gb is not None:
             gb.add_(g.sum(0))
-    grad_weight.add_(gw.to(grad_weight.dtype))
+    grad_input.copy_(gi)
+    grad_weight.copy_(gw)
     if gb is not None:
-        grad_bias.add_(gb.to(grad_bias.dtype))
+        grad_bias.copy_(gb)
 
 
 def _fused_setup(ctx, inputs, output):
@@ -766,17 +882,19 @@ def _fused_setup(ctx, inputs, output):
 
 
 def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
-    gi, gw, gb, logits, input, weight = ctx.saved_tensors
+    saved_gi, saved_gw, saved_gb, logits, input, weight = ctx.saved_tensors
     scale, softcap, chunk_bytes = ctx.args
     # Scale the gradients the forward computed by grad_loss: plain pointwise torch ops (fp32 math, one
     # rounding), so that under torch.compile Inductor can write the result into the saved buffer.
     acc = _acc_dtype(input)
     gl = grad_loss.reshape(()).to(acc)
-    gi = (gi.to(acc) * gl).to(input.dtype)
-    gw = (gw.to(acc) * gl).to(weight.dtype)
-    gb = (gb.to(acc) * gl).to(weight.dtype) if gb is not None else None
+    gi = (saved_gi.to(acc) * gl).to(input.dtype)
+    gw = (saved_gw.to(acc) * gl).to(weight.dtype)
+    gb = (saved_gb.to(acc) * gl).to(weight.dtype) if saved_gb is not None else None
     if ctx.return_logits and grad_logits is not None and grad_logits.numel():
-        _linear_add_logits_grad_(grad_logits, logits, input, weight, gi, gw, gb, scale, softcap, chunk_bytes)
+        # a returned logits tensor that something used: its gradient is added (nothing when it is zero)
+        _linear_add_logits_grad_(grad_logits, logits, input, weight, grad_loss, saved_gi, saved_gw, saved_gb, gi,
+                                 gw, gb, scale, softcap, chunk_bytes)
     return ((gi if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
              gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
 
@@ -1075,7 +1193,7 @@ def linear_cross_entropy(
     loss, zl, lse, _ = _linear_ce_core(
         x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
         int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
-        None if softcap is None else float(softcap), False, None, int(chunk_bytes or DEFAULT_CHUNK_BYTES),
+        None if softcap is None else float(softcap), False, None, int(chunk_bytes or 0),
         return_lse, filter_eps)
     return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
 
@@ -1195,7 +1313,7 @@ def cross_entropy(
                   lse_square_scale, "logits", input.device, dtype)
     x2 = x.reshape(n, v)
     out_dtype = _loss_dtype(dtype, input)
-    cb = int(chunk_bytes or DEFAULT_CHUNK_BYTES)
+    cb = int(chunk_bytes or 0)
     sc, cap = float(scale), None if softcap is None else float(softcap)
     loss, zl, lse = _run_stats(
         lambda need_ws, t, p: _ce_stats(x2, t, p, weight, int(ignore_index), sc, cap, need_ws, cb), tgt, probs, n, v,

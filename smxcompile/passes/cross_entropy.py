@@ -719,7 +719,7 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
     (and reshapes) the loss applied to the returned logits; every row of ``h`` is computed (the logits are
     returned whole) and the rows the loss dropped get ``ignore_index`` targets.
     """
-    from ..kernels.cross_entropy import DEFAULT_CHUNK_BYTES, _autocast, _linear_ce_core
+    from ..kernels.cross_entropy import _autocast, _linear_ce_core
 
     if weight_t:
         weight = weight.t()   # a (D, V) classifier (Conv1D / ``x @ M``): made row-major (V, D) below
@@ -746,7 +746,7 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
         bias = bias.to(x2.dtype)
     loss, zl, lse, logits = _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
                                             float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
-                                            DEFAULT_CHUNK_BYTES)
+                                            0)  # 0: the default chunk policy
     if reduction == "none":
         if sel is not None:
             loss = loss[sel]
