@@ -1308,3 +1308,26 @@ def test_fast_fused_path_matches_the_explicit_one(monkeypatch, opts, reduction):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     if ret:
         torch.testing.assert_close(lg_fast, lg_slow, rtol=0, atol=0)
+
+
+def test_fused_backward_twice_with_retain_graph():
+    """The eager backward hands the forward's gradients over without a copy; a second backward
+    (retain_graph=True) must still see them unchanged."""
+    torch.manual_seed(0)
+    x = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(50, 8, requires_grad=True)
+    y = torch.randint(0, 50, (20,))
+    loss = smxcompile.linear_cross_entropy(x, w, y)
+    loss.backward(retain_graph=True)
+    g1 = (x.grad.clone(), w.grad.clone())
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * g1[0])
+    torch.testing.assert_close(w.grad, 2 * g1[1])
+    ref = torch.nn.functional.cross_entropy(x @ w.t(), y)
+    gx, gw = torch.autograd.grad(ref, (x, w))
+    torch.testing.assert_close(g1[0], gx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1[1], gw, rtol=1e-5, atol=1e-6)
+    # an upstream gradient other than 1 is applied
+    x.grad = w.grad = None
+    (smxcompile.linear_cross_entropy(x, w, y) * 3.0).backward()
+    torch.testing.assert_close(x.grad, 3 * gx, rtol=1e-5, atol=1e-6)

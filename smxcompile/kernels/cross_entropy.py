@@ -881,12 +881,30 @@ def _fused_setup(ctx, inputs, output):
                           input, weight)
 
 
+def _is_eager(t: torch.Tensor) -> bool:
+    """True when ``t`` holds real data that may be read now (not traced by Dynamo, AOTAutograd or make_fx)."""
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
+        return False
+    keys = torch._C._TorchDispatchModeKey
+    return all(torch._C._get_dispatch_mode(k) is None for k in (keys.PROXY, keys.FAKE, keys.FUNCTIONAL))
+
+
 def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
     saved_gi, saved_gw, saved_gb, logits, input, weight = ctx.saved_tensors
     scale, softcap, chunk_bytes = ctx.args
     # Scale the gradients the forward computed by grad_loss: plain pointwise torch ops (fp32 math, one
     # rounding), so that under torch.compile Inductor can write the result into the saved buffer.
     acc = _acc_dtype(input)
+    if (_is_eager(grad_loss) and grad_loss.device.type == "cpu" and grad_loss.numel() == 1
+            and float(grad_loss) == 1.0 and not (ctx.return_logits and grad_logits is not None
+                                                 and bool(grad_logits.any()))
+            and saved_gi.dtype == input.dtype and saved_gw.dtype == weight.dtype
+            and (saved_gb is None or saved_gb.dtype == weight.dtype)):
+        # eager loss.backward(): hand over the forward's gradients as they are. Autograd releases the
+        # saved tensors before accumulating, so .grad takes these buffers without a copy (and with
+        # retain_graph=True it copies them; nothing is modified in place).
+        return ((saved_gi if ctx.needs_input_grad[0] else None, saved_gw if ctx.needs_input_grad[1] else None,
+                 saved_gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
     gl = grad_loss.reshape(()).to(acc)
     gi = (saved_gi.to(acc) * gl).to(input.dtype)
     gw = (saved_gw.to(acc) * gl).to(weight.dtype)

@@ -638,7 +638,8 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         elif options.cpu == "auto":
             if m.kind == "cross_entropy":
                 m.action, m.reason = "kept", (
-                    "CPU: Inductor's fused C++ cross-entropy is as fast on CPU (options cpu='rewrite' forces it)")
+                    "CPU: Inductor's fused C++ cross-entropy is faster on given logits (the online CE op "
+                    "measured 2.4-3x slower, docs/PERFORMANCE.md; options cpu='rewrite' forces it)")
             else:
                 v = tensor_val(m.weight).shape[1 if m.weight_t else 0]
                 if not isinstance(v, int):
