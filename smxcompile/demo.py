@@ -886,7 +886,7 @@ def loss_memory_note(rows: list[dict[str, Any]], rep, s) -> str:
     how = (f"linear -> cross-entropy rewritten to cut CE ({n_ce} site{'s' if n_ce != 1 else ''})" if n_ce
            else "no cut cross-entropy rewrite fired")
     return (f"loss memory: the logits are {tokens} tokens x {s.vocab_size} classes = {buf_mb:.0f} MB per fp32 buffer; "
-            f"{how}: {smx['backend']} peaks {saved:+.0f} MB below inductor "
+            f"{how}: {smx['backend']} peaks {saved:.0f} MB below inductor "
             f"({smx['peak_mem_mb']:.0f} vs {ind['peak_mem_mb']:.0f} MB). The logits the model returns stay; "
             "their fp32 copy, log-softmax and gradient are gone.")
 

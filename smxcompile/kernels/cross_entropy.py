@@ -643,25 +643,28 @@ def _fused_forward_fast(input, weight, bias, target, class_weight, token_weight,
         sel = slice(r0, r1) if rows is None else rows[r0:r1]
         e = input[sel]
         z = buf[:r]
+        # the returned logits, when they are fp32 (fp64) rows: the matmul writes them in place
+        direct = same and logits_out is not None and logits_out.dtype == acc and isinstance(sel, slice)
+        zsrc = logits_out[sel] if direct else z
         if same:
             if bias is not None:
-                torch.addmm(bias, e, weight.t(), out=z)
+                torch.addmm(bias, e, weight.t(), out=zsrc)
             else:
-                torch.mm(e, weight.t(), out=z)
+                torch.mm(e, weight.t(), out=zsrc)
         else:
             z.copy_(torch.addmm(bias, e, weight.t()) if bias is not None else e @ weight.t())
         if scale != 1.0:
-            z.mul_(scale)
-        if logits_out is not None:
+            zsrc.mul_(scale)
+        if logits_out is not None and not direct:
             logits_out[sel].copy_(z)
             if logits_out.dtype != acc:
                 z.copy_(logits_out[sel])  # the loss sees the logits the caller sees, as in eager
         tgt = target[sel]
         valid = valid_all[sel]
         idx = torch.where(valid, tgt, 0).unsqueeze(1)
-        tl[sel] = torch.where(valid, z.gather(1, idx).squeeze(1), 0.0)
-        m, am = z.max(1)
-        torch.ops.aten._softmax.out(z, 1, False, out=z)
+        tl[sel] = torch.where(valid, zsrc.gather(1, idx).squeeze(1), 0.0)
+        m, am = zsrc.max(1)
+        torch.ops.aten._softmax.out(zsrc, 1, False, out=z)  # out of place from the returned logits
         # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
         l = m - torch.log(z.gather(1, am.unsqueeze(1)).squeeze(1))
         lse[sel] = l
