@@ -1331,3 +1331,30 @@ def test_fused_backward_twice_with_retain_graph():
     x.grad = w.grad = None
     (smxcompile.linear_cross_entropy(x, w, y) * 3.0).backward()
     torch.testing.assert_close(x.grad, 3 * gx, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_is_an_error_not_zero():
+    """create_graph=True through the fused path would give zero second-order gradients: it raises."""
+    torch.manual_seed(0)
+    h = torch.randn(8, 16, requires_grad=True)
+    w = (torch.randn(300, 16) * 0.3).requires_grad_()
+    y = torch.randint(0, 300, (8,))
+    for reduction in ("mean", "sum"):
+        loss = smxcompile.linear_cross_entropy(h, w, y, reduction=reduction)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(loss, h, create_graph=True)
+
+
+def test_returned_gradients_are_independent_tensors():
+    """Gradients from the fused path can be modified in place, also between two retained backwards."""
+    torch.manual_seed(0)
+    h = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(300, 16, requires_grad=True)
+    y = torch.randint(0, 300, (8,))
+    loss = smxcompile.linear_cross_entropy(h, w, y)
+    (g1,) = torch.autograd.grad(loss, h, retain_graph=True)
+    keep = g1.clone()
+    with torch.no_grad():
+        g1.mul_(2)
+    (g2,) = torch.autograd.grad(loss, h)
+    torch.testing.assert_close(g2, keep)

@@ -884,30 +884,18 @@ def _fused_setup(ctx, inputs, output):
                           input, weight)
 
 
-def _is_eager(t: torch.Tensor) -> bool:
-    """True when ``t`` holds real data that may be read now (not traced by Dynamo, AOTAutograd or make_fx)."""
-    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
-        return False
-    keys = torch._C._TorchDispatchModeKey
-    return all(torch._C._get_dispatch_mode(k) is None for k in (keys.PROXY, keys.FAKE, keys.FUNCTIONAL))
-
-
 def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
     saved_gi, saved_gw, saved_gb, logits, input, weight = ctx.saved_tensors
     scale, softcap, chunk_bytes = ctx.args
     # Scale the gradients the forward computed by grad_loss: plain pointwise torch ops (fp32 math, one
     # rounding), so that under torch.compile Inductor can write the result into the saved buffer.
     acc = _acc_dtype(input)
-    if (_is_eager(grad_loss) and grad_loss.device.type == "cpu" and grad_loss.numel() == 1
-            and float(grad_loss) == 1.0 and not (ctx.return_logits and grad_logits is not None
-                                                 and bool(grad_logits.any()))
-            and saved_gi.dtype == input.dtype and saved_gw.dtype == weight.dtype
-            and (saved_gb is None or saved_gb.dtype == weight.dtype)):
-        # eager loss.backward(): hand over the forward's gradients as they are. Autograd releases the
-        # saved tensors before accumulating, so .grad takes these buffers without a copy (and with
-        # retain_graph=True it copies them; nothing is modified in place).
-        return ((saved_gi if ctx.needs_input_grad[0] else None, saved_gw if ctx.needs_input_grad[1] else None,
-                 saved_gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
+    if torch.is_grad_enabled():
+        # backward(create_graph=True): the gradients were computed in the forward and are constants here;
+        # scaling them would silently give zero second-order gradients
+        raise RuntimeError(
+            "double backward (create_graph=True) through smxcompile.linear_cross_entropy is not supported "
+            "with reduction='mean'/'sum' on CPU; use F.cross_entropy(F.linear(...)) for higher-order gradients")
     gl = grad_loss.reshape(()).to(acc)
     gi = (saved_gi.to(acc) * gl).to(input.dtype)
     gw = (saved_gw.to(acc) * gl).to(weight.dtype)
@@ -1147,8 +1135,11 @@ def linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, torch's definition.
         scale: multiplies the logits (``1 / temperature``).
         softcap: logit soft-capping ``softcap * tanh(z / softcap)`` (Gemma 2), or None.
-        lse_square_scale: z-loss coefficient (PaLM: ``1e-4``): adds ``scale * lse^2`` per valid
-            token, reduced like the loss. 0 (default) adds nothing.
+        lse_square_scale: z-loss coefficient (PaLM: ``1e-4``): adds ``lse_square_scale * lse^2``
+            per valid token (times its ``token_weight``). ``mean`` divides the z-term by the
+            number (token-weight sum) of valid tokens — not by the class-weighted sum the CE term
+            uses — so with ``class_weight`` it is not ``sum(none) / sum(class weights)``.
+            0 (default) adds nothing.
         return_lse: also return the per-token log-sum-exp (fp32, differentiable).
         return_z_loss: also return the z-loss term alone (detached; it is already in ``loss``).
         dtype: dtype of the loss; default ``input.dtype`` (as ``F.cross_entropy`` on logits of
@@ -1170,8 +1161,10 @@ def linear_cross_entropy(
         ValueError: mismatched shapes (``D``, rows of ``target``, ``(V,)`` of bias/class_weight,
             ``token_weight``), an unknown ``reduction``, ``label_smoothing`` outside ``[0, 1]``,
             ``softcap`` not finite and > 0, ``lse_square_scale < 0``.
-        NotImplementedError: a gradient needed for probability targets or ``class_weight``
-            (torch raises a RuntimeError for the latter; NotImplementedError is one).
+        NotImplementedError: ``target`` (probabilities) or ``class_weight`` that require grad —
+            gradients *with respect to* them are not supported (training *with* soft targets is);
+            torch raises a RuntimeError for the latter (NotImplementedError is one).
+        RuntimeError: double backward (``create_graph=True``) through the CPU mean/sum path.
         RuntimeError: tensors on different devices.
         IndexError: a (non-ignored) target outside ``[0, V)`` (CPU; on CUDA that token's loss is NaN).
 

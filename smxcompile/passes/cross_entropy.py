@@ -104,8 +104,8 @@ class CEMatch:
         if self.class_weight is not None:
             parts.append("class weights")
         parts += self.absorbed
-        if self.note:
-            parts.append(self.note)
+        if self.note and (self.action == "rewritten" or self.note.startswith("not cut")):
+            parts.append(self.note)  # the returned-logits note describes the rewrite: only when it happened
         return ", ".join(p for p in parts if p)
 
     def to_site(self, graph_tag: str) -> Site:
@@ -527,7 +527,7 @@ def _check_escapes(m: CEMatch) -> str:
     if any(u.op != "output" for u in outside):
         other = next(u for u in outside if u.op != "output")
         return (f"the logits ('{n.name}') also feed other computation ('{other.name}'): cut CE would "
-                "compute them twice; the plain CE rewrite applies instead")
+                "compute them twice; treated as a plain cross_entropy site instead")
     # nodes from the linear layer down to the escaping node: transforms and casts only (no view/slice)
     between, stack = set(), [n]
     while stack:
@@ -630,7 +630,9 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         m.action, m.reason = "kept", f"rewrite kind '{m.kind}' disabled by options"
         return
     if m.key in skip:
-        m.action, m.reason = "kept", "check failed: the rewrite disagreed with eager on the example inputs"
+        m.action, m.reason = "kept", (
+            "check failed: the rewrite disagreed with eager on the example inputs, or they could not be run "
+            "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)")
         return
     if m.device == "cpu":
         if options.cpu == "keep":

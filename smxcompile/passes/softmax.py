@@ -599,7 +599,8 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         return
     if m.key in skip:
         m.action, m.reason = "kept", (
-            "check failed: the rewrite disagreed with eager on the example inputs (or could not be run on them)"
+            "check failed: the rewrite disagreed with eager on the example inputs, or they could not be run "
+            "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)"
         )
         return
     if _is_attention(m) and not options.attention:
