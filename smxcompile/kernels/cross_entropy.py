@@ -212,29 +212,9 @@ def _grad_chunk(z_raw, tgt, lse, om, a, b, c, w, ignore_index, scale, softcap, g
     else:
         dzdx = scale
         z = z_raw.mul_(scale) if scale != 1.0 else z_raw
-    # p * a
+    # p * a, then the c-term, the collapse-safe target entry, grad_logits and dz/dx
     g = z.sub_(lse.unsqueeze(1)).exp_().mul_(a.unsqueeze(1))
-    if c is not None:
-        if w is None:
-            g.sub_(c.unsqueeze(1))
-        else:
-            g.sub_(c.unsqueeze(1) * w)
-    if has_target and v:
-        valid = tgt != ignore_index
-        inrange = (tgt >= 0) & (tgt < v)
-        idx = torch.where(inrange, tgt, 0).unsqueeze(1)
-        # the collapse-safe target entry: a p_y - b - c w_y = -a * other_mass + (a - b) - c w_y
-        ty = -a * om + (a - b)
-        if c is not None:
-            wy = 1.0 if w is None else (w.gather(1, idx).squeeze(1) if w.dim() == 2 else w[idx.squeeze(1)])
-            ty = ty - c * wy
-        cur = g.gather(1, idx).squeeze(1)
-        g.scatter_(1, idx, torch.where(valid & inrange, ty, cur).unsqueeze(1))
-    if glog is not None:
-        g.add_(glog)
-    if not isinstance(dzdx, float) or dzdx != 1.0:
-        g.mul_(dzdx)
-    return g
+    return _finish_grad(g, tgt, om, a, b, c, w, ignore_index, glog, has_target, dzdx)
 
 
 @_autocast_off
@@ -296,6 +276,8 @@ def _torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a
 
 
 def _finish_grad(g, tgt, om, a, b, c, w, ignore_index, glog, has_target, dzdx):
+    """From ``g = a * p``: subtract ``c * w``, set the target entry to ``a p_y - b - c w_y`` computed as
+    ``-a * other_mass + (a - b) - c w_y`` (collapse-safe), add ``glog``, multiply by ``dz/dx``."""
     rows, v = g.shape
     if c is not None:
         g.sub_(c.unsqueeze(1) if w is None else c.unsqueeze(1) * w)
@@ -311,7 +293,9 @@ def _finish_grad(g, tgt, om, a, b, c, w, ignore_index, glog, has_target, dzdx):
         g.scatter_(1, idx, torch.where(valid & inrange, ty, cur).unsqueeze(1))
     if glog is not None:
         g.add_(glog)
-    return g.mul_(dzdx)
+    if not isinstance(dzdx, float) or dzdx != 1.0:
+        g.mul_(dzdx)
+    return g
 
 
 # --------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from ..options import SmxOptions
 from ..report import Site, user_location
-from .graph_utils import canon, cast_dtype, is_mutation, is_number, stack_trace, tensor_val
+from .graph_utils import canon, cast_dtype, erase_dead, is_mutation, is_number, stack_trace, tensor_val
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -836,14 +836,7 @@ def rewrite_ce(graph: Graph, m: CEMatch) -> None:
         if k in m.anchor.meta:
             out.meta[k] = m.anchor.meta[k]
     m.anchor.replace_all_uses_with(out)
-    pending = _dedupe([m.anchor] + list(m.dead))
-    while pending:
-        dead_now = [n for n in pending if not n.users]
-        if not dead_now:
-            break
-        for n in dead_now:
-            graph.erase_node(n)
-            pending.remove(n)
+    erase_dead(graph, [m.anchor, *m.dead])
 
 
 def run_site(m: CEMatch, values: dict[str, Any]):

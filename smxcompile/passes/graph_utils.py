@@ -209,3 +209,15 @@ def is_mutation(node: Node) -> bool:
 
 def stack_trace(node: Node) -> str | None:
     return node.meta.get("stack_trace")
+
+
+def erase_dead(graph, nodes) -> None:
+    """Erase the nodes of ``nodes`` that end up unused, users before the nodes they use (any order given)."""
+    pending = list(dict.fromkeys(nodes))
+    while pending:
+        dead_now = [n for n in pending if not n.users]
+        if not dead_now:
+            break
+        for n in dead_now:
+            graph.erase_node(n)
+            pending.remove(n)

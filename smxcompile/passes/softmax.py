@@ -30,6 +30,7 @@ from torch.fx import Graph, Node
 from ..options import SmxOptions
 from ..report import Site, user_location
 from .graph_utils import (
+    erase_dead,
     canon,
     cast_dtype,
     depends_on_random,
@@ -648,11 +649,4 @@ def rewrite_softmax(graph: Graph, m: SoftmaxMatch) -> None:
         if k in m.anchor.meta:
             out.meta[k] = m.anchor.meta[k]
     m.anchor.replace_all_uses_with(out)
-    pending = [m.anchor] + [n for n in m.dead if n is not m.anchor]
-    while pending:  # erase users before the nodes they use, whatever order the match listed them in
-        dead_now = [n for n in pending if not n.users]
-        if not dead_now:
-            break
-        for n in dead_now:
-            graph.erase_node(n)
-            pending.remove(n)
+    erase_dead(graph, [m.anchor, *m.dead])
