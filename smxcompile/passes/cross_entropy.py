@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from ..options import SmxOptions
 from ..report import Site, user_location
-from .graph_utils import canon, cast_dtype, erase_dead, is_mutation, is_number, stack_trace, tensor_val
+from .graph_utils import canon, cast_dtype, is_mutation, is_number, replace_anchor, stack_trace, tensor_val
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -296,10 +296,6 @@ def _linear(n: Node) -> tuple[Node, Node, bool, Any] | None:
     return None
 
 
-def _get_attr_T(n: Node) -> bool:
-    return n.op == "call_function" and n.target is getattr and len(n.args) == 2 and n.args[1] in ("T", "mT")
-
-
 def _leading_slice(n: Node, ndim: int) -> tuple | None:
     """The index of ``x[idx]`` when it only slices leading dims (``[..., :-1, :]``, ``[:, 1:]``), else None."""
     if n.op != "call_function" or n.target is not operator.getitem or len(n.args) != 2:
@@ -323,8 +319,6 @@ def _leading_slice(n: Node, ndim: int) -> tuple | None:
             if last != slice(None):
                 return None
             idx = idx[:-1]  # drop the explicit full slice of the last dim
-            if idx and idx[-1] is Ellipsis:
-                pass
     else:
         if len(idx) > ndim:
             return None
@@ -457,9 +451,6 @@ def _walk_to_linear(m: CEMatch) -> str:
             return "logits are not a tensor node"
     else:
         return "chain too long"
-    if seen_softcap and scale != 1.0:
-        # the scales we met came *before* (closer to the CE) ... handled above; here they are below the cap
-        pass
     # replay the slices on h's rows top-down; a reshape of the rows before a slice is replayed too
     # (``logits.view(-1, V)[:-1]`` slices the flattened rows, not h's first dim)
     cur = tuple(tensor_val(m.linear).shape[:-1])
@@ -828,15 +819,7 @@ def rewrite_ce(graph: Graph, m: CEMatch) -> None:
                 m.logits, m.target, m.class_weight, int(m.ignore_index), m.reduction, float(m.label_smoothing),
                 loss_dtype), {"classes_last": True} if m.classes_last else {})
             call = out
-    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if k in m.anchor.meta:
-            call.meta[k] = m.anchor.meta[k]
-            out.meta[k] = m.anchor.meta[k]
-    for k in ("example_value", "val"):
-        if k in m.anchor.meta:
-            out.meta[k] = m.anchor.meta[k]
-    m.anchor.replace_all_uses_with(out)
-    erase_dead(graph, [m.anchor, *m.dead])
+    replace_anchor(graph, m.anchor, call, out, m.dead)
 
 
 def run_site(m: CEMatch, values: dict[str, Any]):

@@ -221,3 +221,17 @@ def erase_dead(graph, nodes) -> None:
         for n in dead_now:
             graph.erase_node(n)
             pending.remove(n)
+
+
+def replace_anchor(graph, anchor: Node, call: Node, out: Node, dead) -> None:
+    """Make ``out`` (the value of the new op ``call``) replace ``anchor``: copy the user's stack trace and
+    module info to the new nodes and the recorded value to ``out``, then erase the pattern's dead nodes."""
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if k in anchor.meta:
+            call.meta[k] = anchor.meta[k]
+            out.meta[k] = anchor.meta[k]
+    for k in ("example_value", "val"):
+        if k in anchor.meta:
+            out.meta[k] = anchor.meta[k]
+    anchor.replace_all_uses_with(out)
+    erase_dead(graph, [anchor, *dead])

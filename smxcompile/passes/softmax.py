@@ -30,7 +30,7 @@ from torch.fx import Graph, Node
 from ..options import SmxOptions
 from ..report import Site, user_location
 from .graph_utils import (
-    erase_dead,
+    replace_anchor,
     canon,
     cast_dtype,
     depends_on_random,
@@ -641,12 +641,4 @@ def rewrite_softmax(graph: Graph, m: SoftmaxMatch) -> None:
             x.meta.update(m.anchor.meta)
         call = graph.call_function(op, (x, m.dim, float(m.scale), m.softcap, m.mask, m.out_dtype, False))
         out = graph.call_function(operator.getitem, (call, 0))
-    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if k in m.anchor.meta:
-            call.meta[k] = m.anchor.meta[k]
-            out.meta[k] = m.anchor.meta[k]
-    for k in ("example_value", "val"):
-        if k in m.anchor.meta:
-            out.meta[k] = m.anchor.meta[k]
-    m.anchor.replace_all_uses_with(out)
-    erase_dead(graph, [m.anchor, *m.dead])
+    replace_anchor(graph, m.anchor, call, out, m.dead)
