@@ -461,10 +461,17 @@ def estimate_bytes(variant: str, n: int, d: int, v: int, chunk_bytes: int | None
     return int(overhead + inputs + grads + step + grads)  # + the reference gradients loaded for the check
 
 
-def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> dict:
-    """Run one worker subprocess; relay its @@ lines; kill it if its RSS passes ``limit``."""
+def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log, *, script: str | None = None,
+           label: str | None = None) -> dict:
+    """Run one worker subprocess; relay its @@ lines; kill it if its RSS passes ``limit``.
+
+    ``script`` is the file run as ``script --_worker SPEC`` (default: this one); ``label`` names the
+    worker in relayed lines and in its file names (default ``V=<vocab> <variant>``); other benchmarks
+    reuse this with their own worker."""
     spec = dict(spec)
-    tag = f"{spec['variant']}-{spec['vocab']}"
+    tag = f"{spec['variant']}-{spec['vocab']}" if label is None else "".join(
+        c if c.isalnum() or c in "._-" else "-" for c in label)
+    label = f"V={spec['vocab']} {spec['variant']}" if label is None else label
     spec["out"] = os.path.join(workdir, f"{tag}.out.json")
     spec_path = os.path.join(workdir, f"{tag}.spec.json")
     with open(spec_path, "w") as f:
@@ -473,7 +480,7 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
     if spec.get("mmap_threshold") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # a fixed threshold: every allocation from that size up is its own mmap, returned to the OS on free
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", spec_path],
+    proc = subprocess.Popen([sys.executable, os.path.abspath(script or __file__), "--_worker", spec_path],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail: collections.deque[str] = collections.deque(maxlen=40)
 
@@ -482,7 +489,7 @@ def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log) -> 
         for line in proc.stdout:
             line = line.rstrip("\n")
             if line.startswith("@@ "):
-                log(f"  [V={spec['vocab']} {spec['variant']}] {line[3:]}")
+                log(f"  [{label}] {line[3:]}")
             else:
                 tail.append(line)
 

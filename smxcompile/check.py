@@ -45,19 +45,28 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     from .passes.framework import subgraphs
     from .passes.softmax import find_softmax_sites
 
+    from .passes.attention import claimed_nodes as attention_claimed, find_attention_sites
+    from .passes.attention import input_nodes as attention_inputs, run_site as run_attention
+
     ce = [m for m in find_ce_sites(gm.graph, options) if m.action == "rewritten"]
-    matches = {m.key: m for m in find_softmax_sites(gm.graph, options, exclude=claimed_nodes(ce))
+    at = find_attention_sites(gm.graph, options, exclude=claimed_nodes(ce))
+    matches = {m.key: m for m in find_softmax_sites(gm.graph, options, exclude=claimed_nodes(ce) | attention_claimed(at))
                if m.action == "rewritten"}
     ce_matches = {m.key: m for m in ce}
+    # a requested normalizer changes the math on purpose: only softmax sites can be checked against eager
+    at_matches = {m.key: m for m in at if m.action == "rewritten" and m.normalizer == "softmax"}
     # sites inside higher-order-op bodies (checkpoint, cond) cannot be captured by the interpreter: keep them
     unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:]
-                    for m in [*find_softmax_sites(g, options, prefix=prefix), *find_ce_sites(g, options, prefix=prefix)]
+                    for m in [*find_softmax_sites(g, options, prefix=prefix), *find_ce_sites(g, options, prefix=prefix),
+                              *find_attention_sites(g, options, prefix=prefix)]
                     if m.action == "rewritten"}
     if unverifiable:
         log.warning("smx check: %d site(s) inside subgraphs cannot be checked; they are kept", len(unverifiable))
-    wanted = set(matches) | set(ce_matches)
+    wanted = set(matches) | set(ce_matches) | set(at_matches)
     for m in ce_matches.values():
         wanted.update(n.name for n in input_nodes(m))
+    for m in at_matches.values():
+        wanted.update(n.name for n in attention_inputs(m))
     for m in matches.values():
         wanted.add(m.x.name)
         if m.mask is not None:
@@ -66,10 +75,10 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
         values = _capture(gm, example_inputs, wanted)
     except Exception as e:  # the graph could not run eagerly here: keep every site, say why
         log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
-        return frozenset(matches) | frozenset(ce_matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | unverifiable
     if values is None:
         log.warning("smx check: example inputs are not real tensors; sites are kept")
-        return frozenset(matches) | frozenset(ce_matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | unverifiable
     bad = set(unverifiable)
     for name, m in ce_matches.items():
         try:
@@ -82,6 +91,17 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
             continue
         if not _close(ours, values[name], options):
             log.warning("smx check: site %s (%s) disagrees with eager; the original is kept", name, m.kind)
+            bad.add(name)
+    for name, m in at_matches.items():
+        try:
+            with torch.no_grad():
+                ours = run_attention(m, values)
+        except Exception as e:
+            log.warning("smx check: site %s (attention) failed on the example inputs (%s); the original is kept", name, e)
+            bad.add(name)
+            continue
+        if not _close(ours, values[name], options):
+            log.warning("smx check: site %s (attention) disagrees with eager; the original is kept", name)
             bad.add(name)
     for name, m in matches.items():
         x = values[m.x.name]

@@ -9,7 +9,11 @@ from typing import Any, Mapping
 
 #: Every rewrite kind smxcompile knows, by name. Each can be switched off with
 #: ``options={"disable": ["softmax"]}`` or ``options={"softmax": False}``.
-REWRITE_KINDS = ("softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
+REWRITE_KINDS = ("attention", "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
+
+#: Normalizers the attention op runs in place of softmax (``options={"attention_normalizer": ...}``);
+#: see :data:`smxcompile.kernels.attention.NORMALIZERS` for their formulas and papers.
+ATTENTION_NORMALIZERS = ("softmax", "softmax1", "sigmoid", "relu", "softpick", "ssmax", "softplus", "sparsemax", "entmax15")
 
 _CPU_POLICIES = ("auto", "rewrite", "keep")
 
@@ -30,10 +34,16 @@ class SmxOptions:
             only where smxcompile's CPU path was measured faster than Inductor's
             own C++ code (see docs/PERFORMANCE.md) and keeps the rest;
             ``"rewrite"`` rewrites every site; ``"keep"`` rewrites none.
-        attention: rewrite softmaxes that sit inside attention (score matmul ->
-            softmax -> value matmul). Off by default: Inductor fuses those into
-            scaled-dot-product attention, which a standalone softmax kernel
-            would break; the attention rewrite (a later issue) owns them.
+        attention_softmax: rewrite the softmax of an attention block (score matmul ->
+            softmax -> value matmul) as a standalone ``smx::softmax`` when the
+            attention rewrite does not take the block (kind ``attention`` disabled,
+            or the site skipped). Off by default: Inductor fuses such softmaxes with
+            their neighbours.
+        attention_normalizer: the normalizer of every rewritten attention site
+            (one of :data:`ATTENTION_NORMALIZERS`); ``"softmax"`` (default) keeps
+            the model's math. Anything else changes the model: only when asked.
+        attention_norm_param: the normalizer's parameter (sigmoid bias, SSMax scale,
+            ...; None: its default, see ``smxcompile.kernels.attention.NORMALIZERS``).
         inductor: extra Inductor config patches passed to ``compile_fx``.
 
     Raises:
@@ -45,7 +55,9 @@ class SmxOptions:
     check_rtol: float = 1e-3
     check_atol: float = 1e-5
     cpu: str = "auto"
-    attention: bool = False
+    attention_softmax: bool = False
+    attention_normalizer: str = "softmax"
+    attention_norm_param: float | None = None
     inductor: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
@@ -68,7 +80,7 @@ class SmxOptions:
         if isinstance(raw_disable, str) or not all(isinstance(k, str) for k in raw_disable):
             raise ValueError(f"smx option 'disable' must be a list of rewrite kinds, got {raw_disable!r}")
         disable = set(raw_disable)
-        for key in ("check", "attention"):
+        for key in ("check", "attention_softmax"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"smx option {key!r} must be True or False, got {options[key]!r}")
         for key in ("check_rtol", "check_atol"):
@@ -88,6 +100,14 @@ class SmxOptions:
         cpu = options.get("cpu", "auto")
         if cpu not in _CPU_POLICIES:
             raise ValueError(f"smx option 'cpu' must be one of {_CPU_POLICIES}, got {cpu!r}")
+        normalizer = options.get("attention_normalizer", "softmax")
+        if normalizer not in ATTENTION_NORMALIZERS:
+            raise ValueError(f"smx option 'attention_normalizer' must be one of {ATTENTION_NORMALIZERS}, got {normalizer!r}")
+        norm_param = options.get("attention_norm_param")
+        if norm_param is not None and (isinstance(norm_param, bool) or not isinstance(norm_param, (int, float))
+                                       or not math.isfinite(norm_param)):
+            raise ValueError(f"smx option 'attention_norm_param' must be a finite number or None, got {norm_param!r}")
+        norm_param = None if norm_param is None else float(norm_param)
         inductor = options.get("inductor", {}) or {}
         if not isinstance(inductor, Mapping):
             raise ValueError("smx option 'inductor' must be a dict of Inductor config patches")
@@ -97,7 +117,9 @@ class SmxOptions:
             check_rtol=float(options.get("check_rtol", 1e-3)),
             check_atol=float(options.get("check_atol", 1e-5)),
             cpu=cpu,
-            attention=bool(options.get("attention", False)),
+            attention_softmax=bool(options.get("attention_softmax", False)),
+            attention_normalizer=normalizer,
+            attention_norm_param=norm_param,
             inductor=tuple(sorted(inductor.items())),
         )
 

@@ -66,6 +66,7 @@ class Rewrite:
     after: str
     report: Report
     gm: torch.fx.GraphModule
+    inputs: list | None = None     # the graph's example inputs, in its placeholder order
 
     @property
     def changed(self) -> bool:
@@ -93,7 +94,8 @@ def rewrite(fn, *args, options=REWRITE, check_values: bool = True, atol: float =
     # every site points at the user's line, inside ``fn`` in this file
     for s in smx_pass.report:
         path, _, line = s.location.rpartition(":")
-        assert os.path.abspath(path) == HERE, s.location
+        assert os.path.abspath(path) == os.path.abspath(inspect.getsourcefile(
+            type(fn) if isinstance(fn, nn.Module) else fn)), s.location
         assert int(line) in _source_lines(fn), (s.location, _source_lines(fn))
     if check_values:
         torch.manual_seed(0)
@@ -104,7 +106,7 @@ def rewrite(fn, *args, options=REWRITE, check_values: bool = True, atol: float =
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
             torch.testing.assert_close(g, w, atol=atol, rtol=1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5)
-    return Rewrite(before, after, smx_pass.report, gm)
+    return Rewrite(before, after, smx_pass.report, gm, example_inputs)
 
 
 def x3(dtype=torch.float32, *shape):
@@ -908,14 +910,18 @@ def _qkv():
 
 
 class TestPolicy(TestCase):
-    def test_attention_kept_by_default(self):
+    def test_attention_softmax_belongs_to_the_attention_rewrite(self):
         r = rewrite(_attention, *_qkv())
+        self.assertEqual([(s.kind, s.action) for s in r.report], [("attention", "rewritten")])
+
+    def test_attention_softmax_kept_when_attention_disabled(self):
+        r = rewrite(_attention, *_qkv(), options={"attention": False})
         self.assertEqual(r.before, r.after)
-        self.assertEqual(r.site.action, "kept")
-        self.assertIn("attention softmax", r.site.reason)
+        self.assertEqual([(s.kind, s.action) for s in r.report], [("attention", "kept"), ("softmax", "kept")])
+        self.assertIn("attention softmax", r.report.sites[1].reason)
 
     def test_attention_rewritten_when_asked(self):
-        r = rewrite(_attention, *_qkv(), options={"attention": True, "cpu": "rewrite"}, atol=1e-5)
+        r = rewrite(_attention, *_qkv(), options={"attention": False, "attention_softmax": True, "cpu": "rewrite"}, atol=1e-5)
         self.assertExpectedInline(r.after, """\
 def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor):
 l_k_ = L_k_

@@ -22,6 +22,7 @@ from torch.fx import Graph
 
 from ..options import SmxOptions
 from ..report import Report, Site
+from .attention import claimed_nodes as attention_claimed, find_attention_sites, rewrite_attention
 from .cross_entropy import claimed_nodes, find_ce_sites, rewrite_ce
 from .softmax import find_softmax_sites, rewrite_softmax
 
@@ -61,8 +62,10 @@ def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: froz
     sites = []
     for prefix, g, _ in subgraphs(graph):
         ce = find_ce_sites(g, options, skip, prefix)
-        sm = find_softmax_sites(g, options, skip, prefix, exclude=claimed_nodes(ce))
-        sites += [m.to_site(graph_tag) for m in ce] + [m.to_site(graph_tag) for m in sm]
+        taken = claimed_nodes(ce)
+        at = find_attention_sites(g, options, skip, prefix, exclude=taken)
+        sm = find_softmax_sites(g, options, skip, prefix, exclude=taken | attention_claimed(at))
+        sites += [m.to_site(graph_tag) for m in (*ce, *at, *sm)]
     return Report(sites)
 
 
@@ -107,7 +110,20 @@ class SmxPass(CustomGraphPass):
         if changed:
             graph.lint()
         self.report.sites.extend(ce_sites)
+        changed = self._rewrite_attention(graph, prefix) or changed
         return self._rewrite_softmax(graph, prefix) or changed
+
+    def _rewrite_attention(self, graph: Graph, prefix: str) -> bool:
+        found = find_attention_sites(graph, self.options, self.skip, prefix)
+        changed = False
+        for m in found:
+            if m.action == "rewritten":
+                rewrite_attention(graph, m)
+                changed = True
+        if changed:
+            graph.lint()
+        self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
+        return changed
 
     def _rewrite_softmax(self, graph: Graph, prefix: str) -> bool:
         first = find_softmax_sites(graph, self.options, self.skip, prefix)

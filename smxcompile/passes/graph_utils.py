@@ -203,6 +203,8 @@ def is_mutation(node: Node) -> bool:
         return False
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
         return True
+    if (getattr(node.target, "__module__", "") or "") in ("_operator", "operator"):
+        return False   # operator.and_ / or_ / not_ are not in-place despite the trailing underscore
     name = getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
 

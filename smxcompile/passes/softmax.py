@@ -604,10 +604,10 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
             "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)"
         )
         return
-    if _is_attention(m) and not options.attention:
+    if _is_attention(m) and not options.attention_softmax:
         m.action, m.reason = "kept", (
-            "attention softmax (QK^T -> softmax -> V): left for the attention rewrite; "
-            "Inductor compiles it (options attention=True forces it)"
+            "attention softmax (QK^T -> softmax -> V) that the attention rewrite did not take (see its site); "
+            "Inductor compiles it (options attention_softmax=True forces a standalone smx::softmax)"
         )
         return
     if m.device == "cpu":

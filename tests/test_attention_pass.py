@@ -1,0 +1,596 @@
+"""Expected-graph tests of the attention matcher/rewrite (smxcompile.passes.attention).
+
+Each spelling of attention from issue 4 is traced with Dynamo, rewritten by :class:`SmxPass` and
+compared with an inline expected graph (``EXPECTTEST_ACCEPT=1 pytest tests/test_attention_pass.py``
+regenerates them; read the diff). Every rewritten graph is also run against the original function
+(``rewrite`` in test_softmax_pass.py), forward here and forward + backward in ``TestGradients``, so an
+expectation can never bless a wrong rewrite. Each spelling has a near-miss that must not match.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import smxcompile  # noqa: F401
+from smxcompile.options import SmxOptions
+from smxcompile.passes import SmxPass
+from smxcompile.passes.attention import graph_attention
+from test_softmax_pass import dynamo_graph, rewrite
+
+DEFAULT = {}
+
+
+def qkv(b=2, h=4, L=8, S=8, e=16, dtype=torch.float32, hkv=None, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, L, e, generator=g).to(dtype)
+    k = torch.randn(b, hkv or h, S, e, generator=g).to(dtype)
+    v = torch.randn(b, hkv or h, S, e, generator=g).to(dtype)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def sites(r):
+    return [(s.kind, s.action) for s in r.report]
+
+
+def attn_site(r):
+    s = [s for s in r.report if s.kind == "attention"]
+    assert len(s) == 1, str(r.report)
+    return s[0]
+
+
+# --------------------------------------------------------------------------- spellings
+
+
+def plain(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+
+def sqrt_div(q, k, v):
+    s = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.size(-1))
+    return torch.matmul(F.softmax(s, dim=-1), v)
+
+
+def full_tensor_scale(q, k, v):
+    s = q @ k.transpose(-1, -2)
+    s = s / torch.full([], q.size(-1) ** 0.5, dtype=s.dtype, device=s.device)
+    return s.softmax(-1) @ v
+
+
+def prescaled_q(q, k, v):
+    q = q * q.shape[-1] ** -0.5
+    return (q @ k.mT).softmax(dim=-1) @ v
+
+
+def additive_mask(q, k, v, mask):
+    s = q @ k.transpose(-2, -1) * 0.25 + mask
+    return torch.softmax(s, -1) @ v
+
+
+def masked_fill_neg_inf(q, k, v, pad):
+    s = (q @ k.transpose(-2, -1)) * 0.25
+    s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def masked_fill_finfo_min(q, k, v, pad):
+    s = (q @ k.transpose(-2, -1)) * 0.25
+    s = s.masked_fill(pad[:, None, None, :], torch.finfo(s.dtype).min)
+    return torch.softmax(s, -1) @ v
+
+
+def gpt2_where_causal(q, k, v):
+    L, S = q.size(-2), k.size(-2)
+    causal = torch.tril(torch.ones(L, S, dtype=torch.bool, device=q.device))
+    s = q @ k.transpose(-1, -2) / (v.size(-1) ** 0.5)
+    mask_value = torch.full([], torch.finfo(s.dtype).min, dtype=s.dtype, device=s.device)
+    s = torch.where(causal, s, mask_value)
+    return torch.softmax(s, -1) @ v
+
+
+def t5_upcast(q, k, v, bias):
+    s = torch.matmul(q, k.transpose(3, 2))
+    s = s + bias
+    w = F.softmax(s.float(), dim=-1).type_as(s)
+    return torch.matmul(w, v)
+
+
+def dropout_training(q, k, v):
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    w = F.dropout(w, p=0.1, training=True)
+    return w @ v
+
+
+def dropout_eval(q, k, v):
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return F.dropout(w, p=0.1, training=False) @ v
+
+
+def bmm_3d(q, k, v):
+    return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.25, -1), v)
+
+
+def bshd_permuted(x_q, x_k, x_v):
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (x_q, x_k, x_v))
+    out = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    return out.permute(0, 2, 1, 3)
+
+
+def repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def gqa_repeat_kv(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n), repeat_kv(v, n)
+    return torch.softmax(q @ k.transpose(2, 3) * 0.25, -1) @ v
+
+
+def gqa_repeat_interleave(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+
+
+def softcapped(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s = 2.0 * torch.tanh(s / 2.0)
+    return torch.softmax(s, -1) @ v
+
+
+def tensor_scale(q, k, v, t):
+    return torch.softmax((q @ k.transpose(-2, -1)) * t, -1) @ v
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class TestSpellings(TestCase):
+    def test_plain_float_scale(self):
+        r = rewrite(plain, *qkv(), options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertEqual(attn_site(r).detail, "matmul(q, k^T), scale=0.25")
+
+    def test_sqrt_div(self):
+        r = rewrite(sqrt_div, *qkv(), options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertIn("scale=0.25", attn_site(r).detail)
+
+    def test_full_tensor_scale_folded(self):
+        r = rewrite(full_tensor_scale, *qkv(), options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+full = torch.full([], 4.0, dtype = torch.float32, device = device(type='cpu'))
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+
+    def test_runtime_tensor_scale_folded_into_q(self):
+        r = rewrite(tensor_scale, *qkv(), torch.tensor(0.3), options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_t_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_t_ = L_t_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [(l_t_, 'mul')], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+
+    def test_prescaled_q(self):
+        r = rewrite(prescaled_q, *qkv(), options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor):
+l_q_ = L_q_
+l_k_ = L_k_
+l_v_ = L_v_
+q = l_q_ * 0.25
+graph_attention = smxcompile_passes_attention_graph_attention(q, l_k_, l_v_, [], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+
+    def test_additive_mask(self):
+        mask = torch.randn(2, 1, 8, 8)
+        r = rewrite(additive_mask, *qkv(), mask, options=DEFAULT, atol=1e-5)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_mask_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_mask_ = L_mask_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [l_mask_], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+
+    def test_masked_fill_neg_inf_keeps_nan_rows(self):
+        pad = torch.zeros(2, 8, dtype=torch.bool)
+        pad[0, 2:] = True
+        pad[1, :] = True   # every key masked: eager gives NaN rows, so must the rewrite
+        r = rewrite(masked_fill_neg_inf, *qkv(), pad, options=DEFAULT, check_values=False)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_pad_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_pad_ = L_pad_
+l_v_ = L_v_
+getitem = l_pad_[(slice(None, None, None), None, None, slice(None, None, None))]
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [(getitem, True, -inf)], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+        out = r.gm(*r.inputs)[0]
+        torch.testing.assert_close(out, masked_fill_neg_inf(*qkv(), pad), atol=1e-5, rtol=1e-5, equal_nan=True)
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+
+    def test_masked_fill_finfo_min_keeps_uniform_rows(self):
+        pad = torch.zeros(2, 8, dtype=torch.bool)
+        pad[1, :] = True   # eager: a uniform average over every key
+        r = rewrite(masked_fill_finfo_min, *qkv(), pad, options=DEFAULT, atol=1e-5)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
+    def test_gpt2_where_causal_becomes_is_causal(self):
+        r = rewrite(gpt2_where_causal, *qkv(), options=DEFAULT, atol=1e-5)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor):
+l_q_ = L_q_
+l_k_ = L_k_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = True, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+        self.assertEqual(attn_site(r).detail, "matmul(q, k^T), causal, scale=0.25")
+
+    def test_t5_unscaled_fp32_upcast_bf16(self):
+        q, k, v = qkv(dtype=torch.bfloat16)
+        bias = torch.randn(1, 4, 8, 8).to(torch.bfloat16)
+        r = rewrite(t5_upcast, q, k, v, bias, options=DEFAULT, check_values=False)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_bias_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_bias_ = L_bias_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [l_bias_], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+        # bf16: the fused kernel keeps the scores in fp32, eager rounds them to bf16 first
+        gold = t5_upcast(*(t.double() for t in (q, k, v, bias)))
+        ours, eager = r.gm(*r.inputs)[0].double(), t5_upcast(q, k, v, bias).double()
+        assert ((ours - gold).abs() <= (eager - gold).abs() + 1e-2).all()
+
+    def test_dropout_training_taken_into_the_op(self):
+        r = rewrite(dropout_training, *qkv(), options=DEFAULT, check_values=False)
+        self.assertIn("dropout_p = 0.1", r.after)
+        self.assertIn("dropout p=0.1", attn_site(r).detail)
+
+    def test_dropout_eval_dropped(self):
+        r = rewrite(dropout_eval, *qkv(), options=DEFAULT)
+        self.assertIn("dropout_p = 0.0", r.after)
+
+    def test_bmm_3d(self):
+        q, k, v = (t.reshape(8, 8, 16) for t in qkv())
+        r = rewrite(bmm_3d, q, k, v, options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor):
+l_k_ = L_k_
+l_q_ = L_q_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+
+    def test_bshd_permuted(self):
+        q, k, v = (t.transpose(1, 2).contiguous() for t in qkv())
+        r = rewrite(bshd_permuted, q, k, v, options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
+    def test_gqa_repeat_kv(self):
+        r = rewrite(gqa_repeat_kv, *qkv(hkv=2), options=DEFAULT)
+        self.assertExpectedInline(r.after, """\
+def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor):
+l_q_ = L_q_
+l_k_ = L_k_
+l_v_ = L_v_
+graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 2, fixup = '', normalizer = 'softmax', norm_param = None)
+return (graph_attention,)""")
+        self.assertIn("GQA 2 q heads per kv head", attn_site(r).detail)
+
+    def test_gqa_repeat_interleave(self):
+        r = rewrite(gqa_repeat_interleave, *qkv(hkv=1), options=DEFAULT)
+        self.assertIn("GQA 4 q heads per kv head", attn_site(r).detail)
+        self.assertNotIn("repeat_interleave", r.after)
+
+    def test_softcap(self):
+        # softcap has no SDPA equivalent: the op's own path (smx::attention)
+        r = rewrite(softcapped, *qkv(), options=DEFAULT, atol=1e-5)
+        self.assertIn("softcap = 2.0", r.after)
+        self.assertIn("softcap=2", attn_site(r).detail)
+
+    def test_sdpa_kept_without_a_normalizer(self):
+        r = rewrite(sdpa, *qkv(), options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertEqual(sites(r), [("attention", "kept")])
+        self.assertIn("already torch's fused", attn_site(r).reason)
+
+
+# --------------------------------------------------------------------------- near-misses
+
+
+def permuted_k(q, k, v):
+    return torch.softmax(q @ k.permute(0, 2, 3, 1) * 0.25, -1) @ v
+
+
+def transposed_1_3(q, k, v):
+    return torch.softmax(q @ k.transpose(1, 3) * 0.25, -1) @ v
+
+
+def softmax_query_dim(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-2) @ v
+
+
+def mask_from_scores(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    s = s.masked_fill(s < -1.0, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def additive_from_scores(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(s + s.detach().relu(), -1) @ v
+
+
+def weights_returned(q, k, v):
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+    return w @ v, w
+
+
+def fill_zero(q, k, v, pad):
+    s = (q @ k.transpose(-2, -1)).masked_fill(pad, 0.0)
+    return torch.softmax(s, -1) @ v
+
+
+def tiled_repeat(q, k, v):
+    k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+
+
+def softmax_then_weight(x, w):
+    return torch.softmax(x * 2.0, -1) @ w
+
+
+def sliding_window(q, k, v):
+    i = torch.arange(q.size(-2))
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)   # sliding window of 3
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+class TestNearMisses(TestCase):
+    def test_permuted_k_is_not_a_transpose(self):
+        q = torch.randn(2, 4, 4, 4)
+        k = torch.randn(2, 4, 4, 4)
+        v = torch.randn(2, 4, 4, 4)
+        r = rewrite(permuted_k, q, k, v, options=DEFAULT)
+        self.assertFalse(r.changed)
+        s = attn_site(r)
+        self.assertEqual(s.action, "skipped")
+        self.assertIn("permuted (0, 2, 3, 1)", s.reason)
+
+    def test_transpose_of_other_dims(self):
+        q, k, v = (torch.randn(2, 4, 4, 4) for _ in range(3))
+        r = rewrite(transposed_1_3, q, k, v, options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertIn("not the last two", attn_site(r).reason)
+
+    def test_softmax_over_query_dim(self):
+        r = rewrite(softmax_query_dim, *qkv(), options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertIn("not the key (last) dim", attn_site(r).reason)
+
+    def test_mask_from_the_scores(self):
+        r = rewrite(mask_from_scores, *qkv(), options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertEqual(attn_site(r).reason, "the mask depends on the scores")
+
+    def test_additive_mask_from_the_scores(self):
+        r = rewrite(additive_from_scores, *qkv(), options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertEqual(attn_site(r).action, "skipped")
+
+    def test_weights_also_returned(self):
+        r = rewrite(weights_returned, *qkv(), options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertIn("also used outside the attention", attn_site(r).reason)
+
+    def test_masked_fill_value_that_does_not_mask(self):
+        pad = torch.rand(8, 8) > 0.5
+        r = rewrite(fill_zero, *qkv(), pad, options=DEFAULT)
+        self.assertFalse(r.changed)
+        self.assertIn("does not mask", attn_site(r).reason)
+
+    def test_tiled_repeat_is_not_gqa(self):
+        # .repeat tiles heads (h -> h % Hkv), unlike repeat_kv (h -> h // n): K/V are passed repeated
+        r = rewrite(tiled_repeat, *qkv(hkv=2), options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertNotIn("GQA", attn_site(r).detail)
+
+    def test_softmax_then_weight_matrix_is_not_attention(self):
+        r = rewrite(softmax_then_weight, torch.randn(4, 8), torch.randn(8, 3), options=DEFAULT)
+        self.assertNotIn("attention", [s.kind for s in r.report])
+
+    def test_disabled_by_option(self):
+        r = rewrite(plain, *qkv(), options={"attention": False})
+        self.assertFalse(r.changed)
+        self.assertEqual(attn_site(r).reason, "rewrite kind 'attention' disabled by options")
+
+    def test_non_constant_causal_like_mask_stays_a_mask(self):
+        # a causal mask passed in as an input is not known at compile time: it stays a mask
+        mask = torch.full((8, 8), float("-inf")).triu(1)
+        r = rewrite(additive_mask, *qkv(), mask, options=DEFAULT, atol=1e-5)
+        self.assertNotIn("causal", attn_site(r).detail)
+        self.assertIn("is_causal = False", r.after)
+
+    def test_constant_non_causal_band_stays_a_mask(self):
+        r = rewrite(sliding_window, *qkv(), options=DEFAULT, atol=1e-5)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertIn("is_causal = False", r.after)
+
+
+# --------------------------------------------------------------------------- gradients through the rewrite
+
+
+GRAD_CASES = {
+    "plain": (plain, lambda: ()),
+    "additive_mask": (additive_mask, lambda: (torch.randn(2, 1, 8, 8),)),
+    "gpt2_where_causal": (gpt2_where_causal, lambda: ()),
+    "gqa_repeat_kv": (gqa_repeat_kv, None),
+    "softcap": (softcapped, lambda: ()),
+    "bias_with_grad": (t5_upcast, lambda: (torch.randn(1, 4, 8, 8, requires_grad=True),)),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_compiled_gradients_match_eager(name):
+    fn, extra = GRAD_CASES[name]
+    q, k, v = qkv(hkv=2 if extra is None else None, grad=True)
+    extra = () if extra is None else extra()
+    torch._dynamo.reset()
+    ref = fn(q, k, v, *extra)
+    g_ref = torch.autograd.grad(ref.square().sum(), [q, k, v, *[e for e in extra if e.requires_grad]])
+    n0 = len(smxcompile.backends.smx.compiled_reports)
+    out = torch.compile(fn, backend="smx")(q, k, v, *extra)
+    g = torch.autograd.grad(out.square().sum(), [q, k, v, *[e for e in extra if e.requires_grad]])
+    report = smxcompile.backends.smx.compiled_reports[n0]
+    assert report.count(kind="attention", action="rewritten") == 1, str(report)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_attention_fixup_rows_match_eager_softmax():
+    """The fully-masked-row fix-up alone: NaN for -inf fills, the uniform mean for finite ones."""
+    q, k, v = qkv()
+    pad = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+    pad[1] = True
+    for value in (float("-inf"), -1e9):
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(pad, value)
+        ref = torch.softmax(s, -1) @ v
+        got = graph_attention(q, k, v, [], [(pad, True, value)], [], scale=0.25, softcap=None, is_causal=False,
+                              dropout_p=0.0, n_rep=1, fixup="auto", normalizer="softmax", norm_param=None)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_pass_is_idempotent():
+    gm = dynamo_graph(plain, *qkv())
+    p = SmxPass(SmxOptions())
+    p(gm.graph)
+    once = gm.graph.python_code("self").src
+    p(gm.graph)
+    assert gm.graph.python_code("self").src == once
+
+
+# --------------------------------------------------------------------------- normalizer option
+
+
+def test_normalizer_option_rewrites_sdpa_and_eager_spellings():
+    for fn in (plain, sdpa):
+        r = rewrite(fn, *qkv(), options={"attention_normalizer": "sigmoid"}, check_values=False)
+        s = attn_site(r)
+        assert s.action == "rewritten" and "normalizer=sigmoid" in s.detail, s
+        q, k, v = qkv()
+        got = r.gm(*r.inputs)[0]
+        from smxcompile.kernels.attention import attention_reference
+
+        want = attention_reference(q.double(), k.double(), v.double(), is_causal=fn is sdpa,
+                                   scale=0.25 if fn is plain else None, normalizer="sigmoid")
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_normalizer_with_learned_bias_is_skipped():
+    q, k, v = qkv()
+    bias = torch.randn(1, 4, 8, 8, requires_grad=True)
+    r = rewrite(t5_upcast, q, k, v, bias, options={"attention_normalizer": "ssmax"}, check_values=False)
+    assert attn_site(r).action == "skipped" and "needs a gradient" in attn_site(r).reason
+
+
+def test_compiled_dropout_draws_a_fresh_seed_each_call():
+    # the op route (a normalizer) with dropout: the seed must be a graph op, not a constant of the trace
+    q, k, v = qkv()
+    f = torch.compile(dropout_training, backend="smx", options={"attention_normalizer": "softmax1"})
+    torch.manual_seed(0)
+    a = f(q, k, v)
+    b = f(q, k, v)
+    assert not torch.equal(a, b)
+    torch.manual_seed(0)
+    assert torch.equal(f(q, k, v), a)
+
+
+# --------------------------------------------------------------------------- the check option
+
+
+def _compile_report(fn, options):
+    n0 = len(smxcompile.backends.smx.compiled_reports)
+    f = torch.compile(fn, backend="smx", options=options)
+    return f, lambda: smxcompile.backends.smx.compiled_reports[n0]
+
+
+def test_check_option_passes_on_an_attention_site():
+    torch._dynamo.reset()
+    mask = torch.randn(2, 1, 8, 8)
+    f, report = _compile_report(additive_mask, {"check": True})
+    torch.testing.assert_close(f(*qkv(), mask), additive_mask(*qkv(), mask), atol=1e-5, rtol=1e-5)
+    assert [(s.kind, s.action) for s in report()] == [("attention", "rewritten")]
+
+
+def test_check_option_rejects_a_wrong_attention_rewrite(monkeypatch):
+    # a rewrite that ignores the mask is caught on the example inputs and the site is put back
+    import smxcompile.passes.attention as A
+
+    real = A.graph_attention
+
+    def no_mask(q, k, v, add_masks, *a, **kw):
+        return real(q, k, v, [], *a, **kw)
+
+    monkeypatch.setattr(A, "graph_attention", no_mask)
+    torch._dynamo.reset()
+    mask = torch.randn(2, 1, 8, 8) * 4
+    f, report = _compile_report(additive_mask, {"check": True})
+    torch.testing.assert_close(f(*qkv(), mask), additive_mask(*qkv(), mask), atol=1e-5, rtol=1e-5)
+    site = report().sites[0]
+    assert (site.kind, site.action) == ("attention", "kept") and site.reason.startswith("check failed"), site
+    assert [(s.kind, s.action) for s in report()] == [("attention", "kept"), ("softmax", "kept")]
+
+
+class ScaledAttention(torch.nn.Module):
+    """Like transformers' attention: the scale is a Python float attribute (a graph input under dynamic=True)."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.scaling = head_dim ** -0.5
+
+    def forward(self, q, k, v, mask):
+        s = torch.matmul(q, k.transpose(2, 3)) * self.scaling + mask
+        return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def test_dynamic_shapes_two_lengths():
+    torch._dynamo.reset()
+    mod = ScaledAttention(16)
+    f = torch.compile(mod, backend="smx", dynamic=True)
+    n0 = len(smxcompile.backends.smx.compiled_reports)
+    for L in (8, 11):
+        q, k, v = qkv(L=L, S=L)
+        mask = torch.randn(2, 1, L, L)
+        torch.testing.assert_close(f(q, k, v, mask), mod(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    rep = smxcompile.backends.smx.compiled_reports[n0]
+    assert [(s.kind, s.action) for s in rep] == [("attention", "rewritten")], str(rep)
