@@ -52,8 +52,9 @@ SMALL = dict(block_m=16, block_n=16)
 
 
 def _n_keys(L, S, is_causal, dtype):
-    i = torch.arange(L, dtype=dtype)
-    n = torch.minimum(i + 1, torch.tensor(float(S), dtype=dtype)) if is_causal else torch.full((L,), float(S), dtype=dtype)
+    n = torch.full((L,), float(S), dtype=dtype)
+    if is_causal:
+        n = torch.minimum(torch.arange(1, L + 1, dtype=dtype), n)
     return n[:, None]  # (L, 1)
 
 

@@ -92,3 +92,72 @@ def test_compiled_graph_runs_triton_kernels(triton_calls):
     torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
     assert smxcompile.last_report().count(kind="softmax", action="rewritten") == 1
     assert triton_calls["fwd"] >= 1 and triton_calls["bwd"] >= 1
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Force the Triton path on CPU and count the attention launcher calls."""
+    from smxcompile.kernels import triton_attention
+
+    monkeypatch.setattr(config, "force_triton", True)
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = triton_attention.attention_forward, triton_attention.attention_backward
+
+    def count_fwd(*a, **k):
+        calls["fwd"] += 1
+        return fwd(*a, **k)
+
+    def count_bwd(*a, **k):
+        calls["bwd"] += 1
+        return bwd(*a, **k)
+
+    monkeypatch.setattr(triton_attention, "attention_forward", count_fwd)
+    monkeypatch.setattr(triton_attention, "attention_backward", count_bwd)
+    return calls
+
+
+def _qkv_attn(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, 9, 8, generator=g).to(DEVICE).requires_grad_()
+    k = torch.randn(1, 2, 9, 8, generator=g).to(DEVICE).requires_grad_()
+    v = torch.randn(1, 2, 9, 8, generator=g).to(DEVICE).requires_grad_()
+    return q, k, v
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sigmoid", "ssmax", "sparsemax"])
+def test_attention_op_routes_to_triton(attention_calls, normalizer):
+    from smxcompile.kernels.attention import attention_reference
+
+    q, k, v = _qkv_attn()
+    p = torch.full((4,), 0.7, device=DEVICE, requires_grad=True) if normalizer == "ssmax" else None
+    # softmax is only the op's route with soft-capping (otherwise it is torch's SDPA)
+    softcap = 3.0 if normalizer == "softmax" else None
+    out = smxcompile.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=softcap, normalizer=normalizer,
+                               norm_param=p)
+    args = [q, k, v] + ([p] if p is not None else [])
+    grads = torch.autograd.grad(out.square().sum(), args)
+    assert attention_calls == {"fwd": 1, "bwd": 1}
+    d = [t.detach().double().requires_grad_() for t in args]
+    ref = attention_reference(d[0], d[1].repeat_interleave(2, 1), d[2].repeat_interleave(2, 1), is_causal=True,
+                              softcap=softcap, normalizer=normalizer, norm_param=d[3] if p is not None else None)
+    ref_grads = torch.autograd.grad(ref.square().sum(), d)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_attention_variant_runs_triton(attention_calls):
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.3, -1) @ v
+
+    q, k, v = (t.detach()[:, :2].contiguous().requires_grad_() for t in _qkv_attn(1))
+    k, v = (t.detach()[:, :2].contiguous().requires_grad_() for t in (k, v))
+    torch._dynamo.reset()
+    f = torch.compile(attn, backend="smx", options={"attention_normalizer": "softpick"})
+    out = f(q, k, v)
+    out.sum().backward()
+    assert attention_calls == {"fwd": 1, "bwd": 1}
+    assert smxcompile.last_report().count(kind="attention", action="rewritten") == 1

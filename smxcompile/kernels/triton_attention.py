@@ -41,7 +41,8 @@ entmax15 an upper bound when ``{z > t}`` contains the support, a lower bound whe
 inside it, plus a Newton step on the convex ``f`` (a lower bound from the left). The
 finishing pass computes the closed-form ``tau`` of the support ``{z > lo}``: exact once no
 score lies between ``lo`` and the true ``tau`` (in simulations with rows of 256 to 32768
-Gaussian scores: after <= 10 passes for sparsemax, <= 7 for entmax15). Backward: sparsemax ``dS = supp (dP - mean_supp dP)``; entmax15 with ``g = sqrt(w)``,
+Gaussian scores: after <= 10 passes for sparsemax, <= 7 for entmax15). Backward: sparsemax
+``dS = supp (dP - mean_supp dP)``; entmax15 with ``g = sqrt(w)``,
 ``dS = g (dP - sum(g dP) / sum g)``; these row sums take one pass over the K tiles.
 
 ``stats`` (fp32, (B, Hq, L, 2)) hold what the backward needs per row: ``(m, d)`` for
@@ -56,13 +57,16 @@ blocks, accumulates ``dK``, ``dV`` in registers (GQA needs no atomics for them) 
 ``dQ`` atomically into an fp32 buffer. ``dnorm_param`` is reduced per (batch, head) with
 atomics. Per-element gradients w.r.t. ``s``::
 
-    softmax-like   dS = w (dP - delta)                          (ssmax: times p log n)
+    softmax(1)     dS = w (dP - delta)
+    ssmax          dZ = w (dP - delta), dS = (p log n) dZ       dp = sum dZ s log n
     sigmoid        dS = dP w (1 - w)                            db = sum dS
     relu           dS = dP c [s > 0]                            dc = sum dP relu(s)
     softpick       dS = e^{s}/Z ([s > 0] dP - sign(s) delta)    deps = -sum_i delta_i / Z_i
-    softplus       dS = c sigmoid(c s) (dP - delta) / F         dc = sum dS s / c
+    softplus       dX = sigmoid(c s) (dP - delta) / F, dS = c dX  dc = sum dX s
     sparsemax      dS = [s > tau] (dP - mean_supp dP)
     entmax15       dS = g (dP - sum(g dP) / sum g)
+
+(``dP = dO v^T``, times ``keep / (1 - p)`` with dropout; ``delta = sum_j w_j dP_j``.)
 
 Optional (softmax only, forward only, off by default): ``skip_threshold = lambda`` skips a K/V
 tile when ``tile_max - running_max < ln(lambda)`` for every row of the query block (BLASST,
@@ -103,13 +107,9 @@ __all__ = ["attention_forward", "attention_backward", "dropout_keep_mask", "NORM
 #: Normalizer name -> the kernels' NORM constexpr.
 NORMALIZERS = {"softmax": 0, "softmax1": 1, "ssmax": 2, "sigmoid": 3, "relu": 4, "softpick": 5, "softplus": 6,
                "sparsemax": 7, "entmax15": 8}
-#: Normalizers with a per-(batch, head) parameter (and a dnorm_param gradient).
-_HAS_PARAM_GRAD = {"ssmax", "sigmoid", "relu", "softpick", "softplus"}
 _SOFTMAX_LIKE = (0, 1, 2, 5, 6)  # backward uses delta = rowsum(dO * O)
 #: Bracketing passes on tau for sparsemax / entmax15 (each halves the bracket at least).
 SPARSE_ITERS = 10
-#: Default softpick eps.
-SOFTPICK_EPS = 1e-6
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
@@ -166,7 +166,7 @@ if triton is not None:
             elif NORM == 4:
                 par = 1.0 / n
             elif NORM == 5:
-                par = tl.zeros(rows.shape, tl.float32) + 1e-6
+                par = tl.zeros(rows.shape, tl.float32) + 1e-6  # softpick's default eps
             else:
                 par = tl.log(tl.maximum(n, 2.0))
         if NORM == 2:

@@ -1,0 +1,85 @@
+"""Attention on CUDA (part of benchmarks/gpu/run.sh): torch SDPA, eager math, Inductor and smx's Triton kernel.
+
+Per case (B, H, L=S, E, bf16, causal): forward and forward+backward time (median of CUDA-event timed
+rounds) and peak memory above the inputs (``torch.cuda.max_memory_allocated``), and the max error of the
+output against an fp32 materialized reference. Variants:
+
+  eager      softmax(q k^T * scale + causal mask) @ v, materialized (what eager-attention models run)
+  inductor   torch.compile(eager) with the default backend
+  sdpa       F.scaled_dot_product_attention(is_causal=True) (FlashAttention-2 inside torch)
+  smx        torch.compile(eager, backend="smx"): the rewrite (-> SDPA for softmax)
+  smx-<nz>   smxcompile.attention(..., normalizer=<nz>) on the Triton kernel: softmax with softcap (the
+             op's own path), sigmoid, softpick, sparsemax
+"""
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import smxcompile
+
+
+def eager(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    L = q.shape[-2]
+    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+def timed(fn, backward, rounds=5):
+    times = []
+    for i in range(rounds + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        if backward:
+            out.backward(torch.ones_like(out))
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], out
+
+
+def main():
+    quick = "--quick" in sys.argv
+    print(f"torch {torch.__version__} {torch.cuda.get_device_name()}")
+    print("| B,H,L,E | variant | fwd ms | fwd+bwd ms | peak MB fwd+bwd | max err vs fp32 |\n|---|---|---|---|---|---|")
+    cases = [(4, 16, 1024, 64)] if quick else [(4, 16, 2048, 64), (1, 16, 8192, 128)]
+    for B, H, L, E in cases:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        ref = eager(q.float(), k.float(), v.float())
+        variants = {
+            "eager": eager, "inductor": torch.compile(eager),
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "smx": torch.compile(eager, backend="smx"),
+            "smx-softmax+softcap50": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, softcap=50.0),
+            "smx-sigmoid": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sigmoid"),
+            "smx-softpick": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="softpick"),
+            "smx-sparsemax": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sparsemax"),
+        }
+        if L * L * B * H * 4 > 8e9:
+            variants.pop("eager")
+            variants.pop("inductor")
+        for name, fn in variants.items():
+            try:
+                qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                fwd_ms, out = timed(lambda: fn(qq.detach(), kk.detach(), vv.detach()), backward=False)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step_ms, _ = timed(lambda: fn(qq, kk, vv), backward=True, rounds=3)
+                peak = (torch.cuda.max_memory_allocated() - base) / 1e6
+                err = (out.float() - ref).abs().max().item() if name in ("eager", "inductor", "sdpa", "smx") or \
+                    name.startswith("smx-softmax") else float("nan")
+                print(f"| {B},{H},{L},{E} | {name} | {fwd_ms:.2f} | {step_ms:.2f} | {peak:.0f} | {err:.2e} |")
+            except Exception as e:  # report and go on: one failing variant must not hide the others
+                print(f"| {B},{H},{L},{E} | {name} | error: {type(e).__name__}: {str(e)[:120]} | | | |")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
