@@ -659,7 +659,8 @@ def test_triton_route_plumbing(monkeypatch):
     tri = importlib.import_module("smxcompile.kernels.triton_attention")
     seen = {}
 
-    def fwd(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
+    def fwd(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None):
+        assert skip_threshold is None
         seen["fwd"] = (q.shape, k.shape, v.shape, attn_mask.shape, attn_mask.dtype, norm_param.dtype,
                        norm_param.shape, norm_param.is_contiguous(), dropout_p, seed, normalizer, softcap)
         out = A._torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)

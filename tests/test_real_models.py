@@ -12,7 +12,7 @@ For every architecture (GPT-2, Llama and Mistral with GQA, Qwen2, BERT, ViT):
   Mistral and Qwen2 take K/V un-repeated: ``GQA``), and no softmax left over; with the attention
   rewrite off and the softmax forced, every block's softmax is ``rewritten`` to ``smx::softmax``.
 
-For GPT-2, Llama, Mistral, BERT, ViT and T5 (Qwen2 is Llama's code plus q/k/v biases: explained only):
+For GPT-2, Llama, Mistral, Qwen2, BERT, ViT and T5:
 
 * ``torch.compile(model, backend="smx")`` (default options) trains one step (forward + backward,
   train mode) with the loss, the logits and the gradient of every parameter matching eager fp32
@@ -182,8 +182,7 @@ FACTORIES: dict[str, Callable[[], Case]] = {
     "vit": _vit,
     "t5": _t5,
 }
-# Qwen2 is Llama's code with q/k/v biases: explained, not compiled again (each compile costs 20-40 s here).
-COMPILED = ["gpt2", "llama", "mistral", "bert", "vit", "t5"]
+COMPILED = ["gpt2", "llama", "mistral", "qwen2", "bert", "vit", "t5"]
 FORCED = ["gpt2", "llama", "mistral", "bert"]
 
 

@@ -161,3 +161,27 @@ def test_compiled_attention_variant_runs_triton(attention_calls):
     out.sum().backward()
     assert attention_calls == {"fwd": 1, "bwd": 1}
     assert smxcompile.last_report().count(kind="attention", action="rewritten") == 1
+
+
+def test_attention_skip_threshold_routes_to_triton(attention_calls):
+    import torch.nn.functional as F
+
+    q, k, v = (t.detach() for t in _qkv_attn(2))
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    # a tiny lambda skips nothing that matters: equal to exact attention
+    out = smxcompile.attention(q, k, v, is_causal=True, skip_threshold=1e-30)
+    assert attention_calls["fwd"] == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_skip_threshold_errors(monkeypatch):
+    from smxcompile.kernels.attention import AttentionError
+
+    monkeypatch.setattr(config, "force_triton", False)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(AttentionError, match="CUDA Triton kernel only"):
+        smxcompile.attention(q, q, q, skip_threshold=0.01)
+    with pytest.raises(AttentionError, match="softmax normalizer only"):
+        smxcompile.attention(q, q, q, skip_threshold=0.01, normalizer="sigmoid")
+    with pytest.raises(AttentionError, match=r"in \(0, 1\)"):
+        smxcompile.attention(q, q, q, skip_threshold=2.0)

@@ -587,6 +587,7 @@ def _attention_op(
     norm_param: torch.Tensor | None,
     dropout_p: float,
     seed: torch.Tensor | None,
+    skip_threshold: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), attn_mask None or broadcastable to
     (B, Hq, L, S) (bool or float), norm_param None or (B, Hq) in the accumulation dtype, seed None or an
@@ -600,14 +601,17 @@ def _attention_op(
         out, stats = attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), mask, is_causal, scale,
                                        softcap, normalizer,
                                        None if norm_param is None else norm_param.float().contiguous(),
-                                       dropout_p, seed)
+                                       dropout_p, seed, skip_threshold=skip_threshold)
         return out.contiguous(), stats.contiguous()
+    if skip_threshold is not None:
+        raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only; "
+                             "this call is on the CPU / fp64 path")
     out = _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)
     return out, _stats_like(q)
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
+def _(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None):
     B, Hq, L, _ = q.shape
     out = q.new_empty((B, Hq, L, v.shape[3]))
     return out, q.new_empty((B, Hq, L, 2), dtype=torch.float32)
@@ -660,7 +664,7 @@ def _(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap, norma
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed = inputs
+    q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, _skip = inputs
     out, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.args = (is_causal, scale, softcap, normalizer, dropout_p)
@@ -676,7 +680,7 @@ def _backward(ctx, grad_out, _grad_stats):
                                             normalizer, norm_param, dropout_p, seed)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None, None, None,
-            dp if (norm_param is not None and need[8]) else None, None, None)
+            dp if (norm_param is not None and need[8]) else None, None, None, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -822,6 +826,7 @@ def attention(
     softcap: float | None = None,
     normalizer: str = "softmax",
     norm_param: float | torch.Tensor | None = None,
+    skip_threshold: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with soft-capping and a choice of normalizer.
 
@@ -856,6 +861,11 @@ def attention(
             a number, or a tensor broadcastable to (..., Hq) — one value per head — that receives a
             gradient when it requires one. Defaults that use ``n``, the keys the row may see by
             position (S, or ``min(i + 1, S)`` under ``is_causal``), ignore ``attn_mask``.
+        skip_threshold: BLASST skip-softmax sparse attention (ALGORITHMS.md 1.6): a lambda in (0, 1);
+            the CUDA kernel skips a K/V tile when ``tile_max - running_max < ln(lambda)`` for every row
+            of its query block — an approximation (weights below lambda of the running max are
+            dropped), training-free. None (default): exact. Softmax only, forward only (gradients
+            are those of exact attention), CUDA Triton kernel only (an error elsewhere).
 
     Returns:
         (..., Hq, L, Ev) in query's dtype. A row with every key masked, or S = 0, gives 0 (zero
@@ -881,7 +891,15 @@ def attention(
     """
     batch = _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, normalizer,
                    norm_param)
-    if normalizer == "softmax" and softcap is None:
+    if skip_threshold is not None:
+        if normalizer != "softmax":
+            raise AttentionError(f"skip_threshold is defined for the softmax normalizer only, got {normalizer!r}")
+        if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)) \
+                or not 0.0 < skip_threshold < 1.0:
+            raise AttentionError(f"skip_threshold must be None or a number in (0, 1), got {skip_threshold!r}")
+        if not config.use_triton(query):
+            raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only")
+    elif normalizer == "softmax" and softcap is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if (attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
@@ -906,7 +924,8 @@ def attention(
         param = torch.full((B, Hq), float(norm_param), dtype=acc, device=query.device)
     seed = _draw_seed() if dropout_p > 0 else None
     out, _ = _attention_op(q, k, v, mask, is_causal, float(scale), None if softcap is None else float(softcap),
-                           normalizer, param, float(dropout_p), seed)
+                           normalizer, param, float(dropout_p), seed,
+                           None if skip_threshold is None else float(skip_threshold))
     return out.view(*batch, Hq, L, Ev)
 
 

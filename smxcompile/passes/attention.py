@@ -203,7 +203,9 @@ def _number_or_const(x: Any) -> float | None:
     return None
 
 
-_CONST_CACHE_KEY = "smx_const_value"
+#: Values of constant nodes evaluated during one ``find_attention_sites`` call (cleared at its end, so
+#: no evaluated mask outlives the analysis or rides along in the graph's metadata).
+_CONST_CACHE: dict = {}
 
 
 def _evaluable(node: Node) -> bool:
@@ -229,11 +231,11 @@ def _const_eval(node: Node, budget: list | None = None) -> Any:
 
     Evaluated once per node on the real device with torch itself; tensors larger than
     :data:`MAX_CONST_MASK` elements are not evaluated."""
-    if _CONST_CACHE_KEY in node.meta:
-        return node.meta[_CONST_CACHE_KEY]
+    if node in _CONST_CACHE:
+        return _CONST_CACHE[node]
     budget = budget if budget is not None else [256]
     out = _const_eval_uncached(node, budget)
-    node.meta[_CONST_CACHE_KEY] = out
+    _CONST_CACHE[node] = out
     return out
 
 
@@ -751,7 +753,7 @@ def _causal_or_const(m: AttentionMatch) -> None:
 
 def _finite_mask(mask: Node) -> bool:
     """The additive mask provably holds no -inf (so no row can be fully -inf)."""
-    c = mask.meta.get(_CONST_CACHE_KEY)
+    c = _CONST_CACHE.get(mask)
     if isinstance(c, torch.Tensor):
         return bool(torch.isfinite(c).all())
     n = mask
@@ -774,7 +776,17 @@ def _needs_fixup(m: AttentionMatch) -> bool:
     if m.is_causal:
         return False
     if m.masked:
-        return True
+        if m.add_masks:
+            return True
+        # constant conditions (a sliding window built from aranges): a fix-up only if some row is fully masked
+        masked_any = None
+        for cond, true_masks, _ in m.masked:
+            c = _const_eval(cond)
+            if not isinstance(c, torch.Tensor):
+                return True
+            c = c if true_masks else ~c
+            masked_any = c if masked_any is None else masked_any | c
+        return bool(masked_any.all(-1).any())
     return any(not _finite_mask(a) for a in m.add_masks)
 
 
@@ -858,6 +870,13 @@ def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functo
 def find_attention_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),
                          prefix: str = "", exclude: set | frozenset = frozenset()) -> list[AttentionMatch]:
     """Every attention site of ``graph`` with the action the backend will take (pure analysis)."""
+    try:
+        return _find(graph, options, skip, prefix, exclude)
+    finally:
+        _CONST_CACHE.clear()
+
+
+def _find(graph, options, skip, prefix, exclude) -> list[AttentionMatch]:
     functorch = _functorch(graph)
     out: list[AttentionMatch] = []
     claimed: set[Node] = set()
