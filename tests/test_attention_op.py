@@ -659,18 +659,21 @@ def test_triton_route_plumbing(monkeypatch):
     tri = importlib.import_module("smxcompile.kernels.triton_attention")
     seen = {}
 
-    def fwd(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None):
+    def fwd(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None,
+            n_keys=None):
         assert skip_threshold is None
+        seen["n_keys"] = None if n_keys is None else tuple(n_keys.shape)
         seen["fwd"] = (q.shape, k.shape, v.shape, attn_mask.shape, attn_mask.dtype, norm_param.dtype,
                        norm_param.shape, norm_param.is_contiguous(), dropout_p, seed, normalizer, softcap)
-        out = A._torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)
+        out = A._torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                               n_keys)
         return out, torch.zeros(*out.shape[:3], 2)
 
     def bwd(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p,
-            seed):
+            seed, n_keys=None):
         seen["bwd"] = (stats.shape, seed)
         return A._torch_backward(grad_out, q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param,
-                                 dropout_p, seed)
+                                 dropout_p, seed, n_keys)
 
     monkeypatch.setattr(tri, "attention_forward", fwd)
     monkeypatch.setattr(tri, "attention_backward", bwd)
@@ -687,6 +690,7 @@ def test_triton_route_plumbing(monkeypatch):
                                (2, 4), True)
     assert seen["fwd"][8:] == (0.1, seen["bwd"][1], "ssmax", 7.0) and seen["bwd"][0] == (2, 4, 5, 2)
     assert all(t.grad is not None for t in ins) and p.grad is not None and p.grad.dtype == torch.float64
+    assert seen["n_keys"] == (2, 4, 5)   # ssmax with a mask: n counted from the mask, per row
 
 
 def test_compile_fullgraph():
@@ -738,7 +742,6 @@ def _errors():
         (dict(query=torch.randn(2, 3, 13, 8)), "multiple"),
         (dict(key=k[..., :4]), "key's last dim"),
         (dict(value=v[..., :5, :]), "value"),
-        (dict(attn_mask=torch.ones(13, 11, dtype=torch.bool), is_causal=True), "is_causal"),
         (dict(attn_mask=torch.ones(13, 11, dtype=torch.int32)), "attn_mask must be bool"),
         (dict(attn_mask=torch.ones(12, 11, dtype=torch.bool)), "attn_mask of shape"),
         (dict(attn_mask=torch.zeros(3, 2, 4, 13, 11)), "larger shape"),
@@ -757,7 +760,7 @@ def _errors():
     ]
 
 
-@pytest.mark.parametrize("case", range(23))
+@pytest.mark.parametrize("case", range(22))
 def test_errors(case):
     kw, msg = _errors()[case]
     q, k, v = make()
@@ -775,3 +778,16 @@ def test_type_errors():
         attention(q.tolist(), k, v)
     with pytest.raises(TypeError, match="is_causal"):
         attention(q, k, v, is_causal=1, enable_gqa=True)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sigmoid"])
+def test_mask_with_is_causal_combines_like_sdpa(normalizer):
+    """torch 2.13's SDPA accepts attn_mask together with is_causal and applies both; so does the op route."""
+    q, k, v = make(B=1, Hq=2, Hkv=2, L=6, S=6)
+    keep = torch.rand(1, 1, 6, 6, generator=torch.Generator().manual_seed(0)) > 0.3
+    keep[..., 0] = True
+    tri = torch.ones(6, 6, dtype=torch.bool).tril()
+    softcap = 5.0 if normalizer == "softmax" else None   # softmax on the op's route needs a softcap
+    got = attention(q, k, v, attn_mask=keep, is_causal=True, normalizer=normalizer, softcap=softcap)
+    want = attention(q, k, v, attn_mask=keep & tri, normalizer=normalizer, softcap=softcap)
+    torch.testing.assert_close(got, want)

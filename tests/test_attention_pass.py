@@ -594,3 +594,39 @@ def test_dynamic_shapes_two_lengths():
         torch.testing.assert_close(f(q, k, v, mask), mod(q, k, v, mask), atol=1e-5, rtol=1e-5)
     rep = smxcompile.backends.smx.compiled_reports[n0]
     assert [(s.kind, s.action) for s in rep] == [("attention", "rewritten")], str(rep)
+
+
+def test_nan_in_q_or_k_stays_nan_like_eager():
+    # torch's fused CPU kernel returns 0 for a NaN query row; eager attention gives NaN, so must the rewrite
+    q, k, v = qkv()
+    q[0, 1, 3, 2] = float("nan")
+    k[1, 2, 5, 0] = float("nan")
+    r = rewrite(plain, q, k, v, options=DEFAULT, check_values=False)
+    got, want = r.gm(*r.inputs)[0], plain(q, k, v)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+def causal_inside(q, k, v):
+    L = q.shape[-2]
+    keep = torch.ones(L, L, dtype=torch.bool).tril()
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, torch.finfo(q.dtype).min)
+    return torch.softmax(s, -1) @ v
+
+
+def causal_given(q, k, v, mask):
+    s = q @ k.transpose(-2, -1) * 0.25 + mask
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("normalizer", ["ssmax", "sigmoid", "relu", "softplus", "softpick"])
+def test_variant_same_math_whatever_the_causal_mask_spelling(normalizer):
+    """A causal mask built in the graph (becomes is_causal) and the same mask passed in as a finfo.min
+    tensor give the same variant: n counts the keys a row may see, masking values are masked keys."""
+    q, k, v = qkv()
+    mask = torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    opts = {"attention_normalizer": normalizer}
+    a = rewrite(causal_inside, q, k, v, options=opts, check_values=False)
+    b = rewrite(causal_given, q, k, v, mask, options=opts, check_values=False)
+    assert "causal" in attn_site(a).detail and "mask" in attn_site(b).detail
+    torch.testing.assert_close(a.gm(*a.inputs)[0], b.gm(*b.inputs)[0], atol=1e-5, rtol=1e-5)

@@ -91,12 +91,13 @@ def test_quick_demo_end_to_end(tmp_path):
     tok = PreTrainedTokenizerFast.from_pretrained(ckpt)
     assert tok.decode(tok("def f(x): return x")["input_ids"]) == "def f(x): return x"
 
-    # the rewrite report lists at least one softmax site per transformer layer
+    # the rewrite report lists one attention site per transformer layer, rewritten with its causal mask
     report = results["report"]
     assert report is not None, results["report_note"]
-    softmax_sites = [site for site in report["sites"] if site["kind"] == "softmax"]
-    assert len(softmax_sites) >= settings["layers"], report
-    assert all(site["action"] in ("rewritten", "kept", "skipped") for site in softmax_sites)
+    attention_sites = [site for site in report["sites"] if site["kind"] == "attention"]
+    assert len(attention_sites) == settings["layers"], report
+    assert all(site["action"] == "rewritten" and "causal" in site["detail"] for site in attention_sites), report
+    assert not [site for site in report["sites"] if site["kind"] == "softmax"], report
     # the LM head + loss is one linear -> cross-entropy site (kept on CPU below 4096 classes: --quick has 2048)
     ce_sites = [site for site in report["sites"] if site["kind"] == "linear_cross_entropy"]
     assert [site["action"] for site in ce_sites] == ["kept"], ce_sites

@@ -185,3 +185,22 @@ def test_attention_skip_threshold_errors(monkeypatch):
         smxcompile.attention(q, q, q, skip_threshold=0.01, normalizer="sigmoid")
     with pytest.raises(AttentionError, match=r"in \(0, 1\)"):
         smxcompile.attention(q, q, q, skip_threshold=2.0)
+
+
+@pytest.mark.parametrize("normalizer", ["ssmax", "sigmoid"])
+def test_attention_mask_counts_n_on_triton(attention_calls, normalizer):
+    """With a mask, n (ssmax's log n, sigmoid's default bias) is the keys each row keeps: Triton = reference."""
+    from smxcompile.kernels.attention import attention_reference
+
+    q, k, v = _qkv_attn(3)
+    keep = torch.ones(1, 1, 9, 9, dtype=torch.bool, device=DEVICE).tril()
+    keep[..., :2] = False          # left padding: the first two keys, and rows 0-1 fully masked
+    out = smxcompile.attention(q, k, v, attn_mask=keep, enable_gqa=True, normalizer=normalizer)
+    (dq,) = torch.autograd.grad(out.square().sum(), [q])
+    assert attention_calls == {"fwd": 1, "bwd": 1}
+    d = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(d[0], d[1].repeat_interleave(2, 1), d[2].repeat_interleave(2, 1), attn_mask=keep,
+                              normalizer=normalizer)
+    (rdq,) = torch.autograd.grad(ref.square().sum(), [d[0]])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dq.double(), rdq, atol=1e-4, rtol=1e-4)

@@ -76,7 +76,8 @@ class AttentionError(ValueError, RuntimeError):
 # Each ``ref(s, keep, n, param) -> w`` takes
 #   s      scores (..., L, S), fp32 or fp64; masked entries may hold anything, -inf included
 #   keep   bool, broadcastable to s (True = the key may be attended), or None (no mask)
-#   n      (L, 1) float: keys the row may see by position (S, or min(i+1, S) under is_causal)
+#   n      (L, 1) or (..., L, 1) float: keys the row may see (S, min(i+1, S) under is_causal, or
+#          the keys attn_mask leaves it)
 #   param  per-head parameter broadcastable to s (e.g. (..., H, 1, 1)), or None for the default
 # and returns the weights w (shape of s), exactly 0 where keep is False. Every nonlinearity sees
 # finite inputs (or -inf into exp) so the gradients are NaN-free, masked rows included.
@@ -420,7 +421,8 @@ def _mix_seed(seed: int, index: int) -> int:
 class _Problem:
     """The torch path's view of one call: 4-D contiguous q, k, v regrouped by kv head."""
 
-    def __init__(self, q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
+    def __init__(self, q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                 n_keys=None):
         self.B, self.Hq, self.L, self.E = q.shape
         self.Hkv, self.S = k.shape[1], k.shape[2]
         self.Ev = v.shape[3]
@@ -444,6 +446,8 @@ class _Problem:
         self.is_causal, self.scale, self.softcap = is_causal, scale, softcap
         self.spec = NORMALIZERS[normalizer]
         self.dropout_p, self.seed = dropout_p, seed
+        # per-row key counts (B, Hq, L) regrouped like q, or None (n by position)
+        self.n5 = None if n_keys is None else n_keys.to(self.acc).reshape(self.P, self.g, self.L, 1)
         itemsize = torch.finfo(self.acc).bits // 8
         self.blocks = _plan_blocks(self.P, self.g, self.L, self.S, itemsize)
 
@@ -472,7 +476,10 @@ class _Problem:
         if self.is_causal:
             c = _causal_keep(l0, l1, se, self.device)
             keep = c if keep is None else keep & c
-        n = _visible_keys(l0, l1, self.S, self.is_causal, self.acc, self.device)
+        if self.n5 is not None:
+            n = self.n5[p0:p1, :, l0:l1].clamp(min=1.0)
+        else:
+            n = _visible_keys(l0, l1, self.S, self.is_causal, self.acc, self.device)
         drop = None
         if self.dropout_p > 0:
             gen = torch.Generator(device=self.device)
@@ -505,7 +512,8 @@ class _Problem:
 
 
 @_autocast_off
-def _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
+def _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                   n_keys=None):
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, L, Ev), dtype=q.dtype, device=q.device)
@@ -513,7 +521,7 @@ def _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, no
         return out
     if S == 0:
         return out.zero_()
-    pr = _Problem(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)
+    pr = _Problem(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, n_keys)
     out5 = out.view(pr.P, pr.g, L, Ev)
     for index, (p0, p1, l0, l1) in enumerate(pr.blocks):
         qb, kb, vb, pb, s, t, w, keep, n, drop = pr.block(index, p0, p1, l0, l1)
@@ -526,7 +534,7 @@ def _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, no
 
 @_autocast_off
 def _torch_backward(grad_out, q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p,
-                    seed):
+                    seed, n_keys=None):
     """Recompute each block's scores and weights, then (FlashAttention's backward, per block)
     dv += w'^T dO, dw = (dO v^T) * dropout, ds = normalizer.vjp(dw), through the soft-cap and the
     scale, dq = ds k, dk += ds^T q."""
@@ -538,7 +546,8 @@ def _torch_backward(grad_out, q, k, v, attn_mask, is_causal, scale, softcap, nor
     B, Hq, L = q.shape[:3]
     S, Ev = k.shape[2], v.shape[3]
     if B * Hq * L and S and Ev:  # otherwise every gradient is 0 (E = 0 still has a dv)
-        pr = _Problem(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)
+        pr = _Problem(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                      n_keys)
         g5 = grad_out.reshape(pr.P, pr.g, L, Ev)
         dq5, dk3 = dq.view(pr.P, pr.g, L, pr.E), dk.view(pr.P, S, pr.E)
         dv3 = dv.view(pr.P, S, Ev)
@@ -588,6 +597,7 @@ def _attention_op(
     dropout_p: float,
     seed: torch.Tensor | None,
     skip_threshold: float | None = None,
+    n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), attn_mask None or broadcastable to
     (B, Hq, L, S) (bool or float), norm_param None or (B, Hq) in the accumulation dtype, seed None or an
@@ -601,17 +611,19 @@ def _attention_op(
         out, stats = attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), mask, is_causal, scale,
                                        softcap, normalizer,
                                        None if norm_param is None else norm_param.float().contiguous(),
-                                       dropout_p, seed, skip_threshold=skip_threshold)
+                                       dropout_p, seed, skip_threshold=skip_threshold, n_keys=n_keys)
         return out.contiguous(), stats.contiguous()
     if skip_threshold is not None:
         raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only; "
                              "this call is on the CPU / fp64 path")
-    out = _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)
+    out = _torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                         n_keys)
     return out, _stats_like(q)
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None):
+def _(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, skip_threshold=None,
+      n_keys=None):
     B, Hq, L, _ = q.shape
     out = q.new_empty((B, Hq, L, v.shape[3]))
     return out, q.new_empty((B, Hq, L, 2), dtype=torch.float32)
@@ -633,6 +645,7 @@ def _attention_backward_op(
     norm_param: torch.Tensor | None,
     dropout_p: float,
     seed: torch.Tensor | None,
+    n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``smx::attention``: dq, dk, dv (dtypes and shapes of q, k, v, contiguous) and
     dnorm_param (shape and dtype of norm_param; an empty fp32 tensor when norm_param is None)."""
@@ -644,10 +657,10 @@ def _attention_backward_op(
         dq, dk, dv, dp = attention_backward(grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                             out, stats, mask, is_causal, scale, softcap, normalizer,
                                             None if norm_param is None else norm_param.float().contiguous(),
-                                            dropout_p, seed)
+                                            dropout_p, seed, n_keys=n_keys)
     else:
         dq, dk, dv, dp = _torch_backward(grad_out, q, k, v, attn_mask, is_causal, scale, softcap, normalizer,
-                                         norm_param, dropout_p, seed)
+                                         norm_param, dropout_p, seed, n_keys)
     if norm_param is None:
         dp = q.new_empty(0, dtype=torch.float32)
     elif dp is None:
@@ -658,29 +671,30 @@ def _attention_backward_op(
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
+def _(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+      n_keys=None):
     dp = q.new_empty(0, dtype=torch.float32) if norm_param is None else norm_param.new_empty(norm_param.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dp
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, _skip = inputs
+    q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed, _skip, n_keys = inputs
     out, stats = output
     ctx.mark_non_differentiable(stats)
     ctx.args = (is_causal, scale, softcap, normalizer, dropout_p)
-    ctx.save_for_backward(q, k, v, out, stats, attn_mask, norm_param, seed)
+    ctx.save_for_backward(q, k, v, out, stats, attn_mask, norm_param, seed, n_keys)
 
 
 def _backward(ctx, grad_out, _grad_stats):
-    q, k, v, out, stats, attn_mask, norm_param, seed = ctx.saved_tensors
+    q, k, v, out, stats, attn_mask, norm_param, seed, n_keys = ctx.saved_tensors
     is_causal, scale, softcap, normalizer, dropout_p = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, dp = _attention_backward_op(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap,
-                                            normalizer, norm_param, dropout_p, seed)
+                                            normalizer, norm_param, dropout_p, seed, n_keys)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None, None, None,
-            dp if (norm_param is not None and need[8]) else None, None, None, None)
+            dp if (norm_param is not None and need[8]) else None, None, None, None, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -736,9 +750,6 @@ def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
-        if is_causal:
-            raise AttentionError("attn_mask and is_causal=True cannot be used together (as in "
-                                 "F.scaled_dot_product_attention): fold the causal mask into attn_mask")
         if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
             raise AttentionError(f"attn_mask must be bool, float32 or query's dtype ({query.dtype}), got "
                                  f"{attn_mask.dtype}")
@@ -802,6 +813,10 @@ def _flat_mask(mask: torch.Tensor, batch: tuple, B: int, Hq: int, L: int, S: int
     return m.expand(B, Hq, L, S)
 
 
+#: Normalizers whose formula or default parameter uses n, the number of keys a row may see.
+_N_DEPENDENT = frozenset({"ssmax", "sigmoid", "relu", "softplus"})
+
+
 def _draw_seed() -> torch.Tensor:
     """A dropout seed from torch's default generator (``torch.manual_seed`` makes runs reproducible), as an
     int64 0-d CPU tensor: under ``torch.compile`` it stays a random op of the graph (a fresh seed every
@@ -847,7 +862,8 @@ def attention(
             flows to a float mask (an error is raised if it requires grad, except on the SDPA route).
         dropout_p: dropout probability on the weights, in [0, 1); applied whenever > 0 (pass 0.0 in
             eval, as with SDPA); kept weights are scaled by ``1/(1 - dropout_p)``.
-        is_causal: top-left aligned causal mask (key j allowed iff ``j <= i``), as SDPA.
+        is_causal: top-left aligned causal mask (key j allowed iff ``j <= i``), as SDPA; together
+            with ``attn_mask`` both apply (as SDPA in torch 2.13).
         scale: multiplies the scores; default ``1/sqrt(E)`` (1.0 when E = 0).
         enable_gqa: grouped-query attention: Hq a multiple of Hkv; query head h uses kv head
             ``h // (Hq // Hkv)`` (SDPA's repeat_interleave semantics; K and V are never repeated).
@@ -859,8 +875,11 @@ def attention(
         norm_param: the normalizer's parameter (sigmoid's bias, relu's scale, softpick's eps,
             ssmax's p, softplus's scale): None for its default (see ``NORMALIZERS[name].param_doc``),
             a number, or a tensor broadcastable to (..., Hq) — one value per head — that receives a
-            gradient when it requires one. Defaults that use ``n``, the keys the row may see by
-            position (S, or ``min(i + 1, S)`` under ``is_causal``), ignore ``attn_mask``.
+            gradient when it requires one. ``n`` (ssmax's ``log n``, and the defaults of sigmoid,
+            relu and softplus) is the number of keys the row may see: S, or ``min(i + 1, S)`` under
+            ``is_causal``, or with ``attn_mask`` the keys it leaves (bool True / float not ``-inf``),
+            at least 1 — so a causal or padding mask gives the same ``n`` as a tensor as it does
+            through ``is_causal``.
         skip_threshold: BLASST skip-softmax sparse attention (ALGORITHMS.md 1.6): a lambda in (0, 1);
             the CUDA kernel skips a K/V tile when ``tile_max - running_max < ln(lambda)`` for every row
             of its query block — an approximation (weights below lambda of the running max are
@@ -875,7 +894,7 @@ def attention(
         TypeError: query/key/value/attn_mask not tensors; non-bool ``is_causal``/``enable_gqa``.
         AttentionError (a ValueError and a RuntimeError): rank < 3; dtype or device mismatch;
             non-float dtype; mismatched E, S or heads; Hq != Hkv without ``enable_gqa`` or Hq not a
-            multiple of Hkv with it; batch dims that do not broadcast; attn_mask with is_causal, of
+            multiple of Hkv with it; batch dims that do not broadcast; attn_mask of
             a wrong dtype or shape; dropout_p outside [0, 1); non-finite scale; softcap <= 0;
             an unknown normalizer (the message lists the names); norm_param for a normalizer without
             one, or of a shape that does not broadcast to (..., Hq); a float attn_mask requiring
@@ -900,8 +919,15 @@ def attention(
         if not config.use_triton(query):
             raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only")
     elif normalizer == "softmax" and softcap is None:
+        # (SDPA itself combines attn_mask with is_causal)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and is_causal:
+        # both, as SDPA allows: the causal triangle (top-left) folded into the mask
+        L_, S_ = query.shape[-2], key.shape[-2]
+        tri = torch.ones(L_, S_, dtype=torch.bool, device=query.device).tril()
+        attn_mask = attn_mask & tri if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tri, float("-inf"))
+        is_causal = False
     if (attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
             and torch.is_grad_enabled()):
         raise AttentionError(f"attn_mask requires grad, but normalizer={normalizer!r} (or softcap) gives the "
@@ -923,9 +949,18 @@ def attention(
     elif norm_param is not None:
         param = torch.full((B, Hq), float(norm_param), dtype=acc, device=query.device)
     seed = _draw_seed() if dropout_p > 0 else None
+    n_keys = None
+    if mask is not None and normalizer in _N_DEPENDENT:
+        # n = the keys the mask leaves each row (not its position): the same n whether a causal or
+        # padding mask arrives as a tensor or as is_causal
+        keep = mask if mask.dtype == torch.bool else mask != float("-inf")
+        n_keys = keep.sum(-1, dtype=torch.float32)
+        if keep.shape[-1] == 1 and S != 1:
+            n_keys = n_keys * S
+        n_keys = n_keys.expand(B, Hq, L).contiguous()
     out, _ = _attention_op(q, k, v, mask, is_causal, float(scale), None if softcap is None else float(softcap),
                            normalizer, param, float(dropout_p), seed,
-                           None if skip_threshold is None else float(skip_threshold))
+                           None if skip_threshold is None else float(skip_threshold), n_keys)
     return out.view(*batch, Hq, L, Ev)
 
 
@@ -976,7 +1011,10 @@ def attention_reference(
             keep = attn_mask != float("-inf")
     if is_causal:
         keep = _causal_keep(0, L, S, q.device)
-    n = _visible_keys(0, L, S, is_causal, acc, q.device)
+    if attn_mask is not None:
+        n = keep.expand(*s.shape).sum(-1, keepdim=True).to(acc).clamp(min=1.0)
+    else:
+        n = _visible_keys(0, L, S, is_causal, acc, q.device)
     param = norm_param
     if isinstance(param, torch.Tensor):
         param = param.to(acc).unsqueeze(-1).unsqueeze(-1)

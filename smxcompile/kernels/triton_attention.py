@@ -148,10 +148,14 @@ if triton is not None:
         return tl.rand(seed, off) >= dropout_p
 
     @triton.jit
-    def _row_coef(rows, S, param, NORM: tl.constexpr, HAS_PARAM: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    def _row_coef(rows, row_ok, S, param, n_ptr, n_base, NORM: tl.constexpr, HAS_PARAM: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, HAS_N: tl.constexpr):
         """Per-row ``(coef, log n)``: the normalizer's parameter (ssmax: ``p log n``, sigmoid: ``b``,
-        relu / softplus: ``c``, softpick: ``eps``); ``n`` = keys visible by position."""
-        if IS_CAUSAL:
+        relu / softplus: ``c``, softpick: ``eps``); ``n`` = keys visible by position, or the per-row
+        count given in ``n_ptr`` (``HAS_N``: the keys a mask leaves, at least 1)."""
+        if HAS_N:
+            n = tl.maximum(tl.load(n_ptr + (n_base + rows), mask=row_ok, other=1.0).to(tl.float32), 1.0)
+        elif IS_CAUSAL:
             n = tl.minimum(rows + 1, S).to(tl.float32)
         else:
             n = tl.zeros(rows.shape, tl.float32) + S
@@ -262,11 +266,11 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, par_ptr, o_ptr, st_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, par_ptr, n_ptr, o_ptr, st_ptr,
         q_sb, q_sh, q_sl, q_se, k_sb, k_sh, k_ss, k_se, v_sb, v_sh, v_ss, v_se,
         mk_sb, mk_sh, mk_sl, mk_ss, o_sb, o_sh, o_sl, o_se,
         H, G, L, S, E, EV, scale, softcap, seed, dropout_p, log_skip, n_iter,
-        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, HAS_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, SKIP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -292,7 +296,7 @@ if triton is not None:
             param = tl.load(par_ptr + bh)
         else:
             param = 0.0
-        coef, lg = _row_coef(rows, S, param, NORM, HAS_PARAM, IS_CAUSAL)
+        coef, lg = _row_coef(rows, row_ok, S, param, n_ptr, bh * L, NORM, HAS_PARAM, IS_CAUSAL, HAS_N)
         hi = S
         if IS_CAUSAL:
             hi = tl.minimum(S, (pid_m + 1) * BLOCK_M)
@@ -448,7 +452,7 @@ if triton is not None:
         q_sb, q_sh, q_sl, q_se, k_sb, k_sh, k_ss, k_se, v_sb, v_sh, v_ss, v_se,
         mk_sb, mk_sh, mk_sl, mk_ss, o_sb, o_sh, o_sl, o_se, do_sb, do_sh, do_sl, do_se,
         H, G, L, S, E, EV, scale, softcap, seed, dropout_p,
-        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, HAS_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         PREC: tl.constexpr, DOT_F32: tl.constexpr,
@@ -515,11 +519,11 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, par_ptr, do_ptr, st_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, dpar_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, par_ptr, n_ptr, do_ptr, st_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, dpar_ptr,
         q_sb, q_sh, q_sl, q_se, k_sb, k_sh, k_ss, k_se, v_sb, v_sh, v_ss, v_se,
         mk_sb, mk_sh, mk_sl, mk_ss, do_sb, do_sh, do_sl, do_se,
         H, HKV, G, L, S, E, EV, scale, softcap, seed, dropout_p,
-        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        NORM: tl.constexpr, HAS_PARAM: tl.constexpr, HAS_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
         PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -567,7 +571,7 @@ if triton is not None:
                 so = (bh * L + rows) * 2
                 st0 = tl.load(st_ptr + so, mask=row_ok, other=0.0)
                 st1 = tl.load(st_ptr + (so + 1), mask=row_ok, other=0.0)
-                coef, lg = _row_coef(rows, S, param, NORM, HAS_PARAM, IS_CAUSAL)
+                coef, lg = _row_coef(rows, row_ok, S, param, n_ptr, bh * L, NORM, HAS_PARAM, IS_CAUSAL, HAS_N)
                 s, sc, vis = _scores(q, kt, rows, row_ok, cols, col_ok, mask_ptr, mk_base, mk_sl, mk_ss, scale,
                                      softcap, MASK_KIND, IS_CAUSAL, HAS_SOFTCAP, BLOCK_M, BLOCK_N, PREC, DOT_F32)
                 s = tl.where(vis, s, 0.0)  # finite everywhere below; masked entries are dropped by `vis`
@@ -832,18 +836,24 @@ def _check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_
 
 
 def _common(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev, L, S,
-            block_m, block_n, num_warps, num_stages):
+            block_m, block_n, num_warps, num_stages, n_keys=None):
     be, bev = max(16, _next_pow2(E)), max(16, _next_pow2(Ev))
     table = _BLOCKS_32 if q.dtype == torch.float32 else _BLOCKS_16
     dm, dn = table[64 if max(be, bev) <= 64 else 128 if max(be, bev) <= 128 else 256]
     bm, bn = _block("block_m", block_m, dm, L), _block("block_n", block_n, dn, S)
     opts = _launch_opts(num_warps, num_stages, max(be, bev), q.dtype)
     interp = _interpreted()
-    cs = dict(NORM=code, HAS_PARAM=norm_param is not None, MASK_KIND=kind, IS_CAUSAL=is_causal,
+    cs = dict(NORM=code, HAS_PARAM=norm_param is not None, HAS_N=n_keys is not None, MASK_KIND=kind, IS_CAUSAL=is_causal,
               HAS_SOFTCAP=softcap is not None, DROPOUT=dropout_p > 0.0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_E=be,
               BLOCK_EV=bev, PREC=_dot_precision(q.dtype), DOT_F32=q.dtype == torch.bfloat16 and interp)
     mask_t = mask if mask is not None else q
+    if n_keys is not None:
+        B, Hq = q.shape[0], q.shape[1]
+        if tuple(n_keys.shape) != (B, Hq, L) or n_keys.device != q.device:
+            raise ValueError(f"n_keys must be a ({B}, {Hq}, {L}) tensor on q's device, got {tuple(n_keys.shape)}")
+        n_keys = n_keys.float().contiguous()
     args = dict(mask_t=mask_t, mk=_strides4(mask), par=norm_param if norm_param is not None else q,
+                n=n_keys if n_keys is not None else q,
                 softcap=1.0 if softcap is None else softcap, dropout_p=float(dropout_p),
                 seed=int(seed))
     return cs, opts, args
@@ -851,6 +861,7 @@ def _common(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dr
 
 def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap: float | None, normalizer: str,
                       norm_param: torch.Tensor | None, dropout_p: float, seed: int, *,
+                      n_keys: torch.Tensor | None = None,
                       skip_threshold: float | None = None, sparse_iters: int | None = None,
                       block_m: int | None = None, block_n: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None):
@@ -889,7 +900,7 @@ def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap
     if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 0:
         raise ValueError(f"sparse_iters must be an int >= 0, got {sparse_iters!r}")
     cs, opts, a = _common(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev,
-                          L, S, block_m, block_n, num_warps, num_stages)
+                          L, S, block_m, block_n, num_warps, num_stages, n_keys)
     _check_runtime(q)
     out = torch.empty((B, Hq, L, Ev), dtype=q.dtype, device=q.device)
     stats = torch.zeros((B, Hq, L, 2), dtype=torch.float32, device=q.device)
@@ -899,7 +910,7 @@ def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap
         return out.zero_(), stats
     with _on_device(q):
         _fwd_kernel[(B * Hq, _cdiv(L, cs["BLOCK_M"]))](
-            q, k, v, a["mask_t"], a["par"], out, stats,
+            q, k, v, a["mask_t"], a["par"], a["n"], out, stats,
             *q.stride(), *k.stride(), *v.stride(), *a["mk"], *out.stride(),
             Hq, Hq // Hkv, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"],
             math.log(skip_threshold) if skip_threshold is not None else 0.0, n_iter,
@@ -909,7 +920,8 @@ def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap
 
 
 def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scale, softcap, normalizer, norm_param,
-                       dropout_p, seed, *, block_m: int | None = None, block_n: int | None = None,
+                       dropout_p, seed, *, n_keys: torch.Tensor | None = None,
+                       block_m: int | None = None, block_n: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None):
     """Gradients of :func:`attention_forward` (same arguments; ``out``, ``stats`` from it),
     recomputing the score tiles.
@@ -931,7 +943,7 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
     if stats.dtype != torch.float32 or not stats.is_contiguous():
         raise TypeError("stats must be the contiguous fp32 tensor attention_forward returned")
     cs, opts, a = _common(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev,
-                          L, S, block_m, block_n, num_warps, num_stages)
+                          L, S, block_m, block_n, num_warps, num_stages, n_keys)
     _check_runtime(q)
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -955,7 +967,7 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
                 Hq, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"], **cs, **opts,
             )
         _bwd_kernel[(B * Hkv, _cdiv(S, bn))](
-            q, k, v, a["mask_t"], a["par"], grad_out, stats, delta, dq, dk, dv, dpar_t,
+            q, k, v, a["mask_t"], a["par"], a["n"], grad_out, stats, delta, dq, dk, dv, dpar_t,
             *q.stride(), *k.stride(), *v.stride(), *a["mk"], *grad_out.stride(),
             Hq, Hkv, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"],
             FIX_BF16=_interpreted(), **cs, **opts,

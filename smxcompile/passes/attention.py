@@ -955,6 +955,10 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
             all_masked = m_any.all(-1, keepdim=True)
     if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
+    if mask is not None and mask.dtype.is_floating_point and normalizer != "softmax":
+        # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
+        # softpick leaves them out of its denominator, n counts only the keys left
+        mask = mask.masked_fill(mask <= MASK_VALUE, float("-inf"))
     if normalizer == "softmax" and softcap is None:
         # torch's fused flash kernels (CPU and CUDA); Inductor lowers the call to them
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -964,6 +968,14 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
 
         out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
+    # NaN in q or k: eager attention gives NaN rows (every row, for k); fused kernels can return 0
+    # for a NaN query row. Two cheap reductions (O(L*E) and O(S*E)) keep eager's NaNs.
+    bad = q.isnan().any(-1, keepdim=True)
+    kbad = k.isnan().any(-1).any(-1)
+    if n_rep > 1:
+        kbad = kbad.repeat_interleave(n_rep, dim=-1)
+    bad = bad | kbad[..., None, None]
+    out = out.masked_fill(bad, float("nan"))
     if fixup and normalizer == "softmax":
         if all_masked is not None:
             values = [val for _, _, val in masked]
