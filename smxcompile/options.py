@@ -108,6 +108,9 @@ class SmxOptions:
                                        or not math.isfinite(norm_param)):
             raise ValueError(f"smx option 'attention_norm_param' must be a finite number or None, got {norm_param!r}")
         norm_param = None if norm_param is None else float(norm_param)
+        if norm_param is not None and normalizer in ("softmax", "softmax1", "sparsemax", "entmax15"):
+            raise ValueError(f"smx option 'attention_norm_param' is given, but attention_normalizer={normalizer!r} "
+                             "has no parameter (sigmoid, relu, softpick, ssmax and softplus have one)")
         inductor = options.get("inductor", {}) or {}
         if not isinstance(inductor, Mapping):
             raise ValueError("smx option 'inductor' must be a dict of Inductor config patches")

@@ -22,7 +22,9 @@ from smxcompile.passes import SmxPass
 from smxcompile.passes.attention import graph_attention
 from test_softmax_pass import dynamo_graph, rewrite
 
-DEFAULT = {}
+# These inputs are short (8 keys): on CPU the default policy keeps such sites (see TestCpuPolicy),
+# so the spelling tests force the rewrite.
+DEFAULT = {"cpu": "rewrite"}
 
 
 def qkv(b=2, h=4, L=8, S=8, e=16, dtype=torch.float32, hkv=None, seed=0, grad=False):
@@ -468,7 +470,7 @@ def test_compiled_gradients_match_eager(name):
     ref = fn(q, k, v, *extra)
     g_ref = torch.autograd.grad(ref.square().sum(), [q, k, v, *[e for e in extra if e.requires_grad]])
     n0 = len(smxcompile.backends.smx.compiled_reports)
-    out = torch.compile(fn, backend="smx")(q, k, v, *extra)
+    out = torch.compile(fn, backend="smx", options=DEFAULT)(q, k, v, *extra)
     g = torch.autograd.grad(out.square().sum(), [q, k, v, *[e for e in extra if e.requires_grad]])
     report = smxcompile.backends.smx.compiled_reports[n0]
     assert report.count(kind="attention", action="rewritten") == 1, str(report)
@@ -547,7 +549,7 @@ def _compile_report(fn, options):
 def test_check_option_passes_on_an_attention_site():
     torch._dynamo.reset()
     mask = torch.randn(2, 1, 8, 8)
-    f, report = _compile_report(additive_mask, {"check": True})
+    f, report = _compile_report(additive_mask, {"check": True, **DEFAULT})
     torch.testing.assert_close(f(*qkv(), mask), additive_mask(*qkv(), mask), atol=1e-5, rtol=1e-5)
     assert [(s.kind, s.action) for s in report()] == [("attention", "rewritten")]
 
@@ -564,7 +566,7 @@ def test_check_option_rejects_a_wrong_attention_rewrite(monkeypatch):
     monkeypatch.setattr(A, "graph_attention", no_mask)
     torch._dynamo.reset()
     mask = torch.randn(2, 1, 8, 8) * 4
-    f, report = _compile_report(additive_mask, {"check": True})
+    f, report = _compile_report(additive_mask, {"check": True, **DEFAULT})
     torch.testing.assert_close(f(*qkv(), mask), additive_mask(*qkv(), mask), atol=1e-5, rtol=1e-5)
     site = report().sites[0]
     assert (site.kind, site.action) == ("attention", "kept") and site.reason.startswith("check failed"), site
@@ -586,7 +588,7 @@ class ScaledAttention(torch.nn.Module):
 def test_dynamic_shapes_two_lengths():
     torch._dynamo.reset()
     mod = ScaledAttention(16)
-    f = torch.compile(mod, backend="smx", dynamic=True)
+    f = torch.compile(mod, backend="smx", dynamic=True, options=DEFAULT)
     n0 = len(smxcompile.backends.smx.compiled_reports)
     for L in (8, 11):
         q, k, v = qkv(L=L, S=L)
@@ -630,3 +632,43 @@ def test_variant_same_math_whatever_the_causal_mask_spelling(normalizer):
     b = rewrite(causal_given, q, k, v, mask, options=opts, check_values=False)
     assert "causal" in attn_site(a).detail and "mask" in attn_site(b).detail
     torch.testing.assert_close(a.gm(*a.inputs)[0], b.gm(*b.inputs)[0], atol=1e-5, rtol=1e-5)
+
+
+def inplace_scores(q, k, v, mask):
+    s = q @ k.transpose(-2, -1)
+    s += mask
+    return torch.softmax(s, -1) @ v
+
+
+def test_inplace_score_update_is_skipped_with_its_reason():
+    r = rewrite(inplace_scores, *qkv(), torch.randn(8, 8), options=DEFAULT)
+    assert attn_site(r).action == "skipped" and "in-place op" in attn_site(r).reason, attn_site(r)
+
+
+def test_norm_param_without_a_parameter_is_an_option_error():
+    with pytest.raises(ValueError, match="has no parameter"):
+        SmxOptions.from_mapping({"attention_normalizer": "sparsemax", "attention_norm_param": 0.5})
+    with pytest.raises(ValueError, match="has no parameter"):
+        SmxOptions.from_mapping({"attention_norm_param": 0.5})
+
+
+
+class TestCpuPolicy(TestCase):
+    def test_short_cpu_attention_kept_with_its_reason(self):
+        r = rewrite(plain, *qkv(), options={})
+        self.assertFalse(r.changed)
+        s = attn_site(r)
+        self.assertEqual(s.action, "kept")
+        self.assertIn("CPU: 8 keys; below 512", s.reason)
+
+    def test_long_cpu_attention_rewritten_by_default(self):
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=512, e=8), options={})
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
+    def test_variant_rewritten_whatever_the_length(self):
+        r = rewrite(plain, *qkv(), options={"attention_normalizer": "sigmoid"}, check_values=False)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
+    def test_cpu_keep(self):
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=512, e=8), options={"cpu": "keep"})
+        self.assertEqual(attn_site(r).reason, "options cpu='keep'")

@@ -911,7 +911,7 @@ def _qkv():
 
 class TestPolicy(TestCase):
     def test_attention_softmax_belongs_to_the_attention_rewrite(self):
-        r = rewrite(_attention, *_qkv())
+        r = rewrite(_attention, *_qkv(), options={"cpu": "rewrite"})
         self.assertEqual([(s.kind, s.action) for s in r.report], [("attention", "rewritten")])
 
     def test_attention_softmax_kept_when_attention_disabled(self):

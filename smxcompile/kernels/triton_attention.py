@@ -92,6 +92,8 @@ import os
 
 import torch
 
+from smxcompile.kernels import triton_runtime  # absolute: tests also load this file on its own
+
 try:  # triton is optional: smxcompile must import without it.
     import triton
     import triton.language as tl
@@ -685,46 +687,19 @@ _STAGES = 2
 
 
 def _interpret_env() -> bool:
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except Exception:  # pragma: no cover - older/newer triton without knobs
-        return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runtime.interpret_env()
 
 
 def _interpreted() -> bool:
     """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except Exception:  # pragma: no cover
-        return _INTERPRET_AT_IMPORT
-    return isinstance(_fwd_kernel, InterpretedFunction)
+    if triton is None:
+        return _INTERPRET_AT_IMPORT   # no kernels were defined
+    return triton_runtime.interpreted(_fwd_kernel, _INTERPRET_AT_IMPORT)
 
 
 def _check_runtime(t: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(
-            "smxcompile's Triton attention kernels need triton, which failed to import "
-            f"({_TRITON_IMPORT_ERROR!r}); install it with `pip install smxcompile[triton]`"
-        )
-    if t.is_cuda:
-        if _interpreted():
-            raise RuntimeError(
-                "the Triton attention kernels were loaded in interpreter mode (TRITON_INTERPRET=1) and cannot "
-                "run on CUDA tensors; unset TRITON_INTERPRET before importing triton"
-            )
-        return
-    if not _interpret_env():
-        raise RuntimeError(
-            "the Triton attention path needs CUDA or TRITON_INTERPRET=1 (Triton's CPU interpreter, set before "
-            f"triton is imported); got a tensor on {t.device}"
-        )
-    if not _interpreted():
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after smxcompile.kernels.triton_attention was imported; the kernels "
-            "were compiled for a GPU. Set TRITON_INTERPRET=1 before importing triton"
-        )
-    if t.device.type != "cpu":
-        raise RuntimeError(f"the Triton interpreter runs on CPU tensors, got a tensor on {t.device}")
+    triton_runtime.check_runtime(t, what="attention", module=__name__, triton_module=triton,
+                                 import_error=_TRITON_IMPORT_ERROR, is_interpreted=_interpreted)
 
 
 def _on_device(t: torch.Tensor):

@@ -59,6 +59,12 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
 #: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
 MASK_VALUE = -1e4
+#: Fewest keys from which a CPU softmax attention is rewritten by default (options cpu="auto"): with
+#: shorter rows torch's fused CPU kernel measured no faster than Inductor's unfused code (GPT-2 / Llama,
+#: batch 8: 0.99-1.07x Inductor at 128 and 256 tokens, 0.90-0.99x at 512, 0.46-0.80x at 1024-4096;
+#: benchmarks/bench_attention.py, docs/PERFORMANCE.md).
+CPU_MIN_KEYS = 512
+
 #: Largest constant mask (elements) evaluated at compile time to look for a causal pattern.
 MAX_CONST_MASK = 1 << 26
 
@@ -96,6 +102,7 @@ class AttentionMatch:
     norm_param: float | None = None
     kind: str = "attention"
     dropped: list = dataclasses.field(default_factory=list)   # mask / value nodes the op no longer reads
+    owned: bool = False                   # kept by the CPU policy: the block (softmax included) is left whole
 
     @property
     def key(self) -> str:
@@ -406,6 +413,8 @@ def _match_from_pv(anchor: Node) -> AttentionMatch | None:
         if training and pdrop > 0:
             m.dropout_p = pdrop
             m.absorbed.append(f"dropout p={pdrop:g}")
+            if pdrop >= 1.0:
+                return _skip(m, "dropout p=1 zeroes every weight: left to Inductor")
     if not isinstance(x, Node) or tensor_val(x) is None:
         return _skip(m, "the softmax input has no shape information")
     nd = tensor_val(x).dim()
@@ -430,7 +439,10 @@ def _match_from_pv(anchor: Node) -> AttentionMatch | None:
             stages.append(("cast", n))
             n = n.args[0]
             continue
-        step = _mask_stage(n) or _softcap_stage(n) or _scale_stage(n)
+        step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or _scale_stage(n))
+        if step is None and is_mutation(n):
+            return _skip(m, f"in-place op '{n.name}' ({n.target}) on the scores: not matched "
+                            "(write it out of place, e.g. s = s + mask)")
         if step is None:
             if not _matmul_upstream(n, 4):
                 return None   # softmax(...) @ W without a score matmul: not attention
@@ -860,6 +872,21 @@ def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functo
     if m.device not in ("cpu", "cuda"):
         m.action, m.reason = "kept", f"device '{m.device}' has no smx kernel"
         return
+    if m.device == "cpu" and options.cpu == "keep":
+        m.action, m.reason, m.owned = "kept", "options cpu='keep'", True
+        return
+    if m.device == "cpu" and options.cpu == "auto" and m.normalizer == "softmax" and m.softcap is None:
+        S = tensor_val(m.k).shape[-2]
+        if not isinstance(S, int):
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+            S = optimization_hint(S, fallback=CPU_MIN_KEYS)
+        if S < CPU_MIN_KEYS:
+            m.owned = True
+            m.action, m.reason = "kept", (
+                f"CPU: {S} keys; below {CPU_MIN_KEYS} torch's fused attention kernel was measured no faster than "
+                "Inductor's code (benchmarks/bench_attention.py; options cpu='rewrite' forces it)")
+            return
     op_route = m.normalizer != "softmax" or m.softcap is not None
     masks = list(m.add_masks) + ([m.sdpa_kwargs.get("attn_mask")] if m.sdpa_kwargs else [])
     if op_route and any(tensor_val(a) is not None and tensor_val(a).requires_grad for a in masks):
@@ -899,10 +926,11 @@ def _find(graph, options, skip, prefix, exclude) -> list[AttentionMatch]:
 
 
 def claimed_nodes(matches: list[AttentionMatch]) -> set[Node]:
-    """Nodes owned by rewritten attention sites (the softmax pass must leave them alone)."""
+    """Nodes owned by rewritten attention sites, and by sites the CPU policy keeps whole (the softmax pass must
+    leave them alone: the block is either fused or left to Inductor as written)."""
     out: set[Node] = set()
     for m in matches:
-        if m.action == "rewritten":
+        if m.action == "rewritten" or m.owned:
             out.update(m.dead)
             out.add(m.anchor)
     return out

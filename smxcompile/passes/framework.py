@@ -110,11 +110,14 @@ class SmxPass(CustomGraphPass):
         if changed:
             graph.lint()
         self.report.sites.extend(ce_sites)
-        changed = self._rewrite_attention(graph, prefix) or changed
-        return self._rewrite_softmax(graph, prefix) or changed
+        at_changed, kept_whole = self._rewrite_attention(graph, prefix)
+        changed = at_changed or changed
+        return self._rewrite_softmax(graph, prefix, kept_whole) or changed
 
-    def _rewrite_attention(self, graph: Graph, prefix: str) -> bool:
+    def _rewrite_attention(self, graph: Graph, prefix: str) -> tuple[bool, set]:
+        """Rewrite the attention sites; returns (changed, nodes of the blocks the CPU policy keeps whole)."""
         found = find_attention_sites(graph, self.options, self.skip, prefix)
+        kept_whole = attention_claimed([m for m in found if m.action != "rewritten"])
         changed = False
         for m in found:
             if m.action == "rewritten":
@@ -123,10 +126,10 @@ class SmxPass(CustomGraphPass):
         if changed:
             graph.lint()
         self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
-        return changed
+        return changed, kept_whole
 
-    def _rewrite_softmax(self, graph: Graph, prefix: str) -> bool:
-        first = find_softmax_sites(graph, self.options, self.skip, prefix)
+    def _rewrite_softmax(self, graph: Graph, prefix: str, exclude: set = frozenset()) -> bool:
+        first = find_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
         outcome: dict[str, Site] = {}
         matches = first
         # Rewrite every match whose nodes no other chosen match touches, then look again: nested
@@ -144,7 +147,7 @@ class SmxPass(CustomGraphPass):
                 outcome[m.key] = m.to_site(self.graph_tag)
                 rewrite_softmax(graph, m)
             graph.lint()
-            matches = find_softmax_sites(graph, self.options, self.skip, prefix)
+            matches = find_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
         for m in matches:
             outcome.setdefault(m.key, m.to_site(self.graph_tag))
         first_keys = [m.key for m in first]

@@ -606,7 +606,7 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         return
     if _is_attention(m) and not options.attention_softmax:
         m.action, m.reason = "kept", (
-            "attention softmax (QK^T -> softmax -> V) that the attention rewrite did not take (see its site); "
+            "attention softmax (QK^T -> softmax -> V) that the attention rewrite did not take; "
             "Inductor compiles it (options attention_softmax=True forces a standalone smx::softmax)"
         )
         return
