@@ -20,24 +20,25 @@ pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def triton_calls(monkeypatch):
-    """Force the Triton path on CPU and count launcher calls."""
+def _count_launches(monkeypatch, module, fwd_name: str, bwd_name: str) -> dict:
+    """Force the Triton path on CPU and count calls of ``module``'s forward / backward launchers."""
     monkeypatch.setattr(config, "force_triton", True)
     calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = triton_softmax.softmax_forward, triton_softmax.softmax_backward
+    for key, name in (("fwd", fwd_name), ("bwd", bwd_name)):
+        real = getattr(module, name)
 
-    def count_fwd(*a, **k):
-        calls["fwd"] += 1
-        return fwd(*a, **k)
+        def counted(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
 
-    def count_bwd(*a, **k):
-        calls["bwd"] += 1
-        return bwd(*a, **k)
-
-    monkeypatch.setattr(triton_softmax, "softmax_forward", count_fwd)
-    monkeypatch.setattr(triton_softmax, "softmax_backward", count_bwd)
+        monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Force the Triton path on CPU and count softmax launcher calls."""
+    return _count_launches(monkeypatch, triton_softmax, "softmax_forward", "softmax_backward")
 
 
 def _gold_bound(ours, ref, gold, atol, rtol, scale=None):
@@ -102,21 +103,7 @@ def attention_calls(monkeypatch):
     """Force the Triton path on CPU and count the attention launcher calls."""
     from smxcompile.kernels import triton_attention
 
-    monkeypatch.setattr(config, "force_triton", True)
-    calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = triton_attention.attention_forward, triton_attention.attention_backward
-
-    def count_fwd(*a, **k):
-        calls["fwd"] += 1
-        return fwd(*a, **k)
-
-    def count_bwd(*a, **k):
-        calls["bwd"] += 1
-        return bwd(*a, **k)
-
-    monkeypatch.setattr(triton_attention, "attention_forward", count_fwd)
-    monkeypatch.setattr(triton_attention, "attention_backward", count_bwd)
-    return calls
+    return _count_launches(monkeypatch, triton_attention, "attention_forward", "attention_backward")
 
 
 def _qkv_attn(seed=0):
