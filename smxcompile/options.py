@@ -66,7 +66,11 @@ class SmxOptions:
         if options is None:
             return cls()
         if isinstance(options, SmxOptions):
-            return options
+            # an instance built directly is validated like a dict (the dataclass itself checks nothing)
+            d = dataclasses.asdict(options)
+            d["disable"] = sorted(options.disable)
+            d["inductor"] = dict(options.inductor)
+            options = d
         if not isinstance(options, Mapping):
             raise ValueError(f"smx options must be a dict, got {type(options).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} | set(REWRITE_KINDS)

@@ -672,3 +672,10 @@ class TestCpuPolicy(TestCase):
     def test_cpu_keep(self):
         r = rewrite(plain, *qkv(b=1, h=1, L=4, S=512, e=8), options={"cpu": "keep"})
         self.assertEqual(attn_site(r).reason, "options cpu='keep'")
+
+
+def test_options_instance_is_validated_too():
+    with pytest.raises(ValueError, match="attention_normalizer"):
+        SmxOptions.from_mapping(SmxOptions(attention_normalizer="bogus"))
+    opts = SmxOptions.from_mapping({"cpu": "rewrite", "disable": ["softmax"], "inductor": {"max_autotune": False}})
+    assert SmxOptions.from_mapping(opts) == opts
