@@ -679,3 +679,49 @@ def test_options_instance_is_validated_too():
         SmxOptions.from_mapping(SmxOptions(attention_normalizer="bogus"))
     opts = SmxOptions.from_mapping({"cpu": "rewrite", "disable": ["softmax"], "inductor": {"max_autotune": False}})
     assert SmxOptions.from_mapping(opts) == opts
+
+
+def einsum_attention(q, k, v):
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, dim=-1), v)
+
+
+def einsum_ellipsis(q, k, v):
+    s = torch.einsum("...id,...jd->...ij", q, k) / 4.0
+    return torch.einsum("...ij,...jd->...id", s.softmax(-1), v)
+
+
+def einsum_scores_transposed(q, k, v):
+    # scores laid out (keys, queries): the softmax over the last dim normalizes over queries
+    s = torch.einsum("bhqd,bhkd->bhkq", q, k) * 0.25
+    return torch.einsum("bhkq,bhqd->bhkd", torch.softmax(s, dim=-1), v)
+
+
+class TestEinsum(TestCase):
+    def test_einsum_spelling(self):
+        r = rewrite(einsum_attention, *qkv(), options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertEqual(attn_site(r).detail, "einsum(q, k), scale=0.25")
+        self.assertNotIn("einsum", r.after)
+
+    def test_einsum_ellipsis(self):
+        r = rewrite(einsum_ellipsis, *qkv(), options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
+    def test_einsum_transposed_scores_are_not_attention_of_q_over_k(self):
+        # this is attention of the keys over the queries: q and k swap roles; the rewrite must stay exact
+        r = rewrite(einsum_scores_transposed, *qkv(), options=DEFAULT)
+        self.assertNotIn(("attention", "rewritten"), sites(r))
+
+
+def test_einsum_gradients_match_eager():
+    q, k, v = qkv(grad=True)
+    torch._dynamo.reset()
+    ref = einsum_attention(q, k, v)
+    g_ref = torch.autograd.grad(ref.square().sum(), [q, k, v])
+    out = torch.compile(einsum_attention, backend="smx", options=DEFAULT)(q, k, v)
+    g = torch.autograd.grad(out.square().sum(), [q, k, v])
+    assert smxcompile.last_report().count(kind="attention", action="rewritten") == 1
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,8 @@ Matched in the Dynamo (pre-grad) graph, from the value matmul ``P @ V`` (the anc
 * logit soft-capping ``c * tanh(s / c)``; the scale as a Python number (``* 0.125``, ``/ 8``,
   ``/ math.sqrt(d)``) or a 0-d tensor (``/ torch.full([], d ** 0.5)``), or already folded into q;
 * the score matmul ``q @ k.transpose(-2, -1)`` (also ``k.transpose(2, 3)`` on 4-D, ``k.mT``, a permute
-  that swaps only the last two dims, ``torch.bmm(q, k.transpose(1, 2))`` on 3-D);
+  that swaps only the last two dims, ``torch.bmm(q, k.transpose(1, 2))`` on 3-D), or
+  ``einsum("...qd,...kd->...qk", q, k)`` with ``einsum("...qk,...kd->...qd", p, v)``;
 * grouped-query attention: K and V repeated per query head by ``kv[:, :, None].expand(...).reshape(...)``
   (transformers' ``repeat_kv``) or ``repeat_interleave(n, dim=1)`` are taken un-repeated (``enable_gqa``);
 * ``F.scaled_dot_product_attention`` itself (kept as it is unless a normalizer is requested).
@@ -130,11 +131,44 @@ class AttentionMatch:
 
 
 def _is_matmul(n: Any) -> bool:
+    """A matmul (``@``, ``matmul``, ``bmm``) or an einsum with the score or value-matmul shape."""
     if not isinstance(n, Node):
         return False
     if n.op == "call_function":
+        if n.target is torch.einsum:
+            return _einsum_kind(n) is not None
         return n.target in _MATMUL_FNS and len(n.args) == 2 and not n.kwargs
     return n.op == "call_method" and n.target in _MATMUL_METHODS and len(n.args) == 2 and not n.kwargs
+
+
+def _einsum_kind(n: Node) -> tuple[str, Node, Node] | None:
+    """``einsum("...qd,...kd->...qk", q, k)`` -> ("qk", q, k); ``einsum("...qk,...kd->...qd", p, v)`` -> ("pv", p, v).
+
+    The batch letters (or ``...``) must be the same, in the same order, in both inputs and the output."""
+    if n.op != "call_function" or n.target is not torch.einsum or n.kwargs or len(n.args) < 2:
+        return None
+    eq, ops = n.args[0], list(n.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str) or len(ops) != 2 or not all(isinstance(o, Node) for o in ops) or "->" not in eq:
+        return None
+    lhs, out = eq.replace(" ", "").replace("...", "#").split("->")
+    ins = lhs.split(",")
+    if len(ins) != 2:
+        return None
+    a, b = ins
+    if not (len(a) == len(b) == len(out) >= 2) or not (a[:-2] == b[:-2] == out[:-2]):
+        return None
+    batch = set(a[:-2])
+    if len(batch) != len(a[:-2]):
+        return None
+    if a[-1] == b[-1] and out[-2:] == a[-2] + b[-2] and len({a[-2], b[-2], a[-1]}) == 3 \
+            and not {a[-2], b[-2], a[-1]} & batch:
+        return "qk", ops[0], ops[1]
+    if a[-1] == b[-2] and out[-2:] == a[-2] + b[-1] and len({a[-2], a[-1], b[-1]}) == 3 \
+            and not {a[-2], a[-1], b[-1]} & batch:
+        return "pv", ops[0], ops[1]
+    return None
 
 
 def _shape(n: Any) -> tuple | None:
@@ -381,7 +415,13 @@ def _softmax_call(n: Node) -> tuple[Node, Any, Any] | None:
 
 def _match_from_pv(anchor: Node) -> AttentionMatch | None:
     """Walk up from a ``P @ V`` matmul; None when P does not come from a softmax."""
-    p, v = anchor.args
+    if anchor.target is torch.einsum:
+        kind = _einsum_kind(anchor)
+        if kind is None or kind[0] != "pv":
+            return None
+        p, v = kind[1], kind[2]
+    else:
+        p, v = anchor.args
     dead: list[Node] = [anchor]
     chain: list[Node] = []
     dropout = None
@@ -455,6 +495,14 @@ def _match_from_pv(anchor: Node) -> AttentionMatch | None:
     else:
         return _skip(m, "too many ops between the scores and the softmax")
     qk = n
+    if qk.target is torch.einsum:
+        kind = _einsum_kind(qk)
+        if kind is None or kind[0] != "qk":
+            return _skip(m, "the scores come from an einsum that is not q k^T")
+        m.q, m.k = kind[1], kind[2]
+        m.dead += [qk]
+        m.spelling = "einsum(q, k)"
+        return _assemble(m, stages, qk)
     q, kt = qk.args
     k, why = _transposed_last2(kt) if isinstance(kt, Node) else (None, "K^T is not a tensor")
     if k is None:
