@@ -725,3 +725,18 @@ def test_einsum_gradients_match_eager():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def sdpa_repeated_kv(q, k, v):
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+
+
+def test_sdpa_call_with_repeated_kv_keeps_its_operands():
+    # an SDPA call is taken as written: its repeated K/V are not un-repeated (the call has no enable_gqa)
+    r = rewrite(sdpa_repeated_kv, *qkv(hkv=2), options={"attention_normalizer": "sigmoid"}, check_values=False)
+    assert attn_site(r).action == "rewritten" and "GQA" not in attn_site(r).detail
+    from smxcompile.kernels.attention import attention_reference
+
+    q, k, v = qkv(hkv=2)
+    want = attention_reference(q.double(), repeat_kv(k, 2).double(), repeat_kv(v, 2).double(), normalizer="sigmoid")
+    torch.testing.assert_close(r.gm(*r.inputs)[0].double(), want, atol=1e-5, rtol=1e-5)

@@ -109,6 +109,11 @@ class AttentionMatch:
     def key(self) -> str:
         return self.prefix + self.anchor.name
 
+    @property
+    def is_sdpa(self) -> bool:
+        """The site is an ``F.scaled_dot_product_attention`` call (not an eager spelling)."""
+        return self.anchor.target is F.scaled_dot_product_attention
+
     def detail(self) -> str:
         parts = [self.spelling]
         if self.is_causal:
@@ -894,7 +899,7 @@ def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functo
     if functorch is not None:
         _skip(m, f"the graph runs a torch.func transform ('{functorch}'); smx ops have no functorch rules yet")
         return
-    if not m.sdpa_kwargs:
+    if not m.is_sdpa:
         why = _interior_escapes(m)
         if why:
             _skip(m, why)
@@ -914,7 +919,7 @@ def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functo
     if m.key in skip:
         m.action, m.reason = "kept", "check failed: the rewrite disagreed with eager on the example inputs"
         return
-    if m.sdpa_kwargs is not None and m.spelling.startswith("F.scaled") and m.normalizer == "softmax":
+    if m.is_sdpa and m.normalizer == "softmax":
         m.action, m.reason = "kept", "already torch's fused scaled_dot_product_attention (no normalizer requested)"
         return
     if m.device not in ("cpu", "cuda"):
@@ -1082,7 +1087,7 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
 def rewrite_attention(graph: Graph, m: AttentionMatch) -> None:
     """Replace the site by a :func:`graph_attention` call and delete the dead pattern nodes."""
     with graph.inserting_before(m.anchor):
-        if m.spelling.startswith("F.scaled"):
+        if m.is_sdpa:
             call = graph.call_function(graph_sdpa, (m.q, m.k, m.v, dict(m.sdpa_kwargs)),
                                        {"normalizer": m.normalizer, "norm_param": m.norm_param})
         else:
@@ -1118,7 +1123,7 @@ def input_nodes(m: AttentionMatch) -> list[Node]:
 def run_site(m: AttentionMatch, values: dict[str, Any]):
     """Run the rewritten site on captured values (the ``check`` option)."""
     g = lambda n: values[n.name] if isinstance(n, Node) else n  # noqa: E731
-    if m.spelling.startswith("F.scaled"):
+    if m.is_sdpa:
         kw = {k: g(v) for k, v in m.sdpa_kwargs.items()}
         return graph_sdpa(g(m.q), g(m.k), g(m.v), kw, normalizer=m.normalizer, norm_param=m.norm_param)
     return graph_attention(g(m.q), g(m.k), g(m.v), [g(a) for a in m.add_masks],
