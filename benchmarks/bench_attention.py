@@ -730,21 +730,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}, fp32, CPU ({env['cpu']}, "
                    f"{args.threads} threads)")
         print(msg if msg else f"wrote {args.plot}")
-    try:
-        env["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-        print(f"load average at start {env.get('loadavg_at_start')}, at end {env['loadavg_at_end']} "
-              f"({env['cores']} cores): above the core count means other processes shared the CPUs")
-    except OSError:
-        pass
-    _write_json(args.json, result)
-    print(f"\n$ {command}   ({time.monotonic() - t_start:.0f} s)")
-    if args.json:
-        print(f"wrote {args.json}")
-    bad = [r for r in results if r.get("status") in ("FAILED", "error", "killed")]
-    for r in bad:
-        print(f"{r['status']}: {r['model']} seq={r['seq']} {r['mode']} {r['variant']}: "
-              f"{r.get('check', {}).get('why') or r.get('error')}")
-    return 1 if bad else 0
+    return blc.finish_run(env, result, results, args.json, command, t_start,
+                          lambda r: f"{r['model']} seq={r['seq']} {r['mode']} {r['variant']}")
 
 
 if __name__ == "__main__":

@@ -1013,19 +1013,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         msg = plot(results, args.vocab, variants, args.plot, f"{command}\n{title}")
         print(msg if msg else f"wrote {args.plot}")
+    return finish_run(env, result, results, args.json, command, t_start,
+                      lambda r: f"V={r['vocab']} {r['variant']}")
+
+
+def finish_run(env: dict, result: dict, results: list[dict], json_path: str | None, command: str, t_start: float,
+               label) -> int:
+    """The end of a benchmark run: load average, the JSON file, the command line, the failed rows; exit status
+    (1 when a row FAILED, raised or was killed). ``label(row)`` names a row in the failure lines."""
     try:
         env["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         print(f"load average at start {env.get('loadavg_at_start')}, at end {env['loadavg_at_end']} "
               f"({env['cores']} cores): above the core count means other processes shared the CPUs")
     except OSError:
         pass
-    _write_json(args.json, result)
+    _write_json(json_path, result)
     print(f"\n$ {command}   ({time.monotonic() - t_start:.0f} s)")
-    if args.json:
-        print(f"wrote {args.json}")
+    if json_path:
+        print(f"wrote {json_path}")
     bad = [r for r in results if r.get("status") in ("FAILED", "error", "killed")]
     for r in bad:
-        print(f"{r['status']}: V={r['vocab']} {r['variant']}: {r.get('check', {}).get('why') or r.get('error')}")
+        print(f"{r['status']}: {label(r)}: {r.get('check', {}).get('why') or r.get('error')}")
     return 1 if bad else 0
 
 

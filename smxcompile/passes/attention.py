@@ -53,7 +53,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..options import SmxOptions
 from ..report import Site, user_location
-from .graph_utils import canon, cast_dtype, is_mutation, is_number, norm_dim, replace_anchor, stack_trace, tensor_val
+from .graph_utils import (canon, cast_dtype, is_mutation, is_number, is_random, mutation_inside, norm_dim, replace_anchor,
+                          stack_trace, tensor_val, val)
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -256,8 +257,6 @@ _CONST_CACHE: dict = {}
 
 def _evaluable(node: Node) -> bool:
     """A pure torch / operator call that may be run at compile time (no mutation, no randomness, no I/O)."""
-    from .graph_utils import is_random
-
     if is_random(node) or is_mutation(node):
         return False
     if node.op == "call_method":
@@ -604,8 +603,6 @@ def _scale_stage(n: Node):
         if av is not None and av.dim() == 0 and isinstance(b, Node):
             return ("scale_t", (a, "mul"), b)
     # a symbolic Python number (dynamic shapes: ``head_dim ** -0.5`` turned into a graph input)
-    from .graph_utils import val
-
     if isinstance(b, Node) and isinstance(val(b), (torch.SymFloat, torch.SymInt)):
         return ("scale_t", (b, c[0]), a)
     if c[0] == "mul" and isinstance(val(a), (torch.SymFloat, torch.SymInt)) and isinstance(b, Node):
@@ -877,17 +874,6 @@ def _downstream_of(n: Node, sm: Node | None) -> bool:
     return sm is not None and sm in n.all_input_nodes
 
 
-def _mutation_inside(m: AttentionMatch) -> Node | None:
-    pattern = set(m.dead) | {m.anchor}
-    first = next((n for n in m.anchor.graph.nodes if n in pattern), None)
-    n = first
-    while n is not None and n is not m.anchor:
-        if n not in pattern and is_mutation(n):
-            return n
-        n = n.next
-    return None
-
-
 def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functorch: str | None) -> None:
     if m.action != "rewritten":
         return
@@ -904,7 +890,7 @@ def _decide(m: AttentionMatch, options: SmxOptions, skip: frozenset[str], functo
         if why:
             _skip(m, why)
             return
-        mut = _mutation_inside(m)
+        mut = mutation_inside(m.anchor, m.dead)
         if mut is not None:
             _skip(m, f"in-place op '{mut.name}' runs inside the attention pattern")
             return
@@ -1101,8 +1087,6 @@ def rewrite_attention(graph: Graph, m: AttentionMatch) -> None:
 
 def _erase_unused_pure(graph: Graph, nodes: list) -> None:
     """Erase ``nodes`` and their ancestors once nothing uses them (pure ops only: no placeholder, no mutation)."""
-    from .graph_utils import is_random
-
     stack = [n for n in nodes if isinstance(n, Node)]
     while stack:
         n = stack.pop()

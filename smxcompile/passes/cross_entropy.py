@@ -39,7 +39,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from ..options import SmxOptions
 from ..report import Site, user_location
-from .graph_utils import canon, cast_dtype, is_mutation, is_number, replace_anchor, stack_trace, tensor_val
+from .graph_utils import (canon, cast_dtype, is_mutation, is_number, mutation_inside, replace_anchor, stack_trace,
+                          tensor_val)
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -613,7 +614,7 @@ def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
         m.action, m.reason = "skipped", "probability targets that require grad (distillation): not supported"
         return
     # a mutation between the first pattern node and the loss could change what the op reads
-    mut = _mutation_inside(m)
+    mut = mutation_inside(m.anchor, m.dead)
     if mut is not None:
         m.action, m.reason = "skipped", f"in-place op '{mut.name}' runs inside the pattern"
         return
@@ -660,20 +661,6 @@ def _dedupe(nodes: list[Node]) -> list[Node]:
             seen.add(n)
             out.append(n)
     return out
-
-
-def _mutation_inside(m: CEMatch) -> Node | None:
-    pattern = set(m.dead)
-    nodes = list(m.anchor.graph.nodes)
-    first = next((n for n in nodes if n in pattern), None)
-    if first is None:
-        return None
-    n = first
-    while n is not m.anchor:
-        if n not in pattern and is_mutation(n):
-            return n
-        n = n.next
-    return None
 
 
 def find_ce_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),

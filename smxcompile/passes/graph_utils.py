@@ -209,6 +209,23 @@ def is_mutation(node: Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def mutation_inside(anchor: Node, pattern) -> Node | None:
+    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern`` and runs between
+    the pattern's first node and ``anchor``, or None.
+
+    A fused op replacing a pattern sits where its anchor was and reads the pattern's inputs there; the
+    original read them at its first node. A mutation in between (of an input, or a view of one: FX has
+    no alias information here, so any mutation counts) could change what is read.
+    """
+    pattern = set(pattern)
+    n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
+    while n is not None and n is not anchor:
+        if n not in pattern and is_mutation(n):
+            return n
+        n = n.next
+    return None
+
+
 def stack_trace(node: Node) -> str | None:
     return node.meta.get("stack_trace")
 

@@ -34,8 +34,8 @@ from .graph_utils import (
     canon,
     cast_dtype,
     depends_on_random,
-    is_mutation,
     is_number,
+    mutation_inside,
     norm_dim,
     single_user,
     stack_trace,
@@ -552,23 +552,6 @@ def _functorch_op(graph: Graph) -> str | None:
     return None
 
 
-def _mutation_inside(m: SoftmaxMatch) -> Node | None:
-    """An in-place op (``add_``, ``+=``, ``out=``...) between the pattern's first node and its anchor.
-
-    The op replacing the pattern sits where the anchor was and reads ``x`` and ``mask`` there; the
-    original read them at its first node. A mutation in between (of ``x``, the mask, or a view of
-    either: FX has no alias information here, so any mutation counts) could change what is read.
-    """
-    pattern = set(m.dead) | {m.anchor}
-    first = next(n for n in m.anchor.graph.nodes if n in pattern)
-    n = first
-    while n is not m.anchor:
-        if n not in pattern and is_mutation(n):
-            return n
-        n = n.next
-    return None
-
-
 def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
     xv = tensor_val(m.x)
     m.device = xv.device.type
@@ -588,7 +571,7 @@ def _decide(m: SoftmaxMatch, options: SmxOptions, skip: frozenset[str]) -> None:
             m.action, m.reason = "skipped", f"intermediate '{n.name}' is also used outside the softmax"
             return
     _absorb_neighbours(m)
-    mutated = _mutation_inside(m)
+    mutated = mutation_inside(m.anchor, m.dead)
     if mutated is not None:
         m.action, m.reason = "skipped", (
             f"in-place op '{mutated.name}' runs between the softmax's first input read and its output; "
