@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from .kernels import log_softmax, softmax  # noqa: E402  (registers the smx:: ops)
 from .kernels import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: E402
 from .kernels import NORMALIZERS, attention  # noqa: E402
+from .kernels import softmax_topk  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
 from .explain import explain  # noqa: E402
@@ -43,5 +44,5 @@ def _register_backend_if_needed() -> None:
 
 _register_backend_if_needed()
 
-__all__ = ["softmax", "log_softmax", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
+__all__ = ["softmax", "log_softmax", "softmax_topk", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
            "smx_backend", "last_report", "__version__"]

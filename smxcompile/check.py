@@ -47,10 +47,15 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
 
     from .passes.attention import claimed_nodes as attention_claimed, find_attention_sites
     from .passes.attention import input_nodes as attention_inputs, run_site as run_attention
+    from .passes.softmax_topk import claimed_nodes as topk_claimed, find_softmax_topk_sites
+    from .passes.softmax_topk import run_site as run_topk
 
     ce = [m for m in find_ce_sites(gm.graph, options) if m.action == "rewritten"]
     at = find_attention_sites(gm.graph, options, exclude=claimed_nodes(ce))
-    matches = {m.key: m for m in find_softmax_sites(gm.graph, options, exclude=claimed_nodes(ce) | attention_claimed(at))
+    tk = find_softmax_topk_sites(gm.graph, options, exclude=claimed_nodes(ce) | attention_claimed(at))
+    tk_matches = {m.key: m for m in tk if m.action == "rewritten"}
+    matches = {m.key: m for m in find_softmax_sites(gm.graph, options, exclude=claimed_nodes(ce) | attention_claimed(at)
+                                                    | topk_claimed(tk, kept=True))
                if m.action == "rewritten"}
     ce_matches = {m.key: m for m in ce}
     # a requested normalizer changes the math on purpose: only softmax sites can be checked against eager
@@ -58,11 +63,14 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     # sites inside higher-order-op bodies (checkpoint, cond) cannot be captured by the interpreter: keep them
     unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:]
                     for m in [*find_softmax_sites(g, options, prefix=prefix), *find_ce_sites(g, options, prefix=prefix),
-                              *find_attention_sites(g, options, prefix=prefix)]
+                              *find_attention_sites(g, options, prefix=prefix),
+                              *find_softmax_topk_sites(g, options, prefix=prefix)]
                     if m.action == "rewritten"}
     if unverifiable:
         log.warning("smx check: %d site(s) inside subgraphs cannot be checked; they are kept", len(unverifiable))
-    wanted = set(matches) | set(ce_matches) | set(at_matches)
+    wanted = set(matches) | set(ce_matches) | set(at_matches) | set(tk_matches)
+    for m in tk_matches.values():
+        wanted.update(n.name for n in [m.x, m.values_out, *m.indices_out] if n is not None)
     for m in ce_matches.values():
         wanted.update(n.name for n in input_nodes(m))
     for m in at_matches.values():
@@ -75,10 +83,10 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
         values = _capture(gm, example_inputs, wanted)
     except Exception as e:  # the graph could not run eagerly here: keep every site, say why
         log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
-        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | frozenset(tk_matches) | unverifiable
     if values is None:
         log.warning("smx check: example inputs are not real tensors; sites are kept")
-        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | unverifiable
+        return frozenset(matches) | frozenset(ce_matches) | frozenset(at_matches) | frozenset(tk_matches) | unverifiable
     bad = set(unverifiable)
     for name, m in ce_matches.items():
         try:
@@ -102,6 +110,22 @@ def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
             continue
         if not _close(ours, values[name], options):
             log.warning("smx check: site %s (attention) disagrees with eager; the original is kept", name)
+            bad.add(name)
+    for name, m in tk_matches.items():
+        with torch.no_grad():
+            vals, idx = run_topk(m, values)
+        ok = True
+        if m.values_out is not None and vals is not None:
+            ok = _close(vals, values[m.values_out.name], options)
+        if ok and m.indices_out:
+            # ties may pick other columns: compare the logits the indices point at
+            p = values[m.x.name]
+            ref_idx = values[m.indices_out[0].name]
+            if m.form == "argmax(softmax)" and not m.keepdim:
+                idx, ref_idx = idx.unsqueeze(m.dim), ref_idx.unsqueeze(m.dim)
+            ok = idx.shape == ref_idx.shape and _close(p.gather(m.dim, idx), p.gather(m.dim, ref_idx), options)
+        if not ok:
+            log.warning("smx check: site %s (softmax_topk) disagrees with eager; the original is kept", name)
             bad.add(name)
     for name, m in matches.items():
         x = values[m.x.name]

@@ -35,6 +35,13 @@ step runs the fused CPU kernel once and matches eager (loss, logits, every gradi
 step passes ``num_items_in_batch`` (transformers' gradient-accumulation normalisation: a sum over
 the tokens divided by that count).
 
+For Mixtral (8 experts under ``{"cpu": "rewrite"}``, training with the load-balancing loss; 64 experts
+under the default options) and Qwen2-MoE (60 experts, top-4, ``norm_topk_prob`` on and off, default
+options), every layer's router (``topk(softmax(logits))``, renormalized or not) is one ``softmax_topk``
+site, ``rewritten``, located in the router's ``forward``; no ATen top-k is left in Inductor's code for
+it; the logits (and for the training step the losses and every gradient, the routers' included) match
+eager. The load-balancing loss's own softmax + top-k (its probabilities are also summed) is ``skipped``.
+
 Tolerances (fp32 against eager fp32): the compiled results differ from eager only by Inductor's
 re-association, measured at about 2e-7 relative (``||got - ref|| / ||ref||`` over all outputs, and
 over all gradients). Each tensor must satisfy ``max|got - ref| <= ATOL + RTOL * max|ref|`` with
@@ -89,9 +96,9 @@ class Case:
     attention_sites: int = N_LAYERS            # attention blocks (T5: encoder, decoder, cross per layer)
 
     def outputs(self, out: Any) -> dict[str, torch.Tensor]:
-        """The tensors compared between eager and compiled (loss and logits / hidden states)."""
+        """The tensors compared between eager and compiled (loss, MoE aux loss, logits / hidden states)."""
         got = {}
-        for key in ("loss", "logits", "last_hidden_state"):
+        for key in ("loss", "aux_loss", "logits", "last_hidden_state"):
             v = getattr(out, key, None)
             if isinstance(v, torch.Tensor):
                 got[key] = v.detach()
@@ -475,3 +482,147 @@ def test_lm_loss_is_cut_cross_entropy(name):
         labels = case.inputs["labels"][:, 1:].reshape(-1)
         want = torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / (n_valid + 3)
         torch.testing.assert_close(out["loss"], want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- MoE routers: softmax + top-k
+#
+# Mixtral's router is ``topk(softmax(logits.float()), k)`` renormalized in place by its sum; Qwen2-MoE's is
+# ``topk(softmax(logits, dtype=float), k)``, renormalized only with ``norm_topk_prob``. Each layer's router
+# must be one ``softmax_topk`` site, rewritten (on CPU to the op's two-pass decomposition, which Inductor
+# compiles into loops: no ATen top-k call is left in the generated code), and the model must match eager.
+# Mixtral's load-balancing loss (``output_router_logits``) has a softmax + top-k of its own whose
+# probabilities are also summed: a near-miss the pass must leave alone. The default CPU policy keeps 8-expert routers (ATen's top-k of such
+# short rows is as fast): they are forced with ``{"cpu": "rewrite"}``; 60- and 64-expert routers are
+# rewritten under the default options.
+
+topk_pass = importlib.import_module("smxcompile.passes.softmax_topk")
+
+
+def _moe_case(name: str, arch: str, config_cls: str, model_cls: str, router_cls: str, **extra: Any) -> Case:
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=N_LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=SEQ * 4,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="eager",
+        **extra,
+    )
+    model = getattr(transformers, model_cls)(cfg)
+    model.train()
+    routers = [m for m in model.modules() if type(m).__name__ == router_cls]
+    assert len(routers) == N_LAYERS
+    for r in routers:   # random router weights (no ties among the logits: eager and ours pick the same experts)
+        assert r.weight.std() > 0
+    case = Case(name, arch, model, _token_inputs(padded=True), has_mask=True)
+    case.router_cls = getattr(importlib.import_module(f"transformers.models.{arch}.modeling_{arch}"), router_cls)
+    return case
+
+
+def _mixtral(experts: int, aux_loss: bool = False) -> Case:
+    return _moe_case(f"mixtral-{experts}", "mixtral", "MixtralConfig", "MixtralForCausalLM", "MixtralTopKRouter",
+                     num_local_experts=experts, num_experts_per_tok=2, router_jitter_noise=0.0,
+                     output_router_logits=aux_loss)
+
+
+def _qwen2_moe(norm_topk_prob: bool) -> Case:
+    # Qwen1.5-MoE-A2.7B's router shape: 60 experts, top-4 (norm_topk_prob False there; True in Qwen3-MoE)
+    return _moe_case(f"qwen2_moe-{norm_topk_prob}", "qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                     "Qwen2MoeTopKRouter", num_experts=60, num_experts_per_tok=4, norm_topk_prob=norm_topk_prob,
+                     moe_intermediate_size=HIDDEN // 2, shared_expert_intermediate_size=HIDDEN,
+                     decoder_sparse_step=1)
+
+
+def router_sites(case: Case, report: smxcompile.Report) -> tuple[list[smxcompile.Site], list[smxcompile.Site]]:
+    """The ``softmax_topk`` sites inside the router's ``forward`` and the other ``softmax_topk`` sites."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(case.router_cls.forward)
+    pat = re.compile(rf"models[/\\]{case.arch}[/\\]modeling_{case.arch}\.py:(\d+)$")
+    inside, other = [], []
+    for s in report:
+        if s.kind != "softmax_topk":
+            continue
+        m = pat.search(s.location)
+        (inside if m and start <= int(m.group(1)) < start + len(lines) else other).append(s)
+    return inside, other
+
+
+def assert_routers_rewritten(case: Case, report: smxcompile.Report, k: int, renormalized: bool) -> None:
+    routers, other = router_sites(case, report)
+    assert len(routers) == N_LAYERS, f"{case.name}: expected one router site per layer:\n{report}"
+    assert len({(s.graph, s.node) for s in routers}) == N_LAYERS
+    for s in routers:
+        assert s.action == "rewritten" and not s.reason, s
+        assert s.op == "smx softmax_topk (CPU two-pass)", s
+        assert s.detail.startswith("topk(softmax)") and f"k={k}" in s.detail, s
+        assert ("renormalized" in s.detail) == renormalized, s
+    # the router's softmax is taken into the site: no softmax site of its own
+    assert not [s for s in softmax_sites(report) if s.location in {r.location for r in routers}], str(report)
+
+
+def topk_calls(code: list[str]) -> int:
+    """ATen top-k calls in Inductor's generated code (a router the rewrite missed would keep one)."""
+    return len(re.findall(r"aten\.topk\.default\(", "\n".join(code)))
+
+
+@pytest.mark.slow
+def test_mixtral_routers_rewritten_training():
+    """Mixtral, 8 experts, top-2, with the load-balancing loss: both routers rewritten (CPU policy forced),
+    a training step matches eager (loss, aux loss, logits, every gradient, the routers' included)."""
+    from torch._inductor.utils import run_and_get_code
+
+    case = _mixtral(8, aux_loss=True)
+    ref_out, ref_grads = train_step(case, case.model)
+    assert "aux_loss" in ref_out
+    ((_, (out, grads)), report), code = run_and_get_code(lambda: compile_and_step(case, ATTN))
+    assert_routers_rewritten(case, report, k=2, renormalized=True)
+    # the load-balancing loss sums the same probabilities it takes the top-k of: not fused
+    _, aux = router_sites(case, report)
+    assert len(aux) == N_LAYERS, str(report)   # one per layer's logits in load_balancing_loss_func
+    assert all(s.action == "skipped" and "also used elsewhere" in s.reason for s in aux), str(report)
+    assert topk_calls(code) == len(aux), topk_calls(code)   # only the aux loss's top-k is left
+    assert set(out) == {"loss", "aux_loss", "logits"}
+    assert not mismatches(out, ref_out), mismatches(out, ref_out)
+    assert not mismatches(grads, ref_grads), mismatches(grads, ref_grads)
+    for i in range(N_LAYERS):
+        g = grads[f"model.layers.{i}.mlp.gate.weight"]
+        assert g is not None and g.abs().max() > 0
+
+
+def compiled_inference(case: Case, options: dict | None) -> tuple[torch.Tensor, torch.Tensor, smxcompile.Report, int]:
+    """Eval-mode logits of eager and of ``torch.compile(backend="smx")`` (no grad), the backend's report
+    and the number of ATen top-k calls in Inductor's generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    case.model.eval()
+    inputs = {k: v for k, v in case.inputs.items() if k != "labels"}
+    with torch.no_grad():
+        ref = case.model(**inputs).logits
+        n0 = len(smx_backend_mod.compiled_reports)
+        out, code = run_and_get_code(lambda: torch.compile(case.model, backend="smx", options=options)(**inputs))
+    report = smxcompile.Report()
+    for r in smx_backend_mod.compiled_reports[n0:]:
+        report.extend(r)
+    return out.logits, ref, report, topk_calls(code)
+
+
+@pytest.mark.slow
+def test_mixtral_64_experts_default_options():
+    """64 experts: the default CPU policy rewrites the routers (same selection path as 8 experts, whose
+    backward the training test above checks); the logits match eager."""
+    case = _mixtral(64)
+    got, ref, report, n_topk = compiled_inference(case, None)
+    assert_routers_rewritten(case, report, k=2, renormalized=True)
+    assert n_topk == 0, n_topk
+    assert not mismatches({"logits": got}, {"logits": ref}), mismatches({"logits": got}, {"logits": ref})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen2_moe_routers_rewritten(norm_topk_prob):
+    """Qwen2-MoE (60 experts, top-4, shared expert), default options: routers rewritten, renormalized
+    exactly when ``norm_topk_prob``; the logits match eager."""
+    case = _qwen2_moe(norm_topk_prob)
+    got, ref, report, n_topk = compiled_inference(case, None)
+    assert_routers_rewritten(case, report, k=4, renormalized=norm_topk_prob)
+    assert n_topk == 0, n_topk
+    assert not mismatches({"logits": got}, {"logits": ref}), mismatches({"logits": got}, {"logits": ref})

@@ -191,3 +191,69 @@ def test_attention_mask_counts_n_on_triton(attention_calls, normalizer):
     (rdq,) = torch.autograd.grad(ref.square().sum(), [d[0]])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dq.double(), rdq, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- softmax + top-k
+
+
+@pytest.fixture
+def topk_calls(monkeypatch):
+    """Force the Triton path on CPU and count softmax + top-k launcher calls."""
+    from smxcompile.kernels import triton_softmax_topk
+
+    return _count_launches(monkeypatch, triton_softmax_topk, "softmax_topk_forward", "softmax_topk_backward")
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_op_routes_to_triton(topk_calls, renormalize, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(3, 5, 300, device=DEVICE) * 3).to(dtype).permute(0, 2, 1).requires_grad_()  # dim 1, strided
+    values, indices = smxcompile.softmax_topk(x, 4, 1, renormalize=renormalize, temperature=0.8)
+    g = torch.randn_like(values)
+    (gx,) = torch.autograd.grad(values, x, g)
+    x64 = x.detach().double().requires_grad_()
+    p64 = torch.softmax(x64 / 0.8, 1)
+    v64, i64 = torch.topk(p64, 4, 1)
+    if renormalize:
+        v64 = v64 / v64.sum(1, keepdim=True)
+    (gx64,) = torch.autograd.grad(v64, x64, g.double())
+    xr = x.detach().requires_grad_()
+    vr, _ = torch.topk(torch.softmax(xr / 0.8, 1), 4, 1)
+    if renormalize:
+        vr = vr / vr.sum(1, keepdim=True)
+    (gxr,) = torch.autograd.grad(vr, xr, g)
+    if dtype == torch.float32:
+        assert torch.equal(indices, i64)
+    else:   # bf16 logits tie often: the picked logits must be torch's
+        assert torch.equal(x.detach().gather(1, indices).sort(1).values, x.detach().gather(1, i64).sort(1).values)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-3, 2.0**-7)
+    _gold_bound(values, vr, v64, atol, rtol)
+    if dtype == torch.float32:
+        _gold_bound(gx, gxr, gx64, atol, rtol, scale=g.double().abs().sum(1, keepdim=True).expand_as(gx64))
+    assert topk_calls == {"fwd": 1, "bwd": 1}
+
+
+def test_compiled_router_runs_triton_softmax_topk(topk_calls):
+    torch.manual_seed(0)
+
+    def router(h, w):
+        probs = torch.softmax(torch.nn.functional.linear(h, w).float(), -1)
+        v, i = torch.topk(probs, 2, -1)
+        v /= v.sum(-1, keepdim=True)
+        return v, i
+
+    h = torch.randn(32, 16, device=DEVICE)
+    w = torch.randn(64, 16, device=DEVICE, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(router, backend="smx", options={"cpu": "rewrite"})
+    v, i = compiled(h, w)
+    vr, ir = router(h, w)
+    assert torch.equal(i, ir)
+    torch.testing.assert_close(v, vr, atol=1e-6, rtol=1e-5)
+    (gw,) = torch.autograd.grad((v * torch.arange(2.0, device=DEVICE)).sum(), w)
+    (gwr,) = torch.autograd.grad((vr * torch.arange(2.0, device=DEVICE)).sum(), w)
+    torch.testing.assert_close(gw, gwr, atol=1e-5, rtol=1e-4)
+    rep = smxcompile.last_report()
+    assert rep.count(kind="softmax_topk", action="rewritten") == 1
+    assert topk_calls["fwd"] >= 1 and topk_calls["bwd"] >= 1

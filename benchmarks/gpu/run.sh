@@ -17,7 +17,7 @@ python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothes
 # TRITON_INTERPRET stays unset: the real kernels run on the GPU.
 unset TRITON_INTERPRET
 timeout 240 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
-  tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_op.py -p no:cacheprovider 2>&1 \
+  tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_softmax_topk.py tests/test_triton_op.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers
 timeout 100 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30

@@ -25,6 +25,7 @@ from ..report import Report, Site
 from .attention import claimed_nodes as attention_claimed, find_attention_sites, rewrite_attention
 from .cross_entropy import claimed_nodes, find_ce_sites, rewrite_ce
 from .softmax import find_softmax_sites, rewrite_softmax
+from .softmax_topk import claimed_nodes as topk_claimed, find_softmax_topk_sites, rewrite_softmax_topk
 
 log = logging.getLogger("smxcompile")
 
@@ -64,8 +65,10 @@ def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: froz
         ce = find_ce_sites(g, options, skip, prefix)
         taken = claimed_nodes(ce)
         at = find_attention_sites(g, options, skip, prefix, exclude=taken)
-        sm = find_softmax_sites(g, options, skip, prefix, exclude=taken | attention_claimed(at))
-        sites += [m.to_site(graph_tag) for m in (*ce, *at, *sm)]
+        taken = taken | attention_claimed(at)
+        tk = find_softmax_topk_sites(g, options, skip, prefix, exclude=taken)
+        sm = find_softmax_sites(g, options, skip, prefix, exclude=taken | topk_claimed(tk, kept=True))
+        sites += [m.to_site(graph_tag) for m in (*ce, *at, *tk, *sm)]
     return Report(sites)
 
 
@@ -112,7 +115,23 @@ class SmxPass(CustomGraphPass):
         self.report.sites.extend(ce_sites)
         at_changed, kept_whole = self._rewrite_attention(graph, prefix)
         changed = at_changed or changed
-        return self._rewrite_softmax(graph, prefix, kept_whole) or changed
+        tk_changed, tk_kept = self._rewrite_softmax_topk(graph, prefix, kept_whole)
+        changed = tk_changed or changed
+        return self._rewrite_softmax(graph, prefix, kept_whole | tk_kept) or changed
+
+    def _rewrite_softmax_topk(self, graph: Graph, prefix: str, exclude: set) -> tuple[bool, set]:
+        """Rewrite the softmax + top-k / argmax sites; returns (changed, nodes of the sites kept on purpose)."""
+        found = find_softmax_topk_sites(graph, self.options, self.skip, prefix, exclude=exclude)
+        kept = topk_claimed([m for m in found if m.action == "kept"], kept=True)   # CPU-policy keeps
+        changed = False
+        for m in found:
+            if m.action == "rewritten":
+                rewrite_softmax_topk(graph, m)
+                changed = True
+        if changed:
+            graph.lint()
+        self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
+        return changed, kept
 
     def _rewrite_attention(self, graph: Graph, prefix: str) -> tuple[bool, set]:
         """Rewrite the attention sites; returns (changed, nodes of the blocks the CPU policy keeps whole)."""

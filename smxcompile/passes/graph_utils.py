@@ -27,6 +27,8 @@ _SPECS: dict[str, tuple[tuple[Any, ...], str | None, tuple[str, ...]]] = {
     "max": ((torch.max,), "max", ("input", "dim", "keepdim")),
     "logsumexp": ((torch.logsumexp, torch.special.logsumexp), "logsumexp", ("input", "dim", "keepdim")),
     "detach": ((torch.detach,), "detach", ("input",)),
+    "topk": ((torch.topk,), "topk", ("input", "k", "dim", "largest", "sorted")),
+    "argmax": ((torch.argmax,), "argmax", ("input", "dim", "keepdim")),
     "matmul": ((operator.matmul, torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.mm), "matmul", ("input", "other")),
 }
 _METHOD_ALIASES = {"truediv": "div", "true_divide": "div", "subtract": "sub", "multiply": "mul", "bmm": "matmul", "mm": "matmul"}

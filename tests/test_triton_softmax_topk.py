@@ -1,0 +1,537 @@
+"""Tests of the fused softmax + top-k Triton kernels (smxcompile.kernels.triton_softmax_topk).
+
+On a machine without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1,
+set below before triton is imported) on CPU tensors. On a CUDA machine (TRITON_INTERPRET
+unset) the same tests run the compiled kernels on the GPU.
+
+Indices must equal, exactly, the first k of a *stable* descending sort of
+``z = x.float() * scale`` (fp32, computed by torch the same way as the kernel): the k
+largest, exact ties lowest index first, NaN first, -inf last.
+
+Accuracy criterion for values and lse: against an fp64 gold (softmax in fp64 at those
+indices), our error may not exceed torch's own error (``torch.topk(torch.softmax(z, -1), k)``
+in fp32) by more than a few ulps of the output dtype: ``|ours - gold| <= |torch - gold| + tol``.
+Backward: against autograd through the fp64 reference, same criterion with torch's fp32
+autograd as the baseline.
+"""
+
+import os
+
+import torch  # does not import triton
+
+# Before triton is imported (it picks the interpreter when @triton.jit decorates a kernel).
+# Only without CUDA: on a GPU machine, forcing the interpreter here would also switch every
+# later test module's kernels to it (same condition as tests/conftest.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from smxcompile.kernels import triton_softmax_topk as tk  # noqa: E402
+from smxcompile.kernels.triton_softmax_topk import softmax_topk_backward, softmax_topk_forward  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+pytestmark = [
+    pytest.mark.triton,
+    # numpy (the interpreter) warns on exp overflow / log(0) / inf - inf, which the kernels rely on.
+    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+]
+
+if DEVICE == "cpu" and not INTERPRET:  # pragma: no cover
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+INF = float("inf")
+NAN = float("nan")
+
+
+def _randn(*shape, dtype=torch.float32, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _small_splits(monkeypatch, block=64, min_split=128, merge=128):
+    """Force the split path (several programs per row, merge kernel looping over groups)
+    on short rows: cheap in the interpreter."""
+    monkeypatch.setattr(tk, "_SINGLE_TILE_MAX", 32)
+    monkeypatch.setattr(tk, "_LOOP_BLOCK", block)
+    monkeypatch.setattr(tk, "_MIN_SPLIT_COLS", min_split)
+    monkeypatch.setattr(tk, "_MERGE_ELEMS", merge)
+    monkeypatch.setattr(tk, "_INTERPRETER_SMS", 64)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _z32(x, scale):
+    return x.float().cpu() * scale
+
+
+def _ref_indices(x, k, scale):
+    return torch.sort(_z32(x, scale), dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _gold_values(x, idx, scale, renormalize):
+    """fp64 softmax at idx (renormalized over idx), and fp64 logsumexp."""
+    z = x.double().cpu() * scale
+    v = torch.softmax(z, -1).gather(-1, idx.cpu())
+    if renormalize:
+        v = v / v.sum(-1, keepdim=True)
+    return v, torch.logsumexp(z, -1)
+
+
+def _torch_values(x, k, scale, renormalize):
+    z = _z32(x, scale)
+    v = torch.topk(torch.softmax(z, -1), k, dim=-1).values
+    if renormalize:
+        v = v / v.sum(-1, keepdim=True)
+    return v, torch.logsumexp(z, -1)
+
+
+def assert_gold(ours, ref, gold, out_dtype, rtol_ulps=2.0, atol_ulps=0.5, mag=None):
+    """ours may not be further from gold than torch's `ref` by more than a few ulps of out_dtype.
+
+    tol = rtol_ulps ulps of `mag` (default |gold|) + atol_ulps ulps of max |mag|."""
+    assert ours.shape == gold.shape, (ours.shape, gold.shape)
+    ours, ref, gold = ours.double().cpu(), ref.double().cpu(), gold.double().cpu()
+    fin = torch.isfinite(gold)
+    assert torch.isfinite(ours[fin]).all()
+    o, r, g = ours[fin], ref[fin], gold[fin]
+    if g.numel() == 0:
+        return
+    m = g.abs() if mag is None else mag.double().cpu()[fin]
+    eps = torch.finfo(out_dtype).eps
+    tol = rtol_ulps * eps * m + atol_ulps * eps * m.max()
+    excess = (o - g).abs() - (r - g).abs() - tol
+    assert (excess <= 0).all(), f"max excess over torch's error: {excess.max().item():.3e}"
+
+
+def _check_fwd(x, k, scale=1.0, renormalize=False, out_dtype=None):
+    """Run the forward and check indices (exact), values and lse (gold criterion)."""
+    values, indices, lse = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize, out_dtype=out_dtype)
+    out_dtype = out_dtype or x.dtype
+    R = x.shape[0]
+    assert values.shape == (R, k) and values.dtype == out_dtype and values.is_contiguous()
+    assert indices.shape == (R, k) and indices.dtype == torch.int64 and indices.is_contiguous()
+    assert lse.shape == (R,) and lse.dtype == torch.float32
+    assert values.device == x.device and indices.device == x.device and lse.device == x.device
+    ref_idx = _ref_indices(x, k, scale)
+    assert torch.equal(indices.cpu(), ref_idx), "indices differ from the stable top-k of z"
+    gold, gold_lse = _gold_values(x, ref_idx, scale, renormalize)
+    ref, ref_lse = _torch_values(x, k, scale, renormalize)
+    mag = None
+    if not INTERPRET:
+        # compiled for a GPU, tl.exp is exp2(z * log2 e): an error ~ |z| ulps
+        z = (x.double().cpu() * scale).abs()
+        z = z.masked_fill(~torch.isfinite(z), 0).amax()
+        mag = gold.abs() * (1 + z)
+    assert_gold(values, ref.to(out_dtype), gold, out_dtype, mag=mag)
+    assert_gold(lse, ref_lse, gold_lse, torch.float32, atol_ulps=2.0)
+    return values, indices, lse
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize(
+    "R,n,k",
+    [(5, 1, 1), (37, 7, 1), (37, 7, 2), (9, 7, 7), (300, 8, 2), (33, 8, 8), (40, 64, 8), (6, 64, 64),
+     (3, 1000, 50), (3, 1000, 64), (2, 5000, 2), (2, 5000, 64)],
+    ids=str,
+)
+def test_forward_sizes(R, n, k):
+    x = _randn(R, n, seed=n + k)
+    _check_fwd(x, k)
+    _check_fwd(x, k, scale=0.37, renormalize=True)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["default", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_forward_dtypes(dtype, out_dtype):
+    x = _randn(6, 100, dtype=dtype, seed=1)
+    for renormalize in (False, True):
+        _check_fwd(x, 10, scale=1.7, renormalize=renormalize, out_dtype=out_dtype)
+
+
+def test_forward_k_above_64():
+    """k up to MAX_K (256): buffers of 128 and 256 keys."""
+    x = _randn(3, 300, seed=2)
+    _check_fwd(x, 100, renormalize=True)
+    _check_fwd(x, tk.MAX_K)
+
+
+def test_forward_ties_lowest_index_first():
+    """Integer-valued data (exact ties), -0.0 and +0.0 tie, in fp32 and bf16, one tile and split."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 4, (4, 70), generator=g).float()
+    x[3, ::2] = -0.0
+    x[3, 1::2] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).to(DEVICE)
+        for k in (1, 5, 64, 70):
+            _check_fwd(xd, k, renormalize=k == 5)
+    _, idx, _ = softmax_topk_forward(x[3:].to(DEVICE), 4)
+    assert idx.tolist() == [[0, 1, 2, 3]]
+
+
+def test_forward_strided_rows():
+    """Row stride != row length: a column slice of a wider tensor, and every other row."""
+    base = _randn(8, 90, seed=4)
+    for x in (base[:, 5:75], base[::2, 3:], base[1:, :7], base[2:3]):
+        assert x.stride(-1) == 1
+        _check_fwd(x, min(7, x.shape[1]), scale=2.0)
+        _check_fwd(x, min(7, x.shape[1]), renormalize=True)
+
+
+def test_forward_split_path(monkeypatch):
+    """Several programs per row (splits) and a merge kernel looping over split groups;
+    rows whose best entries sit in late splits; tiles that never enter the buffer."""
+    _small_splits(monkeypatch)
+    n = 700
+    x = _randn(3, n, seed=5)
+    x[1] = torch.arange(n, dtype=torch.float32) / 100   # ascending: every tile enters
+    x[2] = -torch.arange(n, dtype=torch.float32) / 100  # descending: only the first does
+    plan = tk._plan(3, n, 64, x.device)
+    assert plan["splits"] > 2 and not plan["SINGLE_TILE"] and plan["chunk"] > plan["BLOCK"]
+    assert tk._MERGE_ELEMS // 64 < plan["splits"]  # the merge kernel loops
+    for k, renormalize in ((1, False), (8, True), (50, False)):
+        _check_fwd(x, k, scale=0.8, renormalize=renormalize)
+    _check_fwd(x.to(torch.bfloat16), 64, renormalize=True, out_dtype=torch.float32)
+
+
+def test_forward_long_rows():
+    """Rows of ~70000 columns: split across programs by the default plan (4 fake SMs in the
+    interpreter), fp16 input with fp32 accumulation; and the backward through the same rows."""
+    n = 70_003
+    x = _randn(2, n, dtype=torch.float16, scale=4.0, seed=6)
+    x[1, 5:40000] = -INF
+    plan = tk._plan(2, n, 8, x.device)
+    assert plan["splits"] > 1
+    values, indices, lse = _check_fwd(x, 8, out_dtype=torch.float32)
+    g = _randn(2, 8, seed=7, scale=1.0)
+    _check_bwd(g, x, values, indices, lse, scale=1.0, renormalize=False)
+
+
+def test_forward_very_long_row():
+    """262147 columns (k = 1: the cheapest network in the interpreter)."""
+    x = _randn(1, 262_147, seed=8)
+    x[0, 262_100] = 30.0
+    values, indices, _ = _check_fwd(x, 1)
+    assert indices.item() == 262_100
+
+
+# ----------------------------------------------------------------------------- special values
+
+
+def _special_rows(n, far):
+    """Rows with special values; `far` puts them at the end (late split / tile)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(9, n, generator=g) * 3
+    j = n - 3 if far else 2
+    x[0] = -INF                      # all -inf: NaN values, lse -inf
+    x[1, j] = NAN                    # NaN: NaN values, lse NaN
+    x[2, j] = INF                    # +inf: NaN values, lse +inf
+    x[3, :] = -INF                   # 3 finite entries, k larger: value 0 for -inf picks
+    x[3, [1, j, n // 2]] = torch.tensor([1.0, 2.0, -1.0])
+    x[4] = -INF
+    x[4, j] = INF                    # only +inf and -inf
+    x[5, j], x[5, 1] = INF, NAN      # +inf and NaN
+    x[6] = -INF
+    x[6, j] = NAN                    # NaN among -inf
+    x[7, ::3] = -INF                 # some -inf among finite
+    x[8] = -INF
+    x[8, j] = -1e4                   # one very negative finite value among -inf
+    return x
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["tile", "split"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_forward_special_values(dtype, renormalize, split, monkeypatch):
+    n = 300 if split else 40
+    if split:
+        _small_splits(monkeypatch)
+        assert tk._plan(9, n, 8, torch.device(DEVICE))["splits"] > 1
+    x = _special_rows(n, far=split).to(dtype).to(DEVICE)
+    k = 6
+    values, indices, lse = softmax_topk_forward(x, k, renormalize=renormalize)
+    z = x.float().cpu()
+    special = [0, 1, 2, 4, 5, 6]
+    ordinary = [3, 7, 8]
+    # indices: valid, distinct, the stable top-k (NaN first, -inf last, ties lowest first)
+    idx = indices.cpu()
+    assert ((idx >= 0) & (idx < n)).all()
+    assert all(len(set(r)) == k for r in idx.tolist())
+    assert torch.equal(idx, _ref_indices(x, k, 1.0))
+    # values: NaN exactly on the special rows (softmax of such a row is all NaN in torch)
+    v = values.cpu()
+    assert torch.isnan(v[special]).all() and not torch.isnan(v[ordinary]).any()
+    ref = torch.softmax(z, -1)
+    assert torch.isnan(ref[special]).all()
+    # -inf picks are 0; the 3 finite ones come first
+    assert (v[3, 3:] == 0).all() and (v[3, :3] > 0).all()
+    assert (v[8, 1:] == 0).all() and v[8, 0].item() == 1.0
+    gold, gold_lse = _gold_values(x, idx, 1.0, renormalize)
+    tref, tref_lse = _torch_values(x, k, 1.0, renormalize)
+    assert_gold(v[ordinary], tref[ordinary].to(dtype), gold[ordinary], dtype)
+    # lse like torch.logsumexp: -inf, NaN, +inf
+    ref_lse = torch.logsumexp(z, -1)
+    assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(ref_lse))
+    assert lse[0].item() == -INF and lse[2].item() == INF and lse[4].item() == INF
+    assert torch.isnan(lse[[1, 5, 6]].cpu()).all()
+    assert_gold(lse.cpu()[ordinary], tref_lse[ordinary], gold_lse[ordinary], torch.float32, atol_ulps=2.0)
+
+
+def test_forward_neginf_splits(monkeypatch):
+    """Whole splits / tiles of -inf before and between finite ones."""
+    _small_splits(monkeypatch)
+    x = _randn(4, 600, seed=10)
+    x[0, :500] = -INF
+    x[1, 64:540] = -INF
+    x[2, :599] = -INF                 # only the last entry finite
+    x[3, 200:] = -INF
+    x[3, :200] -= 1000.0              # very negative finite values
+    for renormalize in (False, True):
+        values, _, lse = _check_fwd(x, 8, renormalize=renormalize)
+        assert torch.isfinite(lse).all()
+    assert (values[2, 1:] == 0).all()
+
+
+@pytest.mark.parametrize("shape,k", [((0, 5), 3), ((3, 5), 0), ((3, 0), 0), ((0, 0), 0)], ids=str)
+def test_empty(shape, k):
+    x = torch.randn(shape).to(DEVICE)
+    values, indices, lse = softmax_topk_forward(x, k, scale=2.0)
+    assert values.shape == (shape[0], k) and indices.shape == (shape[0], k) and indices.dtype == torch.int64
+    assert lse.shape == (shape[0],) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.cpu(), torch.logsumexp(x.float().cpu() * 2.0, -1))
+    dx = softmax_topk_backward(values, values, indices, x, lse, scale=2.0)
+    assert dx.shape == shape and (dx == 0).all()
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _check_bwd(g, x, values, indices, lse, scale, renormalize, out_dtype=None):
+    """Ours (from our forward's values / lse) vs fp32 torch autograd vs fp64 autograd gold,
+    all at the same indices."""
+    idx = indices.cpu()
+
+    def autograd_dx(dtype):
+        xx = x.cpu().to(dtype).requires_grad_(True)
+        p = torch.softmax(xx * scale, -1)
+        v = p.gather(-1, idx)
+        if renormalize:
+            v = v / v.sum(-1, keepdim=True)
+        (dx,) = torch.autograd.grad((v * g.cpu().to(dtype)).sum(), xx)
+        return dx, p.detach(), v.detach()
+
+    gold, p64, v64 = autograd_dx(torch.float64)
+    ref, _, _ = autograd_dx(torch.float32)
+    ours = softmax_topk_backward(g, values, indices, x, lse, scale=scale, renormalize=renormalize,
+                                 out_dtype=out_dtype)
+    out_dtype = out_dtype or x.dtype
+    assert ours.shape == x.shape and ours.dtype == out_dtype and ours.is_contiguous()
+    assert ours.device == x.device
+    # the natural magnitude of dx: its terms
+    gv = (g.cpu().double() * v64).abs()
+    sel = torch.zeros_like(p64).scatter(-1, idx, gv)
+    if renormalize:
+        mag = scale * (sel + torch.zeros_like(p64).scatter(-1, idx, v64 * gv.sum(-1, keepdim=True)))
+    else:
+        mag = scale * (sel + p64 * gv.sum(-1, keepdim=True))
+    if not INTERPRET:
+        z = (x.double().cpu() * scale).abs()
+        mag = mag * (1 + z.masked_fill(~torch.isfinite(z), 0).amax())
+    assert_gold(ours, ref.to(out_dtype), gold, out_dtype, rtol_ulps=4.0, atol_ulps=0.1, mag=mag)
+    if renormalize:
+        unselected = torch.ones_like(p64, dtype=torch.bool).scatter(-1, idx, False)
+        assert (ours.cpu()[unselected] == 0).all()
+    return ours
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("R,n,k", [(5, 7, 7), (12, 50, 5), (3, 1000, 64)], ids=str)
+def test_backward(R, n, k, dtype, renormalize):
+    x = _randn(R, n, dtype=dtype, seed=11)
+    scale = 0.6
+    values, indices, lse = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize)
+    g = _randn(R, k, seed=12, scale=1.0).to(dtype)
+    _check_bwd(g, x, values, indices, lse, scale, renormalize)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+def test_backward_strided_and_out_dtype(renormalize):
+    """Strided x rows, transposed grad / values / indices, int32 indices, fp32 out from bf16."""
+    base = _randn(6, 80, dtype=torch.bfloat16, seed=13)
+    x = base[:, 10:70]
+    values, indices, lse = softmax_topk_forward(x, 9, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
+    g = _randn(9, 6, seed=14, scale=1.0).t()
+    assert not g.is_contiguous()
+    v_t = values.t().contiguous().t()
+    i_t = indices.t().contiguous().t().to(torch.int32)
+    _check_bwd(g, x, v_t, i_t.long(), lse, 1.3, renormalize, out_dtype=torch.float32)
+    a = softmax_topk_backward(g, v_t, i_t, x, lse, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
+    b = softmax_topk_backward(g.contiguous(), values, indices, x, lse, scale=1.3, renormalize=renormalize,
+                              out_dtype=torch.float32)
+    assert torch.equal(a, b)
+    if renormalize:  # lse is unused there, and may be empty
+        c = softmax_topk_backward(g, values, indices, x, lse[:0], scale=1.3, renormalize=True, out_dtype=torch.float32)
+        assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- plan, errors, compile
+
+
+def test_plan(monkeypatch):
+    """Launch plans on a pretend 132-SM GPU: long rows split to fill it, short rows share programs;
+    the chunks always cover the row exactly once."""
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    p = tk._plan(4, 262_144, 64, cuda)
+    assert 4 * p["splits"] >= 132 and p["ROWS"] == 1
+    p = tk._plan(16_384, 8, 2, cuda)
+    assert p["SINGLE_TILE"] and p["splits"] == 1 and p["ROWS"] * p["BLOCK"] <= tk._ROWS_TILE_ELEMS and p["ROWS"] >= 16
+    g = torch.Generator().manual_seed(15)
+    for _ in range(300):
+        R = int(torch.randint(1, 5000, (1,), generator=g))
+        n = int(torch.randint(1, 3_000_000, (1,), generator=g))
+        k_pad = 1 << int(torch.randint(0, 9, (1,), generator=g))
+        k_pad = min(k_pad, tk._next_pow2(n))
+        for dev in (cuda, torch.device("cpu")):
+            p = tk._plan(R, n, k_pad, dev)
+            assert p["BLOCK"] >= k_pad and p["chunk"] % p["BLOCK"] == 0
+            assert (p["splits"] - 1) * p["chunk"] < n <= p["splits"] * p["chunk"]
+            assert p["SINGLE_TILE"] == (p["chunk"] == p["BLOCK"])
+            assert p["splits"] == 1 or p["ROWS"] == 1
+
+
+def test_errors(monkeypatch):
+    x = _randn(3, 300)
+    with pytest.raises(ValueError, match="MAX_K"):
+        softmax_topk_forward(x, tk.MAX_K + 1)
+    with pytest.raises(ValueError, match=r"\[0, n\]"):
+        softmax_topk_forward(x[:, :5], 6)
+    with pytest.raises(ValueError, match=r"\[0, n\]"):
+        softmax_topk_forward(x, -1)
+    with pytest.raises(TypeError, match="int"):
+        softmax_topk_forward(x, True)
+    with pytest.raises(TypeError, match="int"):
+        softmax_topk_forward(x, 2.0)
+    with pytest.raises(ValueError, match="stride 1"):
+        softmax_topk_forward(x[:, ::2], 3)
+    with pytest.raises(ValueError, match="stride 1"):
+        softmax_topk_forward(x.t(), 2)
+    with pytest.raises(ValueError, match="2-D"):
+        softmax_topk_forward(x.reshape(3, 3, 100), 2)
+    with pytest.raises(TypeError, match="float16"):
+        softmax_topk_forward(x.double(), 2)
+    with pytest.raises(TypeError, match="float16"):
+        softmax_topk_forward(x.long(), 2)
+    with pytest.raises(ValueError, match="scale"):
+        softmax_topk_forward(x, 2, scale=0.0)
+    with pytest.raises(TypeError, match="out_dtype"):
+        softmax_topk_forward(x, 2, out_dtype=torch.int32)
+    too_long = torch.empty(0, device="meta").as_strided((1, 2**31), (2**31, 1))
+    with pytest.raises(ValueError, match="too long"):
+        softmax_topk_forward(too_long, 2)
+    v, i, lse = softmax_topk_forward(x[:, :20], 4)
+    xs = x[:, :20]
+    with pytest.raises(ValueError, match="shape"):
+        softmax_topk_backward(v[:, :3], v, i, xs, lse)
+    with pytest.raises(ValueError, match="lse"):
+        softmax_topk_backward(v, v, i, xs, lse[:2])
+    with pytest.raises(ValueError, match="R = 3"):
+        softmax_topk_backward(v[:2], v[:2], i[:2], xs, lse)
+    with pytest.raises(TypeError, match="indices"):
+        softmax_topk_backward(v, v, i.float(), xs, lse)
+    with pytest.raises(ValueError, match="stride 1"):
+        softmax_topk_backward(v, v, i, x[:, :40:2], lse)
+    if DEVICE == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(RuntimeError, match="CUDA or TRITON_INTERPRET=1"):
+            softmax_topk_forward(xs, 2)
+        with pytest.raises(RuntimeError, match="CUDA or TRITON_INTERPRET=1"):
+            softmax_topk_backward(v, v, i, xs, lse)
+
+
+def test_module_imports_without_triton(monkeypatch):
+    """Loading the module with triton unavailable works; the launchers then raise clearly."""
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    spec = importlib.util.spec_from_file_location("_tk_without_triton", tk.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.triton is None
+    x = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match="need triton"):
+        mod.softmax_topk_forward(x, 2)
+    with pytest.raises(RuntimeError, match="need triton"):
+        mod.softmax_topk_backward(x[:, :2], x[:, :2], x[:, :2].long(), x, x[:, 0])
+
+
+def test_kernels_compile_for_cuda():
+    """Compile the kernels for sm_90 (no GPU needed): the interpreter is lax about types.
+    Check in the TTIR that every pointer offset is int64. Small tiles keep it quick; the
+    default tiles (K_PAD up to 256, BLOCK 2048) compile the same code with larger shapes."""
+    try:
+        from triton.backends import backends
+    except Exception:  # pragma: no cover
+        pytest.skip("triton without backends")
+    if "nvidia" not in backends:  # pragma: no cover
+        pytest.skip("triton's nvidia backend is not installed")
+    script = textwrap.dedent(
+        """
+        import re, warnings; warnings.filterwarnings("ignore")
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from smxcompile.kernels import triton_softmax_topk as m
+        target = GPUTarget("cuda", 90, 32)
+        def sig(fn, types, cs):
+            def default(a):
+                if a == "scale":
+                    return "fp32"
+                if a.endswith("_ptr"):
+                    return "*fp32"
+                return "i64" if a.endswith(("_rs", "_cs", "_s")) else "i32"
+            return {a: "constexpr" if a in cs else types.get(a, default(a)) for a in fn.arg_names}
+        n = 0
+        def comp(fn, types, cs, **opts):
+            global n
+            k = triton.compile(triton.compiler.ASTSource(fn, sig(fn, types, cs), constexprs=cs), target=target,
+                               options=opts)
+            for line in k.asm["ttir"].splitlines():
+                mt = re.search(r"tt\\.addptr %[^,]+, %[^ ]+ : [^,]+, ([^ ]+?)(?: loc|$)", line.strip())
+                if mt:
+                    assert mt.group(1).endswith("i64>") or mt.group(1) == "i64", line
+            assert "ld.local" not in k.asm["ptx"], (fn.__name__, cs)  # no register spills
+            n += 1
+        I = {"idx_ptr": "*i64", "wsk_ptr": "*i64"}
+        comp(m._softmax_topk_fwd_kernel, dict(I, x_ptr="*bf16", vals_ptr="*bf16"),
+             dict(K_PAD=2, ROWS=64, BLOCK=8, SINGLE_TILE=True, FINAL=True, RENORM=True), num_warps=4)
+        for final in (False, True):
+            comp(m._softmax_topk_fwd_kernel, dict(I, x_ptr="*fp16", vals_ptr="*fp32"),
+                 dict(K_PAD=4, ROWS=1, BLOCK=32, SINGLE_TILE=False, FINAL=final, RENORM=False), num_warps=1)
+        comp(m._softmax_topk_merge_kernel, dict(I, vals_ptr="*fp16"), dict(K_PAD=4, G=4, RENORM=True), num_warps=1)
+        comp(m._softmax_topk_bwd_dense_kernel, dict(x_ptr="*bf16", g_ptr="*fp32", v_ptr="*bf16", dx_ptr="*bf16"),
+             dict(K_PAD=64, ROWS=2, BLOCK=2048), num_warps=8)
+        for renorm in (False, True):
+            comp(m._softmax_topk_bwd_sparse_kernel, dict(x_ptr="*fp16", g_ptr="*fp32", v_ptr="*fp16", i_ptr="*i32",
+                 dx_ptr="*fp32"), dict(K_PAD=64, ROWS=64, RENORM=renorm), num_warps=8)
+        print("compiled", n)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled 7" in proc.stdout, proc.stderr[-4000:]
