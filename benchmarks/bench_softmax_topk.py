@@ -30,8 +30,8 @@ Backends (columns), each compiled with dynamic=False and its own copy of the fun
 
   eager        the plain PyTorch function: the reference of every check.
   inductor     torch.compile(f) (backend="inductor"): the yardstick of every ratio (/ind).
-  smx          torch.compile(f, backend="smx"), default options: on CPU the policy cpu="auto" keeps
-               (leaves to Inductor) k > 1 sites on rows shorter than 32 columns and rewrites the rest.
+  smx          torch.compile(f, backend="smx"), default options: on CPU the policy cpu="auto" rewrites
+               every site with static shapes (it keeps only symbolic row lengths).
   smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite"}): every site rewritten.
                CPU only (the option does not change CUDA sites).
 

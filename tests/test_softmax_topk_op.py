@@ -521,19 +521,20 @@ def test_opcheck_backward(renormalize):
 
 
 def test_op_outputs():
-    """``(values, indices, lse)``: lse is fp32 (fp64 for fp64 input) over the other dims, empty when
-    renormalized; values equal ``exp(z[indices] - lse)``."""
+    """``(values, indices, logd)``: logd = log(sum(exp(z - max z))), fp32 (fp64 for fp64 input) over the
+    other dims, empty when renormalized; values equal ``exp(z[indices] - z[indices[0]] - logd)``."""
     x = torch.randn(3, 50, 4, dtype=torch.bfloat16)
-    v, i, lse = torch.ops.smx.softmax_topk(x, 6, 1, 0.5, False, None)
+    v, i, logd = torch.ops.smx.softmax_topk(x, 6, 1, 0.5, False, None)
     assert v.shape == i.shape == (3, 6, 4) and v.dtype == torch.bfloat16
-    assert lse.shape == (3, 4) and lse.dtype == torch.float32
-    torch.testing.assert_close(lse, torch.logsumexp(x.float() * 0.5, 1))
-    torch.testing.assert_close(v.float(), torch.exp(x.float().gather(1, i) * 0.5 - lse[:, None]),
-                               rtol=8e-3, atol=0)
-    _, _, lse = torch.ops.smx.softmax_topk(x, 6, 1, 0.5, True, None)
-    assert lse.numel() == 0
-    _, _, lse = torch.ops.smx.softmax_topk(x.double(), 6, 1, 0.5, False, None)
-    assert lse.dtype == torch.float64
+    assert logd.shape == (3, 4) and logd.dtype == torch.float32
+    z = x.float() * 0.5
+    torch.testing.assert_close(logd, torch.logsumexp(z, 1) - z.amax(1))
+    top = z.gather(1, i[:, :1])
+    torch.testing.assert_close(v.float(), torch.exp(z.gather(1, i) - top - logd[:, None]), rtol=8e-3, atol=0)
+    _, _, logd = torch.ops.smx.softmax_topk(x, 6, 1, 0.5, True, None)
+    assert logd.numel() == 0
+    _, _, logd = torch.ops.smx.softmax_topk(x.double(), 6, 1, 0.5, False, None)
+    assert logd.dtype == torch.float64
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -8,11 +8,15 @@ Indices must equal, exactly, the first k of a *stable* descending sort of
 ``z = x.float() * scale`` (fp32, computed by torch the same way as the kernel): the k
 largest, exact ties lowest index first, NaN first, -inf last.
 
-Accuracy criterion for values and lse: against an fp64 gold (softmax in fp64 at those
+Accuracy criterion for values and logd (``log(sum(exp(z - max z)))``, the log of the
+normalizer relative to the row max): against an fp64 gold (softmax in fp64 at those
 indices), our error may not exceed torch's own error (``torch.topk(torch.softmax(z, -1), k)``
 in fp32) by more than a few ulps of the output dtype: ``|ours - gold| <= |torch - gold| + tol``.
-Backward: against autograd through the fp64 reference, same criterion with torch's fp32
-autograd as the baseline.
+Backward: against autograd through the fp64 reference (softmax, then gather at our
+indices), same criterion with torch's fp32 autograd as the baseline, elementwise with a
+tolerance of a few ulps of each entry's terms, and per row with ``16 eps scale sum_j |g_j v_j|``
+(the size of the terms the gradient is a difference of) -- also for logits shifted by
+1000 or 10000, where a backward through ``exp(z - lse)`` with an fp32 ``lse`` loses ~|lse| ulps.
 """
 
 import os
@@ -79,13 +83,18 @@ def _ref_indices(x, k, scale):
     return torch.sort(_z32(x, scale), dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def _logd(z):
+    """log(sum(exp(z - max z))) along the last dim, in z's dtype (NaN for rows of NaN, +inf or only -inf)."""
+    return torch.log(torch.exp(z - z.amax(-1, keepdim=True)).sum(-1))
+
+
 def _gold_values(x, idx, scale, renormalize):
-    """fp64 softmax at idx (renormalized over idx), and fp64 logsumexp."""
+    """fp64 softmax at idx (renormalized over idx), and fp64 logd."""
     z = x.double().cpu() * scale
     v = torch.softmax(z, -1).gather(-1, idx.cpu())
     if renormalize:
         v = v / v.sum(-1, keepdim=True)
-    return v, torch.logsumexp(z, -1)
+    return v, _logd(z)
 
 
 def _torch_values(x, k, scale, renormalize):
@@ -93,7 +102,19 @@ def _torch_values(x, k, scale, renormalize):
     v = torch.topk(torch.softmax(z, -1), k, dim=-1).values
     if renormalize:
         v = v / v.sum(-1, keepdim=True)
-    return v, torch.logsumexp(z, -1)
+    return v, _logd(z)
+
+
+def _assert_logd(logd, ref_logd, gold_logd, x, scale):
+    """logd in [0, log n]: a few ulps of its size, plus 1 ulp of 1 (the sum's rounding is relative to
+    the normalizer d >= 1, so an absolute error in log d); compiled exp / log approximations on a GPU
+    add ~|z - max| ulps."""
+    mag = gold_logd.abs() + 1
+    if not INTERPRET:
+        z = x.double().cpu() * scale
+        spread = (z.amax(-1, keepdim=True) - z).masked_fill(~torch.isfinite(z), 0).amax()
+        mag = mag * (1 + spread)
+    assert_gold(logd, ref_logd, gold_logd, torch.float32, rtol_ulps=2.0, atol_ulps=1.0, mag=mag)
 
 
 def assert_gold(ours, ref, gold, out_dtype, rtol_ulps=2.0, atol_ulps=0.5, mag=None):
@@ -115,18 +136,18 @@ def assert_gold(ours, ref, gold, out_dtype, rtol_ulps=2.0, atol_ulps=0.5, mag=No
 
 
 def _check_fwd(x, k, scale=1.0, renormalize=False, out_dtype=None):
-    """Run the forward and check indices (exact), values and lse (gold criterion)."""
-    values, indices, lse = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize, out_dtype=out_dtype)
+    """Run the forward and check indices (exact), values and logd (gold criterion)."""
+    values, indices, logd = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize, out_dtype=out_dtype)
     out_dtype = out_dtype or x.dtype
     R = x.shape[0]
     assert values.shape == (R, k) and values.dtype == out_dtype and values.is_contiguous()
     assert indices.shape == (R, k) and indices.dtype == torch.int64 and indices.is_contiguous()
-    assert lse.shape == (R,) and lse.dtype == torch.float32
-    assert values.device == x.device and indices.device == x.device and lse.device == x.device
+    assert logd.shape == (R,) and logd.dtype == torch.float32
+    assert values.device == x.device and indices.device == x.device and logd.device == x.device
     ref_idx = _ref_indices(x, k, scale)
     assert torch.equal(indices.cpu(), ref_idx), "indices differ from the stable top-k of z"
-    gold, gold_lse = _gold_values(x, ref_idx, scale, renormalize)
-    ref, ref_lse = _torch_values(x, k, scale, renormalize)
+    gold, gold_logd = _gold_values(x, ref_idx, scale, renormalize)
+    ref, ref_logd = _torch_values(x, k, scale, renormalize)
     mag = None
     if not INTERPRET:
         # compiled for a GPU, tl.exp is exp2(z * log2 e): an error ~ |z| ulps
@@ -134,8 +155,8 @@ def _check_fwd(x, k, scale=1.0, renormalize=False, out_dtype=None):
         z = z.masked_fill(~torch.isfinite(z), 0).amax()
         mag = gold.abs() * (1 + z)
     assert_gold(values, ref.to(out_dtype), gold, out_dtype, mag=mag)
-    assert_gold(lse, ref_lse, gold_lse, torch.float32, atol_ulps=2.0)
-    return values, indices, lse
+    _assert_logd(logd, ref_logd, gold_logd, x, scale)
+    return values, indices, logd
 
 
 # ----------------------------------------------------------------------------- forward
@@ -215,9 +236,9 @@ def test_forward_long_rows():
     x[1, 5:40000] = -INF
     plan = tk._plan(2, n, 8, x.device)
     assert plan["splits"] > 1
-    values, indices, lse = _check_fwd(x, 8, out_dtype=torch.float32)
+    values, indices, logd = _check_fwd(x, 8, out_dtype=torch.float32)
     g = _randn(2, 8, seed=7, scale=1.0)
-    _check_bwd(g, x, values, indices, lse, scale=1.0, renormalize=False)
+    _check_bwd(g, x, values, indices, logd, scale=1.0, renormalize=False)
 
 
 def test_forward_very_long_row():
@@ -236,9 +257,9 @@ def _special_rows(n, far):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(9, n, generator=g) * 3
     j = n - 3 if far else 2
-    x[0] = -INF                      # all -inf: NaN values, lse -inf
-    x[1, j] = NAN                    # NaN: NaN values, lse NaN
-    x[2, j] = INF                    # +inf: NaN values, lse +inf
+    x[0] = -INF                      # all -inf: NaN values, NaN logd
+    x[1, j] = NAN                    # NaN: NaN values, NaN logd
+    x[2, j] = INF                    # +inf: NaN values, NaN logd
     x[3, :] = -INF                   # 3 finite entries, k larger: value 0 for -inf picks
     x[3, [1, j, n // 2]] = torch.tensor([1.0, 2.0, -1.0])
     x[4] = -INF
@@ -262,7 +283,7 @@ def test_forward_special_values(dtype, renormalize, split, monkeypatch):
         assert tk._plan(9, n, 8, torch.device(DEVICE))["splits"] > 1
     x = _special_rows(n, far=split).to(dtype).to(DEVICE)
     k = 6
-    values, indices, lse = softmax_topk_forward(x, k, renormalize=renormalize)
+    values, indices, logd = softmax_topk_forward(x, k, renormalize=renormalize)
     z = x.float().cpu()
     special = [0, 1, 2, 4, 5, 6]
     ordinary = [3, 7, 8]
@@ -279,15 +300,15 @@ def test_forward_special_values(dtype, renormalize, split, monkeypatch):
     # -inf picks are 0; the 3 finite ones come first
     assert (v[3, 3:] == 0).all() and (v[3, :3] > 0).all()
     assert (v[8, 1:] == 0).all() and v[8, 0].item() == 1.0
-    gold, gold_lse = _gold_values(x, idx, 1.0, renormalize)
-    tref, tref_lse = _torch_values(x, k, 1.0, renormalize)
+    gold, gold_logd = _gold_values(x, idx, 1.0, renormalize)
+    tref, tref_logd = _torch_values(x, k, 1.0, renormalize)
     assert_gold(v[ordinary], tref[ordinary].to(dtype), gold[ordinary], dtype)
-    # lse like torch.logsumexp: -inf, NaN, +inf
-    ref_lse = torch.logsumexp(z, -1)
-    assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(ref_lse))
-    assert lse[0].item() == -INF and lse[2].item() == INF and lse[4].item() == INF
-    assert torch.isnan(lse[[1, 5, 6]].cpu()).all()
-    assert_gold(lse.cpu()[ordinary], tref_lse[ordinary], gold_lse[ordinary], torch.float32, atol_ulps=2.0)
+    # logd: NaN exactly on the special rows (as the fp64 formula), accurate on the others
+    logd = logd.cpu()
+    assert torch.isnan(logd[special]).all() and torch.isfinite(logd[ordinary]).all()
+    assert torch.isnan(gold_logd[special]).all()
+    assert logd[8].item() == 0.0     # one finite entry: d == 1
+    _assert_logd(logd[ordinary], tref_logd[ordinary], gold_logd[ordinary], x[ordinary], 1.0)
 
 
 def test_forward_neginf_splits(monkeypatch):
@@ -300,28 +321,29 @@ def test_forward_neginf_splits(monkeypatch):
     x[3, 200:] = -INF
     x[3, :200] -= 1000.0              # very negative finite values
     for renormalize in (False, True):
-        values, _, lse = _check_fwd(x, 8, renormalize=renormalize)
-        assert torch.isfinite(lse).all()
+        values, _, logd = _check_fwd(x, 8, renormalize=renormalize)
+        assert torch.isfinite(logd).all()
     assert (values[2, 1:] == 0).all()
 
 
 @pytest.mark.parametrize("shape,k", [((0, 5), 3), ((3, 5), 0), ((3, 0), 0), ((0, 0), 0)], ids=str)
 def test_empty(shape, k):
     x = torch.randn(shape).to(DEVICE)
-    values, indices, lse = softmax_topk_forward(x, k, scale=2.0)
-    assert values.shape == (shape[0], k) and indices.shape == (shape[0], k) and indices.dtype == torch.int64
-    assert lse.shape == (shape[0],) and lse.dtype == torch.float32
-    torch.testing.assert_close(lse.cpu(), torch.logsumexp(x.float().cpu() * 2.0, -1))
-    dx = softmax_topk_backward(values, values, indices, x, lse, scale=2.0)
-    assert dx.shape == shape and (dx == 0).all()
+    for renormalize in (False, True):
+        values, indices, logd = softmax_topk_forward(x, k, scale=2.0, renormalize=renormalize)
+        assert values.shape == (shape[0], k) and indices.shape == (shape[0], k) and indices.dtype == torch.int64
+        assert logd.shape == (shape[0],) and logd.dtype == torch.float32 and (logd == 0).all()
+        dx = softmax_topk_backward(values, values, indices, x, logd, scale=2.0, renormalize=renormalize)
+        assert dx.shape == shape and dx.dtype == x.dtype and (dx == 0).all()
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _check_bwd(g, x, values, indices, lse, scale, renormalize, out_dtype=None):
-    """Ours (from our forward's values / lse) vs fp32 torch autograd vs fp64 autograd gold,
-    all at the same indices."""
+def _check_bwd(g, x, values, indices, logd, scale, renormalize, out_dtype=None):
+    """Ours (from our forward's values / logd) vs fp32 torch autograd vs fp64 autograd gold,
+    all at the same indices: elementwise (a few ulps of each entry's terms) and per row
+    (``16 eps scale sum_j |g_j v_j|``)."""
     idx = indices.cpu()
 
     def autograd_dx(dtype):
@@ -335,7 +357,7 @@ def _check_bwd(g, x, values, indices, lse, scale, renormalize, out_dtype=None):
 
     gold, p64, v64 = autograd_dx(torch.float64)
     ref, _, _ = autograd_dx(torch.float32)
-    ours = softmax_topk_backward(g, values, indices, x, lse, scale=scale, renormalize=renormalize,
+    ours = softmax_topk_backward(g, values, indices, x, logd, scale=scale, renormalize=renormalize,
                                  out_dtype=out_dtype)
     out_dtype = out_dtype or x.dtype
     assert ours.shape == x.shape and ours.dtype == out_dtype and ours.is_contiguous()
@@ -351,6 +373,11 @@ def _check_bwd(g, x, values, indices, lse, scale, renormalize, out_dtype=None):
         z = (x.double().cpu() * scale).abs()
         mag = mag * (1 + z.masked_fill(~torch.isfinite(z), 0).amax())
     assert_gold(ours, ref.to(out_dtype), gold, out_dtype, rtol_ulps=4.0, atol_ulps=0.1, mag=mag)
+    # per row: |ours - gold| <= |torch - gold| + 16 eps scale sum_j |g_j v_j|
+    o, r = ours.double().cpu(), ref.to(out_dtype).double()
+    row_tol = 16 * torch.finfo(out_dtype).eps * scale * gv.sum(-1, keepdim=True)
+    excess = (o - gold).abs() - (r - gold).abs() - row_tol
+    assert (excess <= 0).all(), f"max excess over torch's error + row tol: {excess.max().item():.3e}"
     if renormalize:
         unselected = torch.ones_like(p64, dtype=torch.bool).scatter(-1, idx, False)
         assert (ours.cpu()[unselected] == 0).all()
@@ -363,9 +390,71 @@ def _check_bwd(g, x, values, indices, lse, scale, renormalize, out_dtype=None):
 def test_backward(R, n, k, dtype, renormalize):
     x = _randn(R, n, dtype=dtype, seed=11)
     scale = 0.6
-    values, indices, lse = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize)
+    values, indices, logd = softmax_topk_forward(x, k, scale=scale, renormalize=renormalize)
     g = _randn(R, k, seed=12, scale=1.0).to(dtype)
-    _check_bwd(g, x, values, indices, lse, scale, renormalize)
+    _check_bwd(g, x, values, indices, logd, scale, renormalize)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+@pytest.mark.parametrize("shift", [1000.0, 10000.0])
+def test_backward_shifted_logits(shift, renormalize):
+    """Softmax is shift-invariant, so is the gradient's accuracy: logits around +1000 / +10000 (the
+    backward rebuilds p relative to the row max, z[indices[:, 0]], and the small logd; through
+    exp(z - lse) with an fp32 lse it lost ~|lse| ulps: 7.7e-5 / 1.9e-3 relative). Values rounded to
+    bf16 (out_dtype) do not cost fp32 gradient accuracy either: the backward recomputes them."""
+    for (R, n, k), scale in (((16, 64, 2), 1.0), ((8, 1000, 8), 0.5), ((3, 300, 50), 1.0)):
+        x = _randn(R, n, seed=n + k) + shift
+        for out_dtype in (None, torch.bfloat16):
+            values, indices, logd = _check_fwd(x, k, scale=scale, renormalize=renormalize, out_dtype=out_dtype)
+            g = _randn(R, k, seed=16, scale=1.0)
+            _check_bwd(g, x, values, indices, logd, scale, renormalize)
+
+
+def test_backward_shifted_logits_split_rows(monkeypatch):
+    """Shifted logits on rows the forward splits across programs (the merge kernel writes logd)."""
+    _small_splits(monkeypatch)
+    x = _randn(3, 700, seed=17) + 1000.0
+    assert tk._plan(3, 700, 8, x.device)["splits"] > 1
+    values, indices, logd = _check_fwd(x, 8, out_dtype=torch.bfloat16)
+    _check_bwd(_randn(3, 8, seed=18, scale=1.0), x, values, indices, logd, 1.0, False)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+def test_backward_does_not_read_values(renormalize):
+    """The values are recomputed from x in fp32: the forward's (bf16, or garbage) give the same dx."""
+    x = _randn(7, 90, seed=19)
+    v32, idx, logd = softmax_topk_forward(x, 6, scale=1.5, renormalize=renormalize)
+    v16, idx16, _ = softmax_topk_forward(x, 6, scale=1.5, renormalize=renormalize, out_dtype=torch.bfloat16)
+    assert torch.equal(idx, idx16)
+    g = _randn(7, 6, seed=20, scale=1.0)
+    a = softmax_topk_backward(g, v32, idx, x, logd, scale=1.5, renormalize=renormalize)
+    b = softmax_topk_backward(g, v16, idx, x, logd, scale=1.5, renormalize=renormalize)
+    c = softmax_topk_backward(g, torch.full_like(v32, NAN), idx, x, logd, scale=1.5, renormalize=renormalize)
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+def test_backward_special_rows(renormalize):
+    """Rows with NaN / +inf / only -inf: NaN gradients like eager softmax's backward (the whole row;
+    renormalized: the k selected entries, the others get none); the other rows are accurate."""
+    x = _special_rows(40, far=False).to(DEVICE)
+    k = 6
+    values, indices, logd = softmax_topk_forward(x, k, renormalize=renormalize)
+    g = _randn(9, k, seed=21, scale=1.0)
+    dx = softmax_topk_backward(g, values, indices, x, logd, renormalize=renormalize).cpu()
+    special, ordinary = [0, 1, 2, 4, 5, 6], [3, 7, 8]
+    xx = x.cpu().requires_grad_(True)
+    (eager,) = torch.autograd.grad((torch.softmax(xx, -1).gather(-1, indices.cpu()) * g.cpu()).sum(), xx)
+    if renormalize:
+        selected = torch.zeros_like(dx, dtype=torch.bool).scatter(-1, indices.cpu(), True)
+        assert torch.isnan(dx[special][selected[special]]).all()
+        assert (dx[special][~selected[special]] == 0).all()
+    else:
+        assert torch.isnan(eager[special]).all()
+        assert torch.isnan(dx[special]).all()
+    assert torch.isfinite(dx[ordinary]).all()
+    assert (dx[ordinary][torch.isneginf(x.cpu()[ordinary])] == 0).all()
+    _check_bwd(g[ordinary], x[ordinary], values[ordinary], indices[ordinary], logd[ordinary], 1.0, renormalize)
 
 
 @pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
@@ -373,19 +462,62 @@ def test_backward_strided_and_out_dtype(renormalize):
     """Strided x rows, transposed grad / values / indices, int32 indices, fp32 out from bf16."""
     base = _randn(6, 80, dtype=torch.bfloat16, seed=13)
     x = base[:, 10:70]
-    values, indices, lse = softmax_topk_forward(x, 9, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
+    values, indices, logd = softmax_topk_forward(x, 9, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
     g = _randn(9, 6, seed=14, scale=1.0).t()
     assert not g.is_contiguous()
     v_t = values.t().contiguous().t()
     i_t = indices.t().contiguous().t().to(torch.int32)
-    _check_bwd(g, x, v_t, i_t.long(), lse, 1.3, renormalize, out_dtype=torch.float32)
-    a = softmax_topk_backward(g, v_t, i_t, x, lse, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
-    b = softmax_topk_backward(g.contiguous(), values, indices, x, lse, scale=1.3, renormalize=renormalize,
+    _check_bwd(g, x, v_t, i_t.long(), logd, 1.3, renormalize, out_dtype=torch.float32)
+    a = softmax_topk_backward(g, v_t, i_t, x, logd, scale=1.3, renormalize=renormalize, out_dtype=torch.float32)
+    b = softmax_topk_backward(g.contiguous(), values, indices, x, logd, scale=1.3, renormalize=renormalize,
                               out_dtype=torch.float32)
     assert torch.equal(a, b)
-    if renormalize:  # lse is unused there, and may be empty
-        c = softmax_topk_backward(g, values, indices, x, lse[:0], scale=1.3, renormalize=True, out_dtype=torch.float32)
+    if renormalize:  # logd is unused there, and may be empty
+        c = softmax_topk_backward(g, values, indices, x, logd[:0], scale=1.3, renormalize=True,
+                                  out_dtype=torch.float32)
         assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- the op's Triton path
+
+
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "renorm"])
+def test_op_triton_path_empty_shapes(monkeypatch, renormalize):
+    """smx::softmax_topk on the Triton path (forced on CPU in the interpreter): no rows, rows of no
+    columns (reshape(-1, 0) would be ambiguous), k == 0; forward shapes and zero gradients."""
+    import smxcompile
+    from smxcompile.kernels import config
+
+    monkeypatch.setattr(config, "force_triton", True)
+    calls = {"fwd": 0, "bwd": 0}
+    for name, key in (("softmax_topk_forward", "fwd"), ("softmax_topk_backward", "bwd")):
+        def counted(*a, _f=getattr(tk, name), _key=key, **kw):
+            calls[_key] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(tk, name, counted)
+    cases = [((0, 8), 2, -1), ((3, 0), 0, -1), ((2, 0, 4), 3, -1), ((2, 0, 4), 0, 1), ((4, 50), 0, -1),
+             ((4, 0, 5), 0, 1), ((0,), 0, 0)]
+    for shape, k, dim in cases:
+        x = torch.randn(shape, device=DEVICE, requires_grad=True)
+        r = smxcompile.softmax_topk(x, k, dim, renormalize=renormalize)
+        want = list(shape)
+        want[dim] = k
+        assert r.values.shape == r.indices.shape == tuple(want), (shape, k, dim)
+        (r.values * 3).sum().backward()
+        assert x.grad.shape == x.shape and not x.grad.any(), (shape, k, dim)
+    assert calls["fwd"] == len(cases) and calls["bwd"] >= 1
+    # and an ordinary 3-d case through both kernels, dim 1
+    x = (_randn(2, 30, 3, seed=22) + 1000.0).requires_grad_(True)
+    r = smxcompile.softmax_topk(x, 4, 1, renormalize=renormalize, dtype=torch.bfloat16)
+    g = _randn(2, 4, 3, seed=23, scale=1.0, dtype=torch.bfloat16).float()  # (autograd casts it to bf16)
+    (dx,) = torch.autograd.grad((r.values.float() * g).sum(), x)
+    xx = x.detach().double().requires_grad_(True)
+    v = torch.softmax(xx, 1).gather(1, r.indices)
+    if renormalize:
+        v = v / v.sum(1, keepdim=True)
+    (gold,) = torch.autograd.grad((v * g.double()).sum(), xx)
+    tol = 16 * torch.finfo(torch.float32).eps * (g.double().abs() * v.detach().abs()).sum(1, keepdim=True)
+    assert ((dx.double() - gold).abs() <= tol).all()
 
 
 # ----------------------------------------------------------------------------- plan, errors, compile
@@ -443,24 +575,24 @@ def test_errors(monkeypatch):
     too_long = torch.empty(0, device="meta").as_strided((1, 2**31), (2**31, 1))
     with pytest.raises(ValueError, match="too long"):
         softmax_topk_forward(too_long, 2)
-    v, i, lse = softmax_topk_forward(x[:, :20], 4)
+    v, i, logd = softmax_topk_forward(x[:, :20], 4)
     xs = x[:, :20]
     with pytest.raises(ValueError, match="shape"):
-        softmax_topk_backward(v[:, :3], v, i, xs, lse)
-    with pytest.raises(ValueError, match="lse"):
-        softmax_topk_backward(v, v, i, xs, lse[:2])
+        softmax_topk_backward(v[:, :3], v, i, xs, logd)
+    with pytest.raises(ValueError, match="logd"):
+        softmax_topk_backward(v, v, i, xs, logd[:2])
     with pytest.raises(ValueError, match="R = 3"):
-        softmax_topk_backward(v[:2], v[:2], i[:2], xs, lse)
+        softmax_topk_backward(v[:2], v[:2], i[:2], xs, logd)
     with pytest.raises(TypeError, match="indices"):
-        softmax_topk_backward(v, v, i.float(), xs, lse)
+        softmax_topk_backward(v, v, i.float(), xs, logd)
     with pytest.raises(ValueError, match="stride 1"):
-        softmax_topk_backward(v, v, i, x[:, :40:2], lse)
+        softmax_topk_backward(v, v, i, x[:, :40:2], logd)
     if DEVICE == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(RuntimeError, match="CUDA or TRITON_INTERPRET=1"):
             softmax_topk_forward(xs, 2)
         with pytest.raises(RuntimeError, match="CUDA or TRITON_INTERPRET=1"):
-            softmax_topk_backward(v, v, i, xs, lse)
+            softmax_topk_backward(v, v, i, xs, logd)
 
 
 def test_module_imports_without_triton(monkeypatch):
@@ -522,10 +654,10 @@ def test_kernels_compile_for_cuda():
             comp(m._softmax_topk_fwd_kernel, dict(I, x_ptr="*fp16", vals_ptr="*fp32"),
                  dict(K_PAD=4, ROWS=1, BLOCK=32, SINGLE_TILE=False, FINAL=final, RENORM=False), num_warps=1)
         comp(m._softmax_topk_merge_kernel, dict(I, vals_ptr="*fp16"), dict(K_PAD=4, G=4, RENORM=True), num_warps=1)
-        comp(m._softmax_topk_bwd_dense_kernel, dict(x_ptr="*bf16", g_ptr="*fp32", v_ptr="*bf16", dx_ptr="*bf16"),
+        comp(m._softmax_topk_bwd_dense_kernel, dict(x_ptr="*bf16", g_ptr="*fp32", i_ptr="*i64", dx_ptr="*bf16"),
              dict(K_PAD=64, ROWS=2, BLOCK=2048), num_warps=8)
         for renorm in (False, True):
-            comp(m._softmax_topk_bwd_sparse_kernel, dict(x_ptr="*fp16", g_ptr="*fp32", v_ptr="*fp16", i_ptr="*i32",
+            comp(m._softmax_topk_bwd_sparse_kernel, dict(x_ptr="*fp16", g_ptr="*fp32", i_ptr="*i32",
                  dx_ptr="*fp32"), dict(K_PAD=64, ROWS=64, RENORM=renorm), num_warps=8)
         print("compiled", n)
         """

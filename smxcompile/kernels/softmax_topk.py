@@ -19,8 +19,10 @@ one pass keeps the online ``(max, sum)`` pair and a running top-k; only k probab
   the row and no write of its size. Pass 1 takes the maximum of each chunk of ``CHUNK`` columns; the k
   chunks with the largest maxima hold a top-k of the row (a chunk outside them has at least k larger
   elements elsewhere), so the top-k is taken over ``k * CHUNK`` candidates only. Pass 2 sums
-  ``exp(z - max)``. Short rows (routers: 8-512 experts) select with k rounds of a max over unique int64
-  keys (value bits, then column), which is exact and avoids ATen's per-row top-k; ``k == 1`` is a max.
+  ``exp(z - max)``. Short rows (routers: 32-1024 experts) select with k rounds of a max over unique int64
+  keys (value bits, then column), which is exact and avoids ATen's per-row top-k; rows of at most 16
+  (8-16 experts) with k bubble passes of compare-exchanges between whole columns, elementwise over the
+  rows; ``k == 1`` is a max.
 
 Special values follow ``topk(softmax(x))`` in torch: a row with NaN or ``+inf``, or with every entry
 ``-inf``, has an all-NaN softmax, so its values are NaN (its indices stay valid, distinct columns);
@@ -50,6 +52,8 @@ CHUNKED_MIN_COLUMNS = 4096
 #: ``KEY_ROUNDS_MAX_K``; beyond that a plain top-k of the logits is used.
 KEY_ROUNDS_MAX_COLUMNS = 1024
 KEY_ROUNDS_MAX_K = 8
+#: Rows up to this many columns (8-16 experts) select with a compare-exchange network across columns.
+NETWORK_MAX_COLUMNS = 16
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -65,12 +69,34 @@ def _sortable_keys(x: torch.Tensor) -> torch.Tensor:
     return (o.to(torch.int64) << 32) | (0xFFFFFFFF - col)
 
 
+def _select_network(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k columns of short rows by k bubble passes of compare-exchanges between whole columns.
+
+    Each step is elementwise over the rows (Inductor vectorizes it across rows, one loop for all of
+    them), where ATen's top-k and reductions pay a per-row cost on rows of a few columns. A column
+    moves forward only past a strictly smaller one (NaN counts as the largest), so exact ties keep
+    the lower column first.
+    """
+    n = x.shape[-1]
+    cols = list(x.unbind(-1))
+    idx = [torch.full_like(cols[0], j, dtype=torch.int64) for j in range(n)]
+    for r in range(k):
+        for j in range(n - 1, r, -1):
+            a, b = cols[j - 1], cols[j]
+            swap = (b > a) | ((b != b) & (a == a))
+            cols[j - 1], cols[j] = torch.where(swap, b, a), torch.where(swap, a, b)
+            idx[j - 1], idx[j] = torch.where(swap, idx[j], idx[j - 1]), torch.where(swap, idx[j - 1], idx[j])
+    return torch.stack(idx[:k], -1)
+
+
 def _select(x: torch.Tensor, k: int) -> torch.Tensor:
     """Columns of the k largest entries of each row of ``x`` (R, n), largest first (int64, (R, k))."""
     n = x.shape[-1]
     static = isinstance(n, int) and isinstance(k, int)
     if k == 1:
         return torch.max(x, -1, keepdim=True).indices
+    if static and n <= NETWORK_MAX_COLUMNS and k <= KEY_ROUNDS_MAX_K:
+        return _select_network(x, k)
     if static and x.dtype != torch.float64 and n <= KEY_ROUNDS_MAX_COLUMNS and k <= KEY_ROUNDS_MAX_K:
         keys = _sortable_keys(x)
         low = torch.iinfo(torch.int64).min
@@ -165,7 +191,7 @@ def _forward_impl(x, k, dim, scale, renormalize, dtype):
 
         xl = x.movedim(dim, -1)
         batch, n = xl.shape[:-1], xl.shape[-1]
-        x2 = xl.reshape(-1, n)
+        x2 = xl.reshape(batch.numel(), n)   # (not -1: ambiguous for rows of no columns)
         if x2.shape[-1] > 1 and x2.stride(-1) != 1:
             x2 = x2.contiguous()
         v, i, logd = softmax_topk_forward(x2, k, scale=scale, renormalize=renormalize, out_dtype=dtype or x.dtype)
@@ -185,17 +211,16 @@ def _backward_impl(grad_values, values, indices, x, logd, dim, scale, renormaliz
 
         xl = x.movedim(dim, -1)
         batch, n = xl.shape[:-1], xl.shape[-1]
-        x2 = xl.reshape(-1, n)
+        x2 = xl.reshape(batch.numel(), n)   # (not -1: ambiguous for rows of no columns, or k == 0)
         if x2.shape[-1] > 1 and x2.stride(-1) != 1:
             x2 = x2.contiguous()
         kk = values.shape[dim]
 
         def rows(t):
-            return t.movedim(dim, -1).reshape(-1, kk).contiguous()
+            return t.movedim(dim, -1).reshape(batch.numel(), kk).contiguous()
 
-        g = softmax_topk_backward(rows(grad_values), rows(values), rows(indices), x2,
-                                  logd.reshape(-1) if logd.numel() else logd, scale=scale, renormalize=renormalize,
-                                  out_dtype=x.dtype)
+        g = softmax_topk_backward(rows(grad_values), rows(values), rows(indices), x2, logd.reshape(-1),
+                                  scale=scale, renormalize=renormalize, out_dtype=x.dtype)
         return g.reshape(*batch, n).movedim(-1, dim).contiguous()
     # The probabilities are recomputed from x in the accumulation dtype, relative to the row max: the
     # saved values may be rounded to a narrower ``dtype=`` (bf16 / fp16), and ``exp(z - lse)`` with an

@@ -3,9 +3,10 @@
 For each row ``x[r, :]`` of ``n`` scores, in fp32::
 
     z = x.float() * scale
-    lse = logsumexp(z)
     indices = the k largest z (largest first; exact ties: lowest index first)
-    values = exp(z[indices] - lse)                       # == topk(softmax(z), k).values
+    m = max(z) = z[indices[0]]
+    logd = log(sum(exp(z - m)))                          # the normalizer relative to the max
+    values = exp(z[indices] - m - logd)                  # == topk(softmax(z), k).values
     values = exp(z[indices] - logsumexp(z[indices]))     # renormalize=True
 
 Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018),
@@ -36,20 +37,27 @@ there are fewer than two programs per SM (e.g. 4 rows x 256K columns), are split
 most 1024 splits): each program writes its partial ``(m, d)`` and its ``K_PAD`` best keys
 to a workspace, and a small second kernel per row merges them (``m = max m_i``,
 ``d = sum d_i exp(m_i - m)``, the top ``K_PAD`` of the ``SPLITS * K_PAD`` keys, 4096 keys a
-step) and writes values, indices and lse. With one split the first kernel writes the
+step) and writes values, indices and logd. With one split the first kernel writes the
 outputs itself. A tile whose best key cannot enter the buffer skips the top-k network.
 Rows may have up to ``2**31 - 1`` columns (the column takes 32 bits of a key).
 
 Special rows follow torch: a row with NaN or ``+inf``, or whose entries are all ``-inf``,
 has all-NaN probabilities, so NaN values (its indices are still valid and distinct, taken
-from the key order above); ``lse`` is NaN / ``+inf`` / ``-inf`` like ``torch.logsumexp``.
+from the key order above) and a NaN ``logd``, which makes the backward's gradients of the
+row NaN, as eager softmax's backward.
 The decoded top key tells these rows apart: its ``z`` is NaN, ``+inf`` or ``-inf`` exactly
 for them.
 
-Backward (no full probability vector is needed either): a dense kernel writes
-``-scale * p * sum_i g_i v_i`` with ``p = exp(z - lse)`` (zeros, for ``renormalize``), then a
-per-row kernel recomputes and overwrites the ``k`` selected entries in fp32 (rounded once;
-the indices of a row are distinct, so no atomics).
+Backward (no full probability vector is needed either), all in fp32 from ``x``: the
+forward's ``values`` are not read (they may be rounded to a narrower dtype); with
+``z0 = z[indices[0]]`` (the row max) the probabilities are ``p = exp((z - z0) - logd)``:
+``z - z0`` is exact near the top and ``logd`` is small, so there is no rounding of a large
+``lse`` (logits around 1000 would lose ~1000 ulps through ``exp(z - lse)``). A dense kernel
+writes ``-scale * p * sum_i g_i v_i`` (zeros, for ``renormalize``), then a per-row kernel
+overwrites the ``k`` selected entries with ``scale * v_i * (g_i - sum_j g_j v_j)``, where
+``v_i = p_i`` (``softmax(z[indices])_i`` for ``renormalize``), rounded once (the indices of
+a row are distinct, so no atomics). Both kernels recompute the ``k`` selected ``v`` from a
+gather of ``x``.
 
 All offsets are int64. On a machine without a GPU the kernels run through Triton's
 interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported; they then
@@ -202,9 +210,9 @@ if triton is not None:
         return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
     @triton.jit
-    def _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, lse_ptr,
+    def _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr,
                 K_PAD: tl.constexpr, RENORM: tl.constexpr):
-        """Decode the sorted buffer [ROWS, K_PAD] and write values [R, k], indices [R, k], lse [R]."""
+        """Decode the sorted buffer [ROWS, K_PAD] and write values [R, k], indices [R, k], logd [R]."""
         z, col = _decode(buf)
         ztop, _ = _decode(tl.max(buf, axis=1))  # NaN / +inf / -inf exactly for the special rows
         special = ~(tl.abs(ztop) < float("inf"))
@@ -219,12 +227,15 @@ if triton is not None:
             # m is the row max (== ztop for ordinary rows), d = sum exp(z - m) >= 1.
             ms = tl.where(special, 0.0, m)
             v = tl.exp(z - ms[:, None]) / d[:, None]
-        lse = tl.where(special, ztop, _safe_max(m) + tl.log(d))
+        # log of the normalizer relative to the row max (z at the first index): small, so the
+        # backward's exp((z - max) - logd) keeps fp32 accuracy whatever the size of the logits.
+        # NaN on the special rows: their gradients are NaN, as eager softmax's.
+        logd = tl.where(special, float("nan"), tl.log(d))
         v = tl.where(special[:, None], float("nan"), v)
         out = rows[:, None] * k + j[None, :]
         tl.store(vals_ptr + out, v.to(vals_ptr.dtype.element_ty), mask=sel)
         tl.store(idx_ptr + out, col, mask=sel)
-        tl.store(lse_ptr + rows, lse, mask=row_ok)
+        tl.store(logd_ptr + rows, logd, mask=row_ok)
 
     @triton.jit
     def _tile(x_ptr, x_off, cols, row_ok, n, scale):
@@ -237,7 +248,7 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk_fwd_kernel(
-        x_ptr, x_rs, vals_ptr, idx_ptr, lse_ptr, wsk_ptr, wsm_ptr, wsd_ptr,
+        x_ptr, x_rs, vals_ptr, idx_ptr, logd_ptr, wsk_ptr, wsm_ptr, wsd_ptr,
         R, n, k, chunk, splits, scale,
         K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
         SINGLE_TILE: tl.constexpr, FINAL: tl.constexpr, RENORM: tl.constexpr,
@@ -270,7 +281,7 @@ if triton is not None:
                 if tl.max(enter.to(tl.int32), axis=0) > 0:
                     buf = _merge_keys(buf, _topk_keys(keys, K_PAD, 0), K_PAD)
         if FINAL:
-            _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, lse_ptr, K_PAD, RENORM)
+            _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr, K_PAD, RENORM)
         else:
             ws = rows * splits + split
             j = tl.arange(0, K_PAD).to(tl.int64)
@@ -280,7 +291,7 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk_merge_kernel(
-        wsk_ptr, wsm_ptr, wsd_ptr, vals_ptr, idx_ptr, lse_ptr, R, splits, k,
+        wsk_ptr, wsm_ptr, wsd_ptr, vals_ptr, idx_ptr, logd_ptr, R, splits, k,
         K_PAD: tl.constexpr, G: tl.constexpr, RENORM: tl.constexpr,
     ):
         """Merge the SPLITS partials of one row: G splits (G * K_PAD keys) per step."""
@@ -305,53 +316,67 @@ if triton is not None:
             beta = tl.exp(tl.minimum(_safe_max(sm) - ms_new[:, None], 0.0))
             d = d * alpha + tl.sum(sd * beta, axis=1)
             m = m_new
-        _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, lse_ptr, K_PAD, RENORM)
+        _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr, K_PAD, RENORM)
+
+    @triton.jit
+    def _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                      rows, row_ok, k, scale, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+        """(g, idx, v, gv, z0) of the k selected entries of ROWS rows ([ROWS, K_PAD]; 0 on padding).
+
+        ``v`` is recomputed in fp32 from x (the forward's values may have been rounded to a
+        narrower dtype): ``exp((z - z0) - logd)``, or ``softmax(z[idx])`` with ``RENORM``, where
+        ``z0 = z[idx[:, 0]]`` is the row max; ``gv = sum_i g_i v_i``."""
+        j = tl.arange(0, K_PAD).to(tl.int64)
+        sel = row_ok[:, None] & (j < k)[None, :]
+        g = tl.load(g_ptr + (rows[:, None] * g_rs + j[None, :] * g_cs), mask=sel, other=0.0).to(tl.float32)
+        idx = tl.load(i_ptr + (rows[:, None] * i_rs + j[None, :] * i_cs), mask=sel, other=0).to(tl.int64)
+        zs = tl.load(x_ptr + (rows[:, None] * x_rs + idx), mask=sel, other=0.0).to(tl.float32) * scale
+        # z of the first index (the row max); other lanes add exact zeros (NaN / inf stay).
+        z0 = tl.sum(tl.where((j == 0)[None, :], zs, 0.0), axis=1)
+        if RENORM:
+            e = tl.where(sel, tl.exp(zs - z0[:, None]), 0.0)
+            v = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
+        else:
+            logd = tl.load(logd_ptr + rows * logd_s, mask=row_ok, other=0.0).to(tl.float32)
+            v = tl.where(sel, tl.exp((zs - z0[:, None]) - logd[:, None]), 0.0)
+        gv = tl.sum(g * v, axis=1)
+        return g, idx, v, gv, z0
 
     @triton.jit
     def _softmax_topk_bwd_dense_kernel(
-        x_ptr, x_rs, g_ptr, g_rs, g_cs, v_ptr, v_rs, v_cs, lse_ptr, lse_s, dx_ptr,
+        x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s, dx_ptr,
         R, n, k, n_col_blocks, scale,
         K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """dx = -scale * exp(z - lse) * sum_i g_i v_i over a ROWS x BLOCK tile (1-D grid)."""
+        """dx = -scale * p * sum_i g_i v_i, p = exp((z - z0) - logd), over a ROWS x BLOCK tile (1-D grid)."""
         pid = tl.program_id(0).to(tl.int64)
         rows = (pid // n_col_blocks) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         row_ok = rows < R
-        j = tl.arange(0, K_PAD).to(tl.int64)
-        sel = row_ok[:, None] & (j < k)[None, :]
-        g = tl.load(g_ptr + (rows[:, None] * g_rs + j[None, :] * g_cs), mask=sel, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + (rows[:, None] * v_rs + j[None, :] * v_cs), mask=sel, other=0.0).to(tl.float32)
-        gv = tl.sum(g * v, axis=1)
-        lse = tl.load(lse_ptr + rows * lse_s, mask=row_ok, other=0.0).to(tl.float32)
+        _, _, _, gv, z0 = _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                                        rows, row_ok, k, scale, K_PAD, False)
+        logd = tl.load(logd_ptr + rows * logd_s, mask=row_ok, other=0.0).to(tl.float32)
         ok = row_ok[:, None] & (cols < n)[None, :]
         z = tl.load(x_ptr + (rows[:, None] * x_rs + cols[None, :]), mask=ok, other=0.0).to(tl.float32) * scale
-        p = tl.exp(z - lse[:, None])
+        p = tl.exp((z - z0[:, None]) - logd[:, None])
         dx = (-scale) * (p * gv[:, None])
         tl.store(dx_ptr + (rows[:, None] * n + cols[None, :]), dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _softmax_topk_bwd_sparse_kernel(
-        x_ptr, x_rs, g_ptr, g_rs, g_cs, v_ptr, v_rs, v_cs, i_ptr, i_rs, i_cs, lse_ptr, lse_s, dx_ptr,
+        x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s, dx_ptr,
         R, n, k, scale,
         K_PAD: tl.constexpr, ROWS: tl.constexpr, RENORM: tl.constexpr,
     ):
-        """The k selected entries of dx, recomputed in fp32 and written once."""
+        """The k selected entries of dx, ``scale * v_i * (g_i - gv)`` (both cases: v_i is p_i when
+        not renormalized), recomputed in fp32 and written once."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         row_ok = rows < R
         j = tl.arange(0, K_PAD).to(tl.int64)
         sel = row_ok[:, None] & (j < k)[None, :]
-        g = tl.load(g_ptr + (rows[:, None] * g_rs + j[None, :] * g_cs), mask=sel, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + (rows[:, None] * v_rs + j[None, :] * v_cs), mask=sel, other=0.0).to(tl.float32)
-        idx = tl.load(i_ptr + (rows[:, None] * i_rs + j[None, :] * i_cs), mask=sel, other=0).to(tl.int64)
-        gv = tl.sum(g * v, axis=1)
-        if RENORM:
-            dx = scale * (v * (g - gv[:, None]))
-        else:
-            lse = tl.load(lse_ptr + rows * lse_s, mask=row_ok, other=0.0).to(tl.float32)
-            z = tl.load(x_ptr + (rows[:, None] * x_rs + idx), mask=sel, other=0.0).to(tl.float32) * scale
-            p = tl.exp(z - lse[:, None])
-            dx = scale * (g * v - p * gv[:, None])
+        g, idx, v, gv, _ = _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                                         rows, row_ok, k, scale, K_PAD, RENORM)
+        dx = scale * (v * (g - gv[:, None]))
         tl.store(dx_ptr + (rows[:, None] * n + idx), dx.to(dx_ptr.dtype.element_ty), mask=sel)
 
 
@@ -480,12 +505,12 @@ def softmax_topk_forward(
     programs and merged by a second small kernel (see the module docstring).
 
     ``z = x.float() * scale``. ``renormalize=False``: ``values = softmax(z)[indices] =
-    exp(z_idx - lse)``; ``renormalize=True``: ``values = softmax(z_idx)`` over the ``k``
-    selected entries (``== topk(softmax(z)) / its sum``). Values are sorted descending;
+    exp(z_idx - m - logd)``, ``m = max(z) = z[indices[:, 0]]``; ``renormalize=True``:
+    ``values = softmax(z_idx)`` over the ``k`` selected entries (``== topk(softmax(z)) / its sum``). Values are sorted descending;
     ``indices`` are the ``k`` largest ``z``, exact ties lowest index first, NaN above
     everything, ``-inf`` below every finite value (``-inf`` picks get value 0, like torch).
     A row with NaN or ``+inf``, or all ``-inf``, gives NaN values with valid distinct
-    indices; ``lse`` is then NaN / ``+inf`` / ``-inf`` like ``torch.logsumexp``.
+    indices and a NaN ``logd`` (the backward then gives the row NaN gradients, like torch).
 
     Args:
         x: (R, n) fp16 / bf16 / fp32 scores, stride 1 along the last dim (any row stride).
@@ -496,10 +521,13 @@ def softmax_topk_forward(
         out_dtype: dtype of ``values`` (default ``x.dtype``); computed in fp32, rounded once.
 
     Returns:
-        ``(values, indices, lse)``: values (R, k) ``out_dtype``, indices (R, k) int64,
-        lse (R,) fp32 ``= logsumexp(z)`` over the whole row; all new contiguous tensors.
-        ``k == 0`` or ``R == 0`` gives empty values / indices without a Triton launch
-        (``lse`` then comes from ``torch.logsumexp``).
+        ``(values, indices, logd)``: values (R, k) ``out_dtype``, indices (R, k) int64,
+        logd (R,) fp32 ``= log(sum(exp(z - m)))`` over the whole row, the log of the softmax
+        normalizer relative to the row max ``m = z[indices[:, 0]]`` (``logsumexp(z) = m + logd``,
+        without the rounding of a large ``lse``; computed also with ``renormalize``, where the
+        backward does not need it); all new contiguous tensors. ``k == 0`` or ``R == 0`` gives
+        empty values / indices and zeros for ``logd`` (there is no selected max to be relative
+        to, and the backward does not read it) without a Triton launch; so does ``n == 0``.
 
     Raises:
         RuntimeError: triton missing, or ``x`` not on CUDA and ``TRITON_INTERPRET=1`` not
@@ -526,16 +554,15 @@ def softmax_topk_forward(
     values = torch.empty((R, k), dtype=out_dtype, device=x.device)
     indices = torch.empty((R, k), dtype=torch.int64, device=x.device)
     if R == 0 or k == 0:
-        lse = torch.logsumexp(x.float() * scale, dim=-1) if R else x.new_empty((0,), dtype=torch.float32)
-        return values, indices, lse.to(torch.float32).contiguous()
-    lse = torch.empty((R,), dtype=torch.float32, device=x.device)
+        return values, indices, torch.zeros((R,), dtype=torch.float32, device=x.device)
+    logd = torch.empty((R,), dtype=torch.float32, device=x.device)
 
     k_pad = _next_pow2(k)
     plan = _plan(R, n, k_pad, x.device)
     splits, rows_n = plan["splits"], plan["ROWS"]
     final = splits == 1
     if final:
-        wsk, wsm, wsd = indices, lse, lse  # unused
+        wsk, wsm, wsd = indices, logd, logd  # unused
     else:
         wsk = torch.empty((R, splits, k_pad), dtype=torch.int64, device=x.device)
         wsm = torch.empty((R, splits), dtype=torch.float32, device=x.device)
@@ -543,7 +570,7 @@ def softmax_topk_forward(
     grid = (_cdiv(R, rows_n), splits)
     with _on_device(x):
         _softmax_topk_fwd_kernel[grid](
-            x, x.stride(0), values, indices, lse, wsk, wsm, wsd,
+            x, x.stride(0), values, indices, logd, wsk, wsm, wsd,
             R, n, k, plan["chunk"], splits, scale,
             K_PAD=k_pad, ROWS=rows_n, BLOCK=plan["BLOCK"], SINGLE_TILE=plan["SINGLE_TILE"],
             FINAL=final, RENORM=bool(renormalize), num_warps=plan["num_warps"],
@@ -551,10 +578,10 @@ def softmax_topk_forward(
         if not final:
             g = max(1, min(_next_pow2(splits), _MERGE_ELEMS // k_pad))
             _softmax_topk_merge_kernel[(R,)](
-                wsk, wsm, wsd, values, indices, lse, R, splits, k,
+                wsk, wsm, wsd, values, indices, logd, R, splits, k,
                 K_PAD=k_pad, G=g, RENORM=bool(renormalize), num_warps=_num_warps(g * k_pad),
             )
-    return values, indices, lse
+    return values, indices, logd
 
 
 def softmax_topk_backward(
@@ -562,7 +589,7 @@ def softmax_topk_backward(
     values: torch.Tensor,
     indices: torch.Tensor,
     x: torch.Tensor,
-    lse: torch.Tensor,
+    logd: torch.Tensor,
     *,
     scale: float = 1.0,
     renormalize: bool = False,
@@ -570,25 +597,32 @@ def softmax_topk_backward(
 ) -> torch.Tensor:
     """Gradient w.r.t. ``x`` of :func:`softmax_topk_forward`'s values, with Triton (fp32 math).
 
-    ``renormalize=False``: with ``p = exp(z - lse)`` and ``gv = sum_i g_i v_i``,
-    ``dx = scale * (scatter(g * v at indices) - p * gv)``.
-    ``renormalize=True``: ``dx[idx_i] = scale * v_i * (g_i - sum_j g_j v_j)``, zero elsewhere.
-    A dense kernel writes ``-scale * p * gv`` (or zeros), then a per-row kernel recomputes
-    the ``k`` selected entries and writes each once ("Online normalizer calculation for
-    softmax", Milakov & Gimelshein, 2018: no probability vector is stored by the forward).
+    Everything is recomputed in fp32 from ``x``: with ``z = x.float() * scale``,
+    ``z0 = z[indices[:, 0]]`` (the row max, as the forward's indices give it) and
+    ``v_i = exp((z[idx_i] - z0) - logd)``, ``gv = sum_i g_i v_i``:
+    ``renormalize=False``: ``dx = scale * (scatter(g * v at indices) - p * gv)``,
+    ``p = exp((z - z0) - logd)``.
+    ``renormalize=True``: ``v = softmax(z[indices])`` over the ``k`` selected;
+    ``dx[idx_i] = scale * v_i * (g_i - gv)``, zero elsewhere.
+    ``values`` is not read (only its shape): the forward's values may be rounded to a
+    narrower dtype, and ``exp(z - lse)`` with an fp32 ``lse`` would lose ~|lse| ulps. A dense
+    kernel writes ``-scale * p * gv`` (or zeros), then a per-row kernel recomputes the ``k``
+    selected entries and writes each once ("Online normalizer calculation for softmax",
+    Milakov & Gimelshein, 2018: no probability vector is stored by the forward).
 
     Args:
         grad_values: (R, k) gradient of ``values``, any float dtype and strides.
-        values: (R, k) the forward's values (used as given, any float dtype and strides).
-        indices: (R, k) int64 (or int32) forward indices: in ``[0, n)`` and distinct per row.
+        values: (R, k) the forward's values (any float dtype and strides): gives the shape only.
+        indices: (R, k) int64 (or int32) forward indices: in ``[0, n)``, distinct per row, the
+            first one at the row max (the forward's, largest first).
         x: (R, n) the forward's input, fp16 / bf16 / fp32, stride 1 along the last dim.
-        lse: (R,) the forward's lse (any float dtype, any stride); unused with ``renormalize``,
+        logd: (R,) the forward's logd (any float dtype, any stride); unused with ``renormalize``,
             where it may also be empty.
         scale, renormalize: as in the forward.
         out_dtype: dtype of the result (default ``x.dtype``).
 
     Returns:
-        ``dx``: a new contiguous (R, n) tensor in ``out_dtype``.
+        ``dx``: a new contiguous (R, n) tensor in ``out_dtype`` (zeros when ``k == 0``).
 
     Raises:
         RuntimeError: triton missing, or not CUDA and not ``TRITON_INTERPRET=1``.
@@ -596,12 +630,12 @@ def softmax_topk_backward(
         ValueError: mismatched shapes or devices, bad ``x`` layout, ``k > MAX_K``, bad ``scale``.
     """
     R, n = _check_x(x)
-    for name, t in (("grad_values", grad_values), ("values", values), ("indices", indices), ("lse", lse)):
+    for name, t in (("grad_values", grad_values), ("values", values), ("indices", indices), ("logd", logd)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    for name, t in (("grad_values", grad_values), ("values", values), ("lse", lse)):
+    for name, t in (("grad_values", grad_values), ("values", values), ("logd", logd)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating-point, got {t.dtype}")
     if indices.dtype not in (torch.int64, torch.int32):
@@ -612,8 +646,8 @@ def softmax_topk_backward(
     for name, t in (("grad_values", grad_values), ("indices", indices)):
         if t.shape != values.shape:
             raise ValueError(f"{name} {tuple(t.shape)} and values {tuple(values.shape)} differ in shape")
-    if lse.shape != (R,) and not (renormalize and lse.numel() == 0):
-        raise ValueError(f"lse must be ({R},) (or empty, with renormalize), got {tuple(lse.shape)}")
+    if logd.shape != (R,) and not (renormalize and logd.numel() == 0):
+        raise ValueError(f"logd must be ({R},) (or empty, with renormalize), got {tuple(logd.shape)}")
     if k > n or k > MAX_K:
         raise ValueError(f"k = {k} must be <= n = {n} and <= MAX_K = {MAX_K}")
     scale = _check_scale(scale)
@@ -627,23 +661,21 @@ def softmax_topk_backward(
     else:
         dx = torch.empty((R, n), dtype=out_dtype, device=x.device)
     k_pad = _next_pow2(k)
-    if renormalize:  # lse is unused (and may be empty)
-        lse = lse.new_zeros(1).expand(R)
+    if renormalize:  # logd is unused (and may be empty)
+        logd = torch.zeros((1,), dtype=torch.float32, device=x.device).expand(R)
+    sel_args = (grad_values, *grad_values.stride(), indices, *indices.stride(), logd, logd.stride(0), dx)
     with _on_device(x):
         if not renormalize:
             block = min(_next_pow2(n), _SINGLE_TILE_MAX)
             rows_n = max(1, min(_ROWS_TILE_ELEMS // block, _next_pow2(R)))
             ncb = _cdiv(n, block)
             _softmax_topk_bwd_dense_kernel[(_cdiv(R, rows_n) * ncb,)](
-                x, x.stride(0), grad_values, *grad_values.stride(), values, *values.stride(), lse, lse.stride(0), dx,
-                R, n, k, ncb, scale,
+                x, x.stride(0), *sel_args, R, n, k, ncb, scale,
                 K_PAD=k_pad, ROWS=rows_n, BLOCK=block, num_warps=_num_warps(rows_n * block),
             )
         rows_n = max(1, min(_ROWS_TILE_ELEMS // k_pad, _next_pow2(R)))
         _softmax_topk_bwd_sparse_kernel[(_cdiv(R, rows_n),)](
-            x, x.stride(0), grad_values, *grad_values.stride(), values, *values.stride(),
-            indices, *indices.stride(), lse, lse.stride(0), dx,
-            R, n, k, scale,
+            x, x.stride(0), *sel_args, R, n, k, scale,
             K_PAD=k_pad, ROWS=rows_n, RENORM=bool(renormalize), num_warps=_num_warps(rows_n * k_pad),
         )
     return dx

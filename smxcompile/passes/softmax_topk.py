@@ -52,11 +52,6 @@ from .softmax import _call_softmax, _functorch_op, _holds
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: CPU: rows shorter than this keep Inductor's softmax + ATen top-k when k > 1 (measured: ATen's top-k of
-#: 8-16 columns is as fast as the k rounds of the short-row path; docs/PERFORMANCE.md).
-CPU_MIN_COLUMNS = 32
-
-
 @dataclasses.dataclass
 class TopkMatch:
     form: str                       # "topk(softmax)" | "softmax(topk)" | "topk(softmax).indices" | "argmax(softmax)"
@@ -418,10 +413,7 @@ def _cpu_keep_reason(m: TopkMatch, xv: torch.Tensor) -> str:
     if not isinstance(n, int):
         return ("CPU: row length is symbolic (dynamic shapes); Inductor's softmax + top-k is kept "
                 "(options cpu='rewrite' forces it)")
-    if m.k > 1 and n < CPU_MIN_COLUMNS:
-        return (f"CPU: rows of {n} columns with k={m.k}; ATen's top-k of short rows is as fast as the fused "
-                f"path below {CPU_MIN_COLUMNS} columns (docs/PERFORMANCE.md; options cpu='rewrite' forces it)")
-    return ""
+    return ""   # every static shape measured faster: 8-128 experts and 32K-256K vocab (docs/PERFORMANCE.md)
 
 
 # --------------------------------------------------------------------------- rewriting
