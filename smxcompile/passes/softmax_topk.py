@@ -209,6 +209,25 @@ def _skip(m: TopkMatch, reason: str) -> TopkMatch:
     return m
 
 
+def _topk_softmax_mismatch(m: TopkMatch, sm, k: Any, dim: Any, largest: Any, ndim: int) -> str:
+    """Why a top-k and a softmax cannot be fused (empty: they can); sets ``m.k`` (the report shows the
+    user's k on skipped sites too)."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        m.k = k
+    if sm.action != "rewritten":
+        return f"softmax: {sm.reason}"
+    if norm_dim(dim, ndim) != sm.dim:
+        return f"top-k over dim {dim!r}, softmax over dim {sm.dim}: not the same row"
+    if largest is not True:
+        return "largest=False (the smallest probabilities) is not fused"
+    if isinstance(k, bool) or not isinstance(k, int):
+        return f"k={k!r} is not a constant int"
+    if sm.pre_cast is not None:
+        return (f"softmax dtype={_dt(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, "
+                "or fp64 math)")
+    return ""
+
+
 def _match_topk_of_softmax(node: Node) -> TopkMatch | None:
     t = _topk_args(node)
     if t is None:
@@ -219,19 +238,9 @@ def _match_topk_of_softmax(node: Node) -> TopkMatch | None:
         return None
     sv = tensor_val(inp)
     m = TopkMatch(form="topk(softmax)", anchor=node, x=sm.x, dim=sm.dim, softmax=inp, topk=node)
-    if isinstance(k, int) and not isinstance(k, bool):
-        m.k = k   # the report shows the user's k on skipped sites too
-    if sm.action != "rewritten":
-        return _skip(m, f"softmax: {sm.reason}")
-    if norm_dim(dim, sv.dim()) != sm.dim:
-        return _skip(m, f"top-k over dim {dim!r}, softmax over dim {sm.dim}: not the same row")
-    if largest is not True:
-        return _skip(m, "largest=False (the smallest probabilities) is not fused")
-    if isinstance(k, bool) or not isinstance(k, int):
-        return _skip(m, f"k={k!r} is not a constant int")
-    m.k = k
-    if sm.pre_cast is not None:
-        return _skip(m, f"softmax dtype={_dt(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, or fp64 math)")
+    why = _topk_softmax_mismatch(m, sm, k, dim, largest, sv.dim())
+    if why:
+        return _skip(m, why)
     if len(inp.users) != 1:
         return _skip(m, "the softmax output is also used elsewhere: it is computed anyway")
     items = _getitem_users(node)
@@ -273,19 +282,11 @@ def _match_softmax_of_topk(node: Node) -> TopkMatch | None:
     tv = tensor_val(tk.args[0]) if tk.args else None
     m = TopkMatch(form="softmax(topk)", anchor=node, x=inp, dim=sm.dim, renormalize=True, values_out=node,
                   softmax=node, topk=tk)
-    if isinstance(k, int) and not isinstance(k, bool):
-        m.k = k
-    if sm.action != "rewritten" or tv is None:
-        return _skip(m, f"softmax: {sm.reason or 'no value recorded'}")
-    if norm_dim(dim, tensor_val(inp).dim()) != sm.dim:
-        return _skip(m, f"softmax over dim {sm.dim}, top-k over dim {dim!r}: not the same row")
-    if largest is not True:
-        return _skip(m, "largest=False (the smallest logits) is not fused")
-    if isinstance(k, bool) or not isinstance(k, int):
-        return _skip(m, f"k={k!r} is not a constant int")
-    m.k = k
-    if sm.pre_cast is not None:
-        return _skip(m, f"softmax dtype={_dt(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, or fp64 math)")
+    if tv is None:
+        return _skip(m, "softmax: no value recorded")
+    why = _topk_softmax_mismatch(m, sm, k, dim, largest, tensor_val(inp).dim())
+    if why:
+        return _skip(m, why)
     if len(g.users) != 1:
         return _skip(m, "the raw top-k values are also used besides the softmax")
     items = _getitem_users(tk)
