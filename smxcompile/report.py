@@ -28,6 +28,12 @@ class Site:
         detail: what the match absorbed (dim, dtype, scale, mask, softcap, casts...).
         graph: which compiled graph it belongs to (``g0``, ``g1``... in compile order).
         node: the FX node name of the matched softmax.
+        module: qualified name of the innermost ``nn.Module`` whose ``forward`` made the call
+            (``"transformer.h.0.attn"``; ``""`` for the root module or a plain function).
+        index: which softmax call of that module's ``forward`` this is (0, 1, ... in call order),
+            or -1 when the site has no ``softmax`` call (hand-written ``exp / sum``, cross-entropy).
+            ``(module, index)`` names the site in the eager model: :func:`smxcompile.quantize_softmax`
+            uses it to find the call at run time.
     """
 
     kind: str
@@ -38,6 +44,13 @@ class Site:
     detail: str = ""
     graph: str = ""
     node: str = ""
+    module: str = ""
+    index: int = -1
+
+    @property
+    def key(self) -> str:
+        """``module#index``, e.g. ``transformer.h.0.attn#0``: the site's name in the eager model."""
+        return f"{self.module}#{self.index}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,6 +138,8 @@ def user_location(stack_trace: str | None) -> str:
     for path, line in reversed(frames):
         p = path.replace("\\", "/")
         if "/torch/" in p and "/site-packages/torch/" in p:
+            continue
+        if p.endswith("/smxcompile/quantize.py"):   # the quantized-softmax hook, not the user's call
             continue
         return f"{path}:{line}"
     if frames:

@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from ..options import SmxOptions
 from ..report import Report, Site
 from .attention import claimed_nodes as attention_claimed, find_attention_sites, rewrite_attention
 from .cross_entropy import claimed_nodes, find_ce_sites, rewrite_ce
+from .quant_softmax import claimed_nodes as quant_claimed, find_quant_softmax_sites, rewrite_quant_softmax
 from .softmax import find_softmax_sites, rewrite_softmax
 from .softmax_topk import claimed_nodes as topk_claimed, find_softmax_topk_sites, rewrite_softmax_topk
 
@@ -64,12 +65,75 @@ def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: froz
     for prefix, g, _ in subgraphs(graph):
         ce = find_ce_sites(g, options, skip, prefix)
         taken = claimed_nodes(ce)
+        qs = find_quant_softmax_sites(g, options, skip, prefix, exclude=taken)
+        taken = taken | quant_claimed(qs)
         at = find_attention_sites(g, options, skip, prefix, exclude=taken)
         taken = taken | attention_claimed(at)
         tk = find_softmax_topk_sites(g, options, skip, prefix, exclude=taken)
         sm = find_softmax_sites(g, options, skip, prefix, exclude=taken | topk_claimed(tk, kept=True))
-        sites += [m.to_site(graph_tag) for m in (*ce, *at, *tk, *sm)]
+        calls = softmax_calls(g)
+        for m in (*ce, *qs, *at, *tk, *sm):
+            site = m.to_site(graph_tag)
+            _name_site(site, m, calls)
+            sites.append(site)
     return Report(sites)
+
+
+_SOFTMAX_FNS = (torch.nn.functional.softmax, torch.softmax, torch.special.softmax)
+
+
+def module_path(node: Node) -> tuple[str, str]:
+    """``(key, path)`` of the innermost ``nn.Module`` call that produced ``node`` (``("", "")`` at the root).
+
+    ``key`` is Dynamo's ``nn_module_stack`` key (one per module *call*: a module called twice gets
+    ``id`` and ``id@1``); ``path`` is the qualified name as ``named_modules()`` spells it.
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    key, (path, _) = list(stack.items())[-1]
+    return str(key), normalize_module_path(str(path))
+
+
+def normalize_module_path(path: str) -> str:
+    """Dynamo's ``L['self'].layers[0]._modules['attn']`` / ``L['args'][0].h.0.attn`` -> ``layers.0.attn``."""
+    import re
+
+    p = re.sub(r"^L\['[^']*'\](\[[^\]]*\])*", "", path)   # L['self'], L['args'][0] (a wrapped forward)
+    p = re.sub(r"\._modules\['([^']*)'\]", r".\1", p)
+    p = re.sub(r"\['([^']*)'\]", r".\1", p)
+    p = re.sub(r"\[(\d+)\]", r".\1", p)
+    return p.lstrip(".")
+
+
+def softmax_calls(graph: Graph) -> dict[Node, tuple[str, int]]:
+    """Every ``softmax`` call of ``graph`` -> ``(module path, index of the call in that module call)``.
+
+    The index counts calls of ``F.softmax`` / ``torch.softmax`` / ``torch.special.softmax`` /
+    ``Tensor.softmax`` (``nn.Softmax`` is a module of its own) in graph order, restarting at
+    every call of the module, so it equals the order in which the eager ``forward`` makes them.
+    """
+    counts: dict[str, int] = {}
+    out: dict[Node, tuple[str, int]] = {}
+    for n in graph.nodes:
+        if not ((n.op == "call_function" and n.target in _SOFTMAX_FNS)
+                or (n.op == "call_method" and n.target == "softmax")):
+            continue
+        key, path = module_path(n)
+        i = counts.get(key, 0)
+        counts[key] = i + 1
+        out[n] = (path, i)
+    return out
+
+
+def _name_site(site: Site, match, calls: dict[Node, tuple[str, int]]) -> None:
+    """Fill ``site.module`` / ``site.index`` from the match's softmax call (or its anchor)."""
+    sm = getattr(match, "softmax", None)
+    node = sm if isinstance(sm, Node) else match.anchor
+    if node in calls:
+        site.module, site.index = calls[node]
+    else:
+        site.module = module_path(node)[1]
 
 
 class SmxPass(CustomGraphPass):
@@ -113,7 +177,10 @@ class SmxPass(CustomGraphPass):
         if changed:
             graph.lint()
         self.report.sites.extend(ce_sites)
-        at_changed, kept_whole = self._rewrite_attention(graph, prefix)
+        q_changed, q_taken = self._rewrite_quant_softmax(graph, prefix, taken_ce)
+        changed = q_changed or changed
+        at_changed, kept_whole = self._rewrite_attention(graph, prefix, q_taken)
+        kept_whole = kept_whole | q_taken
         changed = at_changed or changed
         tk_changed, tk_kept = self._rewrite_softmax_topk(graph, prefix, kept_whole)
         changed = tk_changed or changed
@@ -133,9 +200,23 @@ class SmxPass(CustomGraphPass):
         self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
         return changed, kept
 
-    def _rewrite_attention(self, graph: Graph, prefix: str) -> tuple[bool, set]:
+    def _rewrite_quant_softmax(self, graph: Graph, prefix: str, exclude: set) -> tuple[bool, set]:
+        """Lower softmax -> quantize sites; returns (changed, nodes of the sites kept whole)."""
+        found = find_quant_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
+        kept = quant_claimed([m for m in found if m.action != "rewritten"])
+        changed = False
+        for m in found:
+            if m.action == "rewritten":
+                rewrite_quant_softmax(graph, m)
+                changed = True
+        if changed:
+            graph.lint()
+        self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
+        return changed, kept
+
+    def _rewrite_attention(self, graph: Graph, prefix: str, exclude: set = frozenset()) -> tuple[bool, set]:
         """Rewrite the attention sites; returns (changed, nodes of the blocks the CPU policy keeps whole)."""
-        found = find_attention_sites(graph, self.options, self.skip, prefix)
+        found = find_attention_sites(graph, self.options, self.skip, prefix, exclude=exclude)
         kept_whole = attention_claimed([m for m in found if m.action != "rewritten"])
         changed = False
         for m in found:

@@ -1,0 +1,287 @@
+"""Find softmax -> quantize in a torch-level FX graph and lower it to ``smx::quant_softmax``.
+
+A softmax whose output is quantized ("softmax feeding a quantizer") is computed and quantized in
+one pass by ``smx::quant_softmax``: the online softmax recurrence with the quantization in the
+epilogue, writing the uint8/int8 codes and never the fp32 probabilities. Quantization is the
+subject of "Softmax Bias Correction for Quantized Generative Models" (Pandey et al., 2023);
+:func:`smxcompile.quantize_softmax` produces such graphs (with the bias correction folded into the
+dequantization scales), and so do PyTorch 2 export quantization flows.
+
+Matched spellings (Dynamo graph), each after a ``softmax`` call (``F.softmax``, ``torch.softmax``,
+``Tensor.softmax``, ``nn.Softmax``; ``dtype=`` honoured) through floating-point casts:
+
+* ``torch.ops.quantized_decomposed.quantize_per_tensor(p, scale, zero_point, quant_min, quant_max, dtype)``
+  (the QDQ ops of PyTorch 2 export quantization; the ``dequantize_*`` after it stays as it is);
+* ``torch.fake_quantize_per_tensor_affine(p, scale, zero_point, quant_min, quant_max)`` -> the op +
+  ``dequantize_per_tensor`` (same values: ``(q - zero_point) * scale``);
+* ``torch.quantize_per_tensor(p, scale, zero_point, torch.quint8 | torch.qint8)`` used only through
+  ``.dequantize()`` -> the op + ``dequantize_per_tensor``.
+
+Not matched (reported): a tensor scale or zero point, a softmax used elsewhere too, quantization
+ranges that do not fit uint8/int8, fake quantization of a tensor that requires grad (QAT has a
+straight-through gradient; the op is inference-only), both fp16 and bf16 roundings on the way,
+fp64 probabilities.
+
+Placement: on CUDA the Triton op. On CPU (``cpu="auto"``) the site is kept: Inductor already fuses
+softmax, quantize and dequantize into one C++ loop, and the op's CPU path is the same math as an
+opaque call (``cpu="rewrite"`` lowers it anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
+
+from ..options import SmxOptions
+from ..report import Site, user_location
+from .graph_utils import cast_dtype, erase_dead, replace_anchor, stack_trace, tensor_val
+from .softmax import _call_softmax
+
+_QD = torch.ops.quantized_decomposed
+_QUANTIZE = {_QD.quantize_per_tensor, _QD.quantize_per_tensor.default}
+_FAKE = {torch.fake_quantize_per_tensor_affine}
+_TORCH_Q = {torch.quantize_per_tensor}
+_INT_DTYPES = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+_QTENSOR = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class QuantMatch:
+    anchor: Node                      # the quantize / fake_quantize node (the report's node)
+    softmax: Node | None = None
+    x: Node | None = None             # the softmax input
+    dim: int = -1
+    scale: float = 1.0
+    zero_point: int = 0
+    quant_min: int = 0
+    quant_max: int = 255
+    dtype: torch.dtype = torch.uint8
+    prob_dtype: torch.dtype | None = None
+    pre_cast: torch.dtype | None = None
+    spelling: str = ""
+    dequant_users: list[Node] = dataclasses.field(default_factory=list)   # torch.quantize_per_tensor's .dequantize()
+    dead: list[Node] = dataclasses.field(default_factory=list)
+    action: str = "rewritten"
+    reason: str = ""
+    device: str = "?"
+    prefix: str = ""
+    keep_whole: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.prefix + self.anchor.name
+
+    def detail(self) -> str:
+        parts = [self.spelling, f"dim={self.dim}", f"scale={self.scale:.6g}", f"zero_point={self.zero_point}",
+                 f"[{self.quant_min}, {self.quant_max}] {str(self.dtype).replace('torch.', '')}"]
+        if self.prob_dtype is not None:
+            parts.append(f"probabilities rounded to {str(self.prob_dtype).replace('torch.', '')}")
+        return ", ".join(parts)
+
+    def to_site(self, graph_tag: str) -> Site:
+        return Site(kind="quant_softmax", action=self.action, reason=self.reason,
+                    location=user_location(stack_trace(self.softmax or self.anchor)),
+                    op="smx::quant_softmax" if self.action == "rewritten" else "", detail=self.detail(),
+                    graph=graph_tag, node=self.key)
+
+
+def _set(m: QuantMatch, action: str, reason: str) -> None:
+    m.action, m.reason = action, reason
+
+
+def _arg(node: Node, i: int, name: str, default: Any = None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[i] if len(node.args) > i else default
+
+
+def _match(node: Node) -> QuantMatch | None:
+    """A quantizer node whose input is a softmax (through casts), or None."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t in _QUANTIZE:
+        m = QuantMatch(anchor=node, spelling="quantized_decomposed.quantize_per_tensor")
+        m.scale, m.zero_point = _arg(node, 1, "scale"), _arg(node, 2, "zero_point")
+        m.quant_min, m.quant_max, m.dtype = _arg(node, 3, "quant_min"), _arg(node, 4, "quant_max"), _arg(node, 5, "dtype")
+    elif t in _FAKE:
+        m = QuantMatch(anchor=node, spelling="fake_quantize_per_tensor_affine")
+        m.scale, m.zero_point = _arg(node, 1, "scale"), _arg(node, 2, "zero_point")
+        m.quant_min, m.quant_max = _arg(node, 3, "quant_min"), _arg(node, 4, "quant_max")
+        m.dtype = torch.uint8 if isinstance(m.quant_min, int) and m.quant_min >= 0 else torch.int8
+    elif t in _TORCH_Q:
+        m = QuantMatch(anchor=node, spelling="torch.quantize_per_tensor")
+        m.scale, m.zero_point = _arg(node, 1, "scale"), _arg(node, 2, "zero_point")
+        qd = _arg(node, 3, "dtype")
+        if qd not in _QTENSOR:
+            return None
+        m.dtype = _QTENSOR[qd]
+        m.quant_min, m.quant_max = _INT_DTYPES[m.dtype]
+    else:
+        return None
+    src = node.args[0] if node.args else node.kwargs.get("input")
+    if not isinstance(src, Node):
+        return None
+    # walk up through floating-point casts to the softmax
+    chain: list[torch.dtype] = []
+    cur = src
+    while isinstance(cur, Node) and cast_dtype(cur) is not None:
+        chain.append(cast_dtype(cur))
+        m.dead.append(cur)
+        cur = cur.args[0]
+    if not isinstance(cur, Node):
+        return None
+    sm = _call_softmax(cur)
+    if sm is None or sm.kind != "softmax":
+        return None
+    m.softmax, m.x = cur, sm.x
+    m.dead.append(cur)
+    if sm.action != "rewritten":
+        _set(m, "skipped", sm.reason)
+        return m
+    m.dim, m.pre_cast = sm.dim, sm.pre_cast
+    yv = tensor_val(cur)
+    dtypes = [yv.dtype if yv is not None else torch.float32, *reversed(chain)]
+    narrow = {d for d in dtypes if d in _NARROW}
+    if torch.float64 in dtypes:
+        _set(m, "skipped", "fp64 probabilities (the quantizer takes fp32)")
+    elif len(narrow) > 1:
+        _set(m, "skipped", "the probabilities are rounded to both fp16 and bf16 on the way to the quantizer")
+    else:
+        m.prob_dtype = next(iter(narrow)) if narrow else None
+    return m
+
+
+def _validate(m: QuantMatch) -> None:
+    if m.action != "rewritten":
+        return
+    for name in ("scale", "zero_point", "quant_min", "quant_max"):
+        v = getattr(m, name)
+        if isinstance(v, Node) or isinstance(v, torch.Tensor):
+            return _set(m, "skipped", f"{name} is a tensor (only Python numbers are lowered)")
+    if not isinstance(m.scale, (int, float)) or isinstance(m.scale, bool) or not (m.scale > 0) or m.scale == float("inf"):
+        return _set(m, "skipped", f"scale={m.scale!r} is not a finite number > 0")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (m.zero_point, m.quant_min, m.quant_max)):
+        return _set(m, "skipped", "zero_point / quant_min / quant_max are not ints")
+    if m.dtype not in _INT_DTYPES:
+        return _set(m, "skipped", f"dtype {m.dtype} is not uint8/int8")
+    lo, hi = _INT_DTYPES[m.dtype]
+    if not lo <= m.quant_min < m.quant_max <= hi:
+        return _set(m, "skipped", f"quant range [{m.quant_min}, {m.quant_max}] does not fit {m.dtype}")
+    if not m.quant_min <= m.zero_point <= m.quant_max:
+        return _set(m, "skipped", f"zero_point {m.zero_point} outside [{m.quant_min}, {m.quant_max}]")
+
+
+def find_quant_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(), prefix: str = "",
+                             exclude: set | frozenset = frozenset()) -> list[QuantMatch]:
+    """Every softmax -> quantizer site of ``graph`` with the action the backend will take (pure analysis)."""
+    out: list[QuantMatch] = []
+    for node in graph.nodes:
+        if node in exclude:
+            continue
+        m = _match(node)
+        if m is None or any(n in exclude for n in m.dead):
+            continue
+        m.prefix = prefix
+        _validate(m)
+        if m.action == "rewritten":
+            _decide(m, options, skip)
+        out.append(m)
+    return out
+
+
+def _decide(m: QuantMatch, options: SmxOptions, skip: frozenset[str]) -> None:
+    xv = tensor_val(m.x)
+    if xv is None:
+        return _set(m, "skipped", "the softmax input has no recorded value")
+    m.device = xv.device.type
+    # every intermediate must feed only the next step: the op replaces the whole chain
+    for n in m.dead:
+        if len(n.users) != 1:
+            return _set(m, "skipped", f"'{n.name}' (the probabilities) is also used elsewhere; the fused op does not "
+                                      "write them")
+    if m.spelling == "torch.quantize_per_tensor":
+        users = list(m.anchor.users)
+        if not users or not all(_is_dequantize(u) for u in users):
+            return _set(m, "skipped", "the quantized tensor is used other than by .dequantize()")
+        m.dequant_users = users
+    if m.spelling == "fake_quantize_per_tensor_affine" and xv.requires_grad:
+        return _set(m, "skipped", "fake quantization with a gradient (QAT, straight-through estimator); "
+                                  "smx::quant_softmax is inference-only")
+    if not options.enabled("quant_softmax"):
+        m.keep_whole = True
+        return _set(m, "kept", "rewrite kind 'quant_softmax' disabled by options")
+    if m.key in skip:
+        m.keep_whole = True
+        return _set(m, "kept", "check failed: the rewrite disagreed with eager on the example inputs")
+    if m.device == "cpu" and options.cpu != "rewrite":
+        m.keep_whole = True
+        why = "options cpu='keep'" if options.cpu == "keep" else (
+            "CPU: Inductor fuses softmax, quantize and dequantize into one C++ loop; smx::quant_softmax's CPU path "
+            "is the same math as an opaque call (options cpu='rewrite' lowers it anyway)")
+        return _set(m, "kept", why)
+
+
+def _is_dequantize(n: Node) -> bool:
+    return (n.op == "call_method" and n.target == "dequantize" and len(n.args) == 1 and not n.kwargs) or (
+        n.op == "call_function" and n.target is torch.dequantize and len(n.args) == 1 and not n.kwargs)
+
+
+def claimed_nodes(matches: list[QuantMatch]) -> set[Node]:
+    """Nodes of rewritten sites and of sites kept whole: the other passes leave them alone (a softmax
+    rewritten by the softmax pass could flip a probability at a rounding tie of the quantizer)."""
+    out: set[Node] = set()
+    for m in matches:
+        if m.action == "rewritten" or m.keep_whole:
+            out.update(m.dead)
+            out.add(m.anchor)
+    return out
+
+
+def rewrite_quant_softmax(graph: Graph, m: QuantMatch) -> None:
+    """Replace softmax -> (casts) -> quantize by one ``smx::quant_softmax`` call."""
+    op = torch.ops.smx.quant_softmax.default
+    with graph.inserting_before(m.anchor):
+        x = m.x
+        if m.pre_cast is not None:
+            x = graph.call_method("to", (x, m.pre_cast))
+        call = graph.call_function(op, (x, m.dim, 1.0, float(m.scale), int(m.zero_point), int(m.quant_min),
+                                        int(m.quant_max), m.dtype, m.prob_dtype))
+        out = call
+        if m.spelling != "quantized_decomposed.quantize_per_tensor":
+            ov = tensor_val(m.dequant_users[0] if m.dequant_users else m.anchor)
+            out_dtype = ov.dtype if ov is not None and ov.dtype != torch.float32 else None
+            kw = {"out_dtype": out_dtype} if out_dtype is not None else {}
+            out = graph.call_function(_QD.dequantize_per_tensor.default,
+                                      (call, float(m.scale), int(m.zero_point), int(m.quant_min), int(m.quant_max), m.dtype),
+                                      kw)
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        src = m.softmax if m.softmax is not None else m.anchor
+        if k in src.meta:
+            call.meta[k] = src.meta[k]
+            out.meta[k] = src.meta[k]
+    xv = tensor_val(m.x)
+    if xv is not None:
+        fake = torch.empty_like(xv, dtype=m.dtype, memory_format=torch.contiguous_format)
+        call.meta["example_value"] = fake
+        if out is not call:
+            out.meta["example_value"] = torch.empty_like(xv, dtype=out.kwargs.get("out_dtype") or torch.float32,
+                                                         memory_format=torch.contiguous_format)
+    if m.dequant_users:
+        for u in m.dequant_users:
+            for k in ("example_value", "val"):
+                if k in u.meta:
+                    out.meta[k] = u.meta[k]
+            u.replace_all_uses_with(out)
+        erase_dead(graph, [*m.dequant_users, m.anchor, *m.dead])
+        return
+    replace_anchor(graph, m.anchor, call, out, m.dead)
+
+
+__all__ = ["QuantMatch", "find_quant_softmax_sites", "rewrite_quant_softmax", "claimed_nodes"]
