@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eval_quant_softmax.py", description=__doc__.split("\n", 2)[2] if __doc__ else None,
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", action="append", type=Path, required=True, metavar="DIR",
+    p.add_argument("--checkpoint", action="append", type=Path, metavar="DIR",
                    help="an `smx demo` checkpoint (repeat for several; --quick uses the first only)")
     p.add_argument("--bits", type=_bits_list, default=None, metavar="LIST",
                    help="bit widths, comma-separated (default: 8,6,4; with --quick: 8,4)")
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the results as a Markdown table")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every figure and the environment as JSON")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE", help="write a plot (matplotlib, PNG)")
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="only redraw --plot from an earlier --json file (no evaluation)")
     p.add_argument("--train-if-missing", action="store_true",
                    help="train a missing checkpoint with `smx demo --backends eager --seed S --out DIR` first")
     p.add_argument("--train-args", default="", metavar="STR",
@@ -308,20 +310,40 @@ def nll_sum(logits, ids) -> tuple[float, int]:
     return float(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), reduction="sum")), int(tgt.numel())
 
 
+def window_nll(logits, ids):
+    """Per window: the summed next-token NLL (fp64), a ``(batch,)`` tensor."""
+    import torch.nn.functional as F
+
+    lg = logits[:, :-1].double()
+    tgt = ids[:, 1:]
+    return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1), reduction="none").view(tgt.shape).sum(1)
+
+
+def paired_ci(w, w_ref, tokens_per_window: int, n_boot: int = 2000, seed: int = 0) -> list[float]:
+    """95% paired-bootstrap interval (over the evaluated windows) of the perplexity change of ``w``
+    against ``w_ref`` (per-window NLL sums of the same windows), in %."""
+    import numpy as np
+
+    d = (w - w_ref).cpu().numpy()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, d.shape[0], size=(n_boot, d.shape[0]))
+    rel = np.expm1(d[idx].sum(1) / (d.shape[0] * tokens_per_window)) * 100.0
+    return [float(np.percentile(rel, 2.5)), float(np.percentile(rel, 97.5))]
+
+
 def evaluate(model, eval_batches: list, device: str, advance=None, collect_batches: int = 0) -> dict[str, Any]:
     """Perplexity of ``model`` over ``eval_batches`` and the logits of the first batch. On a quantized
     model with ``collect_batches``, its statistics (``.collecting()``) are gathered over that many
     leading batches (collecting costs about one extra forward's worth of fp64 work per batch)."""
     import torch
 
-    acc = {"tot": 0.0, "n": 0, "first": None}
+    acc: dict[str, Any] = {"w": [], "n": 0, "first": None}
 
     def step(b) -> None:
         b = b.to(device)
         logits = model(input_ids=b).logits
-        s, k = nll_sum(logits, b)
-        acc["tot"] += s
-        acc["n"] += k
+        acc["w"].append(window_nll(logits, b).cpu())
+        acc["n"] += b[:, 1:].numel()
         if acc["first"] is None:
             acc["first"] = logits.detach().float().cpu()
         if advance:
@@ -338,9 +360,10 @@ def evaluate(model, eval_batches: list, device: str, advance=None, collect_batch
             rest = eval_batches[collect_batches:]
         for b in rest:
             step(b)
-    nll = acc["tot"] / acc["n"]
+    w = torch.cat(acc["w"])
+    nll = float(w.sum()) / acc["n"]
     return {"nll": nll, "ppl": math.exp(nll), "tokens": acc["n"], "eval_s": time.perf_counter() - t0,
-            "first_logits": acc["first"]}
+            "first_logits": acc["first"], "window_nll": w}
 
 
 def correction_range(qs) -> dict[str, Any]:
@@ -395,6 +418,9 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
     if not math.isclose(s0 / k0, hf_loss, rel_tol=1e-4):
         raise SanityError(f"{label}: NLL computed here {s0 / k0:.6f} != transformers' loss {hf_loss:.6f} on batch 0")
     fp_logits0 = fp.pop("first_logits")
+    fp_w = fp.pop("window_nll")
+    tpw = data["seq_len"] - 1
+    none_w: dict[int, Any] = {}
     console.print(f"  fp32: perplexity {fp['ppl']:.3f} (NLL {fp['nll']:.5f} over {fp['tokens']} tokens, "
                   f"{fp['eval_s']:.1f} s)")
     if progress is not None:
@@ -425,6 +451,9 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
             q = evaluate(qm, ev, cfg.device, adv, collect_batches=n_stats)
             stats = qs.stats()
             ql = q.pop("first_logits")
+            qw = q.pop("window_nll")
+            if corr is False:
+                none_w[bits] = qw
             diff = float((ql - fp_logits0).abs().max())
             if not diff > 0 or q["ppl"] == fp["ppl"]:
                 raise SanityError(f"{label} {bits}-bit {name}: quantized logits equal fp32 (max |diff| {diff:g}, "
@@ -449,6 +478,10 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
                 "correction": corr if corr else None, "granularity": gran if corr else None,
                 "ppl": q["ppl"], "nll": q["nll"], "fp32_ppl": fp["ppl"],
                 "rel_change_pct": 100.0 * (q["ppl"] / fp["ppl"] - 1.0),
+                "rel_change_ci95_pct": paired_ci(qw, fp_w, tpw),
+                "vs_none_pct": 100.0 * (math.exp((float(qw.sum()) - float(none_w[bits].sum())) / q["tokens"]) - 1.0)
+                if bits in none_w else None,
+                "vs_none_ci95_pct": paired_ci(qw, none_w[bits], tpw) if bits in none_w and corr else None,
                 "mean_abs_rowsum_err": a["mean_abs_rowsum_err"],
                 "mean_abs_rowsum_err_uncorrected": a["mean_abs_rowsum_err_uncorrected"],
                 "mean_rowsum": a["mean_rowsum"], "zero_fraction": a["zero_fraction"],
@@ -467,8 +500,9 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
     # the fp32 model must be untouched by quantize_softmax (it works on a deep copy)
     with torch.no_grad():
         again = model(input_ids=ev[0].to(cfg.device)).logits.float().cpu()
-    if not torch.equal(again, fp_logits0):
-        raise SanityError(f"{label}: the fp32 model changed while quantizing copies of it")
+    moved = float((again - fp_logits0).abs().max())
+    if moved > 1e-6:
+        raise SanityError(f"{label}: the fp32 model changed while quantizing copies of it (logits moved by {moved:g})")
     return {
         "label": label, "path": str(ck), "n_layer": n_layer, "n_head": n_head, "n_positions": int(model.config.n_positions),
         "seq_len": data["seq_len"], "corpus": data["corpus"], "demo_settings": data["demo_settings"],
@@ -494,7 +528,8 @@ def verdict(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         per = {}
         for name in [s[0] for s in cfg.settings]:
             rel = {lb: by[(lb, 8, name)]["rel_change_pct"] for lb in labels}
-            per[name] = {"met": all(abs(v) <= GOAL_8BIT_PCT for v in rel.values()), "rel_change_pct": rel}
+            per[name] = {"met": all(abs(v) <= GOAL_8BIT_PCT for v in rel.values()), "rel_change_pct": rel,
+                         "rel_change_ci95_pct": {lb: by[(lb, 8, name)].get("rel_change_ci95_pct") for lb in labels}}
         g1["per_setting"] = per
         g1["met_by"] = [n for n in corrected if per[n]["met"]]
         g1["missed_by"] = [n for n in corrected if not per[n]["met"]]
@@ -509,16 +544,20 @@ def verdict(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     if "none" in [s[0] for s in cfg.settings] and corrected:
         per = {}
         for name in corrected:
-            fails, margins = [], {}
+            fails, margins, cis, clear = [], {}, {}, []
             for lb in labels:
                 for bits in cfg.bits:
                     r, n = by[(lb, bits, name)], by[(lb, bits, "none")]
                     margins[f"{lb}/{bits}"] = 100.0 * (r["ppl"] / n["ppl"] - 1.0)
+                    cis[f"{lb}/{bits}"] = r.get("vs_none_ci95_pct")
+                    if r.get("vs_none_ci95_pct") and r["vs_none_ci95_pct"][1] < 0:
+                        clear.append(f"{lb}/{bits}")
                     if not r["ppl"] < n["ppl"]:
                         fails.append({"checkpoint": lb, "bits": bits, "ppl": r["ppl"], "ppl_none": n["ppl"]})
             rs_fails = [f"{lb}/{bits}" for lb in labels for bits in cfg.bits
                         if not by[(lb, bits, name)]["mean_abs_rowsum_err"] < by[(lb, bits, "none")]["mean_abs_rowsum_err"]]
             per[name] = {"met": not fails, "failures": fails, "ppl_change_vs_none_pct": margins,
+                         "ppl_change_vs_none_ci95_pct": cis, "better_beyond_ci95_at": clear,
                          "rowsum_err_not_lower_at": rs_fails}
         g2["per_setting"] = per
         g2["met_by"] = [n for n in corrected if per[n]["met"]]
@@ -547,7 +586,9 @@ def print_verdict(v: dict[str, Any], console) -> None:
         mark = "[green]MET[/]" if g1["met"] else "[red]NOT MET[/]"
         console.print(f"goal 1 ({g1['goal']}): {mark}")
         for name, d in g1["per_setting"].items():
-            rel = ", ".join(f"{lb} {x:+.3f}%" for lb, x in d["rel_change_pct"].items())
+            ci = d["rel_change_ci95_pct"]
+            rel = ", ".join(f"{lb} {x:+.3f}%" + (f" [{ci[lb][0]:+.3f}, {ci[lb][1]:+.3f}]" if ci.get(lb) else "")
+                            for lb, x in d["rel_change_pct"].items())
             tag = "meets" if d["met"] else "misses"
             console.print(f"  {name:13s} {tag:6s} ({rel})" + ("  [dim](no correction: reference)[/]" if name == "none" else ""))
         if g1.get("uncorrected_also_within"):
@@ -558,14 +599,20 @@ def print_verdict(v: dict[str, Any], console) -> None:
         console.print(f"goal 2 ({g2['goal']}): {g2.get('note')}")
     else:
         mark = "[green]MET[/]" if g2["met"] else "[red]NOT MET[/]"
-        console.print(f"goal 2 ({g2['goal']}): {mark}")
+        console.print(f"goal 2 ({g2['goal']}): {mark}   [dim](perplexity change vs none per checkpoint/bits, "
+                      "[95% paired bootstrap over held-out windows])[/]")
         for name, d in g2["per_setting"].items():
-            m = ", ".join(f"{k} {x:+.2f}%" for k, x in d["ppl_change_vs_none_pct"].items())
+            ci = d["ppl_change_vs_none_ci95_pct"]
+            m = ", ".join(f"{k} {x:+.3f}%" + (f" [{ci[k][0]:+.3f}, {ci[k][1]:+.3f}]" if ci.get(k) else "")
+                          for k, x in d["ppl_change_vs_none_pct"].items())
             if d["met"]:
                 console.print(f"  {name:13s} meets   (perplexity vs none: {m})")
             else:
                 f = ", ".join(f"{x['checkpoint']}/{x['bits']}-bit {x['ppl']:.3f} >= {x['ppl_none']:.3f}" for x in d["failures"])
                 console.print(f"  {name:13s} misses  at {f}  (perplexity vs none: {m})")
+            n_all = len(d["ppl_change_vs_none_pct"])
+            console.print(f"  {'':13s} better beyond the 95% paired-bootstrap interval at {len(d['better_beyond_ci95_at'])} "
+                          f"of {n_all} checkpoint/bit-width points")
             if d["rowsum_err_not_lower_at"]:
                 console.print(f"  {'':13s} mean |row sum - 1| not below none's at {', '.join(d['rowsum_err_not_lower_at'])}")
     console.print("best setting per bit width (mean perplexity change vs fp32 over checkpoints):")
@@ -573,13 +620,23 @@ def print_verdict(v: dict[str, Any], console) -> None:
         console.print(f"  {bits}-bit: " + " < ".join(f"{n} ({d['mean_rel_change_pct'][n]:+.3f}%)" for n in d["ranking"]))
 
 
+def _ci(c: list[float] | None) -> str:
+    return f" [{c[0]:+.3f}, {c[1]:+.3f}]" if c else ""
+
+
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| checkpoint | bits | setting | perplexity | Δ vs fp32 (%) | mean abs(row sum − 1) | zero fraction |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per checkpoint x bits x setting (and the fp32 row of each checkpoint). Brackets: 95%
+    paired-bootstrap intervals over the held-out windows."""
+    lines = ["| checkpoint | bits | setting | perplexity | Δ vs fp32 (%) [95% CI] | Δ vs none (%) [95% CI] "
+             "| mean abs(row sum − 1) | zero fraction |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in results:
-        lines.append(f"| {c['label']} | fp32 | - | {c['fp32']['ppl']:.3f} | - | - | - |")
+        lines.append(f"| {c['label']} | fp32 | - | {c['fp32']['ppl']:.3f} | - | - | - | - |")
         for r in c["rows"]:
-            lines.append(f"| {r['checkpoint']} | {r['bits']} | {r['setting']} | {r['ppl']:.3f} | {r['rel_change_pct']:+.3f} | "
+            vs = "-" if r["setting"] == "none" or r.get("vs_none_pct") is None else \
+                f"{r['vs_none_pct']:+.3f}{_ci(r.get('vs_none_ci95_pct'))}"
+            lines.append(f"| {r['checkpoint']} | {r['bits']} | {r['setting']} | {r['ppl']:.3f} | "
+                         f"{r['rel_change_pct']:+.3f}{_ci(r.get('rel_change_ci95_pct'))} | {vs} | "
                          f"{r['mean_abs_rowsum_err']:.2e} | {100 * r['zero_fraction']:.1f}% |")
     return "\n".join(lines)
 
@@ -599,6 +656,9 @@ def rich_table(results: list[dict[str, Any]]):
 
 
 def plot(results: list[dict[str, Any]], cfg: Config, path: Path) -> None:
+    """Three panels vs bits: perplexity relative to fp32 (fp32 = the line at 0), mean |row sum - 1|,
+    zero fraction. Colour: setting; line style: checkpoint; the settings are nudged apart along x so
+    that equal values stay visible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -606,45 +666,57 @@ def plot(results: list[dict[str, Any]], cfg: Config, path: Path) -> None:
 
     colors = {"none": "tab:gray", "scale/head": "tab:blue", "scale/tensor": "tab:cyan",
               "offset/head": "tab:red", "offset/tensor": "tab:orange"}
+    markers = {"none": "o", "scale/head": "s", "scale/tensor": "D", "offset/head": "^", "offset/tensor": "v"}
+    nudge = {"none": 0.0, "scale/head": -0.12, "scale/tensor": -0.06, "offset/head": 0.06, "offset/tensor": 0.12}
     styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    style_names = ["solid", "dashed", "dotted", "dash-dot"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     bits = sorted(cfg.bits)
     for ci, c in enumerate(results):
         ls = styles[ci % len(styles)]
         by = {(r["bits"], r["setting"]): r for r in c["rows"]}
-        axes[0].axhline(c["fp32"]["ppl"], color="black", ls=ls, lw=1, label=f"fp32 ({c['label']})")
+        if ci == 0:
+            axes[0].axhline(0.0, color="black", lw=1.2, label="fp32 = 0 (" + ", ".join(
+                f"{x['label']}: {x['fp32']['ppl']:.1f}" for x in results) + ")")
         for name, _, _ in cfg.settings:
+            xs = [b + nudge[name] for b in bits]
+            kw = dict(ls=ls, marker=markers[name], color=colors[name], ms=5, lw=1.4)
             lab = f"{name} ({c['label']})"
-            axes[0].plot(bits, [by[(b, name)]["ppl"] for b in bits], ls=ls, marker="o", color=colors[name], label=lab)
-            axes[1].plot(bits, [by[(b, name)]["mean_abs_rowsum_err"] for b in bits], ls=ls, marker="o",
-                         color=colors[name], label=lab)
-        zf = {name: [by[(b, name)]["zero_fraction"] for b in bits] for name, _, _ in cfg.settings}
-        same = all(max(abs(x - y) for x, y in zip(v, next(iter(zf.values())))) < 1e-12 for v in zf.values())
-        if same:
-            axes[2].plot(bits, [100 * x for x in next(iter(zf.values()))], ls=ls, marker="o", color="black",
-                         label=f"every setting ({c['label']})")
-        else:
-            for name, v in zf.items():
-                axes[2].plot(bits, [100 * x for x in v], ls=ls, marker="o", color=colors[name], label=f"{name} ({c['label']})")
-    axes[0].set_yscale("log")
-    axes[0].set_title("held-out perplexity (fp32: black)")
-    axes[0].set_ylabel("perplexity (log)")
+            axes[0].plot(xs, [by[(b, name)]["rel_change_pct"] for b in bits], label=lab, **kw)
+            axes[1].plot(xs, [by[(b, name)]["mean_abs_rowsum_err"] for b in bits], label=lab, **kw)
+            axes[2].plot(xs, [100 * by[(b, name)]["zero_fraction"] for b in bits], label=lab, **kw)
+    axes[0].set_yscale("symlog", linthresh=0.01)
+    axes[0].set_title("held-out perplexity vs fp32 (black line: fp32)")
+    axes[0].set_ylabel("perplexity change vs fp32, % (symlog: linear within ±0.01%)")
     axes[1].set_yscale("log")
     axes[1].set_title("mean |row sum − 1| of the attention probabilities")
     axes[2].set_title("probabilities > 0 quantized to zero")
-    axes[2].set_ylabel("%")
+    axes[2].set_ylabel("% of the probabilities > 0")
     for ax in axes:
-        ax.set_xlabel("bits")
+        ax.set_xlabel("bits (settings nudged apart)")
         ax.set_xticks(bits)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6, ncol=2)
-    axes[2].legend(fontsize=7)
-    fig.suptitle("smxcompile.quantize_softmax on smx-demo GPT-2 checkpoints: "
-                 + ", ".join(c["label"] for c in results) + " (line style per checkpoint)")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=7.5, frameon=False)
+    fig.suptitle("smxcompile.quantize_softmax, attention softmax of smx-demo GPT-2 checkpoints "
+                 + ", ".join(f"{c['label']} ({style_names[i % len(styles)]})" for i, c in enumerate(results))
+                 + f": {results[0]['eval_tokens']} held-out tokens each")
+    n_rows = -(-len(labels) // min(6, len(labels)))
+    fig.tight_layout(rect=(0, 0.035 * n_rows + 0.01, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(json_path: Path, plot_path: Path) -> None:
+    """Redraw the plot from an earlier --json file."""
+    doc = json.loads(json_path.read_text())
+    results = [dict(c, rows=[r for r in doc["results"] if r["checkpoint"] == c["label"]]) for c in doc["checkpoints"]]
+    names = [s["name"] for s in doc["config"]["settings"]]
+    cfg = Config(checkpoints=[], bits=doc["config"]["bits"], settings=[s for s in SETTINGS if s[0] in names],
+                 calib_batches=0, eval_batches=0, stats_batches=0, batch_size=0, calib_seed=0, seq_len=None,
+                 corpus=None, device="cpu", quick=False)
+    plot(results, cfg, plot_path)
 
 
 def environment() -> dict[str, Any]:
@@ -675,7 +747,16 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot FILE")
+        replot(args.replot, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
+    if not args.checkpoint:
+        parser.error("--checkpoint DIR is required")
     cfg = resolve(args)
     from rich.console import Console
 

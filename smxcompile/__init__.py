@@ -12,9 +12,11 @@ from .kernels import log_softmax, softmax  # noqa: E402  (registers the smx:: op
 from .kernels import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: E402
 from .kernels import NORMALIZERS, attention  # noqa: E402
 from .kernels import softmax_topk  # noqa: E402
+from .kernels import quant_softmax  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
 from .explain import explain  # noqa: E402
+from .quantize import quantize_softmax  # noqa: E402
 from .backends.smx import smx_backend  # noqa: E402
 
 
@@ -44,5 +46,5 @@ def _register_backend_if_needed() -> None:
 
 _register_backend_if_needed()
 
-__all__ = ["softmax", "log_softmax", "softmax_topk", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
+__all__ = ["softmax", "log_softmax", "softmax_topk", "quant_softmax", "quantize_softmax", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
            "smx_backend", "last_report", "__version__"]

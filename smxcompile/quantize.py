@@ -270,6 +270,20 @@ def _softmax_dim(args: tuple, kwargs: dict) -> Any:
     return args[1] if len(args) > 1 else None
 
 
+class _PushHook:
+    """Forward pre-hook: push the module's name (an object, not a closure, so that ``copy.deepcopy``
+    of the model binds the copy's hooks to the copy's quantizer)."""
+
+    def __init__(self, quantizer: "SoftmaxQuantizer", name: str):
+        self.quantizer, self.name = quantizer, name
+
+    def __call__(self, mod, args):
+        q = self.quantizer
+        if not q._stack:
+            q._mode.__enter__()
+        q._stack.append(_Frame(self.name))
+
+
 class SoftmaxQuantizer(nn.Module):
     """The quantized-softmax state of a model (``model.smx_softmax_quant``).
 
@@ -314,11 +328,7 @@ class SoftmaxQuantizer(nn.Module):
         self._handles.clear()
 
     def _push(self, name: str) -> Callable:
-        def hook(mod, args):
-            if not self._stack:
-                self._mode.__enter__()
-            self._stack.append(_Frame(name))
-        return hook
+        return _PushHook(self, name)
 
     def _pop(self, mod, args, out):
         if self._stack:

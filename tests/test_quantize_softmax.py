@@ -194,6 +194,22 @@ class TestCalibration:
         with torch.no_grad():
             torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
 
+    def test_deepcopy_is_independent(self):
+        import copy
+
+        calib = batches(2)
+        a = quantize_softmax(net(), calib, bits=4, progress=False)
+        b = copy.deepcopy(a)
+        x = calib[0][0]
+        with torch.no_grad():
+            torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
+            with b.smx_softmax_quant.disabled():     # the copy's switch acts on the copy only
+                assert (b(x) - a(x)).abs().max() > 1e-4
+            with b.smx_softmax_quant.collecting():
+                b(x)
+        assert b.smx_softmax_quant.stats()["all"]["rows"] > 0
+        assert a.smx_softmax_quant.stats()["all"]["rows"] == 0
+
     def test_calibration_batch_formats(self):
         class KW(nn.Module):
             def forward(self, x, scale=1.0):
@@ -319,6 +335,18 @@ class TestCompiled:
                     assert sorted(s.key for s in sites) == ["layers.0#0", "layers.1#0"]
                     assert all("test_quantize_softmax.py" in s.location for s in sites), str(rep)
         torch._dynamo.reset()
+
+
+def test_torch_export_carries_the_corrected_qdq_pairs():
+    calib = batches(2)
+    qm = quantize_softmax(net(), calib, bits=8, progress=False)
+    x = calib[0][0]
+    ep = torch.export.export(qm, (x,), strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(QD.quantize_per_tensor.default) == 2
+    assert targets.count(QD.dequantize_per_channel.default) == 2    # per-head corrected scales
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), qm(x), rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- real models

@@ -17,13 +17,16 @@ python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothes
 # TRITON_INTERPRET stays unset: the real kernels run on the GPU.
 unset TRITON_INTERPRET
 timeout 220 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
-  tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_softmax_topk.py tests/test_triton_op.py -p no:cacheprovider 2>&1 \
+  tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_softmax_topk.py tests/test_triton_op.py tests/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers
-timeout 90 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
+timeout 80 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
 # cut cross-entropy on CUDA: the Triton path against eager and Inductor (loss, grads, time, peak memory)
-timeout 90 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
+timeout 80 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
 # a subset of shapes keeps compile time (one compile per backend x case x pass) inside the budget
-timeout 100 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
+timeout 85 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
 # fused softmax + top-k on CUDA: routers, vocabulary samplers, argmax (the Triton kernel vs eager / Inductor)
-timeout 90 python benchmarks/bench_softmax_topk.py --device cuda --families router,vocab,argmax --rounds 2 --no-memory --json "$OUT/bench_softmax_topk.json" 2>&1 | tee "$OUT/bench_softmax_topk.txt" | tail -40
+timeout 75 python benchmarks/bench_softmax_topk.py --device cuda --families router,vocab,argmax --rounds 2 --no-memory --json "$OUT/bench_softmax_topk.json" 2>&1 | tee "$OUT/bench_softmax_topk.txt" | tail -40
+# quantized softmax on CUDA: softmax -> quantize (fake-quant qdq, uint8 codes, quantized attention): eager / Inductor /
+# smx (the Triton smx::quant_softmax) / the op called directly (ms, peak memory, codes checked against eager)
+timeout 55 python benchmarks/bench_quant_softmax.py --device cuda --quick --json "$OUT/bench_quant_softmax.json" 2>&1 | tee "$OUT/bench_quant_softmax.txt" | tail -40

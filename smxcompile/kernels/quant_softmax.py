@@ -158,10 +158,15 @@ def _forward_impl(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, 
         return quant_softmax_forward(x, dim, logit_scale=logit_scale, scale=scale, zero_point=zero_point,
                                      quant_min=quant_min, quant_max=quant_max, dtype=dtype, prob_dtype=prob_dtype)
     with torch.no_grad():
-        q = quant_softmax_decomposed(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype,
-                                     prob_dtype)
-    if q.stride() != _contiguous_strides(q.shape):  # the fake kernel's layout, exactly
-        q = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q)
+        # quant_softmax_decomposed's math with in-place steps on the one fp32 buffer softmax returns
+        # (eager CPU: one probability tensor and the codes, instead of a temporary per step)
+        t = _probabilities(x, dim, logit_scale, prob_dtype)
+        if t.data_ptr() == x.data_ptr():   # never write into the caller's tensor
+            t = t.clone()
+        t.mul_(1.0 / scale).round_().add_(zero_point).clamp_(quant_min, quant_max)
+        t.nan_to_num_(nan=float(zero_point))
+        q = torch.empty(t.shape, dtype=dtype, device=t.device)   # the fake kernel's contiguous layout
+        q.copy_(t)
     return q
 
 
