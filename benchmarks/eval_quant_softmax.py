@@ -14,15 +14,18 @@ What is measured
     corpus (every 20th window, never trained on), the loss computed here from the logits with
     ``torch.nn.functional.cross_entropy`` in fp64 (tokens 1..T-1 of each window predicted from
     the tokens before them);
-  * for each bit width (``--bits``, default 8, 6, 4) and each of five settings:
-      none           quantized, no correction (the baseline)
-      scale/head     correction="scale",  granularity="head"   (dequantization scale * gamma per head)
-      scale/tensor   correction="scale",  granularity="tensor" (one gamma per layer)
-      offset/head    correction="offset", granularity="head"   (+ beta on every p > 0, per head)
-      offset/tensor  correction="offset", granularity="tensor"
-    the perplexity, its change relative to fp32 (%), the mean |row sum - 1| of the probabilities
-    the attention layers used, and the zero fraction (the share of probabilities > 0 that were
-    quantized to zero: the diagnostic behind the bias).
+  * for each bit width (``--bits``, default 8, 6, 4) and each of six settings:
+      none             quantized, no correction (the baseline)
+      offset/head      correction="offset", granularity="head"     (+ beta per head on unmasked entries; default)
+      offset/tensor    correction="offset", granularity="tensor"   (one beta per layer)
+      offset/position  correction="offset", granularity="position" (one beta per head and query position)
+      scale/head       correction="scale",  granularity="head"     (dequantization scale * gamma per head)
+      scale/tensor     correction="scale",  granularity="tensor"
+    the perplexity, its change relative to fp32 (%), the KL divergence of the next-token
+    distributions from the fp32 model's (nats per token, over the statistics batches: how far the
+    quantized model's predictions moved, without perplexity's chance gains), the mean |row sum - 1|
+    of the probabilities the attention layers used, and the zero fraction (the share of unmasked
+    probabilities quantized to zero: the diagnostic behind the bias).
 
 How
   Checkpoints are those of ``smx demo`` (``<out>/checkpoint``: safetensors + config +
@@ -43,7 +46,8 @@ How
 
 The goal (printed as a verdict)
   1. with a correction, the 8-bit perplexity is within 1% of fp32 (on every checkpoint);
-  2. a correction beats no correction (lower perplexity) at every bit width on every checkpoint.
+  2. a correction beats no correction (lower perplexity) at every bit width on every checkpoint;
+  and, printed beside them, fidelity: a correction's KL to the fp32 model is below no correction's.
   The verdict names each correction form / granularity that meets each goal and each that does
   not. The exit status is 0 whatever the verdict (1 with --strict when a goal is missed by every
   correction setting).
@@ -68,10 +72,11 @@ from typing import Any
 
 SETTINGS: list[tuple[str, Any, str]] = [
     ("none", False, "tensor"),
-    ("scale/head", "scale", "head"),
-    ("scale/tensor", "scale", "tensor"),
     ("offset/head", "offset", "head"),
     ("offset/tensor", "offset", "tensor"),
+    ("offset/position", "offset", "position"),
+    ("scale/head", "scale", "head"),
+    ("scale/tensor", "scale", "tensor"),
 ]
 SETTING_NAMES = [s[0] for s in SETTINGS]
 GOAL_8BIT_PCT = 1.0
@@ -426,6 +431,21 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
     if progress is not None:
         progress.advance(task["overall"])
 
+    # fp32 next-token log-probabilities of the statistics batches: the KL of each setting to them
+    with torch.no_grad():
+        ref_lp = [model(input_ids=b.to(cfg.device)).logits.float().log_softmax(-1).cpu() for b in ev[:n_stats]]
+
+    def kl_to_fp32(qm) -> float:
+        """Mean KL(fp32 || quantized) of the next-token distributions over the statistics batches (nats/token)."""
+        tot, n = 0.0, 0
+        with torch.no_grad():
+            for b, r in zip(ev[:n_stats], ref_lp):
+                lq = qm(input_ids=b.to(cfg.device)).logits.double().log_softmax(-1).cpu()
+                r = r.double()
+                tot += float((r.exp() * (r - lq)).sum())
+                n += r.shape[0] * r.shape[1]
+        return tot / n
+
     rows: list[dict[str, Any]] = []
     keys: list[str] | None = None
     checked_disabled = False
@@ -450,6 +470,7 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
                 progress.update(task["batches"], description=f"{label} {bits}-bit {name}: evaluating")
             q = evaluate(qm, ev, cfg.device, adv, collect_batches=n_stats)
             stats = qs.stats()
+            kl = kl_to_fp32(qm)
             ql = q.pop("first_logits")
             qw = q.pop("window_nll")
             if corr is False:
@@ -482,6 +503,7 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
                 "vs_none_pct": 100.0 * (math.exp((float(qw.sum()) - float(none_w[bits].sum())) / q["tokens"]) - 1.0)
                 if bits in none_w else None,
                 "vs_none_ci95_pct": paired_ci(qw, none_w[bits], tpw) if bits in none_w and corr else None,
+                "kl_to_fp32": kl,
                 "mean_abs_rowsum_err": a["mean_abs_rowsum_err"],
                 "mean_abs_rowsum_err_uncorrected": a["mean_abs_rowsum_err_uncorrected"],
                 "mean_rowsum": a["mean_rowsum"], "zero_fraction": a["zero_fraction"],
@@ -490,7 +512,7 @@ def run_checkpoint(ck: Path, label: str, cfg: Config, console, progress, task) -
                 "correction_values": correction_range(qs) if corr else None,
             }
             rows.append(row)
-            console.print(f"  {bits}-bit {name:13s} ppl {q['ppl']:10.3f} ({row['rel_change_pct']:+8.3f}%)  "
+            console.print(f"  {bits}-bit {name:15s} ppl {q['ppl']:10.3f} ({row['rel_change_pct']:+8.3f}%)  KL {kl:.3e}  "
                           f"|rowsum-1| {a['mean_abs_rowsum_err']:.5f} (uncorr. {a['mean_abs_rowsum_err_uncorrected']:.5f})  "
                           f"zero {100 * a['zero_fraction']:5.1f}%   calib {calib_s:.1f} s, eval {q['eval_s']:.1f} s")
             del qm, qs
@@ -567,6 +589,25 @@ def verdict(results: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         g2["met"] = None
         g2["note"] = "needs 'none' and at least one correction setting"
     out["goal_correction_beats_none"] = g2
+    # fidelity: the KL of the next-token distributions to the fp32 model (less noisy than perplexity,
+    # which a quantized model can also improve by chance)
+    g3: dict[str, Any] = {"goal": "a correction gives a lower KL to the fp32 model than no correction at every bit width, "
+                                  "on every checkpoint"}
+    if "none" in [s[0] for s in cfg.settings] and corrected:
+        per = {}
+        for name in corrected:
+            fails = [f"{lb}/{bits}" for lb in labels for bits in cfg.bits
+                     if not by[(lb, bits, name)]["kl_to_fp32"] < by[(lb, bits, "none")]["kl_to_fp32"]]
+            ratio = {f"{lb}/{bits}": by[(lb, bits, name)]["kl_to_fp32"] / by[(lb, bits, "none")]["kl_to_fp32"]
+                     for lb in labels for bits in cfg.bits}
+            per[name] = {"met": not fails, "not_lower_at": fails, "kl_ratio_to_none": ratio}
+        g3["per_setting"] = per
+        g3["met_by"] = [n for n in corrected if per[n]["met"]]
+        g3["missed_by"] = [n for n in corrected if not per[n]["met"]]
+        g3["met"] = bool(g3["met_by"])
+    else:
+        g3["met"] = None
+    out["kl_correction_beats_none"] = g3
     # the best setting per bit width (mean relative change over checkpoints)
     best = {}
     for bits in cfg.bits:
@@ -590,7 +631,7 @@ def print_verdict(v: dict[str, Any], console) -> None:
             rel = ", ".join(f"{lb} {x:+.3f}%" + (f" [{ci[lb][0]:+.3f}, {ci[lb][1]:+.3f}]" if ci.get(lb) else "")
                             for lb, x in d["rel_change_pct"].items())
             tag = "meets" if d["met"] else "misses"
-            console.print(f"  {name:13s} {tag:6s} ({rel})" + ("  [dim](no correction: reference)[/]" if name == "none" else ""))
+            console.print(f"  {name:15s} {tag:6s} ({rel})" + ("  [dim](no correction: reference)[/]" if name == "none" else ""))
         if g1.get("uncorrected_also_within"):
             console.print("  note: the uncorrected 8-bit model is within the bound too: this goal does not "
                           "separate the corrections from no correction on these checkpoints")
@@ -606,15 +647,23 @@ def print_verdict(v: dict[str, Any], console) -> None:
             m = ", ".join(f"{k} {x:+.3f}%" + (f" [{ci[k][0]:+.3f}, {ci[k][1]:+.3f}]" if ci.get(k) else "")
                           for k, x in d["ppl_change_vs_none_pct"].items())
             if d["met"]:
-                console.print(f"  {name:13s} meets   (perplexity vs none: {m})")
+                console.print(f"  {name:15s} meets   (perplexity vs none: {m})")
             else:
                 f = ", ".join(f"{x['checkpoint']}/{x['bits']}-bit {x['ppl']:.3f} >= {x['ppl_none']:.3f}" for x in d["failures"])
-                console.print(f"  {name:13s} misses  at {f}  (perplexity vs none: {m})")
+                console.print(f"  {name:15s} misses  at {f}  (perplexity vs none: {m})")
             n_all = len(d["ppl_change_vs_none_pct"])
             console.print(f"  {'':13s} better beyond the 95% paired-bootstrap interval at {len(d['better_beyond_ci95_at'])} "
                           f"of {n_all} checkpoint/bit-width points")
             if d["rowsum_err_not_lower_at"]:
                 console.print(f"  {'':13s} mean |row sum - 1| not below none's at {', '.join(d['rowsum_err_not_lower_at'])}")
+    g3 = v.get("kl_correction_beats_none", {})
+    if g3.get("met") is not None:
+        mark = "[green]MET[/]" if g3["met"] else "[red]NOT MET[/]"
+        console.print(f"fidelity ({g3['goal']}): {mark}   [dim](KL / KL without correction per checkpoint/bits)[/]")
+        for name, d in g3["per_setting"].items():
+            r = ", ".join(f"{k} {x:.2f}" for k, x in d["kl_ratio_to_none"].items())
+            tag = "meets " if d["met"] else "misses at " + ", ".join(d["not_lower_at"])
+            console.print(f"  {name:15s} {tag}  ({r})")
     console.print("best setting per bit width (mean perplexity change vs fp32 over checkpoints):")
     for bits, d in v["ranking_by_bits"].items():
         console.print(f"  {bits}-bit: " + " < ".join(f"{n} ({d['mean_rel_change_pct'][n]:+.3f}%)" for n in d["ranking"]))
@@ -628,16 +677,16 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     """One row per checkpoint x bits x setting (and the fp32 row of each checkpoint). Brackets: 95%
     paired-bootstrap intervals over the held-out windows."""
     lines = ["| checkpoint | bits | setting | perplexity | Δ vs fp32 (%) [95% CI] | Δ vs none (%) [95% CI] "
-             "| mean abs(row sum − 1) | zero fraction |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| KL to fp32 (nats/token) | mean abs(row sum − 1) | zero fraction |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in results:
-        lines.append(f"| {c['label']} | fp32 | - | {c['fp32']['ppl']:.3f} | - | - | - | - |")
+        lines.append(f"| {c['label']} | fp32 | - | {c['fp32']['ppl']:.3f} | - | - | - | - | - |")
         for r in c["rows"]:
             vs = "-" if r["setting"] == "none" or r.get("vs_none_pct") is None else \
                 f"{r['vs_none_pct']:+.3f}{_ci(r.get('vs_none_ci95_pct'))}"
             lines.append(f"| {r['checkpoint']} | {r['bits']} | {r['setting']} | {r['ppl']:.3f} | "
                          f"{r['rel_change_pct']:+.3f}{_ci(r.get('rel_change_ci95_pct'))} | {vs} | "
-                         f"{r['mean_abs_rowsum_err']:.2e} | {100 * r['zero_fraction']:.1f}% |")
+                         f"{r['kl_to_fp32']:.2e} | {r['mean_abs_rowsum_err']:.2e} | {100 * r['zero_fraction']:.1f}% |")
     return "\n".join(lines)
 
 
@@ -656,8 +705,8 @@ def rich_table(results: list[dict[str, Any]]):
 
 
 def plot(results: list[dict[str, Any]], cfg: Config, path: Path) -> None:
-    """Three panels vs bits: perplexity relative to fp32 (fp32 = the line at 0), mean |row sum - 1|,
-    zero fraction. Colour: setting; line style: checkpoint; the settings are nudged apart along x so
+    """Four panels vs bits: perplexity relative to fp32 (fp32 = the line at 0), KL to the fp32 model,
+    mean |row sum - 1|, zero fraction. Colour: setting; line style: checkpoint; the settings are nudged apart along x so
     that equal values stay visible."""
     import matplotlib
 
@@ -665,12 +714,14 @@ def plot(results: list[dict[str, Any]], cfg: Config, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"none": "tab:gray", "scale/head": "tab:blue", "scale/tensor": "tab:cyan",
-              "offset/head": "tab:red", "offset/tensor": "tab:orange"}
-    markers = {"none": "o", "scale/head": "s", "scale/tensor": "D", "offset/head": "^", "offset/tensor": "v"}
-    nudge = {"none": 0.0, "scale/head": -0.12, "scale/tensor": -0.06, "offset/head": 0.06, "offset/tensor": 0.12}
+              "offset/head": "tab:red", "offset/tensor": "tab:orange", "offset/position": "tab:purple"}
+    markers = {"none": "o", "scale/head": "s", "scale/tensor": "D", "offset/head": "^", "offset/tensor": "v",
+               "offset/position": "P"}
+    nudge = {"none": 0.0, "scale/head": -0.15, "scale/tensor": -0.1, "offset/head": 0.05, "offset/tensor": 0.1,
+             "offset/position": 0.15}
     styles = ["-", "--", ":", "-."]
     style_names = ["solid", "dashed", "dotted", "dash-dot"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2))
     bits = sorted(cfg.bits)
     for ci, c in enumerate(results):
         ls = styles[ci % len(styles)]
@@ -683,15 +734,19 @@ def plot(results: list[dict[str, Any]], cfg: Config, path: Path) -> None:
             kw = dict(ls=ls, marker=markers[name], color=colors[name], ms=5, lw=1.4)
             lab = f"{name} ({c['label']})"
             axes[0].plot(xs, [by[(b, name)]["rel_change_pct"] for b in bits], label=lab, **kw)
-            axes[1].plot(xs, [by[(b, name)]["mean_abs_rowsum_err"] for b in bits], label=lab, **kw)
-            axes[2].plot(xs, [100 * by[(b, name)]["zero_fraction"] for b in bits], label=lab, **kw)
+            axes[1].plot(xs, [by[(b, name)].get("kl_to_fp32", float("nan")) for b in bits], label=lab, **kw)
+            axes[2].plot(xs, [by[(b, name)]["mean_abs_rowsum_err"] for b in bits], label=lab, **kw)
+            axes[3].plot(xs, [100 * by[(b, name)]["zero_fraction"] for b in bits], label=lab, **kw)
     axes[0].set_yscale("symlog", linthresh=0.01)
     axes[0].set_title("held-out perplexity vs fp32 (black line: fp32)")
     axes[0].set_ylabel("perplexity change vs fp32, % (symlog: linear within ±0.01%)")
     axes[1].set_yscale("log")
-    axes[1].set_title("mean |row sum − 1| of the attention probabilities")
-    axes[2].set_title("probabilities > 0 quantized to zero")
-    axes[2].set_ylabel("% of the probabilities > 0")
+    axes[1].set_title("KL(fp32 || quantized), next-token distributions")
+    axes[1].set_ylabel("nats per token")
+    axes[2].set_yscale("log")
+    axes[2].set_title("mean |row sum − 1| of the attention probabilities")
+    axes[3].set_title("unmasked probabilities quantized to zero")
+    axes[3].set_ylabel("% of the unmasked entries")
     for ax in axes:
         ax.set_xlabel("bits (settings nudged apart)")
         ax.set_xticks(bits)
@@ -731,9 +786,13 @@ def environment() -> dict[str, Any]:
             env[dist] = version(dist)
         except Exception:  # noqa: BLE001
             env[dist] = None
+    here = Path(__file__).resolve().parent
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+                                           cwd=here, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "smxcompile", "benchmarks"],
+                               capture_output=True, text=True, cwd=here.parent, timeout=10).stdout.split("\n")
+        env["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
     try:
@@ -791,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(labels)) != len(labels):
         ckpts = [(ck, f"{lb}#{i}") for i, (ck, lb) in enumerate(ckpts)]
 
+    env = environment()  # before the run: the commit and load average the figures were measured at
     t_start = time.perf_counter()
     results: list[dict[str, Any]] = []
     progress = None
@@ -832,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "environment": environment(),
+            "environment": env | {"loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
                        if k not in ("checkpoints", "settings")}
             | {"checkpoints": [str(p) for p in cfg.checkpoints],

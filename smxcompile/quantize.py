@@ -10,22 +10,27 @@ quantize / dequantize pair of PyTorch 2 export quantization
 Why a correction. Uniform quantization of a softmax output (8-bit: step ``1/255``) rounds the many
 tiny probabilities of a long row to zero, so a quantized row sums to less than one: a systematic
 *bias*, not noise ("Softmax Bias Correction for Quantized Generative Models", Pandey, Fournarakis,
-Patel, Nagel, 2023). The correction is measured offline on calibration data and folded into the
-dequantization parameters, so it costs nothing at run time. Two forms:
+Patel, Nagel, 2023). The correction is measured offline on calibration data. Two forms:
 
-* ``"scale"`` (default): the dequantization scale becomes ``scale * gamma`` with
-  ``gamma = E[sum(p)] / E[sum(p_hat)]`` over the calibration rows, so corrected rows sum to one on
-  average. Probabilities quantized to zero stay exactly zero: masked (future, padding) positions
-  get no mass, and the corrected pair is an ordinary QDQ pair (ONNX ``DequantizeLinear`` with a
-  float scale, per head with ``axis=1``).
-* ``"offset"`` (the paper's additive form): ``p_hat + beta`` with ``beta = E[p - p_hat]`` per
-  non-zero probability. Adding ``beta`` to every entry would give masked positions (a causal
-  mask's future tokens) probability mass, so it is added only where ``p > 0``; that needs the
-  probabilities at run time and is not a pure QDQ pair (evaluation and comparison only).
+* ``"offset"`` (default; the paper's additive form): ``p_hat + beta`` with ``beta = E[p - p_hat]``
+  per unmasked probability, i.e. the expected quantization error, folded into the dequantization
+  offset (clamped at 0: where rounding adds mass on average, subtracting would make the
+  probabilities quantized to zero negative). Adding ``beta`` to *every* entry, as a plain float zero point would, gives masked
+  positions (a causal mask's future tokens, padding) probability mass, so it is added only where
+  the softmax input is not masked (above half its dtype's lowest value: ``-inf`` and ``finfo.min``
+  masks are excluded). That costs one elementwise step fused into the dequantization (it reads
+  the mask), not a pass of its own.
+* ``"scale"``: the dequantization scale becomes ``scale * gamma`` with
+  ``gamma = E[sum(p)] / E[sum(p_hat)]``: an ordinary QDQ pair (ONNX ``DequantizeLinear`` with a
+  float scale, per head on ``axis=1``) at exactly zero run-time cost, and zero codes (masked
+  positions) stay zero. It moves the lost mass onto the large probabilities instead of the small
+  ones it came from, and measured worse than no correction at 4 bits (docs/PERFORMANCE.md).
 
-Granularity: one correction per site (``"tensor"``) or per attention head (``"head"``: the
-probabilities of a 4-D site ``(batch, heads, queries, keys)`` with the softmax over the last dim).
-docs/PERFORMANCE.md ("Quantized softmax") records which works better on the demo checkpoints.
+Granularity: one correction per site (``"tensor"``), per attention head (``"head"``, default: the
+probabilities of a 4-D site ``(batch, heads, queries, keys)`` with the softmax over the last dim)
+or per head and query position (``"position"``: absolute position ``keys - queries + i``, so a
+KV-cache decode step uses the entry of its position; positions past the calibrated length use the
+last one). docs/PERFORMANCE.md ("Quantized softmax") records how each does on the demo checkpoints.
 
 How sites are found in the eager model. :func:`smxcompile.explain` names every softmax site by
 ``(module, index)``: the innermost ``nn.Module`` whose ``forward`` makes the ``softmax`` call and
@@ -57,7 +62,7 @@ from .report import Site
 _SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _QD = torch.ops.quantized_decomposed
 CORRECTIONS = ("scale", "offset")
-GRANULARITIES = ("head", "tensor")
+GRANULARITIES = ("head", "position", "tensor")
 ATTR = "smx_softmax_quant"
 
 
@@ -85,8 +90,8 @@ class _Stats:
     sum_out: torch.Tensor         # sum of what the site returned (corrected when it is)
     abs_err_out: torch.Tensor     # sum over rows of |row sum of the output - 1|
     abs_err_q: torch.Tensor       # ... of the uncorrected dequantized rows
-    nonzero: torch.Tensor         # probabilities > 0
-    zeroed: torch.Tensor          # probabilities > 0 that quantized to the zero code
+    nonzero: torch.Tensor         # unmasked entries
+    zeroed: torch.Tensor          # unmasked entries that quantized to the zero code
 
     @classmethod
     def zeros(cls, n: int) -> "_Stats":
@@ -103,32 +108,49 @@ class QuantSite(nn.Module):
 
     Buffers (they follow ``model.to(device)`` and appear in ``state_dict``): ``scale`` (fp32
     scalar, the quantization step, probability units), ``zero_point`` (int64 scalar),
-    ``correction`` (fp32, ``(heads,)`` or ``(1,)``: ``gamma`` for ``"scale"``, ``beta`` for
-    ``"offset"``, ones / zeros when uncorrected) and ``dq_scale`` (fp32, ``scale * gamma``: the
-    dequantization scales of the QDQ pair).
+    ``correction`` (fp32, one per group: ``(heads,)``, ``(heads * positions,)`` or ``(1,)``;
+    ``beta`` for ``"offset"``, ``gamma`` for ``"scale"``, zeros / ones when uncorrected) and
+    ``dq_scale`` (fp32, ``scale * gamma``: the dequantization scales of the QDQ pair).
     """
 
     def __init__(self, key: str, kind: str, bits: int, dtype: torch.dtype, correction: str | None,
-                 granularity: str, ndim: int, dim: int, heads: int):
+                 granularity: str, ndim: int, dim: int, heads: int, positions: int = 0):
         super().__init__()
         self.key, self.kind, self.bits, self.qdtype = key, kind, bits, dtype
         self.quant_min, self.quant_max = quant_range(bits, dtype)
         self.method = correction
         self.ndim, self.dim = ndim, dim
-        per_head = granularity == "head" and ndim == 4 and dim == 3 and heads > 0
-        self.granularity = "head" if per_head else "tensor"
-        self.head_axis = 1 if per_head else None
-        self.heads = heads if per_head else 1
+        has_heads = ndim == 4 and dim == 3 and heads > 0
+        self.granularity = granularity if has_heads else "tensor"
+        self.head_axis = 1 if self.granularity in ("head", "position") else None
+        self.heads = heads if self.head_axis is not None else 1
+        self.positions = max(int(positions), 1) if self.granularity == "position" else 1
+        groups = self.heads * self.positions
         self.register_buffer("scale", torch.tensor(1.0 / (self.quant_max - self.quant_min)))
         self.register_buffer("zero_point", torch.tensor(self.quant_min, dtype=torch.int64))
-        ident = 0.0 if correction == "offset" else 1.0
-        self.register_buffer("correction", torch.full((self.heads,), ident))
+        ident = 1.0 if correction == "scale" else 0.0
+        self.register_buffer("correction", torch.full((groups,), ident))
         self.register_buffer("dq_scale", self.scale * self.correction)
         self.max_p = 0.0                      # observed during calibration
         self.calibrated = False
-        self.stats = _Stats.zeros(self.heads)
+        self.stats = _Stats.zeros(groups)
         self._refresh()
-        self.register_load_state_dict_post_hook(lambda mod, keys: mod._refresh())
+        self.register_buffer("quant_range", torch.tensor([self.quant_min, self.quant_max]))
+        self.register_load_state_dict_post_hook(QuantSite._after_load)
+
+    @staticmethod
+    def _after_load(mod: "QuantSite", keys) -> None:
+        """After ``load_state_dict``: refuse parameters of another code range, refresh the Python copies."""
+        lo, hi = (int(v) for v in mod.quant_range)
+        if (lo, hi) != (mod.quant_min, mod.quant_max):
+            raise RuntimeError(f"smxcompile.quantize_softmax: the state_dict of site {mod.key} was saved for codes "
+                               f"[{lo}, {hi}], this model quantizes to [{mod.quant_min}, {mod.quant_max}] "
+                               f"({mod.bits}-bit {mod.qdtype}); quantize with the same bits and dtype before loading")
+        mod._refresh()
+
+    @property
+    def groups(self) -> int:
+        return self.heads * self.positions
 
     def _refresh(self) -> None:
         """Python copies of the scalar parameters: Dynamo bakes them into the graph as constants
@@ -139,97 +161,151 @@ class QuantSite(nn.Module):
 
     # -- parameters
 
-    def set_scale_from_max(self) -> None:
-        """Quantization step from the largest probability seen (min-max observer; zero_point = quant_min)."""
-        top = self.max_p if self.max_p > 0 else 1.0
+    def set_scale_from_max(self, observer: str = "unit") -> None:
+        """Quantization step: ``1 / (quant_max - quant_min)`` (``"unit"``: codes cover [0, 1]) or the largest
+        probability seen in calibration over the code range (``"minmax"``); zero_point = quant_min."""
+        top = self.max_p if observer == "minmax" and self.max_p > 0 else 1.0
         self.scale.fill_(top / (self.quant_max - self.quant_min))
         self.zero_point.fill_(self.quant_min)
         self.dq_scale.copy_(self.scale * (self.correction if self.method == "scale" else 1.0))
         self._refresh()
 
     def set_correction(self, stats: _Stats) -> None:
-        """The bias correction from calibration sums (see the module docstring)."""
+        """The bias correction from calibration sums (see the module docstring). Groups without data
+        (positions never reached in calibration) take the nearest earlier position's value."""
         if self.method == "scale":
-            gamma = torch.where(stats.sum_q > 0, stats.sum_p / stats.sum_q.clamp_min(1e-30), torch.ones_like(stats.sum_p))
-            self.correction.copy_(gamma.float())
+            seen = stats.sum_q > 0
+            val = torch.where(seen, stats.sum_p / stats.sum_q.clamp_min(1e-30), torch.ones_like(stats.sum_p))
         elif self.method == "offset":
-            beta = torch.where(stats.nonzero > 0, (stats.sum_p - stats.sum_q) / stats.nonzero.clamp_min(1), torch.zeros_like(stats.sum_p))
-            self.correction.copy_(beta.float())
+            seen = stats.nonzero > 0
+            val = torch.where(seen, (stats.sum_p - stats.sum_q) / stats.nonzero.clamp_min(1), torch.zeros_like(stats.sum_p))
+            # a group whose rounding adds mass on average (beta < 0) is left as it is: subtracting would
+            # make the probabilities quantized to zero negative (measured no worse: docs/PERFORMANCE.md)
+            val = val.clamp_min(0)
+        else:
+            seen, val = None, None
+        if val is not None:
+            if self.positions > 1:
+                val, seen = val.view(self.heads, self.positions).clone(), seen.view(self.heads, self.positions)
+                for i in range(1, self.positions):
+                    val[:, i] = torch.where(seen[:, i], val[:, i], val[:, i - 1])
+                val = val.reshape(-1)
+            self.correction.copy_(val.float())
         self.dq_scale.copy_(self.scale * (self.correction if self.method == "scale" else 1.0))
         self.calibrated = True
         self._refresh()
 
     # -- the quantized call
 
+    def _positions_of(self, y: torch.Tensor) -> torch.Tensor:
+        """Absolute query position of each row of a ``(batch, heads, queries, keys)`` site: ``keys -
+        queries + i`` (the queries are the last ones of the sequence, as with a KV cache), clamped
+        to the calibrated range."""
+        nq, nk = y.shape[2], y.shape[3]
+        return torch.arange(nk - nq, nk, device=y.device).clamp(0, self.positions - 1)
+
     def _view(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The per-group vector ``t`` shaped to broadcast against ``y``."""
         if self.head_axis is None:
             return t.reshape(())
+        if self.positions > 1:
+            return t.view(self.heads, self.positions)[:, self._positions_of(y)].reshape(1, self.heads, -1, 1)
         shape = [1] * y.dim()
         shape[self.head_axis] = -1
         return t.reshape(shape)
 
+    def _group_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Group of every row (``rows``: ``y`` without the softmax dim), for the calibration sums."""
+        if self.head_axis is None:
+            return torch.zeros(rows.shape, dtype=torch.int64, device=rows.device)
+        h = torch.arange(self.heads, device=rows.device).view(1, -1, 1)
+        if self.positions == 1:
+            return h.expand(rows.shape)
+        nq = rows.shape[2]
+        nk = self._keys
+        pos = torch.arange(nk - nq, nk, device=rows.device).clamp(0, self.positions - 1).view(1, 1, -1)
+        return (h * self.positions + pos).expand(rows.shape)
+
     def quantize(self, y: torch.Tensor) -> torch.Tensor:
         """The integer codes of probabilities ``y`` (shape of ``y``, dtype uint8/int8)."""
-        yq = y if y.dtype in (torch.float32, torch.float16, torch.bfloat16) else y.float()
+        # fp32 first, as quantize_per_tensor does itself in eager (Inductor's lowering of it wants fp32)
+        yq = y if y.dtype == torch.float32 else y.float()
         return _QD.quantize_per_tensor(yq, self._scale_f, self._zp_i, self.quant_min, self.quant_max, self.qdtype)
 
     def dequantize(self, q: torch.Tensor, out_dtype: torch.dtype, corrected: bool = True) -> torch.Tensor:
         """Dequantized probabilities; with ``corrected``, through the corrected scales (``"scale"`` form)."""
         zp = self._zp_i
         if corrected and self.method == "scale" and self.head_axis is not None:
+            if self.positions > 1:
+                deq = _QD.dequantize_per_tensor(q, self._scale_f, zp, self.quant_min, self.quant_max, self.qdtype,
+                                                out_dtype=torch.float32)
+                return (deq * self._view(self.correction, q)).to(out_dtype)
             zps = torch.full((self.heads,), zp, dtype=torch.int64, device=q.device)
             return _QD.dequantize_per_channel(q, self.dq_scale, zps, self.head_axis, self.quant_min, self.quant_max,
                                               self.qdtype, out_dtype=out_dtype)
         s = self._dq_scale_f if corrected and self.method == "scale" else self._scale_f
         return _QD.dequantize_per_tensor(q, s, zp, self.quant_min, self.quant_max, self.qdtype, out_dtype=out_dtype)
 
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """``dequantize(quantize(y))`` with the correction; ``x``: the softmax's input (its mask, for ``"offset"``)."""
         out_dtype = y.dtype if y.dtype.is_floating_point else torch.float32
         q = self.quantize(y)
         out = self.dequantize(q, out_dtype)
         if self.method == "offset":
-            out = out + (self._view(self.correction, y).to(out_dtype) * (y > 0))
+            out = out + self._view(self.correction, y).to(out_dtype) * unmasked(x if x is not None else y, y, self.dim)
         return out
 
     # -- statistics
 
-    def measure(self, y: torch.Tensor, out: torch.Tensor | None) -> _Stats:
-        """Sums over the rows of ``y`` (probabilities) for calibration and for :meth:`SoftmaxQuantizer.stats`."""
+    def measure(self, y: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor | None = None) -> _Stats:
+        """Sums over the rows of ``y`` (probabilities), per group, for calibration and :meth:`SoftmaxQuantizer.stats`.
+        ``x``: the softmax's input; its masked entries are not counted as probabilities."""
         with torch.no_grad():
+            valid = unmasked(x if x is not None else y, y, self.dim if self.dim < y.dim() else -1)
             y = y.detach().double()
             q = self.quantize(y.float())
             qd = self.dequantize(q, torch.float64, corrected=False)
             dim = self.dim if self.dim < y.dim() else -1
             ok = torch.isfinite(y).all(dim=dim, keepdim=True)          # rows without NaN
-            pos = (y > 0) & ok
+            pos = valid & ok
+            o = qd if out is None else out.detach().double()
+            okr = ok.squeeze(dim).double()
             rows_p = torch.where(ok, y, 0).sum(dim)
             rows_q = torch.where(ok, qd, 0).sum(dim)
-            o = qd if out is None else out.detach().double()
             rows_o = torch.where(ok, o, 0).sum(dim)
-            okr = ok.squeeze(dim).double()
-            reduce_dims = [d for d in range(okr.dim()) if d != (self.head_axis if self.head_axis is not None else -99)]
+            if y.dim() == 4:
+                self._keys = y.shape[3]
+            g = self._group_ids(okr).reshape(-1)
 
             def red(t: torch.Tensor) -> torch.Tensor:
-                return t.sum(dim=reduce_dims) if reduce_dims else t.reshape(-1)
-
-            def red_full(t: torch.Tensor) -> torch.Tensor:
-                dims = [d for d in range(t.dim()) if d != (self.head_axis if self.head_axis is not None else -99)]
-                return t.sum(dim=dims) if dims else t.reshape(-1)
+                return torch.zeros(self.groups, dtype=torch.float64, device=t.device).index_add_(0, g, t.reshape(-1)).cpu()
 
             return _Stats(
-                rows=red(okr).reshape(-1),
-                sum_p=red(rows_p * okr).reshape(-1),
-                sum_q=red(rows_q * okr).reshape(-1),
-                sum_out=red(rows_o * okr).reshape(-1),
-                abs_err_out=red((rows_o - 1).abs() * okr).reshape(-1),
-                abs_err_q=red((rows_q - 1).abs() * okr).reshape(-1),
-                nonzero=red_full(pos.double()).reshape(-1),
-                zeroed=red_full((pos & (q == self._zp_i)).double()).reshape(-1),
+                rows=red(okr), sum_p=red(rows_p * okr), sum_q=red(rows_q * okr), sum_out=red(rows_o * okr),
+                abs_err_out=red((rows_o - 1).abs() * okr), abs_err_q=red((rows_q - 1).abs() * okr),
+                nonzero=red(pos.double().sum(dim)), zeroed=red((pos & (q == self._zp_i)).double().sum(dim)),
             )
 
     def extra_repr(self) -> str:
         return (f"key={self.key!r}, kind={self.kind}, bits={self.bits}, dtype={self.qdtype}, "
                 f"correction={self.method}, granularity={self.granularity}")
+
+
+#: An entry whose logit is more than this many nats below its row's largest counts as masked:
+#: its probability is below ``exp(-80) = 1.8e-35`` of the row's largest (every mask in use --
+#: ``-inf``, ``finfo.min``, ``-1e9``, ``-1e4`` added to a score -- is far below; ALiBi's distant
+#: keys too, whose probability is 0 anyway).
+MASK_NATS = 80.0
+
+
+def unmasked(x: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Entries of softmax input ``x`` (softmax over ``dim``) that are not masked: within
+    :data:`MASK_NATS` of the row's largest logit. Shaped like ``y``; rows that are all ``-inf`` or
+    NaN have none."""
+    if not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.shape == y.shape):
+        return y > 0
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf - xf.amax(dim, keepdim=True)) > -MASK_NATS
 
 
 # --------------------------------------------------------------------------- run-time interception
@@ -359,8 +435,9 @@ class SoftmaxQuantizer(nn.Module):
                 if finite.numel():
                     site.max_p = max(site.max_p, float(finite.max()))
             return y
+        x = args[0] if args else kwargs.get("input")
         if phase == "measure":
-            self._calib[site.key].add(site.measure(y, None))
+            self._calib[site.key].add(site.measure(y, None, x))
             return y
         if phase == "quantize":
             if (y.dim() != site.ndim or (site.head_axis is not None and y.shape[site.head_axis] != site.heads)):
@@ -368,9 +445,9 @@ class SoftmaxQuantizer(nn.Module):
                     f"smxcompile.quantize_softmax: site {site.key} was calibrated on {site.ndim}-D probabilities"
                     f"{' with ' + str(site.heads) + ' heads' if site.head_axis is not None else ''}, got shape "
                     f"{tuple(y.shape)}; re-run quantize_softmax on inputs of this layout")
-            out = site(y)
+            out = site(y, x)
             if self.collect and not torch.compiler.is_compiling():
-                site.stats.add(site.measure(y, out))
+                site.stats.add(site.measure(y, out, x))
             return out
         return y
 
@@ -390,7 +467,7 @@ class SoftmaxQuantizer(nn.Module):
     def collecting(self) -> Iterator[None]:
         """Accumulate :meth:`stats` (row-sum error, fraction quantized to zero) while the block runs (eager only)."""
         for s in self._sites.values():
-            s.stats = _Stats.zeros(s.heads)
+            s.stats = _Stats.zeros(s.groups)
         old = self.collect
         self.collect = True
         try:
@@ -506,7 +583,7 @@ def _select(where: Any, seen: dict[str, dict], named: dict[str, Site]) -> tuple[
 
 def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits: int = 8, where: Any = "attention",
                      correction: bool | str = True, granularity: str = "head", dtype: torch.dtype = torch.uint8,
-                     inplace: bool = False, progress: bool = True) -> nn.Module:
+                     observer: str = "unit", inplace: bool = False, progress: bool = True) -> nn.Module:
     """Quantize the softmax outputs of ``model`` after calibrating them, with the bias correction.
 
     Method: "Softmax Bias Correction for Quantized Generative Models" (Pandey et al., 2023); see
@@ -516,16 +593,22 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         model: an ``nn.Module`` (e.g. a ``transformers`` model built with ``attn_implementation="eager"``:
             the softmax must be a call the model makes, not inside ``F.scaled_dot_product_attention``).
         calibration_data: an iterable of batches, each a tuple of positional arguments, a dict of
-            keyword arguments, or a single tensor for ``model(...)``. Read twice (materialized as a list).
+            keyword arguments, or a single tensor for ``model(...)``. Materialized as a list and run
+            three times: the first batch to name the sites, all of them for the range, all for the bias.
         bits: code width, 2..8; codes are stored in ``dtype``.
         where: ``"attention"`` (attention probabilities, found by :func:`smxcompile.explain`),
             ``"all"`` (every softmax call), a predicate ``f(site: smxcompile.Site) -> bool``, or a list
             of site keys (``"transformer.h.0.attn#0"``).
-        correction: ``True`` / ``"scale"`` (multiplicative, folded into the dequantization scale),
-            ``"offset"`` (additive on non-zero probabilities: evaluation only), ``False`` (the
-            uncorrected baseline).
-        granularity: ``"head"`` (one correction per attention head where the site has heads) or ``"tensor"``.
+        correction: ``True`` / ``"offset"`` (the paper's additive correction on unmasked entries),
+            ``"scale"`` (multiplicative, folded exactly into the dequantization scale), ``False``
+            (the uncorrected baseline).
+        granularity: ``"head"`` (one correction per attention head where the site has heads),
+            ``"position"`` (per head and query position) or ``"tensor"`` (one per site).
         dtype: ``torch.uint8`` (codes ``0..2^bits-1``) or ``torch.int8`` (``-2^(bits-1)..2^(bits-1)-1``).
+        observer: the quantization step. ``"unit"`` (default): ``1 / (2^bits - 1)``, the codes cover
+            [0, 1] and nothing ever clips. ``"minmax"``: the largest probability seen in calibration
+            over the code range: finer steps when no calibration row is peaked, but a larger
+            probability at run time (e.g. shorter sequences than calibrated) is clipped to it.
         inplace: change ``model`` itself instead of a deep copy.
         progress: show tqdm progress bars.
 
@@ -548,7 +631,7 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         raise ValueError("model is already quantized by smxcompile.quantize_softmax (see model.smx_softmax_quant)")
     qmin, qmax = quant_range(bits, dtype)
     if correction is True:
-        method: str | None = "scale"
+        method: str | None = "offset"
     elif correction is False or correction is None:
         method = None
     elif correction in CORRECTIONS:
@@ -557,6 +640,15 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         raise ValueError(f"correction must be True, False or one of {CORRECTIONS}, got {correction!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if observer not in ("unit", "minmax"):
+        raise ValueError(f"observer must be 'unit' or 'minmax', got {observer!r}")
+    if not (where in ("attention", "all") or callable(where)
+            or (isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in where))):
+        raise ValueError(f"where must be 'attention', 'all', a predicate over smxcompile.Site or a list of site keys, "
+                         f"got {where!r}")
+    if isinstance(calibration_data, (torch.Tensor, Mapping, str)):
+        raise ValueError("calibration_data must be an iterable of batches (a list of tuples, dicts or tensors); "
+                         f"got a single {type(calibration_data).__name__}: wrap it in a list")
     batches = list(calibration_data)
     if not batches:
         raise ValueError("calibration_data is empty: quantize_softmax needs at least one batch to calibrate")
@@ -566,6 +658,7 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
     was_training = model.training
     model.eval()
     named: dict[str, Site] = {}
+    split_note = False
     if where == "attention" or (callable(where) and not isinstance(where, str)):
         # what each softmax call is (attention or not), from the traced graph
         from .explain import explain
@@ -573,7 +666,14 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         b0 = batches[0]
         rep = (explain(model, *b0) if isinstance(b0, (tuple, list))
                else explain(model, **b0) if isinstance(b0, Mapping) else explain(model, b0))
-        named = {s.key: s for s in rep if s.index >= 0}
+        counts: dict[str, int] = {}
+        for site in rep:
+            if site.index >= 0:
+                counts[site.key] = counts.get(site.key, 0) + 1
+        # a key seen in several graphs (Dynamo split the model: the resumed graph has no module
+        # names) cannot be told apart: leave it unclassified rather than guess
+        named = {s.key: s for s in rep if s.index >= 0 and counts[s.key] == 1}
+        split_note = len({s.graph for s in rep}) > 1
     quantizer = SoftmaxQuantizer()
     quantizer.attach(model)
     try:
@@ -588,7 +688,10 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         quantizer.skipped = skipped
         if not chosen:
             found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
-            raise ValueError(f"quantize_softmax: no softmax site selected by where={where!r}. Sites found: {found}")
+            hint = (" Dynamo split the model at a graph break (print, .item(), output_attentions=True ...), so the "
+                    "traced graph does not name every site: pass where='all' or a list of these site keys."
+                    if split_note else "")
+            raise ValueError(f"quantize_softmax: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
         for key in list(chosen):
             if quantizer.seen[key]["dim"] is None:
                 chosen.remove(key)
@@ -597,17 +700,17 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
             raise ValueError("quantize_softmax: no softmax site with an explicit dim was selected")
         for key in chosen:
             info = quantizer.seen[key]
-            kind = named[key].kind if key in named else "softmax"
+            kind = named[key].kind if key in named else "unclassified"
             quantizer._sites[_mkey(key)] = QuantSite(key, kind, bits, dtype, method, granularity, info["ndim"],
-                                                     info["dim"], info["heads"])
+                                                     info["dim"], info["heads"], positions=info["shape"][-1] if info["ndim"] else 1)
         # 3. observe the largest probability -> scale; 4. measure the bias -> correction
         quantizer.phase = "observe"
         with torch.no_grad():
             for b in _progress(batches, "smx calibrate (range)", progress):
                 _call(model, b)
         for s in quantizer._sites.values():
-            s.set_scale_from_max()
-        quantizer._calib = {s.key: _Stats.zeros(s.heads) for s in quantizer._sites.values()}
+            s.set_scale_from_max(observer)
+        quantizer._calib = {s.key: _Stats.zeros(s.groups) for s in quantizer._sites.values()}
         quantizer.phase = "measure"
         with torch.no_grad():
             for b in _progress(batches, "smx calibrate (bias)", progress):

@@ -80,7 +80,7 @@ class TestCalibration:
         g = torch.Generator().manual_seed(1)
         calib = [(torch.randn(2, 3, 5, 40, generator=g) * 3,) for _ in range(3)]
         qm = quantize_softmax(Probe(), calib, where="all", bits=8, correction=method, granularity=granularity,
-                              progress=False)
+                              observer="minmax", progress=False)
         (site,) = qm.smx_softmax_quant.sites.values()
         p = torch.cat([F.softmax(c[0], -1) for c in calib], 0).double()
         scale = float(p.max()) / 255
@@ -92,9 +92,23 @@ class TestCalibration:
         if method == "scale":
             want = p.sum(dims) / pq.sum(dims)
         else:
-            want = (p - pq).sum(dims) / (p > 0).double().sum(dims)
+            want = ((p - pq).sum(dims) / (p > 0).double().sum(dims)).clamp_min(0)
         assert site.granularity == granularity
         torch.testing.assert_close(site.correction.double(), want.reshape(-1), rtol=1e-5, atol=1e-9)
+
+    def test_unit_observer_never_clips_minmax_does(self):
+        # calibrated on long flat rows (largest probability ~0.1), run on short peaked ones
+        calib = [(torch.randn(4, 3, 2, 64) * 0.3,)]
+        x = torch.randn(4, 3, 2, 4) * 3
+        rows = {}
+        for observer in ("unit", "minmax"):
+            qm = quantize_softmax(Probe(), calib, where="all", bits=8, correction=False, observer=observer,
+                                  progress=False)
+            site = next(iter(qm.smx_softmax_quant.sites.values()))
+            rows[observer] = (site.scale.item(), qm(x).sum(-1))
+        assert rows["unit"][0] == pytest.approx(1 / 255)
+        assert (rows["unit"][1] - 1).abs().max() < 4 * (1 / 255)
+        assert rows["minmax"][0] < 1 / 1000 and rows["minmax"][1].max() < 0.5     # clipped, as documented
 
     @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
     @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
@@ -153,6 +167,94 @@ class TestCalibration:
             assert (p[..., future] == 0).all(), method
             assert (p[..., ~future] >= 0).all()
 
+    @pytest.mark.parametrize("fill", [-1e4, -1e9, float("-inf")])
+    def test_masks_of_any_large_value_get_no_offset(self, fill):
+        class Masked(nn.Module):
+            def forward(self, s):
+                t = s.shape[-1]
+                return F.softmax(s + torch.ones(t, t).triu(1) * fill if fill != float("-inf")
+                                 else s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), fill), dim=-1)
+
+        g = torch.Generator().manual_seed(0)
+        calib = [(torch.randn(2, 4, 8, 8, generator=g) * 2,) for _ in range(2)]
+        qm = quantize_softmax(Masked(), calib, where="all", bits=4, progress=False)
+        site = next(iter(qm.smx_softmax_quant.sites.values()))
+        assert site.correction.max() > 0
+        out = qm(calib[0][0])
+        assert (out[..., torch.ones(8, 8, dtype=torch.bool).triu(1)] == 0).all()
+
+    def test_finfo_min_masks_get_no_offset(self):
+        class MinMask(Attn):
+            def forward(self, x):
+                b, t, _ = x.shape
+                q, k, v = self.qkv(x).view(b, t, 3, self.h, self.d // self.h).permute(2, 0, 3, 1, 4)
+                s = q @ k.transpose(-1, -2)
+                s = s + torch.ones(t, t).triu(1) * torch.finfo(s.dtype).min     # transformers' additive mask
+                p = F.softmax(s, dim=-1)
+                return self.o((p @ v).transpose(1, 2).reshape(b, t, -1))
+
+        torch.manual_seed(0)
+        m = MinMask().eval()
+        calib = batches(2)
+        qm = quantize_softmax(m, calib, bits=4, correction="offset", where="all", progress=False)
+        site = next(iter(qm.smx_softmax_quant.sites.values()))
+        assert site.correction.min() > 0
+        seen = []
+        h = site.register_forward_hook(lambda mod, args, out: seen.append(out))
+        with torch.no_grad():
+            qm(*calib[0])
+        h.remove()
+        t = seen[0].shape[-1]
+        assert (seen[0][..., torch.ones(t, t, dtype=torch.bool).triu(1)] == 0).all()
+
+    def test_position_granularity(self):
+        calib = batches(3, t=10)
+        qm = quantize_softmax(net(), calib, bits=4, granularity="position", progress=False)
+        site = qm.smx_softmax_quant.sites["layers.0#0"]
+        assert site.granularity == "position" and site.correction.shape == (4 * 10,)
+        # direct computation for layer 0 (its inputs do not depend on the quantization)
+        probs = []
+        m = net()
+        with torch.no_grad():
+            for (x,) in calib:
+                a = m.layers[0]
+                b_, t_, _ = x.shape
+                q, k, v = a.qkv(x).view(b_, t_, 3, a.h, a.d // a.h).permute(2, 0, 3, 1, 4)
+                s = (q @ k.transpose(-1, -2) / math.sqrt(a.d // a.h)).masked_fill(
+                    torch.ones(t_, t_, dtype=torch.bool).triu(1), float("-inf"))
+                probs.append(F.softmax(s, -1))
+        p = torch.cat(probs).double()
+        pq = QD.quantize_per_tensor(p.float(), site._scale_f, 0, 0, 15, torch.uint8).double() * site._scale_f
+        valid = torch.ones(10, 10, dtype=torch.bool).tril().expand_as(p)
+        want = ((p - pq).sum((0, 3)) / valid.double().sum((0, 3))).clamp_min(0)   # (heads, positions)
+        torch.testing.assert_close(site.correction.double().view(4, 10), want, rtol=1e-5, atol=1e-9)
+        # a decode step (1 query over 10 keys) uses position 9's entry; a longer sequence clamps
+        y = F.softmax(torch.randn(1, 4, 1, 10), -1)
+        assert torch.equal(site._view(site.correction, y).reshape(4), site.correction.view(4, 10)[:, 9])
+        y = F.softmax(torch.randn(1, 4, 12, 12), -1)
+        v = site._view(site.correction, y).reshape(4, 12)
+        assert torch.equal(v[:, 9:], site.correction.view(4, 10)[:, 9:10].expand(4, 3))
+
+    def test_offset_never_makes_a_probability_negative(self):
+        # rows (0.75, 0.083, 0.083, 0.083) at 3 bits: step 0.107, the small ones round up -> rounding
+        # adds mass (beta < 0 before the clamp); head 1 has rows that lose mass instead
+        g = torch.Generator().manual_seed(3)
+        up = torch.tensor([0.75, 0.25 / 3, 0.25 / 3, 0.25 / 3]).log()
+        calib = []
+        for _ in range(3):
+            x = up.expand(2, 2, 5, 4).clone() + torch.randn(2, 2, 5, 4, generator=g) * 0.02
+            x[:, 1] = torch.randn(2, 5, 4, generator=g) * 3
+            calib.append((x,))
+        qm = quantize_softmax(Probe(), calib, where="all", bits=3, progress=False)
+        site = next(iter(qm.smx_softmax_quant.sites.values()))
+        p = torch.cat([F.softmax(c[0], -1) for c in calib]).double()
+        pq = QD.quantize_per_tensor(p.float(), site._scale_f, 0, 0, 7, torch.uint8).double() * site._scale_f
+        raw = (p - pq).sum((0, 2, 3)) / (p.numel() / 2)
+        assert raw[0] < 0 < raw[1], raw                  # the case this test is about
+        assert site.correction[0] == 0 and site.correction[1] > 0
+        with torch.no_grad():
+            assert (qm(calib[0][0]) >= 0).all()
+
     def test_correction_reduces_the_row_sum_bias(self):
         calib = batches(4)
         out = {}
@@ -209,6 +311,36 @@ class TestCalibration:
                 b(x)
         assert b.smx_softmax_quant.stats()["all"]["rows"] > 0
         assert a.smx_softmax_quant.stats()["all"]["rows"] == 0
+
+    def test_pickle_round_trip(self, tmp_path):
+        calib = batches(2)
+        a = quantize_softmax(net(), calib, bits=6, progress=False)
+        torch.save(a, tmp_path / "q.pt")
+        b = torch.load(tmp_path / "q.pt", weights_only=False)
+        x = calib[0][0]
+        with torch.no_grad():
+            torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
+
+    def test_state_dict_of_other_bits_is_refused(self):
+        a = quantize_softmax(net(), batches(1), bits=8, progress=False)
+        b = quantize_softmax(net(), batches(1), bits=4, progress=False)
+        with pytest.raises(RuntimeError, match=r"saved for codes \[0, 255\].*\[0, 15\]"):
+            b.load_state_dict(a.state_dict())
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_model_compiles(self, dtype):
+        calib = [(b[0].to(dtype),) for b in batches(2)]
+        m = net().to(dtype)
+        qm = quantize_softmax(m, calib, bits=8, progress=False)
+        x = calib[0][0]
+        with torch.no_grad():
+            ref = qm(x)
+            for backend in ("inductor", "smx"):
+                torch._dynamo.reset()
+                got = torch.compile(qm, backend=backend)(x)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        torch._dynamo.reset()
 
     def test_calibration_batch_formats(self):
         class KW(nn.Module):
@@ -282,6 +414,42 @@ class TestErrors:
         with pytest.raises(ValueError, match=msg):
             quantize_softmax(net(), batches(1), progress=False, **kw)
 
+    def test_single_batch_instead_of_a_list(self):
+        with pytest.raises(ValueError, match="wrap it in a list"):
+            quantize_softmax(net(), batches(1)[0][0], progress=False)
+        with pytest.raises(ValueError, match="wrap it in a list"):
+            quantize_softmax(net(), {"x": batches(1)[0][0]}, progress=False)
+
+    def test_where_of_a_wrong_type(self):
+        with pytest.raises(ValueError, match="where must be"):
+            quantize_softmax(net(), batches(1), where=3, progress=False)
+
+    def test_graph_break_names_the_way_out(self):
+        class Talk(Attn):
+            def forward(self, x):
+                print("", end="")      # a graph break inside the attention module
+                return super().forward(x)
+
+        class Two(nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.a, self.b = Talk(), Attn()
+
+            def forward(self, x):
+                return self.b(self.a(x))
+
+        calib = batches(1)
+        try:
+            qm = quantize_softmax(Two(), calib, progress=False)
+        except ValueError as e:
+            assert "where='all'" in str(e) and "graph break" in str(e)
+        else:   # Dynamo kept the module names: then both sites must be the attention ones
+            assert sorted(qm.smx_softmax_quant.sites) == ["a#0", "b#0"]
+        qm = quantize_softmax(Two(), calib, where="all", progress=False)
+        assert sorted(qm.smx_softmax_quant.sites) == ["a#0", "b#0"]
+        assert all(s.kind == "unclassified" for s in qm.smx_softmax_quant.sites.values())
+
     def test_already_quantized(self):
         qm = quantize_softmax(net(), batches(1), progress=False)
         with pytest.raises(ValueError, match="already quantized"):
@@ -339,14 +507,15 @@ class TestCompiled:
 
 def test_torch_export_carries_the_corrected_qdq_pairs():
     calib = batches(2)
-    qm = quantize_softmax(net(), calib, bits=8, progress=False)
     x = calib[0][0]
-    ep = torch.export.export(qm, (x,), strict=False)
-    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-    assert targets.count(QD.quantize_per_tensor.default) == 2
-    assert targets.count(QD.dequantize_per_channel.default) == 2    # per-head corrected scales
-    with torch.no_grad():
-        torch.testing.assert_close(ep.module()(x), qm(x), rtol=0, atol=0)
+    for corr, dq in (("scale", QD.dequantize_per_channel.default), ("offset", QD.dequantize_per_tensor.default)):
+        qm = quantize_softmax(net(), calib, bits=8, correction=corr, progress=False)
+        ep = torch.export.export(qm, (x,), strict=False)
+        targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+        assert targets.count(QD.quantize_per_tensor.default) == 2
+        assert targets.count(dq) == 2    # scale: per-head corrected scales; offset: + beta on unmasked entries
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), qm(x), rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- real models

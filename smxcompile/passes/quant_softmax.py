@@ -82,6 +82,9 @@ class QuantMatch:
                  f"[{self.quant_min}, {self.quant_max}] {str(self.dtype).replace('torch.', '')}"]
         if self.prob_dtype is not None:
             parts.append(f"probabilities rounded to {str(self.prob_dtype).replace('torch.', '')}")
+        if self.spelling == "torch.quantize_per_tensor" and self.action == "rewritten":
+            # ATen casts NaN to an integer there (x86: the top code); the op writes zero_point
+            parts.append("NaN probabilities (all -inf or NaN rows) -> zero_point, where eager gives a platform-dependent code")
         return ", ".join(parts)
 
     def to_site(self, graph_tag: str) -> Site:
