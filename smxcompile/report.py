@@ -17,8 +17,8 @@ class Site:
     """One candidate subgraph.
 
     Attributes:
-        kind: what was found: ``attention``, ``softmax_topk``, ``softmax``, ``log_softmax``,
-            ``cross_entropy``, ``linear_cross_entropy`` (later: ``quant_softmax``).
+        kind: what was found: ``attention``, ``quant_softmax`` (softmax feeding a quantizer),
+            ``softmax_topk``, ``softmax``, ``log_softmax``, ``cross_entropy``, ``linear_cross_entropy``.
         action: ``rewritten`` (replaced by ``op``), ``kept`` (left to Inductor on
             purpose, e.g. because Inductor's own code is as fast) or ``skipped``
             (could not be rewritten safely).
