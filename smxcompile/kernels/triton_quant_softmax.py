@@ -211,18 +211,8 @@ def _check_runtime(t: torch.Tensor) -> None:
                                  import_error=_TRITON_IMPORT_ERROR, is_interpreted=_interpreted)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
+_next_pow2 = triton_runtime.next_pow2
+_sm_count = triton_runtime.sm_count
 
 
 def _plan(R: int, C: int, device: torch.device, block_size: int | None) -> tuple[int, int, bool, int]:

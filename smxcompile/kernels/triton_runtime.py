@@ -63,3 +63,19 @@ def check_runtime(t: torch.Tensor, *, what: str, module: str, triton_module: Any
         )
     if t.device.type != "cpu":
         raise RuntimeError(f"the Triton interpreter runs on CPU tensors, got a tensor on {t.device}")
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]

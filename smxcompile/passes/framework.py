@@ -200,33 +200,28 @@ class SmxPass(CustomGraphPass):
         self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
         return changed, kept
 
-    def _rewrite_quant_softmax(self, graph: Graph, prefix: str, exclude: set) -> tuple[bool, set]:
-        """Lower softmax -> quantize sites; returns (changed, nodes of the sites kept whole)."""
-        found = find_quant_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
-        kept = quant_claimed([m for m in found if m.action != "rewritten"])
+    def _rewrite_sites(self, graph: Graph, found: list, rewrite, claimed) -> tuple[bool, set]:
+        """Rewrite every ``rewritten`` match of ``found``; returns (changed, ``claimed`` nodes of the others)."""
+        kept = claimed([m for m in found if m.action != "rewritten"])
         changed = False
         for m in found:
             if m.action == "rewritten":
-                rewrite_quant_softmax(graph, m)
+                rewrite(graph, m)
                 changed = True
         if changed:
             graph.lint()
         self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
         return changed, kept
 
+    def _rewrite_quant_softmax(self, graph: Graph, prefix: str, exclude: set) -> tuple[bool, set]:
+        """Lower softmax -> quantize sites; returns (changed, nodes of the sites kept whole)."""
+        found = find_quant_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
+        return self._rewrite_sites(graph, found, rewrite_quant_softmax, quant_claimed)
+
     def _rewrite_attention(self, graph: Graph, prefix: str, exclude: set = frozenset()) -> tuple[bool, set]:
         """Rewrite the attention sites; returns (changed, nodes of the blocks the CPU policy keeps whole)."""
         found = find_attention_sites(graph, self.options, self.skip, prefix, exclude=exclude)
-        kept_whole = attention_claimed([m for m in found if m.action != "rewritten"])
-        changed = False
-        for m in found:
-            if m.action == "rewritten":
-                rewrite_attention(graph, m)
-                changed = True
-        if changed:
-            graph.lint()
-        self.report.sites.extend(m.to_site(self.graph_tag) for m in found)
-        return changed, kept_whole
+        return self._rewrite_sites(graph, found, rewrite_attention, attention_claimed)
 
     def _rewrite_softmax(self, graph: Graph, prefix: str, exclude: set = frozenset()) -> bool:
         first = find_softmax_sites(graph, self.options, self.skip, prefix, exclude=exclude)
