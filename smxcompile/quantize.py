@@ -61,6 +61,12 @@ from .report import Site
 
 _SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _QD = torch.ops.quantized_decomposed
+#: The model's own quantizers a softmax may feed (PT2E QDQ, fake quantization, quantized tensors)
+_USER_QUANTIZERS = {_QD.quantize_per_tensor: "quantized_decomposed", _QD.quantize_per_tensor.default: "quantized_decomposed",
+                    torch.fake_quantize_per_tensor_affine: "fake_quantize", torch.quantize_per_tensor: "quantize_per_tensor"}
+_USER_DEQUANTIZERS = (_QD.dequantize_per_tensor, _QD.dequantize_per_tensor.default, torch.Tensor.dequantize,
+                      torch.dequantize)
+_QTENSOR_RANGE = {torch.quint8: (torch.uint8, 0, 255), torch.qint8: (torch.int8, -128, 127)}
 CORRECTIONS = ("scale", "offset")
 GRANULARITIES = ("head", "position", "tensor")
 ATTR = "smx_softmax_quant"
@@ -106,7 +112,7 @@ class _Stats:
 class QuantSite(nn.Module):
     """One quantized softmax site: its quantizer, its correction and its statistics.
 
-    Buffers (they follow ``model.to(device)`` and appear in ``state_dict``): ``scale`` (fp32
+    Buffers (they follow ``model.to(device)`` and appear in ``state_dict``): ``scale`` (fp64
     scalar, the quantization step, probability units), ``zero_point`` (int64 scalar),
     ``correction`` (fp32, one per group: ``(heads,)``, ``(heads * positions,)`` or ``(1,)``;
     ``beta`` for ``"offset"``, ``gamma`` for ``"scale"``, zeros / ones when uncorrected) and
@@ -126,11 +132,13 @@ class QuantSite(nn.Module):
         self.heads = heads if self.head_axis is not None else 1
         self.positions = max(int(positions), 1) if self.granularity == "position" else 1
         groups = self.heads * self.positions
-        self.register_buffer("scale", torch.tensor(1.0 / (self.quant_max - self.quant_min)))
+        # fp64: the step is used as the Python float a quantizer takes (a model's own 1/15 stays 1/15)
+        self.register_buffer("scale", torch.tensor(1.0 / (self.quant_max - self.quant_min), dtype=torch.float64))
         self.register_buffer("zero_point", torch.tensor(self.quant_min, dtype=torch.int64))
         ident = 1.0 if correction == "scale" else 0.0
         self.register_buffer("correction", torch.full((groups,), ident))
-        self.register_buffer("dq_scale", self.scale * self.correction)
+        self.register_buffer("dq_scale", (self.scale * self.correction).float())
+        self.user: dict | None = None         # the model's own quantizer, when the softmax feeds one
         self.max_p = 0.0                      # observed during calibration
         self.calibrated = False
         self.stats = _Stats.zeros(groups)
@@ -194,6 +202,25 @@ class QuantSite(nn.Module):
         self.dq_scale.copy_(self.scale * (self.correction if self.method == "scale" else 1.0))
         self.calibrated = True
         self._refresh()
+
+    def use_quantizer(self, user: dict) -> None:
+        """Take the model's own quantizer (the softmax already feeds one): its step, zero point and range."""
+        self.user = dict(user)
+        self.quant_min, self.quant_max, self.qdtype = user["quant_min"], user["quant_max"], user["dtype"]
+        self.bits = max(1, (self.quant_max - self.quant_min).bit_length())
+        self.quant_range.copy_(torch.tensor([self.quant_min, self.quant_max]))
+        self.scale.fill_(user["scale"])
+        self.zero_point.fill_(user["zero_point"])
+        self.dq_scale.copy_(self.scale * (self.correction if self.method == "scale" else 1.0))
+        self._refresh()
+
+    def correct(self, out: torch.Tensor, y: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        """The correction applied to dequantized probabilities ``out`` (the model's own dequantization)."""
+        if self.method == "offset":
+            return out + self._view(self.correction, y).to(out.dtype) * unmasked(x if x is not None else y, y, self.dim)
+        if self.method == "scale":
+            return out * self._view(self.correction, y).to(out.dtype)
+        return out
 
     # -- the quantized call
 
@@ -329,6 +356,9 @@ class _SoftmaxSites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _SOFTMAX_FNS:
+            pending = self.q._pending
+            if pending is not None and args and args[0] is pending[1]:
+                return self.q._on_follow(func, args, kwargs)
             return func(*args, **kwargs)
         y = func(*args, **kwargs)
         stack = self.q._stack
@@ -381,6 +411,7 @@ class SoftmaxQuantizer(nn.Module):
         self.enabled = True
         self.collect = False
         self._stack: list[_Frame] = []
+        self._pending: tuple | None = None    # (key, tensor to watch, y, x, "quantize" | "dequantize")
         self._handles: list[Any] = []
         self._mode = _SoftmaxSites(self)
         self._depth = 0
@@ -417,7 +448,9 @@ class SoftmaxQuantizer(nn.Module):
 
     def _on_softmax(self, key: str, y: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         phase = self.phase
+        self._pending = None
         if phase == "discover":
+            self._pending = (key, y, y, args[0] if args else kwargs.get("input"), "quantize")
             if key not in self.seen:
                 x = args[0]
                 dim = _softmax_dim(args, kwargs)
@@ -428,6 +461,10 @@ class SoftmaxQuantizer(nn.Module):
             return y
         site = self._sites[_mkey(key)] if _mkey(key) in self._sites else None
         if site is None or not self.enabled:
+            return y
+        if site.user is not None:
+            # the model quantizes this softmax itself: follow its quantizer and dequantizer
+            self._pending = (key, y, y, args[0] if args else kwargs.get("input"), "quantize")
             return y
         if phase == "observe":
             with torch.no_grad():
@@ -450,6 +487,53 @@ class SoftmaxQuantizer(nn.Module):
                 site.stats.add(site.measure(y, out, x))
             return out
         return y
+
+    def _on_follow(self, func, args: tuple, kwargs: dict):
+        """A call on the tensor a softmax site handed out: the model's own quantizer, then its dequantizer."""
+        key, _, y, x, stage = self._pending
+        self._pending = None
+        out = func(*args, **kwargs)
+        if stage == "quantize":
+            kind = _USER_QUANTIZERS.get(func)
+            if kind is None:
+                return out
+            if self.phase == "discover" and "user_q" not in self.seen.get(key, {}):
+                a = list(args) + [None] * 6
+                if kind == "quantize_per_tensor":
+                    qd = kwargs.get("dtype", a[3])
+                    dtype, lo, hi = _QTENSOR_RANGE.get(qd, (None, None, None))
+                else:
+                    lo, hi = kwargs.get("quant_min", a[3]), kwargs.get("quant_max", a[4])
+                    dtype = kwargs.get("dtype", a[5]) if kind == "quantized_decomposed" else (
+                        torch.uint8 if isinstance(lo, int) and lo >= 0 else torch.int8)
+                scale, zp = kwargs.get("scale", a[1]), kwargs.get("zero_point", a[2])
+                ok = (dtype in (torch.uint8, torch.int8) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                  for v in (scale, zp, lo, hi)))
+                self.seen[key]["user_q"] = ({"spelling": kind, "scale": float(scale), "zero_point": int(zp),
+                                             "quant_min": int(lo), "quant_max": int(hi), "dtype": dtype}
+                                            if ok else {"unsupported": f"{kind} with tensor or unusual parameters"})
+            if kind == "fake_quantize":
+                return self._finish(key, y, x, out)
+            self._pending = (key, out, y, x, "dequantize")
+            return out
+        if func in _USER_DEQUANTIZERS:
+            return self._finish(key, y, x, out)
+        return out
+
+    def _finish(self, key: str, y: torch.Tensor, x, out: torch.Tensor) -> torch.Tensor:
+        """The model dequantized a quantized site's probabilities: measure, or add the correction."""
+        site = self._sites[_mkey(key)] if _mkey(key) in self._sites else None
+        if site is None or site.user is None or not self.enabled:
+            return out
+        if self.phase == "measure":
+            self._calib[site.key].add(site.measure(y, None, x))
+            return out
+        if self.phase == "quantize":
+            fixed = site.correct(out, y, x)
+            if self.collect and not torch.compiler.is_compiling():
+                site.stats.add(site.measure(y, fixed, x))
+            return fixed
+        return out
 
     # -- user API
 
@@ -567,6 +651,9 @@ def _select(where: Any, seen: dict[str, dict], named: dict[str, Site]) -> tuple[
                 skipped[key] = "not found in the traced graph (cannot tell whether it is attention)"
             elif site.kind == "attention":
                 chosen.append(key)
+            elif site.kind == "quant_softmax":
+                skipped[key] = ("the model already quantizes it (kind quant_softmax); select it by key or with "
+                                "where='all' to calibrate the correction of its own quantizer")
             else:
                 skipped[key] = f"not attention (kind {site.kind})"
         elif callable(where) and not isinstance(where, str):
@@ -698,18 +785,29 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
                 quantizer.skipped[key] = "softmax without dim= (implicit dim)"
         if not chosen:
             raise ValueError("quantize_softmax: no softmax site with an explicit dim was selected")
-        for key in chosen:
+        for key in list(chosen):
             info = quantizer.seen[key]
             kind = named[key].kind if key in named else "unclassified"
+            user = info.get("user_q")
+            if user is not None and "unsupported" in user:
+                chosen.remove(key)
+                quantizer.skipped[key] = f"the model quantizes it itself ({user['unsupported']})"
+                continue
             quantizer._sites[_mkey(key)] = QuantSite(key, kind, bits, dtype, method, granularity, info["ndim"],
                                                      info["dim"], info["heads"], positions=info["shape"][-1] if info["ndim"] else 1)
+            if user is not None:
+                quantizer._sites[_mkey(key)].use_quantizer(user)
+        if not quantizer._sites:
+            raise ValueError("quantize_softmax: no softmax site left to quantize: "
+                             + "; ".join(f"{k}: {why}" for k, why in quantizer.skipped.items()))
         # 3. observe the largest probability -> scale; 4. measure the bias -> correction
         quantizer.phase = "observe"
         with torch.no_grad():
             for b in _progress(batches, "smx calibrate (range)", progress):
                 _call(model, b)
         for s in quantizer._sites.values():
-            s.set_scale_from_max(observer)
+            if s.user is None:              # a model's own quantizer keeps its step
+                s.set_scale_from_max(observer)
         quantizer._calib = {s.key: _Stats.zeros(s.groups) for s in quantizer._sites.values()}
         quantizer.phase = "measure"
         with torch.no_grad():

@@ -353,6 +353,73 @@ class TestCalibration:
             assert len(qm.smx_softmax_quant.sites) == 1
 
 
+class UserQDQ(nn.Module):
+    """Attention whose probabilities the model quantizes itself (as a PT2E flow or hand-written QAT code would)."""
+
+    def __init__(self, spelling, d=16, heads=4):
+        super().__init__()
+        self.spelling, self.h, self.d = spelling, heads, d
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, self.d // self.h).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        p = F.softmax(s, dim=-1)
+        if self.spelling == "qd":
+            p = QD.dequantize_per_tensor(QD.quantize_per_tensor(p, 1 / 15, 0, 0, 15, torch.uint8), 1 / 15, 0, 0, 15,
+                                         torch.uint8)
+        elif self.spelling == "fake":
+            p = torch.fake_quantize_per_tensor_affine(p, 1 / 15, 0, 0, 15)
+        else:
+            p = torch.quantize_per_tensor(p, 1 / 15, 0, torch.quint8).dequantize()
+        return (p @ v).transpose(1, 2).reshape(b, t, -1)
+
+
+class TestModelsOwnQuantizer:
+    @pytest.mark.parametrize("spelling", ["qd", "fake", "qtensor"])
+    def test_correction_of_the_models_own_qdq(self, spelling):
+        torch.manual_seed(0)
+        m = UserQDQ(spelling).eval()
+        calib = batches(3)
+        with pytest.raises(ValueError, match="already quantizes it"):
+            quantize_softmax(m, calib, progress=False)
+        qm = quantize_softmax(m, calib, where="all", progress=False)
+        (site,) = qm.smx_softmax_quant.sites.values()
+        assert site.user is not None and site._scale_f == 1 / 15
+        assert (site.quant_min, site.quant_max) == ((0, 255) if spelling == "qtensor" else (0, 15))
+        # beta against a direct computation on the calibration probabilities
+        probs = []
+        with torch.no_grad():
+            for (x,) in calib:
+                b_, t_, _ = x.shape
+                q, k, v = m.qkv(x).view(b_, t_, 3, 4, 4).permute(2, 0, 3, 1, 4)
+                s = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(t_, t_, dtype=torch.bool).triu(1), float("-inf"))
+                probs.append(F.softmax(s, -1))
+        p = torch.cat(probs).double()
+        pq = torch.clamp(torch.round(p.float() * 15), 0, 15).double() / 15
+        valid = torch.ones(12, 12, dtype=torch.bool).tril().expand_as(p)
+        want = ((p - pq).sum((0, 2, 3)) / valid.double().sum((0, 2, 3))).clamp_min(0)
+        torch.testing.assert_close(site.correction.double(), want, rtol=1e-5, atol=1e-9)
+        assert (want > 0).all()
+        # the model's dequantized probabilities + beta on unmasked entries; one quantization only
+        x = calib[0][0]
+        with torch.no_grad():
+            ref = m(x)
+            out = qm(x)
+            assert (out - ref).abs().max() > 1e-4
+            with qm.smx_softmax_quant.collecting():
+                qm(x)
+            st = qm.smx_softmax_quant.stats()["all"]
+            assert abs(st["mean_rowsum"] - 1) < abs(st["mean_abs_rowsum_err_uncorrected"])
+            torch._dynamo.reset()
+            got = torch.compile(qm, backend="smx", options={"cpu": "rewrite"})(x)
+            torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
+            rep = smxcompile.last_report()
+            assert rep.count(kind="quant_softmax", action="rewritten") == 1, str(rep)
+        torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- site selection
 
 
