@@ -66,7 +66,12 @@ def test_quick_end_to_end(tmp_path):
     v = doc["verdict"]
     assert set(v) >= {"goal_8bit_within_1pct", "goal_correction_beats_none", "ranking_by_bits"}
     assert "| q |" not in doc["table_markdown"] and "| run | 8 | scale/head |" in doc["table_markdown"]
-    assert (tmp_path / "q.png").stat().st_size > 10_000
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:     # the [bench] extra; CI installs [test] only
+        assert (tmp_path / "q.png").stat().st_size > 10_000
+    else:
+        assert not (tmp_path / "q.png").exists()
 
 
 def test_missing_checkpoint_fails_clearly(tmp_path):
