@@ -18,7 +18,6 @@ from expecttest import TestCase
 
 import smxcompile
 from smxcompile.options import SmxOptions
-from smxcompile.passes import SmxPass
 from test_softmax_pass import rewrite
 
 QD = torch.ops.quantized_decomposed
