@@ -59,7 +59,8 @@ class Site:
 class Report:
     """The list of :class:`Site` s found in a model, printable as a table.
 
-    ``print(report)`` shows a table; ``report.to_dict()`` gives JSON-ready data;
+    ``print(report)`` shows a table (its ``site`` column is :attr:`Site.key`, the name
+    :func:`smxcompile.quantize_softmax` takes in ``where=[...]``); ``report.to_dict()`` gives JSON-ready data;
     ``len(report)``, iteration and ``report.count(kind=..., action=...)`` help tests.
     """
 
@@ -100,13 +101,14 @@ class Report:
             lines = ["smxcompile report: no softmax-shaped sites found"]
             lines += [f"note: {n}" for n in self.notes]
             return "\n".join(lines)
-        cols = ["#", "graph", "kind", "action", "op", "location", "detail / reason"]
+        cols = ["#", "graph", "kind", "action", "op", "site", "location", "detail / reason"]
         rows = []
         for i, s in enumerate(self.sites):
             why = s.reason if s.action != "rewritten" else s.detail
             if s.action != "rewritten" and s.detail:
                 why = f"{s.reason} [{s.detail}]"
-            rows.append([str(i), s.graph, s.kind, s.action, s.op or "-", _short_location(s.location), why])
+            site = s.key if s.index >= 0 else (s.module or "-")
+            rows.append([str(i), s.graph, s.kind, s.action, s.op or "-", site, _short_location(s.location), why])
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
         widths[-1] = len(cols[-1])  # last column is free text
         fmt = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731

@@ -1,0 +1,470 @@
+"""The registry of normalization variants (swap targets for softmax): ALGORITHMS.md section 2.
+
+Each :class:`Variant` is a function of a score row: ``variant.apply(x, dim=-1, mask=None, **params)``
+maps a floating tensor ``x`` to weights of the same shape and dtype, normalizing along ``dim``.
+It is a plain torch reference (autograd runs through its ops), with the variant's formula, its
+paper, its parameters (``variant.params``) and their initialisation for a model trained with
+softmax (``variant.init_params(n_train, shape)``, chosen so the swap starts as close to softmax as
+the variant allows).
+
+Conventions shared by every variant's ``apply``:
+
+* ``x``: any floating dtype (fp16, bf16, fp32, fp64), any shape with at least one dimension.
+  fp16/bf16/fp32 are computed in fp32, fp64 in fp64; the result has ``x``'s dtype and shape.
+* ``mask``: optional bool tensor broadcastable to ``x``, True = keep. A masked entry gives exactly 0
+  and acts as if its column were deleted from the row (the row length ``n`` used by the
+  length-dependent variants counts only kept entries; values at masked positions, NaN and inf
+  included, are never read). A row with every entry masked gives zeros, never NaN, and zero gradients.
+* Parameters: Python numbers or tensors broadcastable to ``x`` with size 1 along ``dim`` (one value
+  per row, e.g. ``(H, 1, 1)`` per head for ``x`` of shape ``(B, H, L, S)``); tensors may require grad.
+  A parameter left out takes its default (see ``Variant.params``).
+* NaN in a kept entry propagates as torch's own ops propagate it (usually NaN for the row).
+
+Registry: :func:`names`, :func:`get`, :func:`register` (users add their own :class:`Variant`),
+:func:`unregister`. The variants covered by the attention kernel's normalizers reuse those
+reference functions (:data:`smxcompile.kernels.attention.NORMALIZERS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+
+from .kernels.attention import NORMALIZERS
+
+__all__ = [
+    "Variant",
+    "ParamSpec",
+    "UnknownVariantError",
+    "names",
+    "get",
+    "register",
+    "unregister",
+]
+
+
+class UnknownVariantError(KeyError):
+    """Raised by :func:`get` / :func:`unregister` for a name not in the registry (a ``KeyError``)."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class ParamSpec(NamedTuple):
+    """One parameter of a variant.
+
+    ``doc``: what it is and its default when ``apply`` is called without it; ``init``: the rule
+    :meth:`Variant.init_params` uses for a model pretrained with softmax, in words; ``learnable``:
+    whether :meth:`Variant.init_params` returns it (meant to become an ``nn.Parameter``).
+    """
+
+    doc: str
+    init: str
+    learnable: bool = True
+
+
+def _no_init(n_train: int | None) -> dict[str, float]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One normalization variant.
+
+    Fields:
+        name: registry name.
+        formula: the definition in one line (``x`` the row, ``n`` its number of kept entries).
+        paper: the source.
+        params: parameter name -> :class:`ParamSpec`.
+        fn: the core, ``fn(x, keep, n, **params) -> w``: ``x`` fp32/fp64 with the normalized dim last;
+            ``keep`` bool broadcastable to ``x`` (True = keep) or None; ``n`` float ``(..., 1)``
+            broadcastable to ``x``, the kept entries per row (at least 1); each parameter a tensor
+            of ``x``'s dtype broadcastable to ``x`` with size 1 in the last dim, or None when not
+            given (the core picks its default). It returns ``w`` of ``x``'s shape; :meth:`apply`
+            zeroes masked entries afterwards, so a user's core need not.
+        init: ``init(n_train) -> {name: float}``, the pretrained-start values of the learnable
+            parameters; raises ``ValueError`` when it needs ``n_train`` and gets None.
+
+    Users register their own with :func:`register`.
+    """
+
+    name: str
+    formula: str
+    paper: str
+    params: Mapping[str, ParamSpec]
+    fn: Callable[..., torch.Tensor]
+    init: Callable[[int | None], Mapping[str, float]] = field(default=_no_init)
+
+    def apply(self, x: torch.Tensor, dim: int = -1, *, mask: torch.Tensor | None = None, **params) -> torch.Tensor:
+        """Apply the variant to ``x`` along ``dim``.
+
+        Args:
+            x: floating tensor (fp16, bf16, fp32 or fp64), at least 1-d.
+            dim: the dimension normalized over.
+            mask: bool tensor broadcastable to ``x``, True = keep; masked entries give exactly 0 and
+                act as if removed from the row. A fully masked row gives zeros (never NaN).
+            **params: the variant's parameters (``self.params``): numbers or tensors broadcastable to
+                ``x`` with size 1 along ``dim``. Omitted ones take their defaults.
+
+        Returns:
+            a tensor of ``x``'s shape and dtype (computed in fp32; fp64 for fp64 input).
+
+        Raises:
+            TypeError: ``x`` not a floating tensor, ``mask`` not bool, or an unknown parameter name.
+            ValueError: a parameter that does not broadcast per row, or out of its domain
+                (e.g. entmax_bisect's ``alpha < 1``); a mask that does not broadcast to ``x``.
+            IndexError: ``dim`` out of range.
+        """
+        return _apply(self, x, dim, mask, params)
+
+    def init_params(self, n_train: int | None = None, shape: tuple[int, ...] | torch.Size = ()) -> dict[str, torch.Tensor]:
+        """The learnable parameters' values for a swap on a model pretrained with softmax.
+
+        Args:
+            n_train: the training context length (the number of keys ``n`` a row saw in training);
+                needed by the length-dependent variants (ssmax, sigmoid, relu, softplus).
+            shape: shape of each returned tensor (e.g. ``(H, 1, 1)`` for one value per head).
+
+        Returns:
+            ``{name: fp32 tensor of shape ``shape``}``, one entry per learnable parameter (empty for
+            variants without one), ready to wrap in ``nn.Parameter``.
+
+        Raises:
+            ValueError: ``n_train`` needed but None, or not a positive integer where it is needed.
+        """
+        values = self.init(n_train)
+        return {k: torch.full(tuple(shape), float(v), dtype=torch.float32) for k, v in values.items()}
+
+
+# --------------------------------------------------------------------------------------
+# the shared wrapper
+# --------------------------------------------------------------------------------------
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _param(name: str, v, x: torch.Tensor, dim: int, ct: torch.dtype) -> torch.Tensor | None:
+    if v is None:
+        return None
+    if not isinstance(v, torch.Tensor):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"parameter {name!r} must be a number or a tensor, got {type(v).__name__}")
+        return torch.tensor(float(v), dtype=ct, device=x.device)
+    if v.dim() > x.dim():
+        raise ValueError(f"parameter {name!r} of shape {tuple(v.shape)} has more dims than x {tuple(x.shape)}")
+    v = v.reshape((1,) * (x.dim() - v.dim()) + tuple(v.shape))
+    try:
+        torch.broadcast_shapes(v.shape, x.shape)
+    except RuntimeError as e:
+        raise ValueError(f"parameter {name!r} of shape {tuple(v.shape)} does not broadcast to x {tuple(x.shape)}") from e
+    if v.shape[dim] != 1:
+        raise ValueError(f"parameter {name!r} must have size 1 along dim {dim} (one value per row), "
+                         f"got shape {tuple(v.shape)}")
+    return v.to(device=x.device, dtype=ct).movedim(dim, -1)
+
+
+def _apply(variant: Variant, x: torch.Tensor, dim: int, mask, params: dict) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        raise TypeError(f"{variant.name}: x must be a floating tensor (fp16, bf16, fp32, fp64), got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() == 0:
+        raise IndexError(f"{variant.name}: x must have at least one dimension")
+    dim = dim + x.dim() if dim < 0 else dim
+    if not 0 <= dim < x.dim():
+        raise IndexError(f"{variant.name}: dim out of range for x of shape {tuple(x.shape)}")
+    unknown = sorted(set(params) - set(variant.params))
+    if unknown:
+        raise TypeError(f"{variant.name}: unknown parameter(s) {', '.join(unknown)}; "
+                        f"accepted: {', '.join(variant.params) or 'none'}")
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    keep = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"{variant.name}: mask must be a bool tensor (True = keep)")
+        try:
+            keep = torch.broadcast_to(mask.to(x.device), x.shape).movedim(dim, -1)
+        except RuntimeError as e:
+            raise ValueError(f"{variant.name}: mask of shape {tuple(mask.shape)} does not broadcast to "
+                             f"x of shape {tuple(x.shape)}") from e
+    ps = {k: _param(k, v, x, dim, ct) for k, v in params.items()}
+    if x.shape[dim] == 0:
+        return torch.zeros_like(x)
+    xs = x.movedim(dim, -1).to(ct)
+    if keep is None:
+        n = torch.full((1,) * xs.dim(), float(xs.shape[-1]), dtype=ct, device=x.device)
+    else:
+        n = keep.sum(-1, keepdim=True).to(ct).clamp(min=1.0)
+    w = variant.fn(xs, keep, n, **ps)
+    if keep is not None:
+        w = torch.where(keep, w, 0.0)
+    return w.to(x.dtype).movedim(-1, dim)
+
+
+# --------------------------------------------------------------------------------------
+# cores
+# --------------------------------------------------------------------------------------
+
+
+def _k(t: torch.Tensor, keep, fill: float) -> torch.Tensor:
+    return t if keep is None else torch.where(keep, t, fill)
+
+
+def _safe_den(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d > 0, d, 1.0)
+
+
+_softmax = NORMALIZERS["softmax"].ref
+
+
+def _wrap(name: str, pname: str | None = None):
+    ref = NORMALIZERS[name].ref
+    if pname is None:
+        return lambda x, keep, n: ref(x, keep, n, None)
+    return lambda x, keep, n, **p: ref(x, keep, n, p.get(pname))
+
+
+def _ssmax(x, keep, n, s=None):
+    return NORMALIZERS["ssmax"].ref(x, keep, n, s)
+
+
+def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
+    """alpha-entmax by bisection on tau; alpha == 1 is softmax exactly (per row)."""
+    if alpha is None:
+        alpha = torch.tensor(1.5, dtype=x.dtype, device=x.device)
+    if bool((alpha < 1).any()) or bool(torch.isnan(alpha).any()):
+        raise ValueError("entmax_bisect: alpha must be >= 1 (1 = softmax, 1.5 = 1.5-entmax, 2 = sparsemax)")
+    is_one = alpha == 1
+    if bool(is_one.all()):
+        return _softmax(x, keep, n, None)
+    a = torch.where(is_one, 1.5, alpha)  # the entmax branch for alpha == 1 rows is discarded below
+    am1 = a - 1.0
+    inv = 1.0 / am1
+    z = _k(x, keep, float("-inf"))
+    m = z.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    xa = _k((x - m) * am1, keep, 0.0)  # row max at 0; masked entries 0 here and excluded below
+
+    def mass(tau, xa_, am1_inv):
+        u = xa_ - tau
+        pos = u > 0
+        if keep is not None:
+            pos = pos & keep
+        us = torch.where(pos, u, 1.0)
+        return torch.where(pos, us ** am1_inv, 0.0), pos, us
+
+    with torch.no_grad():
+        xd, invd, am1d = xa.detach(), inv.detach(), am1.detach()
+        # max of the row is 0: tau in [-1, -(1/n)^(alpha-1)]
+        lo = torch.full_like(xd[..., :1], -1.0) + torch.zeros_like(am1d)
+        hi = -(1.0 / n) ** am1d
+        for _ in range(n_iter):
+            mid = (lo + hi) * 0.5
+            f = mass(mid, xd, invd)[0].sum(-1, keepdim=True)
+            big = f >= 1.0
+            lo = torch.where(big, mid, lo)
+            hi = torch.where(big, hi, mid)
+        tau0 = (lo + hi) * 0.5
+    # implicit-function gradient for tau: g(x, alpha, tau) = sum p = 1 at the solution, so
+    # dtau = -(dg/dx dx + dg/dalpha dalpha) / (dg/dtau); the value stays tau0.
+    p, pos, us = mass(tau0, xa, inv)
+    g = p.sum(-1, keepdim=True)
+    dg_dtau = -(torch.where(pos, inv.detach() * us.detach() ** (inv.detach() - 1.0), 0.0)).sum(-1, keepdim=True)
+    dg_dtau = torch.where(dg_dtau != 0, dg_dtau, -1.0)
+    tau = tau0 - (g - g.detach()) / dg_dtau
+    p, _, _ = mass(tau, xa, inv)
+    w = p / _safe_den(p.sum(-1, keepdim=True))
+    if bool(is_one.any()):
+        w = torch.where(is_one, _softmax(x, keep, n, None), w)
+    return w
+
+
+_MULTIMAX = ("r0", "r1", "r2", "r3", "t0", "t1", "t2", "t3")
+
+
+def _multimax(x, keep, n, **p):
+    v = {k: (p.get(k) if p.get(k) is not None else torch.zeros((), dtype=x.dtype, device=x.device)) for k in _MULTIMAX}
+    z = _k(x, keep, 0.0)
+    sig = (z + v["t0"] * torch.relu(v["r0"] - z) + v["t1"] * torch.relu(z - v["r1"])
+           + v["t2"] * torch.relu(v["r2"] - z) ** 2 + v["t3"] * torch.relu(z - v["r3"]) ** 2)
+    return _softmax(sig, keep, n, None)
+
+
+def _sa_softmax(x, keep, n):
+    z = _k(x, keep, 0.0)
+    lo = _k(x, keep, float("inf")).amin(-1, keepdim=True).clamp(max=0.0)
+    hi = _k(x, keep, float("-inf")).amax(-1, keepdim=True).clamp(min=0.0)
+    lo = torch.where(torch.isfinite(lo), lo, 0.0)
+    hi = torch.where(torch.isfinite(hi), hi, 0.0)
+    scale = (z - lo) / _safe_den(hi - lo)
+    return scale * _softmax(x, keep, n, None)
+
+
+def _stablemax(x, keep, n):
+    z = _k(x, keep, 0.0)
+    s = torch.where(z >= 0, z.clamp(min=0.0) + 1.0, 1.0 / (1.0 - z.clamp(max=0.0)))
+    s = _k(s, keep, 0.0)
+    return s / _safe_den(s.sum(-1, keepdim=True))
+
+
+#: The published polynomial fit of "softmax is not enough" (Velickovic et al., 2024), highest power first.
+_ADAPTIVE_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
+
+
+def _adaptive_temperature(x, keep, n):
+    p = _softmax(x, keep, n, None)
+    h = -(p * torch.log(p.clamp(min=torch.finfo(p.dtype).tiny))).sum(-1, keepdim=True)
+    poly = torch.zeros_like(h)
+    for c in _ADAPTIVE_POLY:
+        poly = poly * h + c
+    beta = torch.where(h > 0.5, poly.clamp(min=1.0), torch.ones_like(h))
+    return _softmax(_k(x, keep, 0.0) * beta, keep, n, None)
+
+
+def _temperature(x, keep, n, T=None):
+    z = _k(x, keep, 0.0)
+    return _softmax(z if T is None else z / T, keep, n, None)
+
+
+# --------------------------------------------------------------------------------------
+# pretrained-start rules
+# --------------------------------------------------------------------------------------
+
+
+def _need_n(name: str, n_train) -> int:
+    if n_train is None:
+        raise ValueError(f"{name}: init_params needs n_train, the training context length (keys per row)")
+    if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1:
+        raise ValueError(f"{name}: n_train must be a positive int, got {n_train!r}")
+    return n_train
+
+
+def _ssmax_init(n_train):
+    n = _need_n("ssmax", n_train)
+    if n < 2:
+        raise ValueError("ssmax: n_train must be >= 2 (s = 1/log(n_train))")
+    return {"s": 1.0 / math.log(n)}
+
+
+def _const(**values):
+    return lambda n_train: dict(values)
+
+
+# --------------------------------------------------------------------------------------
+# the registry
+# --------------------------------------------------------------------------------------
+
+_N = NORMALIZERS
+
+_BUILTINS: tuple[Variant, ...] = (
+    Variant("sparsemax", "max(x_i - tau, 0), tau such that the row sums to 1 (sort-based)",
+            _N["sparsemax"].paper, {}, _wrap("sparsemax")),
+    Variant("entmax15", "max(x_i / 2 - tau, 0)^2, tau such that the row sums to 1 (sort-based)",
+            _N["entmax15"].paper, {}, _wrap("entmax15")),
+    Variant("entmax_bisect",
+            "max((alpha - 1) x_i - tau, 0)^(1 / (alpha - 1)), tau by bisection so the row sums to 1; "
+            "alpha = 1 is softmax, alpha = 2 sparsemax",
+            "Peters, Niculae & Martins, 'Sparse Sequence-to-Sequence Models' (2019); Correia, Niculae & "
+            "Martins, 'Adaptively Sparse Transformers' (2019)",
+            {"alpha": ParamSpec("alpha >= 1, default 1.5 (1 gives softmax exactly)",
+                                "1.5 (alpha = 1 would reproduce softmax but is not sparse)")},
+            _entmax_bisect, _const(alpha=1.5)),
+    Variant("softpick", _N["softpick"].formula, _N["softpick"].paper,
+            {"eps": ParamSpec("eps in the denominator, default 1e-6", "1e-6, not trained", learnable=False)},
+            _wrap("softpick", "eps")),
+    Variant("ssmax", "softmax((s * log n) * x), n the kept entries of the row",
+            _N["ssmax"].paper,
+            {"s": ParamSpec("scale s (learnable per layer/head), default 1.0",
+                            "1 / log(n_train), so the swap equals softmax at the training length")},
+            _ssmax, _ssmax_init),
+    Variant("multimax",
+            "softmax(sigma(x)), sigma(x) = x + t0 relu(r0 - x) + t1 relu(x - r1) + t2 relu(r2 - x)^2 "
+            "+ t3 relu(x - r3)^2",
+            "Zhou et al., 'MultiMax: Sparse and Multi-Modal Attention Learning' (2024)",
+            {**{f"r{i}": ParamSpec(f"breakpoint r{i}, default 0", "0") for i in range(4)},
+             **{f"t{i}": ParamSpec(f"slope t{i}, default 0", "0 (sigma is the identity: softmax)") for i in range(4)}},
+            _multimax, _const(**{k: 0.0 for k in _MULTIMAX})),
+    Variant("sa_softmax",
+            "((x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0))) * softmax(x) (normalized self-adjusting "
+            "softmax; 0 for a row whose entries are all 0)",
+            "'Self-Adjusting Softmax' (SA-Softmax, 2025), normalized form of ALGORITHMS.md section 2", {}, _sa_softmax),
+    Variant("softmax1", _N["softmax1"].formula, _N["softmax1"].paper, {}, _wrap("softmax1")),
+    Variant("sigmoid", "sigmoid(x_i + b)", _N["sigmoid"].paper,
+            {"b": ParamSpec("bias b, default -log(n) per row", "-log(n_train)")},
+            _wrap("sigmoid", "b"), lambda n: {"b": -math.log(_need_n("sigmoid", n))}),
+    Variant("relu", "relu(x_i) * c", _N["relu"].paper,
+            {"c": ParamSpec("scale c, default 1/n per row", "1 / n_train")},
+            _wrap("relu", "c"), lambda n: {"c": 1.0 / _need_n("relu", n)}),
+    Variant("softplus", "softplus(c x_i) / sum_j softplus(c x_j)", _N["softplus"].paper,
+            {"c": ParamSpec("scale c, default log(max(n, 2)) per row", "log(max(n_train, 2))")},
+            _wrap("softplus", "c"), lambda n: {"c": math.log(max(_need_n("softplus", n), 2))}),
+    Variant("stablemax", "s(x_i) / sum_j s(x_j), s(x) = x + 1 for x >= 0, 1 / (1 - x) for x < 0",
+            "Prieto, Barsbey, Mediano & Birdal, 'Grokking at the Edge of Numerical Stability' (2025)",
+            {}, _stablemax),
+    Variant("adaptive_temperature",
+            "softmax(beta x), beta = max(poly(H), 1) if H > 0.5 else 1, H the entropy (nats) of softmax(x), "
+            "poly(H) = -0.037 H^4 + 0.481 H^3 - 2.3 H^2 + 4.917 H - 1.791; gradients flow through beta",
+            "Velickovic, Perivolaropoulos, Barbero & Pascanu, 'softmax is not enough (for sharp out-of-"
+            "distribution)' (2024)", {}, _adaptive_temperature),
+    Variant("temperature", "softmax(x / T)", "temperature scaling (e.g. Hinton, Vinyals & Dean, 'Distilling the "
+            "Knowledge in a Neural Network', 2015)",
+            {"T": ParamSpec("temperature T > 0, default 1", "1 (softmax)")}, _temperature, _const(T=1.0)),
+)
+
+_REGISTRY: dict[str, Variant] = {v.name: v for v in _BUILTINS}
+
+
+def names() -> list[str]:
+    """Registry names in order: the built-ins (``sparsemax``, ``entmax15``, ``entmax_bisect``,
+    ``softpick``, ``ssmax``, ``multimax``, ``sa_softmax``, ``softmax1``, ``sigmoid``, ``relu``,
+    ``softplus``, ``stablemax``, ``adaptive_temperature``, ``temperature``), then user-registered
+    variants in registration order. Returns a new list of str; raises nothing."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Variant:
+    """The :class:`Variant` registered as ``name``.
+
+    Raises:
+        UnknownVariantError (a ``KeyError``): ``name`` is not registered; the message lists the names.
+    """
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnknownVariantError(f"unknown variant {name!r}; known: {', '.join(_REGISTRY)}") from None
+
+
+def register(variant: Variant, *, overwrite: bool = False) -> Variant:
+    """Add a user's :class:`Variant` to the registry (under ``variant.name``) and return it.
+
+    Its ``fn`` follows the core convention documented on :class:`Variant`; ``apply`` then gives it
+    the shared dtype, dim, mask and parameter handling.
+
+    Raises:
+        TypeError: ``variant`` is not a :class:`Variant`, or its ``fn``/``init`` is not callable.
+        ValueError: ``variant.name`` is empty or not a str, or is already registered and
+            ``overwrite`` is False (with ``overwrite=True`` it replaces the entry in place).
+    """
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register expects a smxcompile.variants.Variant, got {type(variant).__name__}")
+    if not isinstance(variant.name, str) or not variant.name:
+        raise ValueError("a variant needs a non-empty str name")
+    if not callable(variant.fn) or not callable(variant.init):
+        raise TypeError(f"variant {variant.name!r}: fn and init must be callable")
+    if variant.name in _REGISTRY and not overwrite:
+        raise ValueError(f"variant {variant.name!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def unregister(name: str) -> Variant:
+    """Remove ``name`` from the registry and return its :class:`Variant` (built-ins included).
+
+    Raises:
+        UnknownVariantError (a ``KeyError``): ``name`` is not registered.
+    """
+    v = get(name)
+    del _REGISTRY[name]
+    return v
