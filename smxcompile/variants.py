@@ -144,6 +144,9 @@ class Variant:
 # --------------------------------------------------------------------------------------
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Parameters that must be > 0 when given as Python numbers (tensors are not checked: that would
+#: read their values, a graph break under torch.compile).
+_POSITIVE = {"temperature": ("T",)}
 
 
 def _param(name: str, v, x: torch.Tensor, dim: int, ct: torch.dtype) -> torch.Tensor | None:
@@ -189,6 +192,10 @@ def _apply(variant: Variant, x: torch.Tensor, dim: int, mask, params: dict) -> t
         except RuntimeError as e:
             raise ValueError(f"{variant.name}: mask of shape {tuple(mask.shape)} does not broadcast to "
                              f"x of shape {tuple(x.shape)}") from e
+    for k in _POSITIVE.get(variant.name, ()):
+        v = params.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{variant.name}: parameter {k!r} must be a finite number > 0, got {v!r}")
     ps = {k: _param(k, v, x, dim, ct) for k, v in params.items()}
     if x.shape[dim] == 0:
         return torch.zeros_like(x)

@@ -369,3 +369,9 @@ def test_overwrite_builtin_keeps_position():
     finally:
         V.register(orig, overwrite=True)
     assert V.get("temperature") is orig
+
+
+@pytest.mark.parametrize("T", [0, -1.0, float("inf"), float("nan")])
+def test_temperature_must_be_positive(T):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        V.get("temperature").apply(torch.randn(2, 5), T=T)
