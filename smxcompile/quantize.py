@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
 
+from .kernels.quant_softmax import QUANT_RANGES
 from .report import Site
 
 _SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
@@ -66,7 +67,8 @@ _USER_QUANTIZERS = {_QD.quantize_per_tensor: "quantized_decomposed", _QD.quantiz
                     torch.fake_quantize_per_tensor_affine: "fake_quantize", torch.quantize_per_tensor: "quantize_per_tensor"}
 _USER_DEQUANTIZERS = (_QD.dequantize_per_tensor, _QD.dequantize_per_tensor.default, torch.Tensor.dequantize,
                       torch.dequantize)
-_QTENSOR_RANGE = {torch.quint8: (torch.uint8, 0, 255), torch.qint8: (torch.int8, -128, 127)}
+_QTENSOR_RANGE = {torch.quint8: (torch.uint8, *QUANT_RANGES[torch.uint8]),
+                  torch.qint8: (torch.int8, *QUANT_RANGES[torch.int8])}
 CORRECTIONS = ("scale", "offset")
 GRANULARITIES = ("head", "position", "tensor")
 ATTR = "smx_softmax_quant"
@@ -77,7 +79,7 @@ ATTR = "smx_softmax_quant"
 
 def quant_range(bits: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(quant_min, quant_max)`` of a ``bits``-bit code stored in ``dtype`` (uint8: unsigned, int8: signed)."""
-    if dtype not in (torch.uint8, torch.int8):
+    if dtype not in QUANT_RANGES:
         raise ValueError(f"dtype must be torch.uint8 or torch.int8, got {dtype}")
     if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
         raise ValueError(f"bits must be an int in 2..8, got {bits!r}")
@@ -241,17 +243,14 @@ class QuantSite(nn.Module):
         shape[self.head_axis] = -1
         return t.reshape(shape)
 
-    def _group_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Group of every row (``rows``: ``y`` without the softmax dim), for the calibration sums."""
+    def _group_ids(self, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Group of every row of ``y`` (``rows``: a tensor of ``y``'s shape without the softmax dim)."""
         if self.head_axis is None:
             return torch.zeros(rows.shape, dtype=torch.int64, device=rows.device)
         h = torch.arange(self.heads, device=rows.device).view(1, -1, 1)
         if self.positions == 1:
             return h.expand(rows.shape)
-        nq = rows.shape[2]
-        nk = self._keys
-        pos = torch.arange(nk - nq, nk, device=rows.device).clamp(0, self.positions - 1).view(1, 1, -1)
-        return (h * self.positions + pos).expand(rows.shape)
+        return (h * self.positions + self._positions_of(y).view(1, 1, -1)).expand(rows.shape)
 
     def quantize(self, y: torch.Tensor) -> torch.Tensor:
         """The integer codes of probabilities ``y`` (shape of ``y``, dtype uint8/int8)."""
@@ -300,9 +299,7 @@ class QuantSite(nn.Module):
             rows_p = torch.where(ok, y, 0).sum(dim)
             rows_q = torch.where(ok, qd, 0).sum(dim)
             rows_o = torch.where(ok, o, 0).sum(dim)
-            if y.dim() == 4:
-                self._keys = y.shape[3]
-            g = self._group_ids(okr).reshape(-1)
+            g = self._group_ids(y, okr).reshape(-1)
 
             def red(t: torch.Tensor) -> torch.Tensor:
                 return torch.zeros(self.groups, dtype=torch.float64, device=t.device).index_add_(0, g, t.reshape(-1)).cpu()
@@ -405,7 +402,6 @@ class SoftmaxQuantizer(nn.Module):
         super().__init__()
         self._sites = nn.ModuleDict()
         self.skipped: dict[str, str] = {}
-        self.kinds: dict[str, str] = {}
         self.seen: dict[str, dict[str, Any]] = {}
         self.phase = "off"        # discover | observe | measure | quantize | off
         self.enabled = True
@@ -414,7 +410,6 @@ class SoftmaxQuantizer(nn.Module):
         self._pending: tuple | None = None    # (key, tensor to watch, y, x, "quantize" | "dequantize")
         self._handles: list[Any] = []
         self._mode = _SoftmaxSites(self)
-        self._depth = 0
 
     @property
     def sites(self) -> dict[str, QuantSite]:
@@ -457,7 +452,7 @@ class SoftmaxQuantizer(nn.Module):
                 nd = y.dim()
                 d = dim + nd if isinstance(dim, int) and dim < 0 else dim
                 self.seen[key] = {"ndim": nd, "dim": d, "shape": tuple(y.shape), "dtype": y.dtype,
-                                  "heads": int(y.shape[1]) if nd == 4 else 0, "input_dtype": getattr(x, "dtype", None)}
+                                  "heads": int(y.shape[1]) if nd == 4 else 0}
             return y
         site = self._sites[_mkey(key)] if _mkey(key) in self._sites else None
         if site is None or not self.enabled:
@@ -635,8 +630,6 @@ def _select(where: Any, seen: dict[str, dict], named: dict[str, Site]) -> tuple[
     """Keys of the runtime sites chosen by ``where``, and reasons for the others."""
     chosen: list[str] = []
     skipped: dict[str, str] = {}
-    if isinstance(where, str) and where not in ("attention", "all"):
-        raise ValueError(f"where must be 'attention', 'all', a predicate over smxcompile.Site or a list of site keys, got {where!r}")
     keys = None if isinstance(where, str) or callable(where) else set(where)
     if keys is not None:
         unknown = sorted(keys - set(seen))

@@ -54,6 +54,7 @@ import os
 import torch
 
 from smxcompile.kernels import triton_runtime  # absolute: tests also load this file on its own
+from smxcompile.kernels.quant_softmax import QUANT_RANGES as _QUANT_RANGES, _FP32_MAX
 from smxcompile.kernels.triton_softmax import _row_layout
 
 try:  # triton is optional: smxcompile must import without it.
@@ -76,10 +77,8 @@ LOOP_BLOCK = 4096
 _ROWS_TILE_ELEMS = 4096
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_QUANT_RANGES = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
 #: prob_dtype -> the kernel's PROB constexpr (0: no rounding: fp32 probabilities, or fp64 which holds them exactly).
 _PROB_CODES = {None: 0, torch.float32: 0, torch.float64: 0, torch.float16: 1, torch.bfloat16: 2}
-_FP32_MAX = 3.4028234663852886e38
 
 
 # --------------------------------------------------------------------------------------
@@ -87,17 +86,7 @@ _FP32_MAX = 3.4028234663852886e38
 # --------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def _row_offset(rows, row_ok, rows_ptr, s0, n1, s1, MODE: tl.constexpr):
-        """int64 element offset of each row in ``rows`` (int64 [ROWS])."""
-        if MODE == 0:
-            off = rows * s0
-        elif MODE == 1:
-            off = (rows // n1) * s0 + (rows % n1) * s1
-        else:
-            off = tl.load(rows_ptr + rows, mask=row_ok, other=0)
-        return off.to(tl.int64)
+    from smxcompile.kernels.triton_softmax import _row_offset  # the row-layout modes _row_layout returns
 
     @triton.jit
     def _load_z(x_ptr, x_off, x_cs, cols, ok, logit_scale, HAS_SCALE: tl.constexpr):

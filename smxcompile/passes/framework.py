@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -97,8 +98,6 @@ def module_path(node: Node) -> tuple[str, str]:
 
 def normalize_module_path(path: str) -> str:
     """Dynamo's ``L['self'].layers[0]._modules['attn']`` / ``L['args'][0].h.0.attn`` -> ``layers.0.attn``."""
-    import re
-
     p = re.sub(r"^L\['[^']*'\](\[[^\]]*\])*", "", path)   # L['self'], L['args'][0] (a wrapped forward)
     p = re.sub(r"\._modules\['([^']*)'\]", r".\1", p)
     p = re.sub(r"\['([^']*)'\]", r".\1", p)

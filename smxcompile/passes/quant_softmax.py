@@ -37,6 +37,7 @@ from torch.fx import Graph, Node
 
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
 
+from ..kernels.quant_softmax import QUANT_RANGES
 from ..options import SmxOptions
 from ..report import Site, user_location
 from .graph_utils import cast_dtype, erase_dead, replace_anchor, stack_trace, tensor_val
@@ -46,7 +47,7 @@ _QD = torch.ops.quantized_decomposed
 _QUANTIZE = {_QD.quantize_per_tensor, _QD.quantize_per_tensor.default}
 _FAKE = {torch.fake_quantize_per_tensor_affine}
 _TORCH_Q = {torch.quantize_per_tensor}
-_INT_DTYPES = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+_INT_DTYPES = QUANT_RANGES
 _QTENSOR = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -264,27 +265,12 @@ def rewrite_quant_softmax(graph: Graph, m: QuantMatch) -> None:
             out = graph.call_function(_QD.dequantize_per_tensor.default,
                                       (call, float(m.scale), int(m.zero_point), int(m.quant_min), int(m.quant_max), m.dtype),
                                       kw)
-    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        src = m.softmax if m.softmax is not None else m.anchor
-        if k in src.meta:
-            call.meta[k] = src.meta[k]
-            out.meta[k] = src.meta[k]
     xv = tensor_val(m.x)
-    if xv is not None:
-        fake = torch.empty_like(xv, dtype=m.dtype, memory_format=torch.contiguous_format)
-        call.meta["example_value"] = fake
-        if out is not call:
-            out.meta["example_value"] = torch.empty_like(xv, dtype=out.kwargs.get("out_dtype") or torch.float32,
-                                                         memory_format=torch.contiguous_format)
-    if m.dequant_users:
-        for u in m.dequant_users:
-            for k in ("example_value", "val"):
-                if k in u.meta:
-                    out.meta[k] = u.meta[k]
-            u.replace_all_uses_with(out)
-        erase_dead(graph, [*m.dequant_users, m.anchor, *m.dead])
-        return
-    replace_anchor(graph, m.anchor, call, out, m.dead)
+    if xv is not None and out is not call:   # replace_anchor records the value of ``out`` only
+        call.meta["example_value"] = torch.empty_like(xv, dtype=m.dtype, memory_format=torch.contiguous_format)
+    for target in m.dequant_users or [m.anchor]:   # torch.quantize_per_tensor: its .dequantize() calls
+        replace_anchor(graph, target, call, out, [])
+    erase_dead(graph, [m.anchor, *m.dead])
 
 
 __all__ = ["QuantMatch", "find_quant_softmax_sites", "rewrite_quant_softmax", "claimed_nodes"]
