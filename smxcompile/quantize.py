@@ -47,20 +47,18 @@ import contextlib
 import copy
 import dataclasses
 import math
-import re
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
 
 from .kernels.quant_softmax import QUANT_RANGES
 from .report import Site
+from .sites import SiteInterceptor, call_model, module_key, progress as _progress, select_sites, softmax_dim, traced_sites
+from .sites import _PushHook  # noqa: F401  (pickles of quantized models name it here)
 
-_SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _QD = torch.ops.quantized_decomposed
 #: The model's own quantizers a softmax may feed (PT2E QDQ, fake quantization, quantized tensors)
 _USER_QUANTIZERS = {_QD.quantize_per_tensor: "quantized_decomposed", _QD.quantize_per_tensor.default: "quantized_decomposed",
@@ -335,59 +333,7 @@ def unmasked(x: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- run-time interception
 
 
-class _Frame:
-    __slots__ = ("path", "count")
-
-    def __init__(self, path: str):
-        self.path = path
-        self.count = 0
-
-
-class _SoftmaxSites(TorchFunctionMode):
-    """Names every softmax call ``module#index`` and hands quantized sites to their :class:`QuantSite`."""
-
-    def __init__(self, quantizer: "SoftmaxQuantizer"):
-        super().__init__()
-        self.q = quantizer
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _SOFTMAX_FNS:
-            pending = self.q._pending
-            if pending is not None and args and args[0] is pending[1]:
-                return self.q._on_follow(func, args, kwargs)
-            return func(*args, **kwargs)
-        y = func(*args, **kwargs)
-        stack = self.q._stack
-        frame = stack[-1] if stack else None
-        if frame is None:
-            return y
-        key = f"{frame.path}#{frame.count}"
-        frame.count += 1
-        return self.q._on_softmax(key, y, args, kwargs)
-
-
-def _softmax_dim(args: tuple, kwargs: dict) -> Any:
-    if "dim" in kwargs:
-        return kwargs["dim"]
-    return args[1] if len(args) > 1 else None
-
-
-class _PushHook:
-    """Forward pre-hook: push the module's name (an object, not a closure, so that ``copy.deepcopy``
-    of the model binds the copy's hooks to the copy's quantizer)."""
-
-    def __init__(self, quantizer: "SoftmaxQuantizer", name: str):
-        self.quantizer, self.name = quantizer, name
-
-    def __call__(self, mod, args):
-        q = self.quantizer
-        if not q._stack:
-            q._mode.__enter__()
-        q._stack.append(_Frame(self.name))
-
-
-class SoftmaxQuantizer(nn.Module):
+class SoftmaxQuantizer(SiteInterceptor):
     """The quantized-softmax state of a model (``model.smx_softmax_quant``).
 
     Attributes:
@@ -406,38 +352,22 @@ class SoftmaxQuantizer(nn.Module):
         self.phase = "off"        # discover | observe | measure | quantize | off
         self.enabled = True
         self.collect = False
-        self._stack: list[_Frame] = []
         self._pending: tuple | None = None    # (key, tensor to watch, y, x, "quantize" | "dequantize")
-        self._handles: list[Any] = []
-        self._mode = _SoftmaxSites(self)
 
     @property
     def sites(self) -> dict[str, QuantSite]:
         return {m.key: m for m in self._sites.values()}
 
-    # -- hooks
+    # -- interception (hooks and mode: smxcompile.sites.SiteInterceptor)
 
-    def attach(self, model: nn.Module) -> None:
-        for name, mod in model.named_modules():
-            if mod is self or name.startswith(ATTR):
-                continue
-            self._handles.append(mod.register_forward_pre_hook(self._push(name)))
-            self._handles.append(mod.register_forward_hook(self._pop, always_call=True))
+    def _on_call(self, key: str, func, args: tuple, kwargs: dict):
+        return self._on_softmax(key, func(*args, **kwargs), args, kwargs)
 
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _push(self, name: str) -> Callable:
-        return _PushHook(self, name)
-
-    def _pop(self, mod, args, out):
-        if self._stack:
-            self._stack.pop()
-            if not self._stack:
-                self._mode.__exit__(None, None, None)
-        return None
+    def _on_other(self, func, args: tuple, kwargs: dict):
+        pending = self._pending
+        if pending is not None and args and args[0] is pending[1]:
+            return self._on_follow(func, args, kwargs)
+        return func(*args, **kwargs)
 
     # -- per call
 
@@ -448,7 +378,7 @@ class SoftmaxQuantizer(nn.Module):
             self._pending = (key, y, y, args[0] if args else kwargs.get("input"), "quantize")
             if key not in self.seen:
                 x = args[0]
-                dim = _softmax_dim(args, kwargs)
+                dim = softmax_dim(args, kwargs)
                 nd = y.dim()
                 d = dim + nd if isinstance(dim, int) and dim < 0 else dim
                 self.seen[key] = {"ndim": nd, "dim": d, "shape": tuple(y.shape), "dtype": y.dtype,
@@ -600,65 +530,10 @@ def _summarize(st: _Stats) -> dict[str, float]:
     }
 
 
-def _mkey(key: str) -> str:
-    """A ModuleDict-safe name for a site key."""
-    return re.sub(r"[^0-9A-Za-z_]", "_", key) or "_"
+_mkey = module_key
 
 
 # --------------------------------------------------------------------------- the API
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def _progress(items: list, desc: str, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return items
-    return tqdm(items, desc=desc, leave=False)
-
-
-def _select(where: Any, seen: dict[str, dict], named: dict[str, Site]) -> tuple[list[str], dict[str, str]]:
-    """Keys of the runtime sites chosen by ``where``, and reasons for the others."""
-    chosen: list[str] = []
-    skipped: dict[str, str] = {}
-    keys = None if isinstance(where, str) or callable(where) else set(where)
-    if keys is not None:
-        unknown = sorted(keys - set(seen))
-        if unknown:
-            raise ValueError(f"unknown softmax site(s) {unknown}; the model's softmax sites are {sorted(seen)}")
-    for key in seen:
-        site = named.get(key)
-        if where == "all" or (keys is not None and key in keys):
-            chosen.append(key)
-        elif where == "attention":
-            if site is None:
-                skipped[key] = "not found in the traced graph (cannot tell whether it is attention)"
-            elif site.kind == "attention":
-                chosen.append(key)
-            elif site.kind == "quant_softmax":
-                skipped[key] = ("the model already quantizes it (kind quant_softmax); select it by key or with "
-                                "where='all' to calibrate the correction of its own quantizer")
-            else:
-                skipped[key] = f"not attention (kind {site.kind})"
-        elif callable(where) and not isinstance(where, str):
-            probe = site if site is not None else Site(kind="softmax", action="skipped", module=key.rsplit("#", 1)[0],
-                                                         index=int(key.rsplit("#", 1)[1]))
-            if where(probe):
-                chosen.append(key)
-            else:
-                skipped[key] = "not selected by where"
-        else:
-            skipped[key] = "not selected by where"
-    return chosen, skipped
 
 
 def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits: int = 8, where: Any = "attention",
@@ -677,6 +552,7 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
             three times: the first batch to name the sites, all of them for the range, all for the bias.
         bits: code width, 2..8; codes are stored in ``dtype``.
         where: ``"attention"`` (attention probabilities, found by :func:`smxcompile.explain`),
+            ``"output"`` (the softmax calls that are not attention),
             ``"all"`` (every softmax call), a predicate ``f(site: smxcompile.Site) -> bool``, or a list
             of site keys (``"transformer.h.0.attn#0"``).
         correction: ``True`` / ``"offset"`` (the paper's additive correction on unmasked entries),
@@ -709,6 +585,9 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, ATTR, None), SoftmaxQuantizer):
         raise ValueError("model is already quantized by smxcompile.quantize_softmax (see model.smx_softmax_quant)")
+    if getattr(model, "smx_swap", None) is not None:
+        raise ValueError("quantize_softmax: the model's softmax is swapped (model.smx_swap); quantizing a swapped "
+                         "model is not supported")
     qmin, qmax = quant_range(bits, dtype)
     if correction is True:
         method: str | None = "offset"
@@ -722,9 +601,9 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if observer not in ("unit", "minmax"):
         raise ValueError(f"observer must be 'unit' or 'minmax', got {observer!r}")
-    if not (where in ("attention", "all") or callable(where)
+    if not (where in ("attention", "output", "all") or callable(where)
             or (isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in where))):
-        raise ValueError(f"where must be 'attention', 'all', a predicate over smxcompile.Site or a list of site keys, "
+        raise ValueError(f"where must be 'attention', 'output', 'all', a predicate over smxcompile.Site or a list of site keys, "
                          f"got {where!r}")
     if isinstance(calibration_data, (torch.Tensor, Mapping, str)):
         raise ValueError("calibration_data must be an iterable of batches (a list of tuples, dicts or tensors); "
@@ -739,32 +618,22 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
     model.eval()
     named: dict[str, Site] = {}
     split_note = False
-    if where == "attention" or (callable(where) and not isinstance(where, str)):
+    if where in ("attention", "output") or (callable(where) and not isinstance(where, str)):
         # what each softmax call is (attention or not), from the traced graph
-        from .explain import explain
-
-        b0 = batches[0]
-        rep = (explain(model, *b0) if isinstance(b0, (tuple, list))
-               else explain(model, **b0) if isinstance(b0, Mapping) else explain(model, b0))
-        counts: dict[str, int] = {}
-        for site in rep:
-            if site.index >= 0:
-                counts[site.key] = counts.get(site.key, 0) + 1
-        # a key seen in several graphs (Dynamo split the model: the resumed graph has no module
-        # names) cannot be told apart: leave it unclassified rather than guess
-        named = {s.key: s for s in rep if s.index >= 0 and counts[s.key] == 1}
-        split_note = len({s.graph for s in rep}) > 1
+        named, split_note = traced_sites(model, batches[0])
     quantizer = SoftmaxQuantizer()
     quantizer.attach(model)
     try:
         # which softmax calls the model makes, named as at run time
         quantizer.phase = "discover"
         with torch.no_grad():
-            _call(model, batches[0])
+            call_model(model, batches[0])
         if not quantizer.seen:
             raise ValueError("no softmax call found in the model's forward. transformers models: build or load them "
                              "with attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")
-        chosen, skipped = _select(where, quantizer.seen, named)
+        chosen, skipped = select_sites(where, quantizer.seen, named, already={
+            "quant_softmax": "the model already quantizes it (kind quant_softmax); select it by key or with "
+                             "where='all' to calibrate the correction of its own quantizer"})
         quantizer.skipped = skipped
         if not chosen:
             found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
@@ -797,7 +666,7 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         quantizer.phase = "observe"
         with torch.no_grad():
             for b in _progress(batches, "smx calibrate (range)", progress):
-                _call(model, b)
+                call_model(model, b)
         for s in quantizer._sites.values():
             if s.user is None:              # a model's own quantizer keeps its step
                 s.set_scale_from_max(observer)
@@ -805,7 +674,7 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         quantizer.phase = "measure"
         with torch.no_grad():
             for b in _progress(batches, "smx calibrate (bias)", progress):
-                _call(model, b)
+                call_model(model, b)
         empty = [k for k, st in quantizer._calib.items() if float(st.rows.sum()) == 0]
         if empty:
             raise ValueError(f"quantize_softmax: site(s) {empty} saw no row of finite probabilities in the calibration "

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 
 log = logging.getLogger("smxcompile")
 
-ACTIONS = ("rewritten", "kept", "skipped")
+ACTIONS = ("rewritten", "kept", "skipped", "swapped")
 
 
 @dataclasses.dataclass
@@ -21,7 +21,8 @@ class Site:
             ``softmax_topk``, ``softmax``, ``log_softmax``, ``cross_entropy``, ``linear_cross_entropy``.
         action: ``rewritten`` (replaced by ``op``), ``kept`` (left to Inductor on
             purpose, e.g. because Inductor's own code is as fast) or ``skipped``
-            (could not be rewritten safely).
+            (could not be rewritten safely), or ``swapped`` (the user replaced its softmax with a
+            variant through :func:`smxcompile.swap`; ``op`` names the variant, its ops go to Inductor).
         reason: why it was kept or skipped (empty when rewritten).
         location: the user's ``file:line`` (from the FX node's stack trace), or ``?``.
         op: the smxcompile op that replaced it, e.g. ``smx::softmax``.
@@ -104,8 +105,9 @@ class Report:
         cols = ["#", "graph", "kind", "action", "op", "site", "location", "detail / reason"]
         rows = []
         for i, s in enumerate(self.sites):
-            why = s.reason if s.action != "rewritten" else s.detail
-            if s.action != "rewritten" and s.detail:
+            done = s.action in ("rewritten", "swapped")
+            why = s.detail if done else s.reason
+            if not done and s.detail:
                 why = f"{s.reason} [{s.detail}]"
             site = s.key if s.index >= 0 else (s.module or "-")
             rows.append([str(i), s.graph, s.kind, s.action, s.op or "-", site, _short_location(s.location), why])
@@ -141,7 +143,8 @@ def user_location(stack_trace: str | None) -> str:
         p = path.replace("\\", "/")
         if "/torch/" in p and "/site-packages/torch/" in p:
             continue
-        if p.endswith("/smxcompile/quantize.py"):   # the quantized-softmax hook, not the user's call
+        if p.endswith(("/smxcompile/quantize.py", "/smxcompile/sites.py", "/smxcompile/swapping.py",
+                       "/smxcompile/variants.py")):   # smxcompile's run-time interception, not the user's call
             continue
         return f"{path}:{line}"
     if frames:

@@ -241,10 +241,12 @@ def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
     """alpha-entmax by bisection on tau; alpha == 1 is softmax exactly (per row)."""
     if alpha is None:
         alpha = torch.tensor(1.5, dtype=x.dtype, device=x.device)
-    if bool((alpha < 1).any()) or bool(torch.isnan(alpha).any()):
+    # reading alpha's values is a graph break under torch.compile: checked and short-cut in eager only
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (bool((alpha < 1).any()) or bool(torch.isnan(alpha).any())):
         raise ValueError("entmax_bisect: alpha must be >= 1 (1 = softmax, 1.5 = 1.5-entmax, 2 = sparsemax)")
     is_one = alpha == 1
-    if bool(is_one.all()):
+    if not compiling and bool(is_one.all()):
         return _softmax(x, keep, n, None)
     a = torch.where(is_one, 1.5, alpha)  # the entmax branch for alpha == 1 rows is discarded below
     am1 = a - 1.0
@@ -283,7 +285,7 @@ def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
     tau = tau0 - (g - g.detach()) / dg_dtau
     p, _, _ = mass(tau, xa, inv)
     w = p / _safe_den(p.sum(-1, keepdim=True))
-    if bool(is_one.any()):
+    if compiling or bool(is_one.any()):
         w = torch.where(is_one, _softmax(x, keep, n, None), w)
     return w
 

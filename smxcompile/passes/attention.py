@@ -954,7 +954,7 @@ def _find(graph, options, skip, prefix, exclude) -> list[AttentionMatch]:
             m = _match_from_pv(n)
         elif n.op == "call_function" and n.target is F.scaled_dot_product_attention:
             m = _match_sdpa(n)
-        if m is None:
+        if m is None or any(d in exclude for d in m.dead):
             continue
         m.prefix = prefix
         _decide(m, options, skip, functorch)

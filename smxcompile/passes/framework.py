@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from ..options import SmxOptions
-from ..report import Report, Site
+from ..report import Report, Site, user_location
 from .attention import claimed_nodes as attention_claimed, find_attention_sites, rewrite_attention
 from .cross_entropy import claimed_nodes, find_ce_sites, rewrite_ce
 from .quant_softmax import claimed_nodes as quant_claimed, find_quant_softmax_sites, rewrite_quant_softmax
@@ -65,7 +65,9 @@ def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: froz
     sites = []
     for prefix, g, _ in subgraphs(graph):
         ce = find_ce_sites(g, options, skip, prefix)
-        taken = claimed_nodes(ce)
+        swapped, swap_sites = swapped_regions(g, graph_tag)
+        sites.extend(swap_sites)
+        taken = claimed_nodes(ce) | swapped
         qs = find_quant_softmax_sites(g, options, skip, prefix, exclude=taken)
         taken = taken | quant_claimed(qs)
         at = find_attention_sites(g, options, skip, prefix, exclude=taken)
@@ -135,6 +137,28 @@ def _name_site(site: Site, match, calls: dict[Node, tuple[str, int]]) -> None:
         site.module = module_path(node)[1]
 
 
+def swapped_regions(graph: Graph, graph_tag: str) -> tuple[set[Node], list[Site]]:
+    """The nodes of the sites :func:`smxcompile.swap` replaced (they carry ``node.meta["custom"]["smx_swap"]``,
+    set by ``torch.fx.traceback.annotate``) and one ``swapped`` :class:`Site` per swapped call."""
+    nodes: set[Node] = set()
+    first: dict[tuple, Node] = {}
+    for n in graph.nodes:
+        ann = n.meta.get("custom") or {}
+        key = ann.get("smx_swap")
+        if key is None:
+            continue
+        nodes.add(n)
+        first.setdefault((key, module_path(n)[0], ann.get("smx_variant"), ann.get("smx_kind")), n)
+    sites = []
+    for (key, _, variant, kind), n in first.items():
+        module, _, index = str(key).rpartition("#")
+        sites.append(Site(kind=kind if kind in ("attention", "softmax") else "softmax", action="swapped",
+                          op=f"variant:{variant}", detail=f"variant={variant}", graph=graph_tag, node=n.name,
+                          location=user_location(n.meta.get("stack_trace")), module=module,
+                          index=int(index) if index.isdigit() else -1))
+    return nodes, sites
+
+
 class SmxPass(CustomGraphPass):
     """All smxcompile rewrites, as one pre-grad custom pass for Inductor.
 
@@ -159,6 +183,9 @@ class SmxPass(CustomGraphPass):
 
     def _rewrite(self, graph: Graph, prefix: str) -> bool:
         """Rewrite every site of one graph; True if anything changed."""
+        # sites the user swapped for a variant (smxcompile.swap) are theirs: no pass touches their ops
+        swapped, swap_sites = swapped_regions(graph, self.graph_tag)
+        self.report.sites.extend(swap_sites)
         # cross-entropy first: it owns the log_softmax of nll_loss(log_softmax(x))
         ce = find_ce_sites(graph, self.options, self.skip, prefix)
         ce_sites = [m.to_site(self.graph_tag) for m in ce]
@@ -176,7 +203,8 @@ class SmxPass(CustomGraphPass):
         if changed:
             graph.lint()
         self.report.sites.extend(ce_sites)
-        q_changed, q_taken = self._rewrite_quant_softmax(graph, prefix, taken_ce)
+        q_changed, q_taken = self._rewrite_quant_softmax(graph, prefix, taken_ce | swapped)
+        q_taken = q_taken | swapped
         changed = q_changed or changed
         at_changed, kept_whole = self._rewrite_attention(graph, prefix, q_taken)
         kept_whole = kept_whole | q_taken

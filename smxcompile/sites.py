@@ -1,0 +1,246 @@
+"""Run-time interception of the softmax calls of an eager model, named as :func:`smxcompile.explain` names them.
+
+:func:`smxcompile.explain` names every softmax site ``module#index``: the innermost ``nn.Module``
+whose ``forward`` makes the ``softmax`` call and the position of the call among that forward's
+softmax calls (``transformer.h.0.attn#0``). :class:`SiteInterceptor` finds the same calls while
+the model runs, without monkey-patching anything: forward pre-/post-hooks on every submodule keep
+a stack of module names, and a ``TorchFunctionMode`` (entered when the outermost hooked module
+starts, left when it returns) sees each ``F.softmax`` / ``torch.softmax`` / ``torch.special.softmax``
+/ ``Tensor.softmax`` call (``nn.Softmax`` calls ``F.softmax``). Dynamo traces the hooks and the
+mode, so ``torch.compile`` sees whatever the interceptor returns in place of the softmax.
+
+Used by :func:`smxcompile.quantize_softmax` (quantize the probabilities) and
+:func:`smxcompile.swap` (replace the normalization).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+#: The softmax spellings the interceptor names (``nn.Softmax`` goes through ``F.softmax``).
+SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
+
+
+class _Frame:
+    __slots__ = ("path", "count")
+
+    def __init__(self, path: str):
+        self.path = path
+        self.count = 0
+
+
+class _SiteMode(TorchFunctionMode):
+    """Names every softmax call ``module#index`` and hands it to its interceptor."""
+
+    def __init__(self, owner: "SiteInterceptor"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.owner
+        if func not in SOFTMAX_FNS:
+            return owner._on_other(func, args, kwargs)
+        stack = owner._stack
+        frame = stack[-1] if stack else None
+        if frame is None:
+            return func(*args, **kwargs)
+        key = f"{frame.path}#{frame.count}"
+        frame.count += 1
+        return owner._on_call(key, func, args, kwargs)
+
+
+class _PushHook:
+    """Forward pre-hook: push the module's name (an object, not a closure, so that ``copy.deepcopy``
+    of the model binds the copy's hooks to the copy's interceptor)."""
+
+    def __init__(self, owner: "SiteInterceptor", name: str):
+        # the attribute keeps the name ``quantizer`` that pickles of quantized models (issue 6) carry
+        self.quantizer, self.name = owner, name
+
+    def __call__(self, mod, args):
+        q = self.quantizer
+        if not q._stack:
+            q._mode.__enter__()
+        q._stack.append(_Frame(self.name))
+
+
+class SiteInterceptor(nn.Module):
+    """Base of the modules that act on a model's softmax calls at run time.
+
+    Subclasses implement :meth:`_on_call` (a softmax call of site ``key``: return its result) and may
+    override :meth:`_on_other` (any other torch call made while the model runs). The interceptor is
+    added to the model as a submodule whose name starts with ``smx_`` (its own modules are not hooked).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._stack: list[_Frame] = []
+        self._handles: list[Any] = []
+        self._mode = _SiteMode(self)
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook every submodule of ``model`` (except the ``smx_*`` ones)."""
+        for name, mod in model.named_modules():
+            if mod is self or name.split(".", 1)[0].startswith("smx_"):
+                continue
+            self._handles.append(mod.register_forward_pre_hook(_PushHook(self, name)))
+            self._handles.append(mod.register_forward_hook(self._pop, always_call=True))
+
+    def detach(self) -> None:
+        """Remove the hooks (the model computes its own softmax again)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pop(self, mod, args, out):
+        if self._stack:
+            self._stack.pop()
+            if not self._stack:
+                self._mode.__exit__(None, None, None)
+        return None
+
+    def _on_call(self, key: str, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+    def _on_other(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+
+def softmax_dim(args: tuple, kwargs: dict) -> Any:
+    """The ``dim`` of a softmax call (None for the deprecated implicit dim)."""
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    return args[1] if len(args) > 1 else None
+
+
+def softmax_input(args: tuple, kwargs: dict) -> Any:
+    """The input tensor of a softmax call."""
+    return args[0] if args else kwargs.get("input", kwargs.get("self"))
+
+
+def softmax_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The ``dtype=`` of a softmax call (``F.softmax(x, dim, _stacklevel, dtype)`` / ``torch.softmax(x, dim, dtype)``)."""
+    if "dtype" in kwargs:
+        return kwargs["dtype"]
+    for a in args[2:]:
+        if isinstance(a, torch.dtype):
+            return a
+    return None
+
+
+def module_key(key: str) -> str:
+    """A ``ModuleDict``-safe name for a site key (``transformer.h.0.attn#0`` -> ``transformer_h_0_attn_0``)."""
+    return re.sub(r"[^0-9A-Za-z_]", "_", key) or "_"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """``"transformer.h.0.attn#0"`` -> ``("transformer.h.0.attn", 0)``."""
+    module, _, index = key.rpartition("#")
+    return module, int(index)
+
+
+__all__ = ["SiteInterceptor", "SOFTMAX_FNS", "softmax_dim", "softmax_input", "softmax_dtype", "module_key", "split_key"]
+
+
+# --------------------------------------------------------------------------- choosing sites
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple/list, ``model(batch)`` otherwise."""
+    from collections.abc import Mapping
+
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def progress(items: list, desc: str, enabled: bool):
+    """``items`` wrapped in a tqdm progress bar when ``enabled``."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return items
+    return tqdm(items, desc=desc, leave=False)
+
+
+def traced_sites(model: nn.Module, batch: Any) -> tuple[dict[str, Any], bool]:
+    """What :func:`smxcompile.explain` says each softmax call of ``model(batch)`` is: ``({key: Site}, split)``.
+
+    A key seen in several graphs (Dynamo split the model at a graph break: the resumed graph has no
+    module names) cannot be told apart and is left out rather than guessed; ``split`` is True when
+    the model traced to several graphs.
+    """
+    from collections.abc import Mapping
+
+    from .explain import explain
+
+    rep = (explain(model, *batch) if isinstance(batch, (tuple, list))
+           else explain(model, **batch) if isinstance(batch, Mapping) else explain(model, batch))
+    counts: dict[str, int] = {}
+    for site in rep:
+        if site.index >= 0:
+            counts[site.key] = counts.get(site.key, 0) + 1
+    named = {s.key: s for s in rep if s.index >= 0 and counts[s.key] == 1}
+    return named, len({s.graph for s in rep}) > 1
+
+
+def select_sites(where: Any, seen: dict[str, Any], named: dict[str, Any],
+                 already: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Keys of the run-time sites ``seen`` chosen by ``where``, and the reason for each other one.
+
+    ``where``: ``"attention"`` (sites :func:`smxcompile.explain` classifies as attention),
+    ``"output"`` (the other softmax calls: classifier / sampling heads, routers), ``"all"``, a
+    predicate over :class:`smxcompile.Site`, or a collection of keys. ``named``: the traced sites
+    (:func:`traced_sites`). ``already``: ``{kind: reason}`` for kinds that must not be chosen
+    by ``"attention"`` / ``"output"`` (e.g. sites already quantized).
+
+    Raises:
+        ValueError: a key in ``where`` that is not a site of the model.
+    """
+    from .report import Site
+
+    already = already or {}
+    chosen: list[str] = []
+    skipped: dict[str, str] = {}
+    keys = None if isinstance(where, str) or callable(where) else set(where)
+    if keys is not None:
+        unknown = sorted(keys - set(seen))
+        if unknown:
+            raise ValueError(f"unknown softmax site(s) {unknown}; the model's softmax sites are {sorted(seen)}")
+    for key in seen:
+        site = named.get(key)
+        if where == "all" or (keys is not None and key in keys):
+            chosen.append(key)
+        elif where in ("attention", "output"):
+            if site is None:
+                skipped[key] = f"not found in the traced graph (cannot tell whether it is {where})"
+            elif site.kind in already:
+                skipped[key] = already[site.kind]
+            elif (site.kind == "attention") == (where == "attention"):
+                chosen.append(key)
+            else:
+                skipped[key] = f"not {where} (kind {site.kind})"
+        elif callable(where) and not isinstance(where, str):
+            module, index = split_key(key)
+            probe = site if site is not None else Site(kind="softmax", action="skipped", module=module, index=index)
+            if where(probe):
+                chosen.append(key)
+            else:
+                skipped[key] = "not selected by where"
+        else:
+            skipped[key] = "not selected by where"
+    return chosen, skipped
+
+
+__all__ += ["call_model", "progress", "traced_sites", "select_sites"]

@@ -1,0 +1,594 @@
+"""Swap the softmax of a (pretrained) model for another normalization: ``smxcompile.swap``.
+
+``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute SSMax instead,
+with SSMax's scale ``s`` as one learnable ``nn.Parameter`` per site and head, initialised so the
+swapped model starts as close to the original as the variant allows (``s = 1 / log(n_train)``).
+Any variant of :mod:`smxcompile.variants` (ALGORITHMS.md section 2: sparsemax, 1.5-entmax, alpha-entmax,
+softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid, ReLU, softplus, StableMax, adaptive
+temperature, temperature) or one the user registered.
+
+How. Sites are found and named as :func:`smxcompile.explain` names them (``module#index``, e.g.
+``transformer.h.0.attn#0``) and replaced at run time by :class:`smxcompile.sites.SiteInterceptor`
+(forward hooks + a ``TorchFunctionMode``; no monkey-patching of the model's code). The variant's
+torch code runs in place of the ``softmax`` call, eager or under ``torch.compile`` (Dynamo traces it;
+the ``smx`` backend reports those sites as ``action="swapped"`` and leaves their ops to Inductor).
+
+Masks. A softmax has no mask argument: models add ``-inf``, ``finfo.min``, ``-1e9`` or ``-1e4`` to the
+scores. For the variants that do not ignore such entries by themselves (ReLU, sigmoid, the
+length-dependent ones), an entry below :data:`MASKED_BELOW` (``-1000``) counts as masked: its weight
+is exactly 0 and it does not count in the row length ``n``.
+
+Persistence. :func:`save` writes ``model.safetensors`` (every weight, the variants' parameters
+included) and ``smx_swap.json`` (the manifest: which variant at which site, parameter shapes);
+:func:`load` re-applies the swaps to a freshly built base model from the manifest alone (no forward
+call) and loads the weights. ``transformers`` models also carry the manifest in ``config.smx_swap``,
+so ``model.save_pretrained(dir)`` saves a swapped model and :func:`from_pretrained` (``cls.from_pretrained`` +
+:func:`load`) restores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+
+from . import variants as _variants
+from .sites import SiteInterceptor, call_model, module_key, select_sites, softmax_dim, softmax_dtype, softmax_input, \
+    traced_sites
+
+log = logging.getLogger("smxcompile")
+
+ATTR = "smx_swap"
+MANIFEST = "smx_swap.json"
+FORMAT = "smxcompile.swap/1"
+#: A softmax input entry below this counts as masked (an additive mask: -inf, finfo.min, -1e9, -1e4).
+MASKED_BELOW = -1000.0
+#: Annotation key the swapped ops carry in FX graphs (``node.meta["custom"]``); the passes skip them.
+ANNOTATION = "smx_swap"
+
+
+class SwapSite(nn.Module):
+    """One swapped softmax site: the variant's name and its parameters.
+
+    Attributes:
+        key: the site (``module#index``); kind: what explain called it (``attention``, ``softmax``,
+            or ``unclassified`` when chosen by key); variant: registry name.
+        params: ``nn.ParameterDict`` of the learnable parameters, fp32, shape ``(heads, 1, 1)`` for a
+            4-D ``(batch, heads, queries, keys)`` site over its last dim with ``per_head``, else ``()``.
+        fixed: the non-learnable parameters (Python floats).
+    """
+
+    def __init__(self, key: str, kind: str, variant: str, ndim: int, dim: int, heads: int, per_head: bool,
+                 values: Mapping[str, float], learnable: Mapping[str, bool]):
+        super().__init__()
+        self.key, self.kind, self.variant = key, kind, variant
+        self.ndim, self.dim = ndim, dim
+        self.per_head = bool(per_head and ndim == 4 and dim == 3 and heads > 0)
+        self.heads = heads if self.per_head else 0
+        shape = (heads, 1, 1) if self.per_head else ()
+        self.params = nn.ParameterDict({k: nn.Parameter(torch.full(shape, float(v)))
+                                        for k, v in values.items() if learnable[k]})
+        self.fixed = {k: float(v) for k, v in values.items() if not learnable[k]}
+
+    def forward(self, x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The variant of ``x`` along ``dim`` (``x`` cast to ``dtype`` first, as ``softmax(x, dim, dtype=)`` does)."""
+        if dtype is not None:
+            x = x.to(dtype)
+        if self.per_head and (x.dim() != 4 or x.shape[1] != self.heads):
+            raise RuntimeError(f"smxcompile.swap: site {self.key} has per-head parameters for {self.heads} heads "
+                               f"(input (batch, heads, queries, keys)), got shape {tuple(x.shape)}")
+        keep = x > MASKED_BELOW
+        return _variants.get(self.variant).apply(x, dim, mask=keep, **self.fixed, **dict(self.params.items()))
+
+    def entry(self) -> dict[str, Any]:
+        """The manifest entry of this site."""
+        return {"key": self.key, "kind": self.kind, "variant": self.variant, "ndim": self.ndim, "dim": self.dim,
+                "heads": self.heads, "per_head": self.per_head, "fixed": dict(self.fixed),
+                "params": {k: list(p.shape) for k, p in self.params.items()}}
+
+    @classmethod
+    def from_entry(cls, e: Mapping[str, Any]) -> "SwapSite":
+        learnable = {k: True for k in e["params"]} | {k: False for k in e["fixed"]}
+        values = {k: 0.0 for k in e["params"]} | dict(e["fixed"])
+        return cls(e["key"], e["kind"], e["variant"], e["ndim"], e["dim"], e["heads"], e["per_head"], values, learnable)
+
+    def extra_repr(self) -> str:
+        return f"key={self.key!r}, variant={self.variant}, kind={self.kind}, per_head={self.per_head}"
+
+
+class Swapper(SiteInterceptor):
+    """The swapped sites of a model (``model.smx_swap``).
+
+    Attributes:
+        sites: ``{key: SwapSite}``.
+        skipped: ``{key: reason}`` of the softmax sites found but not swapped.
+        enabled: when False the model computes its original softmax everywhere (the baseline).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._sites = nn.ModuleDict()
+        self.skipped: dict[str, str] = {}
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.phase = "on"          # discover | on
+        self.enabled = True
+        self.collect = False
+        self._stats: dict[str, dict[str, float]] = {}
+
+    @property
+    def sites(self) -> dict[str, SwapSite]:
+        return {m.key: m for m in self._sites.values()}
+
+    def add(self, site: SwapSite) -> None:
+        self._sites[module_key(site.key)] = site
+
+    def _on_call(self, key: str, func, args: tuple, kwargs: dict):
+        if self.phase == "discover":
+            y = func(*args, **kwargs)
+            if key not in self.seen:
+                dim = softmax_dim(args, kwargs)
+                nd = y.dim()
+                d = dim + nd if isinstance(dim, int) and dim < 0 else dim
+                self.seen[key] = {"ndim": nd, "dim": d, "shape": tuple(y.shape), "dtype": y.dtype,
+                                  "heads": int(y.shape[1]) if nd == 4 else 0}
+            return y
+        mk = module_key(key)
+        if mk not in self._sites:
+            return func(*args, **kwargs)
+        site = self._sites[mk]
+        x = softmax_input(args, kwargs)
+        dim = softmax_dim(args, kwargs)
+        if not self.enabled:
+            y = func(*args, **kwargs)
+            if self.collect and not torch.compiler.is_compiling():
+                self._measure(site, x, y, dim)    # the baseline's statistics at the same sites
+            return y
+        with fx_traceback.annotate({ANNOTATION: key, "smx_variant": site.variant, "smx_kind": site.kind}):
+            out = site(x, dim, softmax_dtype(args, kwargs))
+        if self.collect and not torch.compiler.is_compiling():
+            self._measure(site, x, out, dim)
+        return out
+
+    # -- user API
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """``with model.smx_swap.disabled():`` runs the model's original softmax (the baseline)."""
+        old = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = old
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Accumulate :meth:`stats` of the swapped sites while the block runs (eager only; inside
+        :meth:`disabled`, the statistics of the original softmax at the same sites)."""
+        self._stats = {}
+        old = self.collect
+        self.collect = True
+        try:
+            yield
+        finally:
+            self.collect = old
+
+    def _measure(self, site: SwapSite, x: torch.Tensor, w: torch.Tensor, dim: int) -> None:
+        with torch.no_grad():
+            wd = w.detach().double().movedim(dim, -1)
+            keep = (x.detach() > MASKED_BELOW).movedim(dim, -1)
+            total = wd.sum(-1)
+            ok = torch.isfinite(total) & keep.any(-1)
+            p = wd / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+            ent = -(p * torch.log(p.clamp_min(1e-300))).where(p > 0, 0.0).sum(-1)
+            s = self._stats.setdefault(site.key, {k: 0.0 for k in ("rows", "entropy", "sink", "rowsum", "zeros", "kept")})
+            s["rows"] += float(ok.sum())
+            s["entropy"] += float(ent[ok].sum())
+            s["sink"] += float(wd[..., 0][ok].sum())
+            s["rowsum"] += float(total[ok].sum())
+            s["zeros"] += float(((wd == 0) & keep)[ok].sum())
+            s["kept"] += float(keep[ok].sum())
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per site and ``"all"``, collected by :meth:`collecting`: ``rows``; ``entropy`` (nats, of each
+        row's weights divided by their sum, mean over rows); ``sink_mass`` (mean weight on the first key:
+        the attention-sink mass); ``rowsum`` (mean sum of a row's weights: 1 for softmax, less for
+        softpick/softmax1/ReLU ...); ``zero_fraction`` (unmasked entries whose weight is exactly 0)."""
+        out: dict[str, dict[str, float]] = {}
+        tot = {k: 0.0 for k in ("rows", "entropy", "sink", "rowsum", "zeros", "kept")}
+        for key, s in self._stats.items():
+            out[key] = _summ(s)
+            for k in tot:
+                tot[k] += s[k]
+        if self._stats:
+            out["all"] = _summ(tot)
+        return out
+
+    def manifest(self) -> dict[str, Any]:
+        """The JSON-ready description of the swaps (what :func:`save` writes to ``smx_swap.json``)."""
+        return {"format": FORMAT, "sites": [s.entry() for s in self._sites.values()]}
+
+    def summary(self) -> str:
+        """A table: one line per swapped site with its variant and parameters."""
+        lines = [f"smxcompile swap: {len(self._sites)} site(s)"]
+        for s in self._sites.values():
+            ps = ", ".join(f"{k}={_fmt(p)}" for k, p in s.params.items())
+            fx = ", ".join(f"{k}={v:g}" for k, v in s.fixed.items())
+            lines.append(f"  {s.key:40s} {s.kind:12s} {s.variant:20s} {'per head' if s.per_head else 'per site':8s} "
+                         f"{ps}{'; ' if ps and fx else ''}{fx}")
+        for k, why in self.skipped.items():
+            lines.append(f"  {k:40s} skipped: {why}")
+        return "\n".join(lines)
+
+    def extra_repr(self) -> str:
+        return f"{len(self._sites)} sites, enabled={self.enabled}"
+
+
+def _fmt(p: torch.Tensor) -> str:
+    v = p.detach()
+    lo, hi = v.min().item(), v.max().item()
+    return f"{lo:.4g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
+
+
+def _summ(s: Mapping[str, float]) -> dict[str, float]:
+    r = s["rows"]
+    return {"rows": r, "entropy": s["entropy"] / r if r else math.nan, "sink_mass": s["sink"] / r if r else math.nan,
+            "rowsum": s["rowsum"] / r if r else math.nan,
+            "zero_fraction": s["zeros"] / s["kept"] if s["kept"] else math.nan}
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def _hf_n_train(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _variant(variant: Any) -> _variants.Variant:
+    if isinstance(variant, _variants.Variant):
+        known = variant.name in _variants.names() and _variants.get(variant.name) is variant
+        if not known:
+            _variants.register(variant)   # raises ValueError when the name belongs to another variant
+        return variant
+    if not isinstance(variant, str):
+        raise TypeError(f"variant must be a registry name (smxcompile.variants.names()) or a Variant, got "
+                        f"{type(variant).__name__}")
+    return _variants.get(variant)
+
+
+def _swapper(model: nn.Module) -> Swapper | None:
+    s = getattr(model, ATTR, None)
+    return s if isinstance(s, Swapper) else None
+
+
+def _refuse_quantized(model: nn.Module) -> None:
+    from .quantize import ATTR as QATTR
+
+    if getattr(model, QATTR, None) is not None:
+        raise ValueError("smxcompile.swap: the model is quantized (model.smx_softmax_quant); swap the unquantized "
+                         "model (quantizing a swapped model is not supported)")
+
+
+def _sync_config(model: nn.Module, swapper: Swapper) -> None:
+    """``transformers`` models: keep the manifest in ``config.smx_swap`` (saved by ``save_pretrained``)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        cfg.smx_swap = swapper.manifest()
+
+
+def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_inputs: Any = None,
+         n_train: int | None = None, per_head: bool = True, inplace: bool = False, **params: Any) -> nn.Module:
+    """Replace the softmax of ``model`` at the chosen sites by a normalization variant.
+
+    Args:
+        model: an ``nn.Module`` whose forward calls softmax (``F.softmax``, ``torch.softmax``,
+            ``Tensor.softmax``, ``nn.Softmax``). ``transformers`` models: eager attention (a model
+            using SDPA or flash attention is switched to ``attn_implementation="eager"``, which computes
+            the same function with an explicit softmax).
+        variant: a name from :func:`smxcompile.variants.names` or a :class:`smxcompile.variants.Variant`
+            (registered if it is not yet).
+        where: ``"attention"`` (default; sites :func:`smxcompile.explain` classifies as attention),
+            ``"output"`` (the other softmax calls: a classifier's or sampler's softmax, a router),
+            ``"all"``, a predicate ``f(site: smxcompile.Site) -> bool``, or a list of site keys
+            (``"transformer.h.0.attn#0"``; no trace needed).
+        example_inputs: one forward call's inputs, to find and name the sites: a tuple of positional
+            arguments, a dict of keyword arguments or a single tensor. Default: ``model.dummy_inputs``
+            (``transformers`` models); required otherwise.
+        n_train: the training context length for the variants whose start depends on it (SSMax
+            ``s = 1/log n_train``, sigmoid ``b = -log n_train``, ReLU ``c = 1/n_train``, softplus).
+            Default: attention sites, the model config's ``max_position_embeddings`` / ``n_positions``
+            (``transformers``), else the example's key length; other sites, their row length.
+        per_head: one parameter per attention head (sites of shape ``(batch, heads, queries, keys)``
+            normalized over keys); False: one per site.
+        inplace: change ``model`` itself instead of a deep copy.
+        **params: the variant's parameters (``smxcompile.variants.get(name).params``): a learnable
+            one given here is the start value of its ``nn.Parameter`` instead of the pretrained-start
+            rule; a fixed one (e.g. softpick's ``eps``) is used as given.
+
+    Returns:
+        The model (a deep copy unless ``inplace``) with ``model.smx_swap`` (:class:`Swapper`:
+        ``.sites``, ``.summary()``, ``.disabled()``, ``.collecting()`` / ``.stats()``, ``.manifest()``).
+        The variants' learnable parameters are ``nn.Parameter`` s under ``smx_swap.`` (in
+        ``model.parameters()`` and ``state_dict``), fp32. Outputs keep their shapes and dtypes.
+        Swapping again adds sites (another variant elsewhere); a site cannot be swapped twice.
+
+    Raises:
+        TypeError: ``variant`` of the wrong type, an unknown parameter name, a non-number parameter.
+        UnknownVariantError (KeyError): an unknown variant name.
+        ValueError: no example inputs for a model without ``dummy_inputs``; a bad ``where``; no site
+            selected (the message lists the sites found and why each was left out); a site already
+            swapped; a quantized model; ``n_train`` needed but unknown or not a positive int.
+        RuntimeError: at run time, a per-head site called with another number of heads.
+
+    Source: the variants' papers (:mod:`smxcompile.variants`); the swap-on-a-pretrained-model
+    initialisations follow ALGORITHMS.md section 2 (SSMax: Nakanishi 2025; MultiMax: Zhou et al. 2024).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    v = _variant(variant)
+    unknown = sorted(set(params) - set(v.params))
+    if unknown:
+        raise TypeError(f"swap: variant {v.name!r} has no parameter(s) {unknown}; its parameters: "
+                        f"{list(v.params) or 'none'}")
+    for k, val in params.items():
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+            raise TypeError(f"swap: parameter {k!r} must be a finite number, got {val!r}")
+    if not (where in ("attention", "output", "all") or callable(where)
+            or (isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in where))):
+        raise ValueError(f"where must be 'attention', 'output', 'all', a predicate over smxcompile.Site or a list of "
+                         f"site keys, got {where!r}")
+    if n_train is not None and (isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1):
+        raise ValueError(f"n_train must be a positive int, got {n_train!r}")
+    _refuse_quantized(model)
+    if example_inputs is None:
+        example_inputs = getattr(model, "dummy_inputs", None)
+        if example_inputs is None:
+            raise ValueError("swap needs example_inputs= (one forward call's inputs: a tuple, a dict or a tensor) to "
+                             "find the model's softmax sites")
+    if not inplace:
+        model = copy.deepcopy(model)
+    _eager_attention(model)
+    swapper = _swapper(model)
+    new = swapper is None
+    if new:
+        swapper = Swapper()
+        swapper.attach(model)
+    was_training = model.training
+    model.eval()
+    try:
+        named: dict[str, Any] = {}
+        split = False
+        if isinstance(where, str) or callable(where):
+            if where != "all":
+                named, split = traced_sites(model, example_inputs)
+        swapper.phase, swapper.seen = "discover", {}
+        with torch.no_grad():
+            call_model(model, example_inputs)
+        swapper.phase = "on"
+        seen = swapper.seen
+        if not seen:
+            raise ValueError("swap: no softmax call found in the model's forward. transformers models: use "
+                             "attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")
+        chosen, skipped = select_sites(where, seen, named)
+        for key in list(chosen):
+            if swapper.seen[key]["dim"] is None:
+                chosen.remove(key)
+                skipped[key] = "softmax without dim= (implicit dim)"
+            elif module_key(key) in swapper._sites:
+                raise ValueError(f"swap: site {key} is already swapped (variant "
+                                 f"{swapper._sites[module_key(key)].variant}); swap a fresh model")
+        if not chosen:
+            found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
+            hint = (" Dynamo split the model at a graph break, so the traced graph does not name every site: pass "
+                    "where='all' or a list of these site keys." if split else "")
+            raise ValueError(f"swap: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
+        hf_n = _hf_n_train(model)
+        for key in chosen:
+            info = seen[key]
+            kind = named[key].kind if key in named else "unclassified"
+            n = n_train or (hf_n if kind == "attention" and hf_n else None) or int(info["shape"][info["dim"]])
+            values = dict(v.init(n)) if any(k not in params for k, s in v.params.items() if s.learnable) else {}
+            values = {k: float(val) for k, val in values.items() if v.params[k].learnable}
+            values.update({k: float(val) for k, val in params.items()})
+            learnable = {k: v.params[k].learnable for k in values}
+            swapper.add(SwapSite(key, kind, v.name, info["ndim"], info["dim"], info["heads"], per_head, values, learnable))
+        swapper.skipped.update({k: why for k, why in skipped.items() if module_key(k) not in swapper._sites})
+        for k in chosen:
+            swapper.skipped.pop(k, None)
+        swapper.seen = {}
+    except BaseException:
+        swapper.phase = "on"
+        if new:
+            swapper.detach()
+        raise
+    finally:
+        model.train(was_training)
+    if new:
+        model.add_module(ATTR, swapper)
+    _sync_config(model, swapper)
+    return model
+
+
+def _eager_attention(model: nn.Module) -> None:
+    """A ``transformers`` model on SDPA / flash attention computes the same function with eager attention."""
+    cfg = getattr(model, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in (None, "eager") and hasattr(model, "set_attn_implementation"):
+        log.warning("smxcompile.swap: switching the model from attn_implementation=%r to 'eager' (an explicit "
+                    "softmax to swap)", impl)
+        model.set_attn_implementation("eager")
+
+
+def swapped_sites(model: nn.Module) -> dict[str, SwapSite]:
+    """``{key: SwapSite}`` of a model returned by :func:`swap` (empty for any other model)."""
+    s = _swapper(model)
+    return s.sites if s is not None else {}
+
+
+def apply_manifest(model: nn.Module, manifest: Mapping[str, Any]) -> nn.Module:
+    """Re-create the swaps of ``manifest`` (``Swapper.manifest()``) on ``model`` in place, without running
+    it; the parameters take placeholder values until weights are loaded.
+
+    Raises:
+        ValueError: not a swap manifest, a model already swapped, or a site whose module is not in ``model``.
+        UnknownVariantError: a variant that is not registered in this process (register it first).
+    """
+    if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
+        raise ValueError(f"not an smxcompile swap manifest (expected format {FORMAT!r})")
+    if _swapper(model) is not None:
+        raise ValueError("the model is already swapped: load into a freshly built base model")
+    _refuse_quantized(model)
+    modules = dict(model.named_modules())
+    swapper = Swapper()
+    for e in manifest["sites"]:
+        _variants.get(e["variant"])
+        module = e["key"].rpartition("#")[0]
+        if module not in modules:
+            raise ValueError(f"site {e['key']}: the model has no module {module!r} (another architecture?)")
+        swapper.add(SwapSite.from_entry(e))
+    _eager_attention(model)
+    swapper.attach(model)
+    model.add_module(ATTR, swapper)
+    _sync_config(model, swapper)
+    return model
+
+
+def save(model: nn.Module, path: str | Path) -> Path:
+    """Write a swapped model to the folder ``path``: ``model.safetensors`` (every parameter and
+    persistent buffer, the variants' parameters included; tied weights stored once) and
+    ``smx_swap.json`` (the manifest). Returns the folder.
+
+    Raises:
+        ValueError: ``model`` was not swapped by :func:`swap`.
+    """
+    from safetensors.torch import save_model
+
+    swapper = _swapper(model)
+    if swapper is None:
+        raise ValueError("save: the model has no swapped site (smxcompile.swap returns a model that has)")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(folder / "model.safetensors"))
+    (folder / MANIFEST).write_text(json.dumps(swapper.manifest(), indent=2) + "\n")
+    return folder
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The swap manifest of a folder written by :func:`save` (``smx_swap.json``) or by a swapped
+    ``transformers`` model's ``save_pretrained`` (``config.json``'s ``smx_swap``).
+
+    Raises:
+        FileNotFoundError: neither is there.
+    """
+    folder = Path(path)
+    if (folder / MANIFEST).is_file():
+        return json.loads((folder / MANIFEST).read_text())
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        m = json.loads(cfg.read_text()).get("smx_swap")
+        if m:
+            return m
+    raise FileNotFoundError(f"{folder}: no {MANIFEST} and no smx_swap entry in config.json (not a swapped model)")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    raise FileNotFoundError(f"{folder}: no model.safetensors")
+
+
+def load(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
+    """Re-apply the swaps saved in ``path`` to a freshly built base ``model`` (in place) and load the weights.
+
+    Args:
+        model: the base architecture (e.g. the same class built from the same config), not swapped.
+        path: a folder written by :func:`save`, or by ``save_pretrained`` of a swapped ``transformers`` model.
+        strict: every parameter and buffer of the swapped model must be in the files, except tied
+            copies of one that is (``lm_head.weight`` tied to the embeddings), and every tensor in the
+            files must belong to the model.
+
+    Returns:
+        ``model``, swapped and loaded.
+
+    Raises:
+        FileNotFoundError: no manifest / weights in ``path``. ValueError: see :func:`apply_manifest`.
+        RuntimeError: missing or unexpected tensors (``strict``), or shape mismatches.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    files = _weight_files(folder)
+    apply_manifest(model, manifest)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if strict:
+        own = model.state_dict(keep_vars=True)
+        loaded_ids = {id(own[k]) for k in state if k in own}
+        missing = [k for k in missing if id(own[k]) not in loaded_ids]
+        if missing or unexpected:
+            raise RuntimeError(f"smxcompile.load: {folder} does not match the model: missing {missing[:8]}"
+                               f"{'...' if len(missing) > 8 else ''}, unexpected {list(unexpected)[:8]}"
+                               f"{'...' if len(unexpected) > 8 else ''}")
+    return model
+
+
+def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Module:
+    """Load a swapped ``transformers`` model saved with ``save_pretrained`` (or :func:`save` next to its config).
+
+    ``model_class.from_pretrained(path, attn_implementation="eager", **kwargs)`` builds the base model
+    (``transformers`` leaves the variants' parameters out as unexpected keys), then :func:`load`
+    re-applies the swaps from ``config.smx_swap`` and loads every weight.
+
+    Args:
+        model_class: e.g. ``transformers.AutoModelForCausalLM`` or ``GPT2LMHeadModel``.
+        path: the saved folder. **kwargs: passed to ``from_pretrained`` (not ``attn_implementation``).
+
+    Raises:
+        FileNotFoundError: the folder is not a swapped model. See :func:`load`.
+    """
+    folder = Path(path)
+    read_manifest(folder)  # fail before building the model
+    kwargs.setdefault("attn_implementation", "eager")
+    with _quiet_transformers():
+        model = model_class.from_pretrained(str(folder), **kwargs)
+    return load(model, folder)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers warns about the variants' parameters as unused checkpoint weights; they are loaded next."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+
+
+__all__ = ["swap", "save", "load", "from_pretrained", "apply_manifest", "read_manifest", "swapped_sites", "Swapper",
+           "SwapSite", "MASKED_BELOW"]
