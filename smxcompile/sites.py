@@ -28,11 +28,12 @@ SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.sof
 
 
 class _Frame:
-    __slots__ = ("path", "count")
+    __slots__ = ("path", "count", "compiled")
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, compiled: bool = False):
         self.path = path
         self.count = 0
+        self.compiled = compiled
 
 
 class _SiteMode(TorchFunctionMode):
@@ -46,10 +47,13 @@ class _SiteMode(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         if func not in SOFTMAX_FNS:
+            stack = owner._stack
+            if stack and stack[0].compiled and not torch.compiler.is_compiling():
+                return func(*args, **kwargs)
             return owner._on_other(func, args, kwargs)
         stack = owner._stack
         frame = stack[-1] if stack else None
-        if frame is None:
+        if frame is None or (stack[0].compiled and not torch.compiler.is_compiling()):
             return func(*args, **kwargs)
         key = f"{frame.path}#{frame.count}"
         frame.count += 1
@@ -68,6 +72,11 @@ class _PushHook:
         q = self.quantizer
         if not q._stack:
             q._mode.__enter__()
+            # A frame pushed while Dynamo traces is marked: when the compiled graph runs, Dynamo
+            # re-creates the traced stack and mode around it, and the graph's own torch calls then reach
+            # the mode although no hook ran -- they were intercepted when traced and are left alone.
+            q._stack.append(_Frame(self.name, compiled=torch.compiler.is_compiling()))
+            return
         q._stack.append(_Frame(self.name))
 
 

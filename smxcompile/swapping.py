@@ -200,7 +200,7 @@ class Swapper(SiteInterceptor):
     def stats(self) -> dict[str, dict[str, float]]:
         """Per site and ``"all"``, collected by :meth:`collecting`: ``rows``; ``entropy`` (nats, of each
         row's weights divided by their sum, mean over rows); ``sink_mass`` (mean weight on the first key:
-        the attention-sink mass); ``rowsum`` (mean sum of a row's weights: 1 for softmax, less for
+        the attention-sink mass; raw weight, not divided by the row sum); ``rowsum`` (mean sum of a row's weights: 1 for softmax, less for
         softpick/softmax1/ReLU ...); ``zero_fraction`` (unmasked entries whose weight is exactly 0)."""
         out: dict[str, dict[str, float]] = {}
         tot = {k: 0.0 for k in ("rows", "entropy", "sink", "rowsum", "zeros", "kept")}
@@ -222,7 +222,8 @@ class Swapper(SiteInterceptor):
         for s in self._sites.values():
             ps = ", ".join(f"{k}={_fmt(p)}" for k, p in s.params.items())
             fx = ", ".join(f"{k}={v:g}" for k, v in s.fixed.items())
-            lines.append(f"  {s.key:40s} {s.kind:12s} {s.variant:20s} {'per head' if s.per_head else 'per site':8s} "
+            scope = "-" if not s.params else "per head" if s.per_head else "per site"
+            lines.append(f"  {s.key:40s} {s.kind:12s} {s.variant:20s} {scope:8s} "
                          f"{ps}{'; ' if ps and fx else ''}{fx}")
         for k, why in self.skipped.items():
             lines.append(f"  {k:40s} skipped: {why}")
@@ -327,6 +328,7 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
 
     Raises:
         TypeError: ``variant`` of the wrong type, an unknown parameter name, a non-number parameter.
+        ValueError: a parameter value outside the variant's domain (``alpha < 1``, ``T <= 0``).
         UnknownVariantError (KeyError): an unknown variant name.
         ValueError: no example inputs for a model without ``dummy_inputs``; a bad ``where``; no site
             selected (the message lists the sites found and why each was left out); a site already
@@ -372,8 +374,7 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
         named: dict[str, Any] = {}
         split = False
         if isinstance(where, str) or callable(where):
-            if where != "all":
-                named, split = traced_sites(model, example_inputs)
+            named, split = traced_sites(model, example_inputs)     # what each site is (attention or not)
         swapper.phase, swapper.seen = "discover", {}
         with torch.no_grad():
             call_model(model, example_inputs)
@@ -404,6 +405,11 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
             values = {k: float(val) for k, val in values.items() if v.params[k].learnable}
             values.update({k: float(val) for k, val in params.items()})
             learnable = {k: v.params[k].learnable for k in values}
+            if key == chosen[0]:
+                try:   # out-of-domain values (entmax_bisect alpha < 1, temperature T <= 0) fail here, not mid-forward
+                    v.apply(torch.zeros(1, 2), -1, **values)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"swap: bad parameter value for variant {v.name!r}: {e}") from None
             swapper.add(SwapSite(key, kind, v.name, info["ndim"], info["dim"], info["heads"], per_head, values, learnable))
         swapper.skipped.update({k: why for k, why in skipped.items() if module_key(k) not in swapper._sites})
         for k in chosen:

@@ -254,7 +254,8 @@ def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
     z = _k(x, keep, float("-inf"))
     m = z.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
-    xa = _k((x - m) * am1, keep, 0.0)  # row max at 0; masked entries 0 here and excluded below
+    # masked entries (-inf included) are replaced before any arithmetic: a -inf times alpha - 1 would give NaN gradients
+    xa = _k((_k(x, keep, 0.0) - m) * am1, keep, 0.0)  # row max at 0; masked entries 0 here and excluded below
 
     def mass(tau, xa_, am1_inv):
         u = xa_ - tau

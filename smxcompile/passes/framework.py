@@ -63,9 +63,10 @@ def subgraphs(graph: Graph) -> list[tuple[str, Graph, torch.fx.GraphModule | Non
 def analyze(graph: Graph, options: SmxOptions, graph_tag: str = "g0", skip: frozenset[str] = frozenset()) -> Report:
     """Every candidate site of ``graph`` (and its subgraphs) and what the passes would do; does not change it."""
     sites = []
+    swaps_seen: set = set()
     for prefix, g, _ in subgraphs(graph):
         ce = find_ce_sites(g, options, skip, prefix)
-        swapped, swap_sites = swapped_regions(g, graph_tag)
+        swapped, swap_sites = swapped_regions(g, graph_tag, swaps_seen)
         sites.extend(swap_sites)
         taken = claimed_nodes(ce) | swapped
         qs = find_quant_softmax_sites(g, options, skip, prefix, exclude=taken)
@@ -137,9 +138,11 @@ def _name_site(site: Site, match, calls: dict[Node, tuple[str, int]]) -> None:
         site.module = module_path(node)[1]
 
 
-def swapped_regions(graph: Graph, graph_tag: str) -> tuple[set[Node], list[Site]]:
+def swapped_regions(graph: Graph, graph_tag: str, seen: set | None = None) -> tuple[set[Node], list[Site]]:
     """The nodes of the sites :func:`smxcompile.swap` replaced (they carry ``node.meta["custom"]["smx_swap"]``,
-    set by ``torch.fx.traceback.annotate``) and one ``swapped`` :class:`Site` per swapped call."""
+    set by ``torch.fx.traceback.annotate``) and one ``swapped`` :class:`Site` per swapped call. ``seen``:
+    the calls already reported from another part of the same graph (a subgraph of a higher-order op
+    holds part of a variant's ops, e.g. its ``torch.no_grad()`` block)."""
     nodes: set[Node] = set()
     first: dict[tuple, Node] = {}
     for n in graph.nodes:
@@ -148,9 +151,19 @@ def swapped_regions(graph: Graph, graph_tag: str) -> tuple[set[Node], list[Site]
         if key is None:
             continue
         nodes.add(n)
-        first.setdefault((key, module_path(n)[0], ann.get("smx_variant"), ann.get("smx_kind")), n)
+        # one site per call of the swapped module (the variant's own SwapSite module is not part of the name)
+        stack = [k for k, (path, _) in (n.meta.get("nn_module_stack") or {}).items()
+                 if not normalize_module_path(str(path)).startswith("smx_")]
+        first.setdefault((key, stack[-1] if stack else None, ann.get("smx_variant"), ann.get("smx_kind")), n)
     sites = []
-    for (key, _, variant, kind), n in first.items():
+    seen = set() if seen is None else seen
+    named = {ident[0] for ident in first if ident[1] is not None} | {ident[0] for ident in seen}
+    for ident, n in first.items():
+        # nodes without a module stack (a no_grad block's ops) belong to a call reported from its other nodes
+        if ident in seen or (ident[1] is None and ident[0] in named):
+            continue
+        seen.add(ident)
+        key, _, variant, kind = ident
         module, _, index = str(key).rpartition("#")
         sites.append(Site(kind=kind if kind in ("attention", "softmax") else "softmax", action="swapped",
                           op=f"variant:{variant}", detail=f"variant={variant}", graph=graph_tag, node=n.name,
@@ -177,6 +190,7 @@ class SmxPass(CustomGraphPass):
         self.report = report if report is not None else Report()
 
     def __call__(self, graph: Graph) -> None:
+        self._swaps_seen: set = set()
         for prefix, g, owner in subgraphs(graph):
             if self._rewrite(g, prefix) and owner is not None:
                 owner.recompile()
@@ -184,7 +198,7 @@ class SmxPass(CustomGraphPass):
     def _rewrite(self, graph: Graph, prefix: str) -> bool:
         """Rewrite every site of one graph; True if anything changed."""
         # sites the user swapped for a variant (smxcompile.swap) are theirs: no pass touches their ops
-        swapped, swap_sites = swapped_regions(graph, self.graph_tag)
+        swapped, swap_sites = swapped_regions(graph, self.graph_tag, getattr(self, "_swaps_seen", None))
         self.report.sites.extend(swap_sites)
         # cross-entropy first: it owns the log_softmax of nll_loss(log_softmax(x))
         ce = find_ce_sites(graph, self.options, self.skip, prefix)
