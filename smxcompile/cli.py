@@ -382,7 +382,8 @@ def _swap(args: argparse.Namespace, console) -> int:
         model = smxcompile.swap(model, variant.name, where=args.where, example_inputs={"input_ids": held[:1].to(device)},
                                 n_train=n_train, per_head=not args.per_site, inplace=True, **params)
     except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from None
+        msg = str(e)
+        raise _UsageError(msg[len("swap: "):] if msg.startswith("swap: ") else msg) from None
     console.print(model.smx_swap.summary(), markup=False)
     with model.smx_swap.disabled():   # the checkpoint's own softmax at every site: the model as loaded
         before = measure("original", None, "the checkpoint as loaded, its own softmax")

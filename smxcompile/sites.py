@@ -186,9 +186,9 @@ def progress(items: list, desc: str, enabled: bool):
 def traced_sites(model: nn.Module, batch: Any) -> tuple[dict[str, Any], bool]:
     """What :func:`smxcompile.explain` says each softmax call of ``model(batch)`` is: ``({key: Site}, split)``.
 
-    A key seen in several graphs (Dynamo split the model at a graph break: the resumed graph has no
-    module names) cannot be told apart and is left out rather than guessed; ``split`` is True when
-    the model traced to several graphs.
+    A key seen several times (a module called twice, or a graph break: the resumed graph has no
+    module names) is kept when every occurrence is the same kind of site and left out otherwise (not
+    guessed); ``split`` is True when the model traced to several graphs.
     """
     from collections.abc import Mapping
 
@@ -196,11 +196,13 @@ def traced_sites(model: nn.Module, batch: Any) -> tuple[dict[str, Any], bool]:
 
     rep = (explain(model, *batch) if isinstance(batch, (tuple, list))
            else explain(model, **batch) if isinstance(batch, Mapping) else explain(model, batch))
-    counts: dict[str, int] = {}
+    kinds: dict[str, set[str]] = {}
     for site in rep:
         if site.index >= 0:
-            counts[site.key] = counts.get(site.key, 0) + 1
-    named = {s.key: s for s in rep if s.index >= 0 and counts[s.key] == 1}
+            kinds.setdefault(site.key, set()).add(site.kind)
+    # a key seen several times (a shared module called twice, or a graph break) is kept when every
+    # occurrence is the same kind of site
+    named = {s.key: s for s in rep if s.index >= 0 and len(kinds[s.key]) == 1}
     return named, len({s.graph for s in rep}) > 1
 
 

@@ -15,8 +15,11 @@ the ``smx`` backend reports those sites as ``action="swapped"`` and leaves their
 
 Masks. A softmax has no mask argument: models add ``-inf``, ``finfo.min``, ``-1e9`` or ``-1e4`` to the
 scores. For the variants that do not ignore such entries by themselves (ReLU, sigmoid, the
-length-dependent ones), an entry below :data:`MASKED_BELOW` (``-1000``) counts as masked: its weight
-is exactly 0 and it does not count in the row length ``n``.
+length-dependent ones), at an attention site an entry at or below :data:`MASKED_BELOW` (``-1000``)
+counts as masked: its weight is exactly 0 and it does not count in the row length ``n``. At any
+other site (an output softmax's logits may legitimately be that low) only entries at or below half
+the dtype's lowest value (``-inf``, ``finfo.min``) count as masked. NaN is never a mask: it
+propagates as the variant's ops propagate it.
 
 Persistence. :func:`save` writes ``model.safetensors`` (every weight, the variants' parameters
 included) and ``smx_swap.json`` (the manifest: which variant at which site, parameter shapes);
@@ -49,7 +52,8 @@ log = logging.getLogger("smxcompile")
 ATTR = "smx_swap"
 MANIFEST = "smx_swap.json"
 FORMAT = "smxcompile.swap/1"
-#: A softmax input entry below this counts as masked (an additive mask: -inf, finfo.min, -1e9, -1e4).
+#: At an attention site, a softmax input entry at or below this counts as masked (an additive mask: -inf,
+#: finfo.min, -1e9, -1e4).
 MASKED_BELOW = -1000.0
 #: Annotation key the swapped ops carry in FX graphs (``node.meta["custom"]``); the passes skip them.
 ANNOTATION = "smx_swap"
@@ -71,7 +75,7 @@ class SwapSite(nn.Module):
         super().__init__()
         self.key, self.kind, self.variant = key, kind, variant
         self.ndim, self.dim = ndim, dim
-        self.per_head = bool(per_head and ndim == 4 and dim == 3 and heads > 0)
+        self.per_head = bool(per_head and kind in ("attention", "unclassified") and ndim == 4 and dim == 3 and heads > 0)
         self.heads = heads if self.per_head else 0
         shape = (heads, 1, 1) if self.per_head else ()
         self.params = nn.ParameterDict({k: nn.Parameter(torch.full(shape, float(v)))
@@ -82,11 +86,25 @@ class SwapSite(nn.Module):
         """The variant of ``x`` along ``dim`` (``x`` cast to ``dtype`` first, as ``softmax(x, dim, dtype=)`` does)."""
         if dtype is not None:
             x = x.to(dtype)
+        d = dim + x.dim() if isinstance(dim, int) and dim < 0 else dim
+        if x.dim() != self.ndim or d != self.dim:
+            raise RuntimeError(f"smxcompile.swap: site {self.key} was found as a {self.ndim}-D softmax over dim "
+                               f"{self.dim}, now called on shape {tuple(x.shape)} over dim {dim}. Sites are named by "
+                               "call order: a softmax that runs only sometimes (in training, on one branch) shifts "
+                               "the names; swap with where=[keys] chosen for the layout you run")
         if self.per_head and (x.dim() != 4 or x.shape[1] != self.heads):
             raise RuntimeError(f"smxcompile.swap: site {self.key} has per-head parameters for {self.heads} heads "
                                f"(input (batch, heads, queries, keys)), got shape {tuple(x.shape)}")
-        keep = x > MASKED_BELOW
+        keep = ~(x <= self.mask_threshold(x.dtype))      # NaN is kept (and propagates)
         return _variants.get(self.variant).apply(x, dim, mask=keep, **self.fixed, **dict(self.params.items()))
+
+    def mask_threshold(self, dtype: torch.dtype) -> float:
+        """Input entries at or below this count as masked: -1000 at attention sites (and at sites chosen by key,
+        not classified, of the attention layout ``(batch, heads, queries, keys)`` over the last dim), else
+        half ``dtype``'s lowest."""
+        if self.kind == "attention" or (self.kind == "unclassified" and self.ndim == 4 and self.dim == 3):
+            return MASKED_BELOW
+        return torch.finfo(dtype).min / 2 if dtype.is_floating_point else MASKED_BELOW
 
     def entry(self) -> dict[str, Any]:
         """The manifest entry of this site."""
@@ -184,7 +202,7 @@ class Swapper(SiteInterceptor):
     def _measure(self, site: SwapSite, x: torch.Tensor, w: torch.Tensor, dim: int) -> None:
         with torch.no_grad():
             wd = w.detach().double().movedim(dim, -1)
-            keep = (x.detach() > MASKED_BELOW).movedim(dim, -1)
+            keep = (~(x.detach() <= site.mask_threshold(x.dtype))).movedim(dim, -1)
             total = wd.sum(-1)
             ok = torch.isfinite(total) & keep.any(-1)
             p = wd / torch.where(total > 0, total, 1.0).unsqueeze(-1)
@@ -312,8 +330,8 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
             ``s = 1/log n_train``, sigmoid ``b = -log n_train``, ReLU ``c = 1/n_train``, softplus).
             Default: attention sites, the model config's ``max_position_embeddings`` / ``n_positions``
             (``transformers``), else the example's key length; other sites, their row length.
-        per_head: one parameter per attention head (sites of shape ``(batch, heads, queries, keys)``
-            normalized over keys); False: one per site.
+        per_head: one parameter per attention head (attention sites, or sites chosen by key, of shape
+            ``(batch, heads, queries, keys)`` normalized over keys); False: one per site.
         inplace: change ``model`` itself instead of a deep copy.
         **params: the variant's parameters (``smxcompile.variants.get(name).params``): a learnable
             one given here is the start value of its ``nn.Parameter`` instead of the pretrained-start
@@ -340,6 +358,9 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError("swap: the model is already compiled (torch.compile); swap the model first, then compile "
+                        "the swapped model")
     v = _variant(variant)
     unknown = sorted(set(params) - set(v.params))
     if unknown:
@@ -378,8 +399,24 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
         swapper.phase, swapper.seen = "discover", {}
         with torch.no_grad():
             call_model(model, example_inputs)
-        swapper.phase = "on"
         seen = swapper.seen
+        # the same names in training mode (a softmax that runs only in training would shift them)
+        from .explain import _restore_state
+
+        swapper.seen = {}
+        model.train()
+        with torch.no_grad(), _restore_state(model):
+            call_model(model, example_inputs)
+        model.eval()
+        train_seen, swapper.seen = swapper.seen, seen
+        swapper.phase = "on"
+        layout = lambda d: {k: (v["ndim"], v["dim"]) for k, v in d.items()}  # noqa: E731
+        if layout(train_seen) != layout(seen):
+            diff = sorted(set(layout(train_seen).items()) ^ set(layout(seen).items()))
+            raise ValueError("swap: the model makes different softmax calls in training and in eval mode "
+                             f"({diff[:6]}: (key, (ndim, dim)) seen in only one mode). Sites are named by call "
+                             "order, so the names would not match in both modes; this model cannot be swapped "
+                             "by name safely")
         if not seen:
             raise ValueError("swap: no softmax call found in the model's forward. transformers models: use "
                              "attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")

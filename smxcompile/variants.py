@@ -220,7 +220,7 @@ def _k(t: torch.Tensor, keep, fill: float) -> torch.Tensor:
 
 
 def _safe_den(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d > 0, d, 1.0)
+    return torch.where(d == 0, 1.0, d)
 
 
 _softmax = NORMALIZERS["softmax"].ref

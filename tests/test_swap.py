@@ -90,8 +90,8 @@ def _reference(net: Net, swapped: nn.Module, x, pad=None, output=False):
         h = h + blk.out((p @ v).transpose(1, 2).reshape(bb, n, -1))
     logits = net.head(h)
     site = sites.get("head#0") or sites.get("#0")
-    if site is not None:
-        return variants.get(site.variant).apply(logits, -1, mask=logits > MASKED_BELOW, **site.fixed,
+    if site is not None:   # not an attention site: only -inf / finfo.min-like entries are masks
+        return variants.get(site.variant).apply(logits, -1, mask=logits > torch.finfo(logits.dtype).min / 2, **site.fixed,
                                                 **dict(site.params.items()))
     return F.softmax(logits, -1)
 
@@ -557,3 +557,70 @@ class TestTransformers:
         model, _ = build()
         sw = smxcompile.swap(model, "sparsemax")
         assert len(sw.smx_swap.sites) == 2
+
+
+# --------------------------------------------------------------------------- found by review
+
+
+class TestReviewFindings:
+    def test_output_logits_far_below_are_not_masks_and_nan_propagates(self):
+        class Head(nn.Module):
+            def forward(self, logits):
+                return torch.softmax(logits, dim=-1)
+
+        logits = torch.tensor([[-1500.0, -1200.0, -1100.0], [0.0, float("nan"), 1.0], [0.0, float("-inf"), 1.0]])
+        sw = smxcompile.swap(Head(), "temperature", where="all", example_inputs=(logits[:1],))
+        assert sw.smx_swap.sites["#0"].kind == "softmax"
+        with torch.no_grad():
+            torch.testing.assert_close(sw(logits), torch.softmax(logits, -1), equal_nan=True)
+
+    def test_a_softmax_only_in_training_is_refused(self):
+        class Odd(Attn):
+            def forward(self, x, pad=None):
+                if self.training:
+                    x = x + 0.0 * torch.softmax(x, dim=-1)   # an extra call only in training: shifts the names
+                return super().forward(x, pad)
+
+        net = Net()
+        net.blocks[0] = Odd()
+        with pytest.raises(ValueError, match="different softmax calls in training and in eval"):
+            smxcompile.swap(net.eval(), "ssmax", where=["blocks.0#0"], example_inputs=(_x(),))
+
+    def test_run_time_layout_change_is_an_error(self):
+        sw = smxcompile.swap(_net(), "ssmax", example_inputs=(_x(),), per_head=False)
+        with pytest.raises(RuntimeError, match="found as a 4-D softmax over dim 3"):
+            sw.smx_swap.sites["blocks.0#0"](torch.randn(2, 5), -1)
+
+    def test_non_attention_4d_softmax_gets_one_parameter(self):
+        class Grid(nn.Module):
+            def forward(self, x):
+                return torch.softmax(x * 2, dim=-1)        # 4-D but not attention
+
+        sw = smxcompile.swap(Grid(), "ssmax", where="output", example_inputs=(torch.randn(2, 3, 4, 5),))
+        site = sw.smx_swap.sites["#0"]
+        assert site.kind == "softmax" and not site.per_head and site.params["s"].shape == ()
+        with torch.no_grad():
+            assert sw(torch.randn(2, 7, 4, 5)).shape == (2, 7, 4, 5)    # any size along dim 1
+
+    def test_shared_module_called_twice_is_attention(self):
+        class Shared(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Linear(8, D)
+                self.attn = Attn()
+
+            def forward(self, x):
+                h = self.emb(x)
+                h = h + self.attn(h)
+                return h + self.attn(h)                     # the same module twice (ALBERT-style)
+
+        torch.manual_seed(0)
+        m, x = Shared().eval(), _x()
+        sw = smxcompile.swap(m, "temperature", example_inputs=(x,), T=2.0)
+        assert list(sw.smx_swap.sites) == ["attn#0"]
+        with torch.no_grad(), sw.smx_swap.disabled():
+            assert torch.equal(sw(x), m(x))
+
+    def test_a_compiled_model_is_refused(self):
+        with pytest.raises(TypeError, match="swap the model first"):
+            smxcompile.swap(torch.compile(_net()), "ssmax", example_inputs=(_x(),))

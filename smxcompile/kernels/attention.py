@@ -94,9 +94,9 @@ def _row_max(z: torch.Tensor) -> torch.Tensor:
 
 
 def _normalize(e: torch.Tensor) -> torch.Tensor:
-    """``e / sum(e)`` over the row; 0 for a row whose sum is 0 (every key masked)."""
+    """``e / sum(e)`` over the row; 0 for a row whose sum is 0 (every key masked); NaN propagates."""
     d = e.sum(-1, keepdim=True)
-    return e / torch.where(d > 0, d, 1.0)
+    return e / torch.where(d == 0, 1.0, d)
 
 
 def _softmax_ref(s, keep, n, param):
@@ -144,7 +144,7 @@ def _softpick_ref(s, keep, n, param):
     u = torch.where(z > 0, -torch.exp(zp - m) * torch.expm1(-zp), torch.exp(-m) * torch.expm1(zn))
     u = _keep(u, keep, 0.0)
     den = u.abs().sum(-1, keepdim=True) + eps * torch.exp(-m)
-    return torch.relu(u) / torch.where(den > 0, den, 1.0)
+    return torch.relu(u) / torch.where(den == 0, 1.0, den)
 
 
 def _ssmax_ref(s, keep, n, param):
@@ -260,7 +260,7 @@ def _softpick_vjp(s, keep, n, param, w, dw):
     zp, zn = z.clamp(min=0.0), z.clamp(max=0.0)
     u = _keep(torch.where(z > 0, -torch.exp(zp - m) * torch.expm1(-zp), torch.exp(-m) * torch.expm1(zn)), keep, 0.0)
     den = u.abs().sum(-1, keepdim=True) + eps * torch.exp(-m)
-    den = torch.where(den > 0, den, 1.0)
+    den = torch.where(den == 0, 1.0, den)
     dot = (dw * w).sum(-1, keepdim=True)
     ds = torch.exp(z - m) / den * (torch.where(u > 0, dw, 0.0) - torch.sign(u) * dot)
     return ds, -dot * torch.exp(-m) / den
@@ -279,7 +279,7 @@ def _softplus_vjp(s, keep, n, param, w, dw):
     z = _keep(s, keep, 0.0)
     e = _keep(F.softplus(z * c), keep, 0.0)
     d = e.sum(-1, keepdim=True)
-    de = (dw - (dw * w).sum(-1, keepdim=True)) / torch.where(d > 0, d, 1.0)
+    de = (dw - (dw * w).sum(-1, keepdim=True)) / torch.where(d == 0, 1.0, d)
     de = _keep(de * torch.sigmoid(z * c), keep, 0.0)
     return de * c, de * z
 
@@ -295,7 +295,7 @@ def _entmax15_vjp(s, keep, n, param, w, dw):
     g = torch.sqrt(w)
     gs = g.sum(-1, keepdim=True)
     dx = dw * g
-    return dx - g * (dx.sum(-1, keepdim=True) / torch.where(gs > 0, gs, 1.0)), None
+    return dx - g * (dx.sum(-1, keepdim=True) / torch.where(gs == 0, 1.0, gs)), None
 
 
 class Normalizer(NamedTuple):
