@@ -43,11 +43,10 @@ and the mode, so ``torch.compile`` sees the QDQ pairs in its graph.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -350,8 +349,6 @@ class SoftmaxQuantizer(SiteInterceptor):
         self.skipped: dict[str, str] = {}
         self.seen: dict[str, dict[str, Any]] = {}
         self.phase = "off"        # discover | observe | measure | quantize | off
-        self.enabled = True
-        self.collect = False
         self._pending: tuple | None = None    # (key, tensor to watch, y, x, "quantize" | "dequantize")
 
     @property
@@ -462,27 +459,9 @@ class SoftmaxQuantizer(SiteInterceptor):
 
     # -- user API
 
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[None]:
-        """``with model.smx_softmax_quant.disabled():`` runs the fp softmax (the unquantized baseline)."""
-        old = self.enabled
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = old
-
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Accumulate :meth:`stats` (row-sum error, fraction quantized to zero) while the block runs (eager only)."""
+    def _reset_stats(self) -> None:
         for s in self._sites.values():
             s.stats = _Stats.zeros(s.groups)
-        old = self.collect
-        self.collect = True
-        try:
-            yield
-        finally:
-            self.collect = old
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per site and ``"all"``: ``rows``, ``mean_abs_rowsum_err`` (|row sum - 1| of what the site

@@ -15,8 +15,9 @@ Used by :func:`smxcompile.quantize_softmax` (quantize the probabilities) and
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -93,6 +94,34 @@ class SiteInterceptor(nn.Module):
         self._stack: list[_Frame] = []
         self._handles: list[Any] = []
         self._mode = _SiteMode(self)
+        self.enabled = True     # False: every site computes the model's own softmax (the baseline)
+        self.collect = False    # True: sites accumulate statistics (eager only)
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """``with interceptor.disabled():`` the model computes its own softmax at every site (the
+        baseline: unquantized, or not swapped), without removing anything."""
+        old = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = old
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Accumulate the sites' statistics (``.stats()``) while the block runs (eager calls only; the
+        statistics are reset when the block starts)."""
+        self._reset_stats()
+        old = self.collect
+        self.collect = True
+        try:
+            yield
+        finally:
+            self.collect = old
+
+    def _reset_stats(self) -> None:
+        pass
 
     def attach(self, model: nn.Module) -> None:
         """Hook every submodule of ``model`` (except the ``smx_*`` ones)."""

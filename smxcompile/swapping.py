@@ -128,7 +128,8 @@ class Swapper(SiteInterceptor):
     Attributes:
         sites: ``{key: SwapSite}``.
         skipped: ``{key: reason}`` of the softmax sites found but not swapped.
-        enabled: when False the model computes its original softmax everywhere (the baseline).
+        enabled: when False the model computes its original softmax everywhere (the baseline; see
+            ``.disabled()``). ``.collecting()`` + ``.stats()``: statistics of the swapped sites.
     """
 
     def __init__(self):
@@ -137,8 +138,6 @@ class Swapper(SiteInterceptor):
         self.skipped: dict[str, str] = {}
         self.seen: dict[str, dict[str, Any]] = {}
         self.phase = "on"          # discover | on
-        self.enabled = True
-        self.collect = False
         self._stats: dict[str, dict[str, float]] = {}
 
     @property
@@ -177,27 +176,8 @@ class Swapper(SiteInterceptor):
 
     # -- user API
 
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[None]:
-        """``with model.smx_swap.disabled():`` runs the model's original softmax (the baseline)."""
-        old = self.enabled
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = old
-
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator[None]:
-        """Accumulate :meth:`stats` of the swapped sites while the block runs (eager only; inside
-        :meth:`disabled`, the statistics of the original softmax at the same sites)."""
+    def _reset_stats(self) -> None:
         self._stats = {}
-        old = self.collect
-        self.collect = True
-        try:
-            yield
-        finally:
-            self.collect = old
 
     def _measure(self, site: SwapSite, x: torch.Tensor, w: torch.Tensor, dim: int) -> None:
         with torch.no_grad():
