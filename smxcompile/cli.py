@@ -308,6 +308,19 @@ def _learned(model) -> dict[str, dict[str, list[float]]]:
             for k, s in swapped_sites(model).items()}
 
 
+def _open_lm(ck, args: argparse.Namespace, console, device: str):
+    """The checkpoint's model and data, and the held-out windows to evaluate: ``(data, model, held)``."""
+    from smxcompile import tune
+
+    try:
+        data = _load_data(ck, args, console)
+        model = tune.load_lm(ck, device)
+    except (OSError, ValueError, KeyError) as e:
+        raise _UsageError(str(e)) from None
+    _check_vocab(model, data, ck)
+    return data, model, _eval_windows(data, args.batches, args.batch_size)
+
+
 def _swap_cmd(args: argparse.Namespace) -> int:
     console = _console()
     try:
@@ -356,14 +369,8 @@ def _swap(args: argparse.Namespace, console) -> int:
 
     import smxcompile
 
-    try:
-        data = _load_data(ck, args, console)
-        model = tune.load_lm(ck, device)
-    except (OSError, ValueError, KeyError) as e:
-        raise _UsageError(str(e)) from None
-    _check_vocab(model, data, ck)
+    data, model, held = _open_lm(ck, args, console, device)
     bs = args.batch_size
-    held = _eval_windows(data, args.batches, bs)
     n_train = args.n_train or data.seq_len
     console.rule(f"[bold]smx swap[/]: {variant.name} at the {args.where} softmax of {_escape(str(ck))}")
     console.print(f"data: {data.corpus}, windows of {data.seq_len} tokens: {data.train.shape[0]} train, "
@@ -493,14 +500,8 @@ def _eval(args: argparse.Namespace, console) -> int:
         raise _UsageError(str(e)) from None
     device = _device(args.device)
     progress = not args.no_progress
-    try:
-        data = _load_data(ck, args, console)
-        model = tune.load_lm(ck, device)
-    except (OSError, ValueError, KeyError) as e:
-        raise _UsageError(str(e)) from None
-    _check_vocab(model, data, ck)
+    data, model, held = _open_lm(ck, args, console, device)
     bs = args.batch_size
-    held = _eval_windows(data, args.batches, bs)
     r = tune.perplexity(model, held, batch_size=bs, progress=progress, desc="perplexity")
     doc: dict[str, Any] = {"checkpoint": str(ck), "seq_len": data.seq_len, "corpus": data.corpus,
                            "batch_size": bs, "batches": args.batches, "heldout_windows": int(data.heldout.shape[0]),
