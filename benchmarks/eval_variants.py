@@ -69,7 +69,7 @@ BASELINE = "softmax (baseline)"
 
 EPILOG = """\
 examples:
-  # the figures of docs/VARIANTS.md (about 16 min with one thread on a 2-core machine shared with
+  # the figures of docs/VARIANTS.md (about 13 min with one thread on a 2-core machine shared with
   # another job; entmax_bisect ~3 min of it, every other row ~1 min)
   python benchmarks/eval_variants.py --checkpoint /tmp/ckpt/seed0/checkpoint --markdown \\
       --json docs/bench_variants.json --plot docs/variants.png
