@@ -70,6 +70,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from smxcompile.argtypes import nonneg_int, positive_int
+
 SETTINGS: list[tuple[str, Any, str]] = [
     ("none", False, "tensor"),
     ("offset/head", "offset", "head"),
@@ -118,20 +120,6 @@ def _bits_list(text: str) -> list[int]:
     return sorted(set(bits), reverse=True)
 
 
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eval_quant_softmax.py", description=__doc__.split("\n", 2)[2] if __doc__ else None,
@@ -142,21 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bit widths, comma-separated (default: 8,6,4; with --quick: 8,4)")
     p.add_argument("--settings", default=",".join(SETTING_NAMES), metavar="LIST",
                    help=f"which settings to run, comma-separated (default: all: {','.join(SETTING_NAMES)})")
-    p.add_argument("--calib-batches", type=_pos_int, default=None, metavar="N",
+    p.add_argument("--calib-batches", type=positive_int, default=None, metavar="N",
                    help="calibration batches of training windows (default: 8; with --quick: 2)")
-    p.add_argument("--eval-batches", type=_nonneg_int, default=None, metavar="N",
+    p.add_argument("--eval-batches", type=nonneg_int, default=None, metavar="N",
                    help="held-out batches to evaluate, 0 = every held-out window (default: 0; with --quick: 2)")
-    p.add_argument("--stats-batches", type=_nonneg_int, default=4, metavar="N",
+    p.add_argument("--stats-batches", type=nonneg_int, default=4, metavar="N",
                    help="held-out batches over which the row-sum error and zero fraction are collected, 0 = all "
                         "(collecting costs about one extra forward per batch; perplexity always uses every "
                         "evaluated batch) (default: 4)")
-    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="B", help="windows per batch (default: 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="windows per batch (default: 8)")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration sample (default: 0)")
-    p.add_argument("--seq-len", type=_pos_int, default=None, metavar="T",
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="window length (default: the demo's, from results.json, else config.n_positions)")
     p.add_argument("--corpus", default=None, help="demo corpus name (default: the demo's, from results.json)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--threads", type=_pos_int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: first checkpoint only, 2 calibration + 2 evaluation batches, bits 8,4 "
                         "(explicit options still win)")

@@ -65,6 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from smxcompile.argtypes import nonneg_int, positive_float, positive_int
+
 BASELINE = "softmax (baseline)"
 
 EPILOG = """\
@@ -90,27 +92,6 @@ cost: entmax_bisect (64 bisection iterations per attention row, every layer) is 
 # --------------------------------------------------------------------------- options
 
 
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _pos_float(text: str) -> float:
-    v = float(text)
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eval_variants.py", description=__doc__.split("\n", 3)[3] if __doc__ else None,
@@ -119,26 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="all", metavar="LIST",
                    help="comma-separated variant names (default: all of smxcompile.variants.names()); the softmax "
                         "baseline row always runs")
-    p.add_argument("--calibrate", type=_nonneg_int, default=25, metavar="STEPS",
+    p.add_argument("--calibrate", type=nonneg_int, default=25, metavar="STEPS",
                    help="calibration steps (the variant's parameters only) for the variants that have learnable "
                         "parameters; 0 = no calibration (default: 25)")
-    p.add_argument("--finetune", type=_nonneg_int, default=50, metavar="STEPS",
+    p.add_argument("--finetune", type=nonneg_int, default=50, metavar="STEPS",
                    help="fine-tuning steps (every weight), the same for every variant and the baseline (default: 50)")
-    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="B",
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
                    help="windows per training step and per evaluation batch (default: 8)")
-    p.add_argument("--eval-batches", type=_nonneg_int, default=8, metavar="N",
+    p.add_argument("--eval-batches", type=nonneg_int, default=8, metavar="N",
                    help="held-out batches for the perplexity, 0 = every held-out window (default: 8)")
-    p.add_argument("--stats-batches", type=_pos_int, default=2, metavar="N",
+    p.add_argument("--stats-batches", type=positive_int, default=2, metavar="N",
                    help="held-out batches for the attention statistics (default: 2)")
-    p.add_argument("--lr", type=_pos_float, default=None, metavar="LR",
+    p.add_argument("--lr", type=positive_float, default=None, metavar="LR",
                    help="fine-tuning learning rate (default: smxcompile.tune.FINETUNE_LR, 1e-4)")
-    p.add_argument("--calib-lr", type=_pos_float, default=None, metavar="LR",
+    p.add_argument("--calib-lr", type=positive_float, default=None, metavar="LR",
                    help="calibration learning rate (default: smxcompile.tune.CALIBRATE_LR, 1e-2)")
     p.add_argument("--seed", type=int, default=0,
                    help="batch order: calibration uses SEED, every fine-tune SEED + 1 (default: 0)")
-    p.add_argument("--seq-len", type=_pos_int, default=None, metavar="T", help="window length (default: the demo's)")
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="window length (default: the demo's)")
     p.add_argument("--corpus", default=None, help="demo corpus name (default: the demo's)")
-    p.add_argument("--threads", type=_pos_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch.set_num_threads (default: 1: on a shared 2-core machine two threads spin-wait on "
                         "each other whenever another process holds a core, 2-3x slower than one)")
     p.add_argument("--markdown", action="store_true", help="print the results as a Markdown table")

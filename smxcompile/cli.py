@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from .argtypes import nonneg_int, positive_float, positive_int
 
 EPILOG = """\
 examples:
@@ -164,33 +165,6 @@ notes:
 
 class _UsageError(Exception):
     """A bad command line or input: printed as one message, exit status 2."""
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = _nonneg_int(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("must be an integer > 0, got 0")
-    return v
-
-
-def _pos_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return v
 
 
 def _escape(text: str) -> str:
@@ -541,10 +515,10 @@ def _eval(args: argparse.Namespace, console) -> int:
 
 
 def _add_data_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="B", help="windows per batch (default: 8)")
-    p.add_argument("--batches", type=_nonneg_int, default=0, metavar="N",
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="windows per batch (default: 8)")
+    p.add_argument("--batches", type=nonneg_int, default=0, metavar="N",
                    help="held-out batches to evaluate, 0 = every held-out window (default: 0)")
-    p.add_argument("--seq-len", type=_pos_int, default=None, metavar="T",
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="window length (default: the demo's, from results.json, else the model's n_positions)")
     p.add_argument("--corpus", default=None, help="demo corpus: topics or topics+docstrings (default: the demo's, "
                    "from results.json)")
@@ -590,17 +564,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which softmax calls: attention (default), output (the others: a classifier's, a router's), all")
     w.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="a variant parameter (repeatable): a learnable one's start value, or a fixed one's value")
-    w.add_argument("--n-train", type=_pos_int, default=None, metavar="N",
+    w.add_argument("--n-train", type=positive_int, default=None, metavar="N",
                    help="training context length for the length-dependent start values (SSMax s = 1/log N, sigmoid "
                    "b = -log N, ...) (default: the window length)")
     w.add_argument("--per-site", action="store_true", help="one parameter per site instead of one per head")
-    w.add_argument("--calibrate", type=_nonneg_int, default=0, metavar="STEPS",
+    w.add_argument("--calibrate", type=nonneg_int, default=0, metavar="STEPS",
                    help="AdamW steps on the variant's learnable parameters only, the model frozen (default: 0)")
-    w.add_argument("--finetune", type=_nonneg_int, default=0, metavar="STEPS",
+    w.add_argument("--finetune", type=nonneg_int, default=0, metavar="STEPS",
                    help="then AdamW steps on every weight (default: 0)")
-    w.add_argument("--calib-lr", type=_pos_float, default=None, metavar="LR",
+    w.add_argument("--calib-lr", type=positive_float, default=None, metavar="LR",
                    help="learning rate of --calibrate (default: 1e-2)")
-    w.add_argument("--lr", type=_pos_float, default=None, metavar="LR",
+    w.add_argument("--lr", type=positive_float, default=None, metavar="LR",
                    help="learning rate of --finetune (default: 1e-4)")
     w.add_argument("--seed", type=int, default=0, help="seed of the training batch order (default: 0)")
     _add_data_options(w)
@@ -613,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="checkpoint folder (config.json + weights + tokenizer.json) or an `smx demo --out` folder")
     _add_data_options(v)
-    v.add_argument("--stats-batches", type=_nonneg_int, default=2, metavar="N",
+    v.add_argument("--stats-batches", type=nonneg_int, default=2, metavar="N",
                    help="held-out batches for the attention statistics of a swapped model, 0 = every evaluated "
                    "window (default: 2)")
     v.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (messages go to stderr)")

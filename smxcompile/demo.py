@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from .argtypes import positive_float, positive_int
+
 # Heavy imports (torch, transformers, tokenizers, rich) happen inside functions so
 # that ``smx --help`` stays fast.
 
@@ -160,20 +162,6 @@ notes:
 # --------------------------------------------------------------------------- CLI
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``smx demo`` options to ``parser`` (the CLI calls this for the ``demo`` subcommand).
 
@@ -196,18 +184,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "no compile and is the reference; 'smx-rewrite' is smx with options "
                         "{'cpu': 'rewrite', 'attention': False, 'attention_softmax': True}, which rewrites every softmax to smx::softmax "
                         "(default: eager,inductor,smx)")
-    g.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--steps", type=positive_int, default=None, metavar="N",
                    help=f"training steps per backend {d('steps')}")
-    g.add_argument("--tolerance", type=_positive_float, default=DEFAULT_TOLERANCE, metavar="REL",
+    g.add_argument("--tolerance", type=positive_float, default=DEFAULT_TOLERANCE, metavar="REL",
                    help="max relative difference of each of the first --strict-steps losses from the "
                         f"reference backend's (default: {DEFAULT_TOLERANCE:g})")
-    g.add_argument("--grad-tolerance", type=_positive_float, default=DEFAULT_GRAD_TOLERANCE, metavar="REL",
+    g.add_argument("--grad-tolerance", type=positive_float, default=DEFAULT_GRAD_TOLERANCE, metavar="REL",
                    help="max ||g - g_ref|| / ||g_ref|| of any parameter's gradient at step 1, where every backend "
                         f"starts from the same weights and batch (default: {DEFAULT_GRAD_TOLERANCE:g})")
-    g.add_argument("--strict-steps", type=_positive_int, default=DEFAULT_STRICT_STEPS, metavar="K",
+    g.add_argument("--strict-steps", type=positive_int, default=DEFAULT_STRICT_STEPS, metavar="K",
                    help="how many leading steps are held to --tolerance; later steps drift chaotically "
                         f"(default: {DEFAULT_STRICT_STEPS})")
-    g.add_argument("--late-tolerance", type=_positive_float, default=DEFAULT_LATE_TOLERANCE, metavar="REL",
+    g.add_argument("--late-tolerance", type=positive_float, default=DEFAULT_LATE_TOLERANCE, metavar="REL",
                    help=f"max relative difference of the mean loss over the last {LATE_WINDOW} steps and of "
                         f"the held-out loss (default: {DEFAULT_LATE_TOLERANCE:g})")
     g.add_argument("--seed", type=int, default=0, help="seed for the weights and the batch order (default: 0)")
@@ -217,14 +205,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto = cuda when available, else cpu (default: auto)")
 
     g = parser.add_argument_group("model and data")
-    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="B", help=f"windows per step {d('batch_size')}")
-    g.add_argument("--seq-len", type=_positive_int, default=None, metavar="T", help=f"tokens per window {d('seq_len')}")
-    g.add_argument("--layers", type=_positive_int, default=None, metavar="L", help=f"transformer layers {d('layers')}")
-    g.add_argument("--n-embd", type=_positive_int, default=None, metavar="D", help=f"hidden size {d('n_embd')}")
-    g.add_argument("--heads", type=_positive_int, default=None, metavar="H", help=f"attention heads {d('heads')}")
-    g.add_argument("--vocab-size", type=_positive_int, default=None, metavar="V",
+    g.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help=f"windows per step {d('batch_size')}")
+    g.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help=f"tokens per window {d('seq_len')}")
+    g.add_argument("--layers", type=positive_int, default=None, metavar="L", help=f"transformer layers {d('layers')}")
+    g.add_argument("--n-embd", type=positive_int, default=None, metavar="D", help=f"hidden size {d('n_embd')}")
+    g.add_argument("--heads", type=positive_int, default=None, metavar="H", help=f"attention heads {d('heads')}")
+    g.add_argument("--vocab-size", type=positive_int, default=None, metavar="V",
                    help=f"BPE vocabulary and LM-head width; keep >= 16384 for a realistic head and loss {d('vocab_size')}")
-    g.add_argument("--lr", type=_positive_float, default=None, help=f"AdamW learning rate {d('lr')}")
+    g.add_argument("--lr", type=positive_float, default=None, help=f"AdamW learning rate {d('lr')}")
     g.add_argument("--corpus", choices=CORPORA, default=None,
                    help="'topics' = pydoc_data.topics only (~465K chars, its BPE saturates near 9K tokens); "
                         "'topics+docstrings' adds the standard library's docstrings (~2.2M chars in all) "

@@ -14,3 +14,26 @@ if not torch.cuda.is_available():
 
 # Keep compile-heavy tests inside the 2-core budget.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def build_tiny_lm_checkpoint(out, seq_len: int = 32):
+    """A tiny ``smx demo``-style run folder, ``OUT/checkpoint`` + ``OUT/results.json`` (about 3 s on 2 cores):
+    a byte-level BPE tokenizer (vocabulary 512) trained on a slice of ``pydoc_data.topics``, a 2-layer
+    GPT-2 (n_embd 32, 2 heads) trained 40 steps on windows of ``seq_len`` tokens of the ``topics`` corpus.
+    Used by the tests of ``smx swap`` / ``smx eval`` and of benchmarks/eval_variants.py. Returns ``out``."""
+    import json
+
+    from smxcompile import demo, tune
+
+    docs = demo.load_corpus("topics")
+    tok = demo.train_tokenizer(docs[:15], 512)
+    s = demo.resolve_settings(demo.build_parser().parse_args(
+        ["--quick", "--seq-len", str(seq_len), "--layers", "2", "--n-embd", "32", "--heads", "2", "--vocab-size", "512",
+         "--batch-size", "8", "--corpus", "topics"]))
+    model = demo.build_model(s, tok.token_to_id(demo.EOT))
+    train, _ = demo.split_windows(demo.make_windows(tok, docs, seq_len))
+    tune.train_steps(model, train, steps=40, batch_size=8, lr=3e-3, progress=False)
+    demo.save_checkpoint(model, tok, out / "checkpoint")
+    (out / "results.json").write_text(json.dumps({"settings": {"seq_len": seq_len, "corpus": "topics",
+                                                               "batch_size": 8}}))
+    return out

@@ -14,8 +14,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
+from conftest import build_tiny_lm_checkpoint  # noqa: E402
 
-from smxcompile import demo, tune  # noqa: E402
+from smxcompile import tune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "eval_variants.py"
@@ -39,22 +40,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """``OUT/checkpoint`` + ``OUT/results.json`` as ``smx demo`` writes them, tiny (as tests/test_swap_cli.py
-    builds it): a 2-layer GPT-2, n_embd 32, 2 heads, vocabulary 512, windows of 32 tokens, 40 steps."""
+    """A tiny demo-style run folder: ``OUT/checkpoint`` + ``OUT/results.json``; returns OUT."""
     torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("tiny-demo")
-    docs = demo.load_corpus("topics")
-    tok = demo.train_tokenizer(docs[:15], 512)
-    s = demo.resolve_settings(demo.build_parser().parse_args(
-        ["--quick", "--seq-len", str(SEQ_LEN), "--layers", "2", "--n-embd", "32", "--heads", "2", "--vocab-size", "512",
-         "--batch-size", "8", "--corpus", "topics"]))
-    model = demo.build_model(s, tok.token_to_id(demo.EOT))
-    train, _ = demo.split_windows(demo.make_windows(tok, docs, SEQ_LEN))
-    tune.train_steps(model, train, steps=40, batch_size=8, lr=3e-3, progress=False)
-    demo.save_checkpoint(model, tok, out / "checkpoint")
-    (out / "results.json").write_text(json.dumps({"settings": {"seq_len": SEQ_LEN, "corpus": "topics",
-                                                               "batch_size": 8}}))
-    return out
+    return build_tiny_lm_checkpoint(tmp_path_factory.mktemp("tiny-demo"), SEQ_LEN)
 
 
 ARGS = ["--batch-size", "4", "--eval-batches", "2", "--stats-batches", "1", "--threads", "1", "--no-progress"]
