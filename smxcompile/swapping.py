@@ -330,8 +330,10 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
         UnknownVariantError (KeyError): an unknown variant name.
         ValueError: no example inputs for a model without ``dummy_inputs``; a bad ``where``; no site
             selected (the message lists the sites found and why each was left out); a site already
-            swapped; a quantized model; ``n_train`` needed but unknown or not a positive int.
-        RuntimeError: at run time, a per-head site called with another number of heads.
+            swapped; a quantized model; ``n_train`` not a positive int; a model whose softmax calls differ
+            between training and eval mode (sites are named by call order).
+        TypeError: also for a model already compiled with ``torch.compile`` (swap first, then compile).
+        RuntimeError: at run time, a site called with another layout (number of dims, dim, heads).
 
     Source: the variants' papers (:mod:`smxcompile.variants`); the swap-on-a-pretrained-model
     initialisations follow ALGORITHMS.md section 2 (SSMax: Nakanishi 2025; MultiMax: Zhou et al. 2024).
