@@ -1,0 +1,271 @@
+"""ONNX export of the *rewritten* model: ``smxcompile.export_onnx`` (issue 8, first part).
+
+How. The model is captured by Dynamo as one graph (``fullgraph=True``, static shapes), smxcompile's
+passes rewrite it exactly as the ``smx`` backend does (so the deployed graph keeps the fusions), and
+the rewritten ``GraphModule`` -- wrapped so that the model's parameters and buffers are attributes
+again, not graph inputs -- goes to ``torch.onnx.export(..., dynamo=True)`` with a
+``custom_translation_table`` mapping each smxcompile op to ONNX (onnxscript). Then the file is
+checked: ``onnx.checker``, a run in onnxruntime on the example inputs compared with eager PyTorch.
+
+Exported so far: ``smx::softmax`` -> ``Softmax`` (scale folded in front), ``smx::log_softmax`` ->
+``LogSoftmax``; graphs whose attention the passes hand to ``F.scaled_dot_product_attention`` export
+through torch's own translation. Any other smxcompile op in the rewritten graph raises
+:class:`OnnxExportError` naming it (attention with a variant normalizer, softmax + top-k, quantized
+softmax and variant swaps are the next steps of issue 8), as do masks, soft-capping and
+``return_lse`` on the softmax ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from ..options import SmxOptions
+from ..report import Report
+
+
+#: Backend options of an export unless given: every fusion kept whatever Inductor's CPU policy is; softmax +
+#: top-k left as written (its CPU rewrite is a torch function that exports as a large Where/Slice network;
+#: the ``TopK`` + ``ReduceLogSumExp`` translation of ``smx::softmax_topk`` is the next step).
+DEFAULT_OPTIONS = {"cpu": "rewrite", "disable": ["softmax_topk"]}
+
+
+class OnnxExportError(RuntimeError):
+    """An export that cannot be done or that failed its check; the message names the op and the reason."""
+
+
+@dataclasses.dataclass
+class OnnxExport:
+    """What :func:`export_onnx` wrote and checked.
+
+    Attributes:
+        path: the ``.onnx`` file. report: the rewrite report of the exported graph.
+        op_types: ``{ONNX op type: count}`` of the exported graph.
+        max_abs_diff: largest ``|onnxruntime - eager|`` over the outputs on the example inputs
+            (NaN when ``check=False``).
+        opset: the ONNX opset of the file.
+    """
+
+    path: Path
+    report: Report
+    op_types: dict[str, int]
+    max_abs_diff: float
+    opset: int
+
+
+# --------------------------------------------------------------------------- translations
+
+
+def _translations() -> dict[Any, Any]:
+    from onnxscript import opset18 as op
+
+    def _scaled(x, scale: float):
+        return x if scale == 1.0 else op.Mul(x, op.CastLike(op.Constant(value_float=scale), x))
+
+    def smx_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None, return_lse: bool = False):
+        z = _scaled(x, scale)
+        return op.Softmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+
+    def smx_log_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None,
+                        return_lse: bool = False):
+        z = _scaled(x, scale)
+        return op.LogSoftmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+
+    return {torch.ops.smx.softmax.default: smx_softmax, torch.ops.smx.log_softmax.default: smx_log_softmax}
+
+
+_SOFTMAX_OPS = ("softmax", "log_softmax")
+
+
+def _check_graph(gm: torch.fx.GraphModule) -> None:
+    """Refuse smxcompile ops (or options of them) that have no ONNX translation yet."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if n.target.namespace != "smx":
+            continue
+        name = n.target._opname
+        if name not in _SOFTMAX_OPS:
+            raise OnnxExportError(f"smx::{name} (node {n.name}) has no ONNX translation yet; pass "
+                                  f"options={{'cpu': 'rewrite', 'disable': ['{_kind_of(name)}']}} to export that site "
+                                  "unrewritten")
+        args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
+        if args.get("softcap") is not None or args.get("mask") is not None or args.get("return_lse"):
+            raise OnnxExportError(f"smx::{name} (node {n.name}) with softcap / mask / return_lse has no ONNX "
+                                  f"translation yet; pass options={{'disable': ['{name}']}}")
+        if args.get("dtype") is not None:
+            raise OnnxExportError(f"smx::{name} (node {n.name}) with dtype= has no ONNX translation yet; pass "
+                                  f"options={{'disable': ['{name}']}}")
+
+
+def _kind_of(opname: str) -> str:
+    return {"attention": "attention", "softmax_topk": "softmax_topk", "quant_softmax": "quant_softmax"}.get(
+        opname, "cross_entropy")
+
+
+# --------------------------------------------------------------------------- capture
+
+
+class _Rewritten(nn.Module):
+    """The rewritten Dynamo graph with the model's parameters and buffers as attributes again.
+
+    ``slots[i]`` says where the graph's i-th input comes from: ``("state", name)`` a parameter or
+    buffer of ``model``, ``("input", leaf)`` the ``leaf``-th tensor of the flattened ``(args, kwargs)``."""
+
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, slots: list[tuple[str, Any]]):
+        super().__init__()
+        self.model, self.gm, self.slots = model, gm, slots
+
+    def forward(self, *args, **kwargs):
+        leaves = pytree.tree_leaves((args, kwargs))
+        state = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        out = self.gm(*[state[v] if k == "state" else leaves[v] for k, v in self.slots])
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else tuple(out)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: dict | None = None
+            ) -> tuple[nn.Module, Report]:
+    """The model rewritten by smxcompile's passes as an ``nn.Module`` that ``torch.export`` can take.
+
+    Args:
+        model: the model (eval mode is the caller's business). args, kwargs: one call's inputs.
+        options: the ``smx`` backend options; default :data:`DEFAULT_OPTIONS` (the deployed graph keeps
+            every fusion whatever CPU policy Inductor needs).
+
+    Returns:
+        ``(module, report)``: ``module(*args, **kwargs)`` computes the rewritten graph.
+
+    Raises:
+        OnnxExportError: Dynamo splits the model at a graph break (the message gives Dynamo's reason),
+            or a graph input is neither a model tensor nor a tensor of ``args`` / ``kwargs``.
+    """
+    from ..passes import SmxPass
+
+    kwargs = kwargs or {}
+    opts = SmxOptions.from_mapping(DEFAULT_OPTIONS if options is None else options)
+    store: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        smx_pass = SmxPass(opts, "g0")
+        smx_pass(gm.graph)
+        gm.recompile()
+        store.update(gm=gm, inputs=list(example_inputs), report=smx_pass.report)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        raise OnnxExportError(f"the model does not trace as one graph (a graph break): {str(e).splitlines()[0]}") from e
+    finally:
+        torch._dynamo.reset()
+    if "gm" not in store:
+        raise OnnxExportError("Dynamo produced no graph for the model (nothing to export)")
+    names = {id(t): n for n, t in model.named_parameters()} | {id(t): n for n, t in model.named_buffers()}
+    leaves = {id(t): i for i, t in enumerate(pytree.tree_leaves((args, kwargs))) if isinstance(t, torch.Tensor)}
+    slots: list[tuple[str, Any]] = []
+    for t in store["inputs"]:
+        if id(t) in names:
+            slots.append(("state", names[id(t)]))
+        elif id(t) in leaves:
+            slots.append(("input", leaves[id(t)]))
+        else:
+            raise OnnxExportError(f"a graph input of type {type(t).__name__} is neither a parameter/buffer of the model "
+                                  "nor one of the example inputs (a tensor created outside forward?)")
+    return _Rewritten(model, store["gm"], slots), store["report"]
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict | None = None,
+                opset: int | None = None, options: dict | None = None, check: bool = True,
+                rtol: float = 1e-4, atol: float = 1e-5) -> OnnxExport:
+    """Export ``model`` as rewritten by smxcompile to ONNX and check the file in onnxruntime.
+
+    Args:
+        model: an ``nn.Module`` that Dynamo traces as one graph (no graph break). Exported in its
+            current mode (call ``model.eval()`` first for inference).
+        args: positional example inputs (a tuple). kwargs: keyword example inputs.
+        path: the ``.onnx`` file to write.
+        opset: ONNX opset (default: torch.onnx's, 18 or later).
+        options: the ``smx`` backend options (default :data:`DEFAULT_OPTIONS`: every fusion is kept,
+            softmax + top-k exported as written).
+        check: run ``onnx.checker`` and onnxruntime on the example inputs and compare every output
+            with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|``.
+
+    Returns:
+        :class:`OnnxExport` (path, rewrite report, op types, largest difference, opset).
+
+    Raises:
+        OnnxExportError: a graph break; an smxcompile op without an ONNX translation yet (named, with
+            the option that exports the site unrewritten); the check failing (which output, by how much).
+        ImportError: onnx / onnxscript / onnxruntime not installed (``pip install smxcompile[onnx]``).
+
+    Static shapes only in this release (``dynamic_shapes`` is the next step of issue 8).
+    """
+    import onnx
+
+    path = Path(path)
+    kwargs = kwargs or {}
+    if not isinstance(args, tuple):
+        args = (args,)
+    module, report = capture(model, args, kwargs, options)
+    with torch.no_grad():
+        # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
+        # program holds the ops themselves, which is what the translation table and the check see
+        ep = torch.export.export(module, args, kwargs=kwargs or None, strict=False)
+        _check_graph(ep.graph_module)
+        program = torch.onnx.export(ep, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
+                                    custom_translation_table=_translations(), verbose=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(path))
+    proto = onnx.load(str(path))
+    op_types: dict[str, int] = {}
+    for node in proto.graph.node:
+        op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
+    opset_used = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
+    diff = math.nan
+    if check:
+        onnx.checker.check_model(proto)
+        diff = _run_and_compare(path, model, args, kwargs, rtol, atol)
+    return OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used)
+
+
+def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float) -> float:
+    import numpy as np
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(sess.get_inputs(), leaves)}
+    got = sess.run(None, feeds)
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+    ref_leaves = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    if len(ref_leaves) != len(got):
+        raise OnnxExportError(f"the ONNX model has {len(got)} outputs, the model returns {len(ref_leaves)} tensors")
+    worst = 0.0
+    for i, (g, r) in enumerate(zip(got, ref_leaves)):
+        r = r.detach().float().cpu().numpy()
+        g = g.astype(np.float32) if g.dtype != r.dtype else g
+        if g.shape != r.shape:
+            raise OnnxExportError(f"output {i}: onnxruntime shape {g.shape}, eager {r.shape}")
+        both_nan = np.isnan(g) & np.isnan(r)
+        d = np.where(both_nan, 0.0, np.abs(g - r))
+        bad = ~(d <= atol + rtol * np.abs(r))
+        if bad.any():
+            raise OnnxExportError(f"output {i}: onnxruntime differs from eager PyTorch by up to {float(np.nanmax(d)):.3g} "
+                                  f"(rtol {rtol}, atol {atol}) at {int(bad.sum())} of {bad.size} entries")
+        worst = max(worst, float(d.max()) if d.size else 0.0)
+    return worst
+
+
+__all__ = ["export_onnx", "capture", "OnnxExport", "OnnxExportError"]

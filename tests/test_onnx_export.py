@@ -1,0 +1,123 @@
+"""smxcompile.export_onnx: the rewritten graph exported to ONNX and checked in onnxruntime (issue 8, first part)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+
+import smxcompile  # noqa: E402
+from smxcompile import OnnxExportError, export_onnx  # noqa: E402
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x, temperature: float = 2.0):
+        z = self.lin(x)
+        return torch.softmax(z / temperature, dim=-1), F.log_softmax(z, dim=1)
+
+
+def _onnx_ops(path):
+    import onnx
+
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def test_softmax_and_log_softmax_export_as_their_onnx_ops(tmp_path):
+    torch.manual_seed(0)
+    m, x = Heads().eval(), torch.randn(4, 8)
+    out = export_onnx(m, (x,), tmp_path / "heads.onnx")
+    assert out.report.summary() == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}, str(out.report)
+    ops = _onnx_ops(out.path)
+    assert ops.count("Softmax") == 1 and ops.count("LogSoftmax") == 1 and "Exp" not in ops
+    assert out.op_types["Softmax"] == 1 and out.opset >= 18
+    assert out.max_abs_diff < 1e-5
+    # the file runs on its own: a new input, compared with eager
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    x2 = torch.randn(4, 8)
+    got = sess.run(None, {sess.get_inputs()[0].name: x2.numpy()})
+    with torch.no_grad():
+        ref = m(x2)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(torch.from_numpy(g), r, rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_inputs_and_a_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = export_onnx(model, (), tmp_path / "gpt2.onnx", kwargs={"input_ids": ids})
+    assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
+    assert out.max_abs_diff < 1e-4
+
+
+def test_an_op_without_translation_names_it_and_the_way_out(tmp_path):
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-2, -1) * 0.25
+            return torch.softmax(s, dim=-1) @ v
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    opts = {"cpu": "rewrite", "attention_normalizer": "sigmoid"}    # the attention op with a variant normalizer
+    with pytest.raises(OnnxExportError, match=r"smx::attention .*'disable': \['attention'\]"):
+        export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options=opts)
+    out = export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options={**opts, "disable": ["attention"]})
+    assert out.op_types.get("Softmax") == 1
+
+
+def test_a_router_keeps_softmax_and_topk(tmp_path):
+    class Router(nn.Module):
+        def forward(self, x):
+            return torch.topk(torch.softmax(x, dim=-1), 2, dim=-1)
+
+    out = export_onnx(Router(), (torch.randn(6, 16),), tmp_path / "r.onnx")
+    assert out.op_types == {"Softmax": 1, "TopK": 1}, out.op_types
+
+
+def test_a_graph_break_is_a_clear_error(tmp_path):
+    class Breaks(nn.Module):
+        def forward(self, x):
+            y = torch.softmax(x, -1)
+            if y.sum().item() > 0:          # data-dependent Python control flow: a graph break
+                y = y * 2
+            return y
+
+    with pytest.raises(OnnxExportError, match="does not trace as one graph"):
+        export_onnx(Breaks(), (torch.randn(2, 3),), tmp_path / "b.onnx")
+
+
+def test_the_check_catches_a_wrong_translation(tmp_path, monkeypatch):
+    from smxcompile.backends import onnx as onnx_backend
+
+    real = onnx_backend._translations
+
+    def wrong():
+        from onnxscript import opset18 as op
+
+        table = real()
+
+        def bad_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None, return_lse: bool = False):
+            return op.Softmax(x, axis=0), op.ReduceLogSumExp(x, op.Constant(value_ints=[dim]), keepdims=0)
+
+        table[torch.ops.smx.softmax.default] = bad_softmax
+        return table
+
+    monkeypatch.setattr(onnx_backend, "_translations", wrong)
+    with pytest.raises(OnnxExportError, match="output 0: onnxruntime differs from eager"):
+        export_onnx(Heads().eval(), (torch.randn(4, 8),), tmp_path / "w.onnx")
+
+
+def test_exported_name_is_public():
+    assert smxcompile.export_onnx is export_onnx
