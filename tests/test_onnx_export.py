@@ -77,13 +77,29 @@ def test_an_op_without_translation_names_it_and_the_way_out(tmp_path):
     assert out.op_types.get("Softmax") == 1
 
 
-def test_a_router_keeps_softmax_and_topk(tmp_path):
+def test_a_router_exports_topk_without_a_full_softmax(tmp_path):
     class Router(nn.Module):
         def forward(self, x):
             return torch.topk(torch.softmax(x, dim=-1), 2, dim=-1)
 
-    out = export_onnx(Router(), (torch.randn(6, 16),), tmp_path / "r.onnx")
-    assert out.op_types == {"Softmax": 1, "TopK": 1}, out.op_types
+    x = torch.randn(6, 16)
+    out = export_onnx(Router(), (x,), tmp_path / "r.onnx")
+    assert out.report.count(kind="softmax_topk", action="rewritten") == 1, str(out.report)
+    assert "TopK" in out.op_types and "Softmax" not in out.op_types, out.op_types   # exp(topk - lse): no full softmax
+    assert out.max_abs_diff < 1e-6
+    plain = export_onnx(Router(), (x,), tmp_path / "p.onnx", options={"cpu": "rewrite", "disable": ["softmax_topk"]})
+    assert plain.op_types == {"Softmax": 1, "TopK": 1}, plain.op_types
+
+
+def test_a_renormalizing_router(tmp_path):
+    class Mixtral(nn.Module):
+        def forward(self, x):
+            w, i = torch.topk(torch.softmax(x, dim=-1, dtype=torch.float), 2, dim=-1)
+            return w / w.sum(dim=-1, keepdim=True), i
+
+    out = export_onnx(Mixtral(), (torch.randn(5, 8),), tmp_path / "m.onnx")
+    assert out.report.count(kind="softmax_topk", action="rewritten") == 1, str(out.report)
+    assert out.max_abs_diff < 1e-6
 
 
 def test_a_graph_break_is_a_clear_error(tmp_path):

@@ -8,19 +8,21 @@ again, not graph inputs -- goes to ``torch.onnx.export(..., dynamo=True)`` with 
 checked: ``onnx.checker``, a run in onnxruntime on the example inputs compared with eager PyTorch.
 
 Exported so far: ``smx::softmax`` -> ``Softmax`` (scale folded in front), ``smx::log_softmax`` ->
-``LogSoftmax``; graphs whose attention the passes hand to ``F.scaled_dot_product_attention`` export
-through torch's own translation. Any other smxcompile op in the rewritten graph raises
-:class:`OnnxExportError` naming it (attention with a variant normalizer, softmax + top-k, quantized
-softmax and variant swaps are the next steps of issue 8), as do masks, soft-capping and
-``return_lse`` on the softmax ops.
+``LogSoftmax``, ``smx::softmax_topk`` -> ``TopK`` of the logits and ``Exp(values - ReduceLogSumExp)``
+(never a full ``Softmax``; ``Softmax`` over the k values when renormalized); graphs whose attention
+the passes hand to ``F.scaled_dot_product_attention`` export through torch's own translation. Any
+other smxcompile op in the rewritten graph raises :class:`OnnxExportError` naming it (attention with
+a variant normalizer, quantized softmax and variant swaps are the next steps of issue 8), as do
+masks, soft-capping, ``dtype=`` and ``return_lse`` on the softmax ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -30,10 +32,8 @@ from ..options import SmxOptions
 from ..report import Report
 
 
-#: Backend options of an export unless given: every fusion kept whatever Inductor's CPU policy is; softmax +
-#: top-k left as written (its CPU rewrite is a torch function that exports as a large Where/Slice network;
-#: the ``TopK`` + ``ReduceLogSumExp`` translation of ``smx::softmax_topk`` is the next step).
-DEFAULT_OPTIONS = {"cpu": "rewrite", "disable": ["softmax_topk"]}
+#: Backend options of an export unless given: every fusion kept, whatever Inductor's CPU policy is.
+DEFAULT_OPTIONS = {"cpu": "rewrite"}
 
 
 class OnnxExportError(RuntimeError):
@@ -77,10 +77,23 @@ def _translations() -> dict[Any, Any]:
         z = _scaled(x, scale)
         return op.LogSoftmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
 
-    return {torch.ops.smx.softmax.default: smx_softmax, torch.ops.smx.log_softmax.default: smx_log_softmax}
+    def smx_softmax_topk(x, k: int, dim: int, scale: float = 1.0, renormalize: bool = False, dtype=None):
+        # softmax(x)[topk] = exp(topk(z) - lse(z)) (ALGORITHMS.md section 2): never a full Softmax
+        z = _scaled(x, scale)
+        axes = op.Constant(value_ints=[dim])
+        values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
+        if renormalize:
+            probs = op.Softmax(values, axis=dim)
+        else:
+            probs = op.Exp(op.Sub(values, op.ReduceLogSumExp(z, axes, keepdims=1)))
+        logd = op.Sub(op.ReduceLogSumExp(z, axes, keepdims=0), op.ReduceMax(z, axes, keepdims=0))
+        return probs, indices, logd
+
+    return {torch.ops.smx.softmax.default: smx_softmax, torch.ops.smx.log_softmax.default: smx_log_softmax,
+            torch.ops.smx.softmax_topk.default: smx_softmax_topk}
 
 
-_SOFTMAX_OPS = ("softmax", "log_softmax")
+_SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_topk")
 
 
 def _check_graph(gm: torch.fx.GraphModule) -> None:
@@ -98,10 +111,11 @@ def _check_graph(gm: torch.fx.GraphModule) -> None:
         args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
         if args.get("softcap") is not None or args.get("mask") is not None or args.get("return_lse"):
             raise OnnxExportError(f"smx::{name} (node {n.name}) with softcap / mask / return_lse has no ONNX "
-                                  f"translation yet; pass options={{'disable': ['{name}']}}")
-        if args.get("dtype") is not None:
-            raise OnnxExportError(f"smx::{name} (node {n.name}) with dtype= has no ONNX translation yet; pass "
-                                  f"options={{'disable': ['{name}']}}")
+                                  f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
+        x = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        if args.get("dtype") is not None and (x is None or args["dtype"] != x.dtype):
+            raise OnnxExportError(f"smx::{name} (node {n.name}) with dtype= other than its input's has no ONNX "
+                                  f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
 
 
 def _kind_of(opname: str) -> str:
@@ -110,6 +124,19 @@ def _kind_of(opname: str) -> str:
 
 
 # --------------------------------------------------------------------------- capture
+
+
+@contextlib.contextmanager
+def _export_ops() -> Iterator[None]:
+    """Rewritten sites call the smx ops (not their CPU decompositions) while the block runs."""
+    from ..kernels import config
+
+    old = config.export_ops
+    config.export_ops = True
+    try:
+        yield
+    finally:
+        config.export_ops = old
 
 
 class _Rewritten(nn.Module):
@@ -160,7 +187,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
 
     torch._dynamo.reset()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _export_ops():
             torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise OnnxExportError(f"the model does not trace as one graph (a graph break): {str(e).splitlines()[0]}") from e
@@ -218,7 +245,7 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     if not isinstance(args, tuple):
         args = (args,)
     module, report = capture(model, args, kwargs, options)
-    with torch.no_grad():
+    with torch.no_grad(), _export_ops():
         # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
         # program holds the ops themselves, which is what the translation table and the check see
         ep = torch.export.export(module, args, kwargs=kwargs or None, strict=False)

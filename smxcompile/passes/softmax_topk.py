@@ -426,7 +426,7 @@ def graph_softmax_topk(x: torch.Tensor, k: int, dim: int, scale: float, renormal
     from ..kernels import config
     from ..kernels.softmax_topk import _softmax_topk_op, softmax_topk_decomposed
 
-    if x.is_cuda or config.use_triton(x):   # CUDA (or the Triton interpreter forced in tests)
+    if x.is_cuda or config.use_triton(x) or config.export_ops:   # CUDA, the Triton interpreter in tests, an export
         v, i, _ = _softmax_topk_op(x, k, dim, scale, renormalize, dtype)
     else:
         v, i, _ = softmax_topk_decomposed(x, k, dim, scale, renormalize, dtype)
