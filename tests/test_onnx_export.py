@@ -137,3 +137,31 @@ def test_the_check_catches_a_wrong_translation(tmp_path, monkeypatch):
 
 def test_exported_name_is_public():
     assert smxcompile.export_onnx is export_onnx
+
+
+def test_dynamic_batch_and_sequence_stay_dynamic(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    ids, mask = torch.randint(0, 97, (2, 16), generator=g), torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0                                         # left padding
+    ids2, mask2 = torch.randint(0, 97, (3, 9), generator=g), torch.ones(3, 9, dtype=torch.long)
+    mask2[0, :2] = 0
+    dims = {0: "batch", 1: "seq"}
+    out = export_onnx(model, (), tmp_path / "gpt2_dyn.onnx", kwargs={"input_ids": ids, "attention_mask": mask},
+                      dynamic_shapes={"input_ids": dims, "attention_mask": dims},
+                      check_inputs=[((), {"input_ids": ids2, "attention_mask": mask2})])
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    assert names == ["input_ids", "attention_mask"]
+    assert all(isinstance(d, str) for i in sess.get_inputs() for d in i.shape)     # symbolic, not 2 / 16
+    assert out.max_abs_diff < 1e-4
+
+
+def test_a_dynamic_dim_of_size_one_is_refused(tmp_path):
+    with pytest.raises(OnnxExportError, match="size >= 2"):
+        export_onnx(Heads().eval(), (torch.randn(1, 8),), tmp_path / "h.onnx", dynamic_shapes={"x": {0: "batch"}})

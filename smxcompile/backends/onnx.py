@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -143,34 +145,116 @@ class _Rewritten(nn.Module):
     """The rewritten Dynamo graph with the model's parameters and buffers as attributes again.
 
     ``slots[i]`` says where the graph's i-th input comes from: ``("state", name)`` a parameter or
-    buffer of ``model``, ``("input", leaf)`` the ``leaf``-th tensor of the flattened ``(args, kwargs)``."""
+    buffer of ``model``, ``("input", leaf)`` the ``leaf``-th tensor of the flattened ``(args, kwargs)``,
+    ``("size", leaf, dim)`` a dynamic size of that tensor."""
 
-    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, slots: list[tuple[str, Any]]):
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, slots: list[tuple]):
         super().__init__()
         self.model, self.gm, self.slots = model, gm, slots
 
-    def forward(self, *args, **kwargs):
-        leaves = pytree.tree_leaves((args, kwargs))
+    def forward(self, *leaves):
         state = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-        out = self.gm(*[state[v] if k == "state" else leaves[v] for k, v in self.slots])
+        vals = [state[s[1]] if s[0] == "state" else leaves[s[1]] if s[0] == "input" else leaves[s[1]].shape[s[2]]
+                for s in self.slots]
+        out = self.gm(*vals)
         return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else tuple(out)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: dict | None = None
-            ) -> tuple[nn.Module, Report]:
+def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``model.forward``'s locals for a call: its arguments by name, defaults included."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
+    """Mark the dims ``dynamic_shapes`` (torch.export's format: per ``forward`` argument name, a dict
+    ``{dim: Dim}`` or a per-dim tuple/list with None for static dims) dynamic for Dynamo."""
+    frame = _bind(model, args, kwargs)
+    if isinstance(dynamic_shapes, (tuple, list)):
+        names = list(frame)[:len(dynamic_shapes)]
+        dynamic_shapes = dict(zip(names, dynamic_shapes))
+    if not isinstance(dynamic_shapes, dict):
+        raise OnnxExportError("dynamic_shapes must be a dict keyed by forward argument names (or a tuple in their "
+                              "order), as torch.export takes it")
+    for name, spec in dynamic_shapes.items():
+        if name not in frame:
+            raise OnnxExportError(f"dynamic_shapes names {name!r}, not an argument of {type(model).__name__}.forward "
+                                  f"({', '.join(frame)})")
+        t = frame[name]
+        if spec is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise OnnxExportError(f"dynamic_shapes[{name!r}]: the argument is not a tensor")
+        dims = (list(spec) if isinstance(spec, dict)
+                else [i for i, d in enumerate(spec) if d is not None] if isinstance(spec, (tuple, list)) else None)
+        if dims is None:
+            raise OnnxExportError(f"dynamic_shapes[{name!r}] must be a dict {{dim: Dim}} or a tuple per dim")
+        for d in dims:
+            if t.shape[d] < 2:
+                raise OnnxExportError(f"dynamic_shapes[{name!r}]: dim {d} has size {t.shape[d]} in the example; give "
+                                      "an example of size >= 2 there (sizes 0 and 1 are specialized)")
+            torch._dynamo.mark_dynamic(t, d)
+
+
+def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors of ``(args, kwargs)`` in pytree order, and a name for each: the ``forward`` argument
+    it is (``input_ids``), else ``input_<i>``."""
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    try:
+        frame = _bind(model, args, kwargs)
+    except TypeError:
+        frame = {}
+    by_id = {id(v): k for k, v in frame.items() if isinstance(v, torch.Tensor)}
+    return leaves, [by_id.get(id(t), f"input_{i}") for i, t in enumerate(leaves)]
+
+
+def _leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple | None:
+    """``dynamic_shapes`` per flattened input tensor (the wrapper's arguments), for torch.export."""
+    if dynamic_shapes is None:
+        return None
+    from torch.export import Dim
+
+    frame = _bind(model, args, kwargs)
+    if isinstance(dynamic_shapes, (tuple, list)):
+        dynamic_shapes = dict(zip(list(frame), dynamic_shapes))
+    by_id = {id(frame[k]): v for k, v in dynamic_shapes.items() if isinstance(frame.get(k), torch.Tensor)}
+    leaves, _ = input_leaves(model, args, kwargs)
+    dims: dict[str, Any] = {}
+
+    def conv(v):
+        if isinstance(v, str):            # one Dim per name: the same name is the same size
+            return dims.setdefault(v, Dim(v))
+        return Dim.AUTO if v is None else v
+
+    def per_leaf(t):
+        spec = by_id.get(id(t))
+        if spec is None:
+            return None
+        if isinstance(spec, dict):
+            return {d: conv(v) for d, v in spec.items()}
+        return tuple(None if v is None else conv(v) for v in spec)
+
+    return tuple(per_leaf(t) for t in leaves)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: dict | None = None,
+            dynamic_shapes: Any = None) -> tuple[nn.Module, Report]:
     """The model rewritten by smxcompile's passes as an ``nn.Module`` that ``torch.export`` can take.
 
     Args:
         model: the model (eval mode is the caller's business). args, kwargs: one call's inputs.
         options: the ``smx`` backend options; default :data:`DEFAULT_OPTIONS` (the deployed graph keeps
             every fusion whatever CPU policy Inductor needs).
+        dynamic_shapes: dims captured as symbolic sizes (see :func:`export_onnx`).
 
     Returns:
         ``(module, report)``: ``module(*args, **kwargs)`` computes the rewritten graph.
 
     Raises:
         OnnxExportError: Dynamo splits the model at a graph break (the message gives Dynamo's reason),
-            or a graph input is neither a model tensor nor a tensor of ``args`` / ``kwargs``.
+            a graph input Dynamo took from outside the model's arguments (a global tensor), or a bad
+            ``dynamic_shapes``.
     """
     from ..passes import SmxPass
 
@@ -179,16 +263,24 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     store: dict[str, Any] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        # the inputs' sources first: Dynamo drops the placeholders' "grapharg" once the backend returns
+        sources = []
+        for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+            src = getattr(n.meta.get("grapharg"), "source", None)
+            sources.append((n.name, src.name if src is not None else None, ex))
         smx_pass = SmxPass(opts, "g0")
         smx_pass(gm.graph)
         gm.recompile()
-        store.update(gm=gm, inputs=list(example_inputs), report=smx_pass.report)
+        store.update(gm=gm, report=smx_pass.report, sources=sources)
         return gm.forward
 
     torch._dynamo.reset()
     try:
+        if dynamic_shapes is not None:
+            _mark_dynamic(model, args, kwargs, dynamic_shapes)
         with torch.no_grad(), _export_ops():
-            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+            torch.compile(model, backend=backend, fullgraph=True,
+                          dynamic=None if dynamic_shapes is not None else False)(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise OnnxExportError(f"the model does not trace as one graph (a graph break): {str(e).splitlines()[0]}") from e
     finally:
@@ -197,15 +289,21 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
         raise OnnxExportError("Dynamo produced no graph for the model (nothing to export)")
     names = {id(t): n for n, t in model.named_parameters()} | {id(t): n for n, t in model.named_buffers()}
     leaves = {id(t): i for i, t in enumerate(pytree.tree_leaves((args, kwargs))) if isinstance(t, torch.Tensor)}
-    slots: list[tuple[str, Any]] = []
-    for t in store["inputs"]:
-        if id(t) in names:
-            slots.append(("state", names[id(t)]))
-        elif id(t) in leaves:
-            slots.append(("input", leaves[id(t)]))
+    by_source = {str(src): leaves[id(ex)] for _, src, ex in store["sources"]
+                 if isinstance(ex, torch.Tensor) and id(ex) in leaves}
+    slots: list[tuple] = []
+    for name, src, ex in store["sources"]:
+        if isinstance(ex, torch.Tensor) and id(ex) in names:
+            slots.append(("state", names[id(ex)]))
+        elif isinstance(ex, torch.Tensor) and id(ex) in leaves:
+            slots.append(("input", leaves[id(ex)]))
         else:
-            raise OnnxExportError(f"a graph input of type {type(t).__name__} is neither a parameter/buffer of the model "
-                                  "nor one of the example inputs (a tensor created outside forward?)")
+            m = re.fullmatch(r"(.*)\.size\(\)\[(\d+)\]", str(src))
+            if m and m.group(1) in by_source:
+                slots.append(("size", by_source[m.group(1)], int(m.group(2))))
+            else:
+                raise OnnxExportError(f"graph input {name} ({src}) is neither a parameter/buffer of the model, nor one "
+                                      "of the example inputs, nor a size of one (a tensor created outside forward?)")
     return _Rewritten(model, store["gm"], slots), store["report"]
 
 
@@ -213,8 +311,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
 
 
 def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict | None = None,
-                opset: int | None = None, options: dict | None = None, check: bool = True,
-                rtol: float = 1e-4, atol: float = 1e-5) -> OnnxExport:
+                dynamic_shapes: Any = None, opset: int | None = None, options: dict | None = None,
+                check: bool = True, check_inputs: list | tuple = (), rtol: float = 1e-4,
+                atol: float = 1e-5) -> OnnxExport:
     """Export ``model`` as rewritten by smxcompile to ONNX and check the file in onnxruntime.
 
     Args:
@@ -222,21 +321,26 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
             current mode (call ``model.eval()`` first for inference).
         args: positional example inputs (a tuple). kwargs: keyword example inputs.
         path: the ``.onnx`` file to write.
+        dynamic_shapes: dims that stay symbolic in the ONNX graph, in torch.export's format keyed by
+            ``forward`` argument names: ``{"input_ids": {0: Dim("batch"), 1: Dim("seq")}}`` (or a dict
+            ``{dim: name}``, or a per-dim tuple with None for static dims). Example sizes must be >= 2
+            there. Default: every shape static.
         opset: ONNX opset (default: torch.onnx's, 18 or later).
         options: the ``smx`` backend options (default :data:`DEFAULT_OPTIONS`: every fusion is kept,
             softmax + top-k exported as written).
         check: run ``onnx.checker`` and onnxruntime on the example inputs and compare every output
             with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|``.
+        check_inputs: more ``(args, kwargs)`` to compare on, e.g. other shapes of the dynamic dims.
 
     Returns:
         :class:`OnnxExport` (path, rewrite report, op types, largest difference, opset).
 
     Raises:
         OnnxExportError: a graph break; an smxcompile op without an ONNX translation yet (named, with
-            the option that exports the site unrewritten); the check failing (which output, by how much).
+            the option that exports the site unrewritten); a dynamic dim that came out fixed; the check
+            failing (which output, by how much).
         ImportError: onnx / onnxscript / onnxruntime not installed (``pip install smxcompile[onnx]``).
 
-    Static shapes only in this release (``dynamic_shapes`` is the next step of issue 8).
     """
     import onnx
 
@@ -244,13 +348,17 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
-    module, report = capture(model, args, kwargs, options)
+    module, report = capture(model, args, kwargs, options, dynamic_shapes)
+    shapes = None
     with torch.no_grad(), _export_ops():
         # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
         # program holds the ops themselves, which is what the translation table and the check see
-        ep = torch.export.export(module, args, kwargs=kwargs or None, strict=False)
+        leaves, names = input_leaves(model, args, kwargs)
+        shapes = _leaf_shapes(model, args, kwargs, dynamic_shapes)
+        ep = torch.export.export(module, tuple(leaves), strict=False,
+                                 dynamic_shapes=None if shapes is None else (shapes,))   # the varargs tuple
         _check_graph(ep.graph_module)
-        program = torch.onnx.export(ep, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
+        program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=opset, input_names=names,
                                     custom_translation_table=_translations(), verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path))
@@ -259,10 +367,22 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     for node in proto.graph.node:
         op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
     opset_used = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
+    if shapes is not None:
+        # dynamic dims must come out symbolic (a dim_param), not baked to the example's size
+        for spec, inp in zip(shapes, proto.graph.input):
+            dims = inp.type.tensor_type.shape.dim
+            wanted = (list(spec) if isinstance(spec, dict)
+                      else [i for i, v in enumerate(spec) if v is not None] if spec is not None else [])
+            fixed = [d for d in wanted if d < len(dims) and not dims[d].dim_param]
+            if fixed:
+                raise OnnxExportError(f"input {inp.name}: dim(s) {fixed} came out fixed in the ONNX graph although "
+                                      "dynamic_shapes asks for them to be dynamic")
     diff = math.nan
     if check:
         onnx.checker.check_model(proto)
         diff = _run_and_compare(path, model, args, kwargs, rtol, atol)
+        for more_args, more_kwargs in check_inputs:
+            diff = max(diff, _run_and_compare(path, model, tuple(more_args), dict(more_kwargs), rtol, atol))
     return OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used)
 
 
@@ -271,7 +391,7 @@ def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rt
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    leaves, _ = input_leaves(model, args, kwargs)
     feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(sess.get_inputs(), leaves)}
     got = sess.run(None, feeds)
     with torch.no_grad():
