@@ -165,3 +165,39 @@ def test_dynamic_batch_and_sequence_stay_dynamic(tmp_path):
 def test_a_dynamic_dim_of_size_one_is_refused(tmp_path):
     with pytest.raises(OnnxExportError, match="size >= 2"):
         export_onnx(Heads().eval(), (torch.randn(1, 8),), tmp_path / "h.onnx", dynamic_shapes={"x": {0: "batch"}})
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval(), torch.randint(0, 97, (2, 16),
+                                                                    generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("variant", ["ssmax", "sparsemax"])
+def test_a_swapped_model_exports_its_variant(tmp_path, variant):
+    model, ids = _tiny_gpt2()
+    sw = smxcompile.swap(model, variant, example_inputs={"input_ids": ids})
+    with torch.no_grad():
+        for n, p in sw.named_parameters():
+            if n.startswith("smx_swap."):
+                p.mul_(1.5)                                   # trained values must reach the file
+    out = export_onnx(sw, (), tmp_path / f"{variant}.onnx", kwargs={"input_ids": ids},
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}},
+                      check_inputs=[((), {"input_ids": ids[:1, :7]})])
+    assert out.report.count(kind="attention", action="swapped") == 2, str(out.report)
+    assert out.max_abs_diff < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_model_exports_quantize_dequantize_pairs(tmp_path, bits):
+    model, ids = _tiny_gpt2()
+    q = smxcompile.quantize_softmax(model, [{"input_ids": ids}], bits=bits, progress=False)
+    out = export_onnx(q, (), tmp_path / f"q{bits}.onnx", kwargs={"input_ids": ids})
+    assert out.report.count(kind="quant_softmax", action="rewritten") == 2, str(out.report)
+    assert out.op_types.get("QuantizeLinear") == 2 and out.op_types.get("DequantizeLinear") == 2, out.op_types
+    assert (out.op_types.get("Clip", 0) >= 2) == (bits < 8)
+    assert out.max_abs_diff < 1e-4

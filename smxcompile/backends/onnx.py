@@ -9,11 +9,14 @@ checked: ``onnx.checker``, a run in onnxruntime on the example inputs compared w
 
 Exported so far: ``smx::softmax`` -> ``Softmax`` (scale folded in front), ``smx::log_softmax`` ->
 ``LogSoftmax``, ``smx::softmax_topk`` -> ``TopK`` of the logits and ``Exp(values - ReduceLogSumExp)``
-(never a full ``Softmax``; ``Softmax`` over the k values when renormalized); graphs whose attention
-the passes hand to ``F.scaled_dot_product_attention`` export through torch's own translation. Any
-other smxcompile op in the rewritten graph raises :class:`OnnxExportError` naming it (attention with
-a variant normalizer, quantized softmax and variant swaps are the next steps of issue 8), as do
-masks, soft-capping, ``dtype=`` and ``return_lse`` on the softmax ops.
+(never a full ``Softmax``; ``Softmax`` over the k values when renormalized), ``smx::quant_softmax`` ->
+``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` for a code range narrower than the 8-bit type; the
+graph's own dequantization and bias correction follow as standard ops); graphs whose attention the
+passes hand to ``F.scaled_dot_product_attention`` export through torch's own translation, and
+variants swapped in by :func:`smxcompile.swap` as their torch code. Any other smxcompile op in the
+rewritten graph raises :class:`OnnxExportError` naming it (attention with a variant normalizer is
+the next step of issue 8), as do masks, soft-capping, ``dtype=`` and ``return_lse`` on the softmax
+ops.
 """
 
 from __future__ import annotations
@@ -91,11 +94,26 @@ def _translations() -> dict[Any, Any]:
         logd = op.Sub(op.ReduceLogSumExp(z, axes, keepdims=0), op.ReduceMax(z, axes, keepdims=0))
         return probs, indices, logd
 
+    def smx_quant_softmax(x, dim: int, logit_scale: float, scale: float, zero_point: int, quant_min: int,
+                          quant_max: int, dtype, prob_dtype=None):
+        # QuantizeLinear saturates to the full uint8 / int8 range; a narrower code range (bits < 8) is a Clip
+        import onnx
+
+        onnx_type = onnx.TensorProto.UINT8 if quant_min >= 0 else onnx.TensorProto.INT8
+        y = op.Softmax(_scaled(op.Cast(x, to=onnx.TensorProto.FLOAT), logit_scale), axis=dim)
+        zp = op.Cast(op.Constant(value_int=zero_point), to=onnx_type)
+        q = op.QuantizeLinear(y, op.Constant(value_float=scale), zp)
+        full = (0, 255) if quant_min >= 0 else (-128, 127)
+        if (quant_min, quant_max) != full:
+            q = op.Clip(q, op.Cast(op.Constant(value_int=quant_min), to=onnx_type),
+                        op.Cast(op.Constant(value_int=quant_max), to=onnx_type))
+        return q
+
     return {torch.ops.smx.softmax.default: smx_softmax, torch.ops.smx.log_softmax.default: smx_log_softmax,
-            torch.ops.smx.softmax_topk.default: smx_softmax_topk}
+            torch.ops.smx.softmax_topk.default: smx_softmax_topk, torch.ops.smx.quant_softmax.default: smx_quant_softmax}
 
 
-_SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_topk")
+_SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_topk", "quant_softmax")
 
 
 def _check_graph(gm: torch.fx.GraphModule) -> None:
@@ -115,7 +133,12 @@ def _check_graph(gm: torch.fx.GraphModule) -> None:
             raise OnnxExportError(f"smx::{name} (node {n.name}) with softcap / mask / return_lse has no ONNX "
                                   f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
         x = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
-        if args.get("dtype") is not None and (x is None or args["dtype"] != x.dtype):
+        if name == "quant_softmax":
+            if args.get("prob_dtype") not in (None, torch.float32):
+                raise OnnxExportError(f"smx::quant_softmax (node {n.name}) rounds its probabilities to "
+                                      f"{args['prob_dtype']} before quantizing; not translated yet: pass "
+                                      "options={'cpu': 'rewrite', 'disable': ['quant_softmax']}")
+        elif args.get("dtype") is not None and (x is None or args["dtype"] != x.dtype):
             raise OnnxExportError(f"smx::{name} (node {n.name}) with dtype= other than its input's has no ONNX "
                                   f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
 
