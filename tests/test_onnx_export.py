@@ -201,3 +201,20 @@ def test_a_quantized_model_exports_quantize_dequantize_pairs(tmp_path, bits):
     assert out.op_types.get("QuantizeLinear") == 2 and out.op_types.get("DequantizeLinear") == 2, out.op_types
     assert (out.op_types.get("Clip", 0) >= 2) == (bits < 8)
     assert out.max_abs_diff < 1e-4
+
+
+def test_smx_export_cli(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from conftest import build_tiny_lm_checkpoint
+
+    from smxcompile import cli
+
+    run = build_tiny_lm_checkpoint(tmp_path / "run")
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "tiny.onnx"), "--seq-len", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention" in printed and "wrote" in printed and "max |diff|" in printed
+    sess = ort.InferenceSession(str(tmp_path / "tiny.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["input_ids"]
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "x.onnx"), "--options", '{"nope": 1}']) == 2
+    assert "unknown smx option" in capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "x.onnx")]) == 2
