@@ -1036,13 +1036,17 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
     # NaN in q or k: eager attention gives NaN rows (every row, for k); fused kernels can return 0
-    # for a NaN query row. Two cheap reductions (O(L*E) and O(S*E)) keep eager's NaNs.
-    bad = q.isnan().any(-1, keepdim=True)
-    kbad = k.isnan().any(-1).any(-1)
-    if n_rep > 1:
-        kbad = kbad.repeat_interleave(n_rep, dim=-1)
-    bad = bad | kbad[..., None, None]
-    out = out.masked_fill(bad, float("nan"))
+    # for a NaN query row. Two cheap reductions (O(L*E) and O(S*E)) keep eager's NaNs. Not in an ONNX
+    # export: there attention is MatMul / Softmax / MatMul, which propagates NaN as eager does.
+    from ..kernels import config
+
+    if not config.export_ops:
+        bad = q.isnan().any(-1, keepdim=True)
+        kbad = k.isnan().any(-1).any(-1)
+        if n_rep > 1:
+            kbad = kbad.repeat_interleave(n_rep, dim=-1)
+        bad = bad | kbad[..., None, None]
+        out = out.masked_fill(bad, float("nan"))
     if fixup and normalizer == "softmax":
         if all_masked is not None:
             values = [val for _, _, val in masked]
