@@ -41,7 +41,7 @@ token ids of two shapes. Prints the rewrite report and the ONNX op counts."""
 
 EXPORT_EPILOG = """examples:
   smx export smx-demo-out --out demo.onnx
-  smx export runs/ssmax --out ssmax.onnx --batch 1 --seq-len 64
+  smx export runs/ssmax --out ssmax.onnx --batch 4 --seq-len 64
   smx export smx-demo-out --out plain.onnx --options '{"disable": ["attention"]}'
 """
 
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
     x.add_argument("--out", required=True, type=Path, metavar="FILE", help="the .onnx file to write")
     x.add_argument("--batch", type=positive_int, default=2, metavar="B",
-                   help="batch of the example input (>= 2: the dim stays dynamic; default: 2)")
+                   help="batch of the example input, at least 2 (the dim stays dynamic; 1 is raised to 2; default: 2)")
     x.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="sequence length of the example input (default: 32, at most the model's)")
     x.add_argument("--options", help='backend options as JSON (default {"cpu": "rewrite"}: every fusion kept)')

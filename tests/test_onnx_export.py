@@ -218,3 +218,23 @@ def test_smx_export_cli(tmp_path, capsys):
     assert cli.main(["export", str(run), "--out", str(tmp_path / "x.onnx"), "--options", '{"nope": 1}']) == 2
     assert "unknown smx option" in capsys.readouterr().err
     assert cli.main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "x.onnx")]) == 2
+
+
+def test_a_branch_on_a_dynamic_size_is_refused_not_baked_in(tmp_path):
+    class Branch(nn.Module):
+        def forward(self, x):
+            y = x * 2 if x.shape[1] > 8 else x             # only one branch reaches the graph
+            return torch.softmax(y, -1)
+
+    x = torch.randn(2, 12, 16)
+    with pytest.raises(OnnxExportError, match=r"only holds for sizes in \[9, inf\]"):
+        export_onnx(Branch(), (x,), tmp_path / "b.onnx", dynamic_shapes={"x": {0: "b", 1: "t"}})
+    assert not hasattr(x, "_dynamo_dynamic_indices")         # the caller's tensor is left as it was
+    dim = torch.export.Dim("t", min=9)                        # declared: exported, valid from 9 on
+    out = export_onnx(Branch(), (x,), tmp_path / "b.onnx", dynamic_shapes={"x": {0: "b", 1: dim}})
+    assert out.max_abs_diff < 1e-6
+
+
+def test_bf16_is_a_clear_error(tmp_path):
+    with pytest.raises(OnnxExportError, match="bf16"):
+        export_onnx(Heads().to(torch.bfloat16).eval(), (torch.randn(4, 8, dtype=torch.bfloat16),), tmp_path / "h.onnx")

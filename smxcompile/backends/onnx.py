@@ -129,9 +129,11 @@ def _check_graph(gm: torch.fx.GraphModule) -> None:
                                   f"options={{'cpu': 'rewrite', 'disable': ['{_kind_of(name)}']}} to export that site "
                                   "unrewritten")
         args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
-        if args.get("softcap") is not None or args.get("mask") is not None or args.get("return_lse"):
-            raise OnnxExportError(f"smx::{name} (node {n.name}) with softcap / mask / return_lse has no ONNX "
-                                  f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
+        what = [k for k in ("softcap", "mask", "return_lse") if args.get(k) not in (None, False)]
+        if what:
+            raise OnnxExportError(f"smx::{name} (node {n.name}) with {' and '.join(what)} (an added score / mask "
+                                  "folded into the op) has no ONNX translation yet; pass "
+                                  f"options={{'cpu': 'rewrite', 'disable': ['{name}']}} to export the softmax as written")
         x = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         if name == "quant_softmax":
             if args.get("prob_dtype") not in (None, torch.float32):
@@ -190,9 +192,11 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> None:
+def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> list[tuple[str, torch.Tensor, int, Any]]:
     """Mark the dims ``dynamic_shapes`` (torch.export's format: per ``forward`` argument name, a dict
-    ``{dim: Dim}`` or a per-dim tuple/list with None for static dims) dynamic for Dynamo."""
+    ``{dim: Dim}`` or a per-dim tuple/list with None for static dims) dynamic for Dynamo; returns
+    ``(name, tensor, dim, spec value)`` of each marked dim."""
+    marked: list[tuple[str, torch.Tensor, int, Any]] = []
     frame = _bind(model, args, kwargs)
     if isinstance(dynamic_shapes, (tuple, list)):
         names = list(frame)[:len(dynamic_shapes)]
@@ -214,10 +218,47 @@ def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: A
         if dims is None:
             raise OnnxExportError(f"dynamic_shapes[{name!r}] must be a dict {{dim: Dim}} or a tuple per dim")
         for d in dims:
+            if not isinstance(d, int) or not -t.dim() <= d < t.dim():
+                raise OnnxExportError(f"dynamic_shapes[{name!r}]: dim {d!r} does not exist in a {t.dim()}-D input")
+            d = d % t.dim()
             if t.shape[d] < 2:
                 raise OnnxExportError(f"dynamic_shapes[{name!r}]: dim {d} has size {t.shape[d]} in the example; give "
                                       "an example of size >= 2 there (sizes 0 and 1 are specialized)")
             torch._dynamo.mark_dynamic(t, d)
+            marked.append((name, t, d, spec[d] if isinstance(spec, dict) else spec[d]))
+    return marked
+
+
+def _bound(v) -> int | None:
+    """A sympy range bound as an int (None when infinite)."""
+    from torch.utils._sympy.numbers import int_oo
+
+    if v in (int_oo, -int_oo) or str(v) in ("oo", "-oo", "int_oo", "-int_oo"):
+        return None
+    return int(v)
+
+
+def _check_ranges(marked: list, ranges: dict) -> None:
+    """A dynamic dim whose valid sizes the capture narrowed (a Python branch on the size, or a limit such
+    as learned position embeddings) exports a graph that is wrong or fails outside that range: refuse
+    unless the user declared a range inside it (``Dim(name, min=, max=)``)."""
+    for name, t, d, spec in marked:
+        lo, hi = ranges.get((id(t), d), (2, None))
+        lo = 2 if lo is None else lo
+        umin = getattr(spec, "min", None) if not isinstance(spec, str) else None
+        umax = getattr(spec, "max", None) if not isinstance(spec, str) else None
+        umin = 2 if umin is None else int(umin)
+        try:
+            umax = None if umax is None or not math.isfinite(float(umax)) or float(umax) >= 2 ** 62 else int(umax)
+        except (TypeError, ValueError, OverflowError):
+            umax = None
+        if lo > umin or (hi is not None and (umax is None or umax > hi)):
+            rng = f"[{lo}, {hi if hi is not None else 'inf'}]"
+            raise OnnxExportError(
+                f"input {name!r}, dim {d}: the model's code only holds for sizes in {rng} (a Python branch on the "
+                "size, or a limit such as learned position embeddings); the exported graph would be wrong or fail "
+                f"outside it. Declare the range: dynamic_shapes={{{name!r}: {{{d}: torch.export.Dim({name + '_' + str(d)!r}, "
+                f"min={lo}{'' if hi is None else f', max={hi}'})}}}}, or keep the dim static")
 
 
 def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[str]]:
@@ -229,7 +270,11 @@ def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torc
     except TypeError:
         frame = {}
     by_id = {id(v): k for k, v in frame.items() if isinstance(v, torch.Tensor)}
-    return leaves, [by_id.get(id(t), f"input_{i}") for i, t in enumerate(leaves)]
+    names: list[str] = []
+    for i, t in enumerate(leaves):
+        name = by_id.get(id(t), f"input_{i}")
+        names.append(name if name not in names else f"{name}_{i}")    # the same tensor passed twice
+    return leaves, names
 
 
 def _leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple | None:
@@ -291,23 +336,45 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
         for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
             src = getattr(n.meta.get("grapharg"), "source", None)
             sources.append((n.name, src.name if src is not None else None, ex))
+        ranges = {}
+        ctx = torch._guards.TracingContext.try_get()
+        shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+        if shape_env is not None:
+            for n, ex in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+                fake = n.meta.get("example_value")
+                if isinstance(ex, torch.Tensor) and isinstance(fake, torch.Tensor):
+                    for d, size in enumerate(fake.shape):
+                        if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                            r = shape_env.var_to_range.get(size.node.expr)
+                            if r is not None:
+                                ranges[(id(ex), d)] = (_bound(r.lower), _bound(r.upper))
         smx_pass = SmxPass(opts, "g0")
         smx_pass(gm.graph)
         gm.recompile()
-        store.update(gm=gm, report=smx_pass.report, sources=sources)
+        store.update(gm=gm, report=smx_pass.report, sources=sources, ranges=ranges)
         return gm.forward
 
     torch._dynamo.reset()
+    marked: list = []
     try:
         if dynamic_shapes is not None:
-            _mark_dynamic(model, args, kwargs, dynamic_shapes)
+            marked = _mark_dynamic(model, args, kwargs, dynamic_shapes)
         with torch.no_grad(), _export_ops():
             torch.compile(model, backend=backend, fullgraph=True,
                           dynamic=None if dynamic_shapes is not None else False)(*args, **kwargs)
+    except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:
+        raise OnnxExportError("a dim asked to be dynamic cannot be (the model fixes or constrains its size): "
+                              f"{str(e).splitlines()[0][:400]}") from e
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise OnnxExportError(f"the model does not trace as one graph (a graph break): {str(e).splitlines()[0]}") from e
     finally:
         torch._dynamo.reset()
+        for _, t, _, _ in marked:           # leave the caller's tensors as they were
+            for attr in ("_dynamo_dynamic_indices",):
+                if hasattr(t, attr):
+                    delattr(t, attr)
+    if "gm" in store:
+        _check_ranges(marked, store.get("ranges", {}))
     if "gm" not in store:
         raise OnnxExportError("Dynamo produced no graph for the model (nothing to export)")
     names = {id(t): n for n, t in model.named_parameters()} | {id(t): n for n, t in model.named_buffers()}
@@ -360,9 +427,15 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
 
     Raises:
         OnnxExportError: a graph break; an smxcompile op without an ONNX translation yet (named, with
-            the option that exports the site unrewritten); a dynamic dim that came out fixed; the check
-            failing (which output, by how much).
+            the option that exports the site unrewritten); a dynamic dim that came out fixed or that the
+            model's code constrains (a branch on the size, a maximum length) beyond the declared ``Dim``
+            range; a bf16 model; outputs the graph does not compute; the check failing (which output,
+            by how much).
         ImportError: onnx / onnxscript / onnxruntime not installed (``pip install smxcompile[onnx]``).
+
+    Non-tensor arguments (a float temperature, a bool flag) and Python branches on values are fixed in
+    the file as they were for the example call; a branch on a dynamic size is refused (see above). The
+    file's outputs are the returned tensors in pytree order (a dict's keys are not output names).
 
     """
     import onnx
@@ -371,6 +444,10 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.dtype == torch.bfloat16 for t in (*tensors, *model.parameters(), *model.buffers())):
+        raise OnnxExportError("bf16 models: onnxruntime's CPU kernels lack bf16 for Softmax / ReduceMax / TopK; "
+                              "export in fp32 (model.float()) or fp16 (then loosen rtol/atol: one fp16 step is ~1e-3)")
     module, report = capture(model, args, kwargs, options, dynamic_shapes)
     shapes = None
     with torch.no_grad(), _export_ops():
@@ -421,7 +498,9 @@ def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rt
         ref = model(*args, **kwargs)
     ref_leaves = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
     if len(ref_leaves) != len(got):
-        raise OnnxExportError(f"the ONNX model has {len(got)} outputs, the model returns {len(ref_leaves)} tensors")
+        raise OnnxExportError(f"the ONNX model has {len(got)} outputs, the model returns {len(ref_leaves)} tensors: "
+                              "outputs the graph does not compute (an input returned as it is, or the same tensor "
+                              "returned twice) are not part of an exported graph; return only computed tensors")
     worst = 0.0
     for i, (g, r) in enumerate(zip(got, ref_leaves)):
         r = r.detach().float().cpu().numpy()
