@@ -51,13 +51,7 @@ def test_softmax_and_log_softmax_export_as_their_onnx_ops(tmp_path):
 
 
 def test_keyword_inputs_and_a_transformers_model(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-                                  eos_token_id=0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, ids = _tiny_gpt2()
     out = export_onnx(model, (), tmp_path / "gpt2.onnx", kwargs={"input_ids": ids})
     assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
     assert out.max_abs_diff < 1e-4
@@ -140,12 +134,7 @@ def test_exported_name_is_public():
 
 
 def test_dynamic_batch_and_sequence_stay_dynamic(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-                                  eos_token_id=0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model, _ = _tiny_gpt2()
     g = torch.Generator().manual_seed(0)
     ids, mask = torch.randint(0, 97, (2, 16), generator=g), torch.ones(2, 16, dtype=torch.long)
     mask[1, :3] = 0                                         # left padding
