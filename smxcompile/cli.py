@@ -350,13 +350,17 @@ def _open_lm(ck, args: argparse.Namespace, console, device: str):
     return data, model, _eval_windows(data, args.batches, args.batch_size)
 
 
-def _swap_cmd(args: argparse.Namespace) -> int:
-    console = _console()
+def _usage_errors(name: str, fn, args: argparse.Namespace, console) -> int:
+    """``fn(args, console)``; a :class:`_UsageError` becomes one line on stderr and exit status 2."""
     try:
-        return _swap(args, console)
+        return fn(args, console)
     except _UsageError as e:
-        print(f"smx swap: {e}", file=sys.stderr)
+        print(f"smx {name}: {e}", file=sys.stderr)
         return 2
+
+
+def _swap_cmd(args: argparse.Namespace) -> int:
+    return _usage_errors("swap", _swap, args, _console())
 
 
 def _swap(args: argparse.Namespace, console) -> int:
@@ -512,12 +516,7 @@ def _swap(args: argparse.Namespace, console) -> int:
 
 
 def _eval_cmd(args: argparse.Namespace) -> int:
-    console = _console(stderr=args.json)
-    try:
-        return _eval(args, console)
-    except _UsageError as e:
-        print(f"smx eval: {e}", file=sys.stderr)
-        return 2
+    return _usage_errors("eval", _eval, args, _console(stderr=args.json))
 
 
 def _eval(args: argparse.Namespace, console) -> int:

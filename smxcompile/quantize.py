@@ -564,7 +564,9 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, ATTR, None), SoftmaxQuantizer):
         raise ValueError("model is already quantized by smxcompile.quantize_softmax (see model.smx_softmax_quant)")
-    if getattr(model, "smx_swap", None) is not None:
+    from .swapping import ATTR as SWAP_ATTR
+
+    if getattr(model, SWAP_ATTR, None) is not None:
         raise ValueError("quantize_softmax: the model's softmax is swapped (model.smx_swap); quantizing a swapped "
                          "model is not supported")
     qmin, qmax = quant_range(bits, dtype)

@@ -121,7 +121,7 @@ class SiteInterceptor(nn.Module):
             self.collect = old
 
     def _reset_stats(self) -> None:
-        pass
+        """Clear the statistics :meth:`collecting` accumulates (subclasses that keep any override it)."""
 
     def attach(self, model: nn.Module) -> None:
         """Hook every submodule of ``model`` (except the ``smx_*`` ones)."""

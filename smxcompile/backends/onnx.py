@@ -113,18 +113,16 @@ def _translations() -> dict[Any, Any]:
             torch.ops.smx.softmax_topk.default: smx_softmax_topk, torch.ops.smx.quant_softmax.default: smx_quant_softmax}
 
 
-_SOFTMAX_OPS = ("softmax", "log_softmax", "softmax_topk", "quant_softmax")
-
-
-def _check_graph(gm: torch.fx.GraphModule) -> None:
-    """Refuse smxcompile ops (or options of them) that have no ONNX translation yet."""
+def _check_graph(gm: torch.fx.GraphModule, table: dict) -> None:
+    """Refuse smxcompile ops (or options of them) that ``table`` (the translations) does not cover."""
+    translated = {op._opname for op in table}
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
         if n.target.namespace != "smx":
             continue
         name = n.target._opname
-        if name not in _SOFTMAX_OPS:
+        if name not in translated:
             raise OnnxExportError(f"smx::{name} (node {n.name}) has no ONNX translation yet; pass "
                                   f"options={{'cpu': 'rewrite', 'disable': ['{_kind_of(name)}']}} to export that site "
                                   "unrewritten")
@@ -146,8 +144,10 @@ def _check_graph(gm: torch.fx.GraphModule) -> None:
 
 
 def _kind_of(opname: str) -> str:
-    return {"attention": "attention", "softmax_topk": "softmax_topk", "quant_softmax": "quant_softmax"}.get(
-        opname, "cross_entropy")
+    """The rewrite kind (``options={"disable": [...]}``) that emits op ``smx::<opname>``."""
+    from ..options import REWRITE_KINDS
+
+    return opname if opname in REWRITE_KINDS else "cross_entropy"
 
 
 # --------------------------------------------------------------------------- capture
@@ -370,9 +370,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     finally:
         torch._dynamo.reset()
         for _, t, _, _ in marked:           # leave the caller's tensors as they were
-            for attr in ("_dynamo_dynamic_indices",):
-                if hasattr(t, attr):
-                    delattr(t, attr)
+            if hasattr(t, "_dynamo_dynamic_indices"):
+                del t._dynamo_dynamic_indices
     if "gm" in store:
         _check_ranges(marked, store.get("ranges", {}))
     if "gm" not in store:
@@ -457,9 +456,10 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
         shapes = _leaf_shapes(model, args, kwargs, dynamic_shapes)
         ep = torch.export.export(module, tuple(leaves), strict=False,
                                  dynamic_shapes=None if shapes is None else (shapes,))   # the varargs tuple
-        _check_graph(ep.graph_module)
+        table = _translations()
+        _check_graph(ep.graph_module, table)
         program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=opset, input_names=names,
-                                    custom_translation_table=_translations(), verbose=False)
+                                    custom_translation_table=table, verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path))
     proto = onnx.load(str(path))
