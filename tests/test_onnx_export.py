@@ -113,10 +113,10 @@ def test_the_check_catches_a_wrong_translation(tmp_path, monkeypatch):
 
     real = onnx_backend._translations
 
-    def wrong():
+    def wrong(target=None):
         from onnxscript import opset18 as op
 
-        table = real()
+        table = real(target)
 
         def bad_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None, return_lse: bool = False):
             return op.Softmax(x, axis=0), op.ReduceLogSumExp(x, op.Constant(value_ints=[dim]), keepdims=0)

@@ -35,6 +35,8 @@ import torch.utils._pytree as pytree
 
 from ..options import SmxOptions
 from ..report import Report
+from .onnx_target import OnnxTarget, OnnxTargetError
+from .onnx_target import resolve as resolve_target
 
 
 #: Backend options of an export unless given: every fusion kept, whatever Inductor's CPU policy is.
@@ -54,7 +56,7 @@ class OnnxExport:
         op_types: ``{ONNX op type: count}`` of the exported graph.
         max_abs_diff: largest ``|onnxruntime - eager|`` over the outputs on the example inputs
             (NaN when ``check=False``).
-        opset: the ONNX opset of the file.
+        opset: the ONNX opset of the file. target: what the file was written for (runtime, attention form).
     """
 
     path: Path
@@ -62,60 +64,33 @@ class OnnxExport:
     op_types: dict[str, int]
     max_abs_diff: float
     opset: int
+    target: OnnxTarget | None = None
 
 
 # --------------------------------------------------------------------------- translations
 
+#: The modules whose ``translations(target)`` make up the ``custom_translation_table`` and whose
+#: ``refuse(name, args, node)`` says why a call cannot be translated (see :mod:`.onnx_softmax`).
+TRANSLATION_MODULES = ("onnx_softmax",)
 
-def _translations() -> dict[Any, Any]:
-    from onnxscript import opset18 as op
 
-    def _scaled(x, scale: float):
-        return x if scale == 1.0 else op.Mul(x, op.CastLike(op.Constant(value_float=scale), x))
+def _modules() -> list:
+    import importlib
 
-    def smx_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None, return_lse: bool = False):
-        z = _scaled(x, scale)
-        return op.Softmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+    return [importlib.import_module(f"{__package__}.{m}") for m in TRANSLATION_MODULES]
 
-    def smx_log_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None,
-                        return_lse: bool = False):
-        z = _scaled(x, scale)
-        return op.LogSoftmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
 
-    def smx_softmax_topk(x, k: int, dim: int, scale: float = 1.0, renormalize: bool = False, dtype=None):
-        # softmax(x)[topk] = exp(topk(z) - lse(z)) (ALGORITHMS.md section 2): never a full Softmax
-        z = _scaled(x, scale)
-        axes = op.Constant(value_ints=[dim])
-        values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
-        if renormalize:
-            probs = op.Softmax(values, axis=dim)
-        else:
-            probs = op.Exp(op.Sub(values, op.ReduceLogSumExp(z, axes, keepdims=1)))
-        logd = op.Sub(op.ReduceLogSumExp(z, axes, keepdims=0), op.ReduceMax(z, axes, keepdims=0))
-        return probs, indices, logd
-
-    def smx_quant_softmax(x, dim: int, logit_scale: float, scale: float, zero_point: int, quant_min: int,
-                          quant_max: int, dtype, prob_dtype=None):
-        # QuantizeLinear saturates to the full uint8 / int8 range; a narrower code range (bits < 8) is a Clip
-        import onnx
-
-        onnx_type = onnx.TensorProto.UINT8 if quant_min >= 0 else onnx.TensorProto.INT8
-        y = op.Softmax(_scaled(op.Cast(x, to=onnx.TensorProto.FLOAT), logit_scale), axis=dim)
-        zp = op.Cast(op.Constant(value_int=zero_point), to=onnx_type)
-        q = op.QuantizeLinear(y, op.Constant(value_float=scale), zp)
-        full = (0, 255) if quant_min >= 0 else (-128, 127)
-        if (quant_min, quant_max) != full:
-            q = op.Clip(q, op.Cast(op.Constant(value_int=quant_min), to=onnx_type),
-                        op.Cast(op.Constant(value_int=quant_max), to=onnx_type))
-        return q
-
-    return {torch.ops.smx.softmax.default: smx_softmax, torch.ops.smx.log_softmax.default: smx_log_softmax,
-            torch.ops.smx.softmax_topk.default: smx_softmax_topk, torch.ops.smx.quant_softmax.default: smx_quant_softmax}
+def _translations(target=None) -> dict[Any, Any]:
+    table: dict[Any, Any] = {}
+    for m in _modules():
+        table.update(m.translations(target))
+    return table
 
 
 def _check_graph(gm: torch.fx.GraphModule, table: dict) -> None:
     """Refuse smxcompile ops (or options of them) that ``table`` (the translations) does not cover."""
     translated = {op._opname for op in table}
+    modules = _modules()
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
@@ -127,20 +102,10 @@ def _check_graph(gm: torch.fx.GraphModule, table: dict) -> None:
                                   f"options={{'cpu': 'rewrite', 'disable': ['{_kind_of(name)}']}} to export that site "
                                   "unrewritten")
         args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
-        what = [k for k in ("softcap", "mask", "return_lse") if args.get(k) not in (None, False)]
-        if what:
-            raise OnnxExportError(f"smx::{name} (node {n.name}) with {' and '.join(what)} (an added score / mask "
-                                  "folded into the op) has no ONNX translation yet; pass "
-                                  f"options={{'cpu': 'rewrite', 'disable': ['{name}']}} to export the softmax as written")
-        x = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
-        if name == "quant_softmax":
-            if args.get("prob_dtype") not in (None, torch.float32):
-                raise OnnxExportError(f"smx::quant_softmax (node {n.name}) rounds its probabilities to "
-                                      f"{args['prob_dtype']} before quantizing; not translated yet: pass "
-                                      "options={'cpu': 'rewrite', 'disable': ['quant_softmax']}")
-        elif args.get("dtype") is not None and (x is None or args["dtype"] != x.dtype):
-            raise OnnxExportError(f"smx::{name} (node {n.name}) with dtype= other than its input's has no ONNX "
-                                  f"translation yet; pass options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
+        for m in modules:
+            why = m.refuse(name, args, n)
+            if why:
+                raise OnnxExportError(f"smx::{name} (node {n.name}) {why}")
 
 
 def _kind_of(opname: str) -> str:
@@ -400,7 +365,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
 
 
 def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict | None = None,
-                dynamic_shapes: Any = None, opset: int | None = None, options: dict | None = None,
+                dynamic_shapes: Any = None, opset: int | None = None, target: str = "onnxruntime",
+                attention_op: str | None = None, options: dict | None = None,
                 check: bool = True, check_inputs: list | tuple = (), rtol: float = 1e-4,
                 atol: float = 1e-5) -> OnnxExport:
     """Export ``model`` as rewritten by smxcompile to ONNX and check the file in onnxruntime.
@@ -447,6 +413,10 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     if any(t.dtype == torch.bfloat16 for t in (*tensors, *model.parameters(), *model.buffers())):
         raise OnnxExportError("bf16 models: onnxruntime's CPU kernels lack bf16 for Softmax / ReduceMax / TopK; "
                               "export in fp32 (model.float()) or fp16 (then loosen rtol/atol: one fp16 step is ~1e-3)")
+    try:
+        tgt = resolve_target(target, opset, attention_op)
+    except OnnxTargetError as e:
+        raise OnnxExportError(str(e)) from e
     module, report = capture(model, args, kwargs, options, dynamic_shapes)
     shapes = None
     with torch.no_grad(), _export_ops():
@@ -456,9 +426,9 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
         shapes = _leaf_shapes(model, args, kwargs, dynamic_shapes)
         ep = torch.export.export(module, tuple(leaves), strict=False,
                                  dynamic_shapes=None if shapes is None else (shapes,))   # the varargs tuple
-        table = _translations()
+        table = _translations(tgt)
         _check_graph(ep.graph_module, table)
-        program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=opset, input_names=names,
+        program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=tgt.opset, input_names=names,
                                     custom_translation_table=table, verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path))
@@ -483,7 +453,7 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
         diff = _run_and_compare(path, model, args, kwargs, rtol, atol)
         for more_args, more_kwargs in check_inputs:
             diff = max(diff, _run_and_compare(path, model, tuple(more_args), dict(more_kwargs), rtol, atol))
-    return OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used)
+    return OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used, target=tgt)
 
 
 def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float) -> float:

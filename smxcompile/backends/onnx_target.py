@@ -1,0 +1,150 @@
+"""What an ONNX export is for: the runtime, the opset, and the ONNX form of attention.
+
+``smxcompile.export_onnx(..., target=...)`` resolves its ``target`` / ``opset`` / ``attention_op``
+arguments into an :class:`OnnxTarget`, which every translation module receives:
+
+- ``"onnxruntime"`` (default): the installed onnxruntime's best ops. Fused attention sites become the
+  ONNX ``Attention`` op (opset 23; causal, grouped-query heads, soft-capping and masks as attributes /
+  inputs) when onnxruntime has a kernel for it, else com.microsoft ``MultiHeadAttention``; the opset is
+  23 when onnxruntime loads it, else the exporter's default.
+- ``"portable"``: standard ONNX ops only (no ``com.microsoft`` domain), attention as a
+  MatMul / Softmax / MatMul decomposition, at the exporter's default opset (18) or the one asked for;
+  for runtimes other than onnxruntime.
+
+Probing onnxruntime means loading a one-node model per (op, opset) once per process (milliseconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+#: The forms of attention an export can use: the ONNX op (opset >= 23), onnxruntime's contrib op,
+#: or MatMul / Softmax / MatMul.
+ATTENTION_OPS = ("Attention", "MultiHeadAttention", "decompose")
+
+TARGETS = ("onnxruntime", "portable")
+
+#: torch.onnx's default opset in the torch versions pyproject.toml admits; the floor of every export.
+DEFAULT_OPSET = 18
+
+#: The first opset with the ONNX ``Attention`` op.
+ATTENTION_OPSET = 23
+
+
+@dataclasses.dataclass(frozen=True)
+class OnnxTarget:
+    """A resolved export target.
+
+    Attributes:
+        name: ``"onnxruntime"`` or ``"portable"``.
+        opset: the ONNX (ai.onnx) opset of the file.
+        attention: how fused attention is written: one of :data:`ATTENTION_OPS`.
+        contrib: whether onnxruntime's ``com.microsoft`` ops may appear.
+        ort_version: the onnxruntime the target was resolved against (None for portable without it).
+    """
+
+    name: str
+    opset: int
+    attention: str
+    contrib: bool
+    ort_version: str | None = None
+
+
+class OnnxTargetError(ValueError):
+    """A target / opset / attention_op combination that cannot be exported (the message says why)."""
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    return onnxruntime
+
+
+@functools.lru_cache(maxsize=None)
+def ort_loads(op_type: str, opset: int, domain: str = "", n_inputs: int = 1, ir_version: int | None = None) -> bool:
+    """Whether the installed onnxruntime's CPU provider loads a one-node model of ``op_type`` (fp32 inputs
+    of shape (1, 1, 2, 4); ``n_inputs`` of them) at ``opset``."""
+    ort = _ort()
+    if ort is None:
+        return False
+    import onnx
+    from onnx import TensorProto, helper
+
+    def vi(name: str):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, 2, 4])
+
+    inputs = [f"x{i}" for i in range(n_inputs)]
+    attrs = {"num_heads": 1} if domain == "com.microsoft" else {}
+    if domain == "com.microsoft":
+        vi3 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2, 4])  # noqa: E731
+        graph = helper.make_graph([helper.make_node(op_type, inputs, ["y"], domain=domain, **attrs)], "probe",
+                                  [vi3(i) for i in inputs], [vi3("y")])
+    else:
+        graph = helper.make_graph([helper.make_node(op_type, inputs, ["y"], domain=domain, **attrs)], "probe",
+                                  [vi(i) for i in inputs], [vi("y")])
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=imports)
+    model.ir_version = ir_version or (11 if opset >= 23 else 10)
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - any load failure means "not supported"
+        return False
+    del onnx
+    return True
+
+
+def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op: str | None = None) -> OnnxTarget:
+    """The :class:`OnnxTarget` of ``export_onnx``'s arguments.
+
+    Args:
+        target: ``"onnxruntime"`` or ``"portable"`` (see the module docstring).
+        opset: the ai.onnx opset asked for (None: the target's choice). At least 18.
+        attention_op: force a form of attention (one of :data:`ATTENTION_OPS`; None: the target's choice).
+
+    Raises:
+        OnnxTargetError: an unknown target / attention_op, an opset below 18, ``Attention`` below opset 23,
+            ``MultiHeadAttention`` with ``target="portable"``, or an op the installed onnxruntime does not load.
+    """
+    if target not in TARGETS:
+        raise OnnxTargetError(f"target must be one of {', '.join(map(repr, TARGETS))}, not {target!r}")
+    if attention_op is not None and attention_op not in ATTENTION_OPS:
+        raise OnnxTargetError(f"attention_op must be one of {', '.join(map(repr, ATTENTION_OPS))} or None, "
+                              f"not {attention_op!r}")
+    if opset is not None and (not isinstance(opset, int) or opset < DEFAULT_OPSET):
+        raise OnnxTargetError(f"opset must be an int >= {DEFAULT_OPSET} (torch.onnx's dynamo exporter), not {opset!r}")
+    ort = _ort()
+    version = getattr(ort, "__version__", None)
+    if target == "portable":
+        if attention_op == "MultiHeadAttention":
+            raise OnnxTargetError("attention_op='MultiHeadAttention' is an onnxruntime contrib op (com.microsoft); "
+                                  "target='portable' writes standard ONNX ops only")
+        chosen = opset or DEFAULT_OPSET
+        attention = attention_op or "decompose"
+        if attention == "Attention" and chosen < ATTENTION_OPSET:
+            raise OnnxTargetError(f"attention_op='Attention' needs opset >= {ATTENTION_OPSET} (asked: {chosen})")
+        return OnnxTarget("portable", chosen, attention, contrib=False, ort_version=version)
+    if ort is None:
+        raise OnnxTargetError("target='onnxruntime' needs onnxruntime installed (pip install smxcompile[onnx]); "
+                              "use target='portable' to export for another runtime")
+    has_attention = ort_loads("Attention", ATTENTION_OPSET, n_inputs=3)
+    if opset is None:
+        # TODO(attention translations): ATTENTION_OPSET once Attention / MultiHeadAttention are translated
+        # with torch's semantics (fully masked rows); until then the exporter's default and the decomposition
+        opset = DEFAULT_OPSET
+    elif not ort_loads("Softmax", opset):
+        raise OnnxTargetError(f"onnxruntime {version} does not load opset {opset} models; ask for a lower opset")
+    if attention_op is None:
+        attention_op = "decompose"
+    if attention_op == "Attention" and (opset < ATTENTION_OPSET or not has_attention):
+        raise OnnxTargetError(f"attention_op='Attention' needs opset >= {ATTENTION_OPSET} and an onnxruntime with "
+                              f"its kernel (opset {opset}, onnxruntime {version})")
+    if attention_op == "MultiHeadAttention" and not ort_loads("MultiHeadAttention", opset, "com.microsoft", 3):
+        raise OnnxTargetError(f"onnxruntime {version} does not load com.microsoft MultiHeadAttention")
+    return OnnxTarget("onnxruntime", opset, attention_op, contrib=True, ort_version=version)
+
+
+__all__ = ["OnnxTarget", "OnnxTargetError", "resolve", "ort_loads", "ATTENTION_OPS", "TARGETS", "DEFAULT_OPSET",
+           "ATTENTION_OPSET"]
