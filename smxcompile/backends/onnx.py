@@ -271,6 +271,17 @@ def _leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: An
     return tuple(per_leaf(t) for t in leaves)
 
 
+def _logging_functions() -> set:
+    """Logger methods Dynamo may skip while capturing (a log call is a graph break otherwise, e.g. the
+    ``logger.warning_once`` in transformers' ``loss_function``); an export has no use for the messages."""
+    import logging
+
+    fns = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning, logging.Logger.error}
+    fns.update(f for f in (getattr(logging.Logger, "warning_once", None), getattr(logging.Logger, "info_once", None))
+               if f is not None)
+    return fns
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: dict | None = None,
             dynamic_shapes: Any = None) -> tuple[nn.Module, Report]:
     """The model rewritten by smxcompile's passes as an ``nn.Module`` that ``torch.export`` can take.
@@ -324,7 +335,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     try:
         if dynamic_shapes is not None:
             marked = _mark_dynamic(model, args, kwargs, dynamic_shapes)
-        with torch.no_grad(), _export_ops():
+        with torch.no_grad(), _export_ops(), torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             torch.compile(model, backend=backend, fullgraph=True,
                           dynamic=None if dynamic_shapes is not None else False)(*args, **kwargs)
     except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:
