@@ -77,11 +77,11 @@ def test_a_router_exports_topk_without_a_full_softmax(tmp_path):
             return torch.topk(torch.softmax(x, dim=-1), 2, dim=-1)
 
     x = torch.randn(6, 16)
-    out = export_onnx(Router(), (x,), tmp_path / "r.onnx")
+    out = export_onnx(Router(), (x,), tmp_path / "r.onnx", target="portable")
     assert out.report.count(kind="softmax_topk", action="rewritten") == 1, str(out.report)
-    assert "TopK" in out.op_types and "Softmax" not in out.op_types, out.op_types   # exp(topk - lse): no full softmax
+    assert "TopK" in out.op_types and "Softmax" not in out.op_types, out.op_types   # exp(topk - max): no full softmax
     assert out.max_abs_diff < 1e-6
-    plain = export_onnx(Router(), (x,), tmp_path / "p.onnx", options={"cpu": "rewrite", "disable": ["softmax_topk"]})
+    plain = export_onnx(Router(), (x,), tmp_path / "p.onnx", target="portable", rewrites=())
     assert plain.op_types == {"Softmax": 1, "TopK": 1}, plain.op_types
 
 
@@ -227,3 +227,112 @@ def test_a_branch_on_a_dynamic_size_is_refused_not_baked_in(tmp_path):
 def test_bf16_is_a_clear_error(tmp_path):
     with pytest.raises(OnnxExportError, match="bf16"):
         export_onnx(Heads().to(torch.bfloat16).eval(), (torch.randn(4, 8, dtype=torch.bfloat16),), tmp_path / "h.onnx")
+
+
+class FusedSoftmaxes(nn.Module):
+    """A softmax with a scale and an additive mask, a soft-capped log-softmax, fp16 softmaxes with and without dtype=."""
+
+    def forward(self, x, mask):
+        a = torch.softmax(x * 0.5 + mask, -1)
+        b = F.log_softmax(30.0 * torch.tanh(x / 30.0), dim=-1)
+        c = torch.softmax(x.half() * 2.0, -1, dtype=torch.float32)
+        d = torch.softmax(x.half(), -1)
+        return a, b, c, d
+
+
+def test_softmax_prologue_options_export(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16) * 4
+    mask = torch.zeros(5, 16)
+    mask[:, 11:] = float("-inf")
+    mask[0, 7] = torch.finfo(torch.float32).min
+    mask[4, :] = float("-inf")                                   # a fully masked row: NaN, as eager
+    out = export_onnx(FusedSoftmaxes(), (x, mask), tmp_path / "f.onnx", rtol=1e-3, atol=1e-4)
+    sites = [s.detail for s in out.report.sites if s.action == "rewritten"]
+    assert any("mask" in d and "scale=0.5" in d for d in sites) and any("softcap=30" in d for d in sites), sites
+    assert any("dtype=float32" in d for d in sites), sites
+    assert out.op_types.get("Tanh") == 1 and out.op_types.get("LogSoftmax") == 1, out.op_types
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"x": x.numpy(), "mask": mask.numpy()})
+    with torch.no_grad():
+        ref = FusedSoftmaxes()(x, mask)
+    assert got[0][:, 4].size and torch.from_numpy(got[0][:, 4]).isnan().all()
+    assert got[2].dtype.name == "float32" and got[3].dtype.name == "float16"
+    # against an fp64 gold: no worse than torch itself (+ one fp16 step for the fp16 outputs)
+    x64, m64 = x.double(), mask.double()
+    gold = (torch.softmax(x64 * 0.5 + m64, -1), F.log_softmax(30.0 * torch.tanh(x64 / 30.0), -1),
+            torch.softmax(x.half().double() * 2.0, -1), torch.softmax(x.half().double(), -1))
+    for g, r, gd, tol in zip(got, ref, gold, (1e-6, 1e-5, 1e-6, 1e-3)):
+        ours = (torch.from_numpy(g).double() - gd).abs().nan_to_num(0).max()
+        theirs = (r.double() - gd).abs().nan_to_num(0).max()
+        assert ours <= theirs + tol, (ours, theirs)
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "portable"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_softmax_topk_forms_per_target(tmp_path, target, renormalize):
+    class Sampler(nn.Module):
+        def forward(self, x):
+            w, i = torch.topk(torch.softmax(x, dim=-1), 3, dim=-1)
+            return (w / w.sum(-1, keepdim=True) if renormalize else w), i
+
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3
+    x[2] = float("-inf")                                       # an all -inf row: NaN probabilities, as eager
+    x[2, :5] = torch.arange(5.0)
+    out = export_onnx(Sampler(), (x,), tmp_path / "s.onnx", target=target)
+    assert out.report.count(kind="softmax_topk", action="rewritten") == 1, str(out.report)
+    assert out.exported["smx::softmax_topk"]["calls"] == 1
+    full_softmax = out.op_types.get("Softmax", 0) and "Softmax" in out.exported["smx::softmax_topk"]["onnx"] \
+        and not renormalize
+    # portable: never a full Softmax; onnxruntime: its fused Softmax + TopK (measured faster); renormalized:
+    # the Softmax is over the k values only
+    assert bool(full_softmax) == (target == "onnxruntime" and not renormalize), out.op_types
+    assert "TopK" in out.op_types and out.max_abs_diff < 1e-6
+
+
+def test_rewrites_selects_kinds_and_compare_reports_both_files(tmp_path):
+    class TwoSites(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, -1), torch.topk(torch.softmax(x * 2, -1), 2, -1)[0]
+
+    x = torch.randn(8, 32)
+    only = export_onnx(TwoSites(), (x,), tmp_path / "a.onnx", rewrites=["softmax_topk"])
+    assert only.report.count(kind="softmax_topk", action="rewritten") == 1
+    assert only.report.count(kind="softmax", action="rewritten") == 0
+    none = export_onnx(TwoSites(), (x,), tmp_path / "b.onnx", rewrites=())
+    assert none.exported == {} and none.report.count(action="rewritten") == 0
+    with pytest.raises(OnnxExportError, match="unknown rewrite kind"):
+        export_onnx(TwoSites(), (x,), tmp_path / "c.onnx", rewrites=["softmx"])
+    out = export_onnx(TwoSites(), (x,), tmp_path / "d.onnx", compare=True)
+    assert out.baseline is not None and out.baseline.error is None
+    assert out.baseline.latency_ms > 0 and out.latency_ms > 0
+    assert sum(out.baseline.op_types.values()) > 0
+    text = str(out)
+    assert "plain torch.onnx.export -> smxcompile export" in text and "onnxruntime CPU latency" in text
+    assert "smx::softmax x1 -> Softmax 1" in text
+    assert out.to_dict()["baseline"]["latency_ms"] == out.baseline.latency_ms
+
+
+def test_bad_target_and_opset_are_clear_errors(tmp_path):
+    x = torch.randn(4, 8)
+    with pytest.raises(OnnxExportError, match="target must be one of"):
+        export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx", target="tensorrt")
+    with pytest.raises(OnnxExportError, match="opset must be an int >= 18"):
+        export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx", opset=13)
+    with pytest.raises(OnnxExportError, match="contrib op"):
+        export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx", target="portable", attention_op="MultiHeadAttention")
+    out = export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx", target="portable", opset=20)
+    assert out.opset == 20 and out.target.name == "portable" and not out.target.contrib
+
+
+def test_a_file_onnxruntime_cannot_load_names_its_versions(tmp_path, monkeypatch):
+    import onnx
+
+    from smxcompile.backends import onnx as onnx_backend
+
+    out = export_onnx(Heads().eval(), (torch.randn(4, 8),), tmp_path / "h.onnx", check=False)
+    proto = onnx.load(str(out.path))
+    proto.ir_version = 99                                          # a file from a newer exporter
+    onnx.save(proto, str(tmp_path / "future.onnx"))
+    with pytest.raises(OnnxExportError, match=r"cannot load future.onnx \(IR version 99"):
+        onnx_backend._session(tmp_path / "future.onnx")

@@ -6,10 +6,16 @@ Each translation module of :mod:`smxcompile.backends.onnx` has the same two func
 (why one call of ``smx::<name>`` cannot be translated, None when it can; ``args`` maps the op's schema
 argument names to the node's arguments).
 
-- ``smx::softmax`` -> ``Softmax`` (scale folded in front), ``smx::log_softmax`` -> ``LogSoftmax``.
-- ``smx::softmax_topk`` -> ``TopK`` of the logits and ``Exp(values - ReduceLogSumExp)``, never a full
-  ``Softmax`` (``softmax(x)[topk] = exp(topk(x) - lse(x))``, ALGORITHMS.md section 2); ``Softmax`` over
-  the k values when renormalized.
+- ``smx::softmax`` -> ``Softmax``, ``smx::log_softmax`` -> ``LogSoftmax``, with the op's fused prologue in
+  front (scale ``Mul``, soft-cap ``cap * Tanh(z / cap)``, additive mask ``Add``) in fp32 (fp64 for fp64; half
+  inputs are cast up and the result cast to ``dtype``, as the op computes), and the row's log-sum-exp as
+  ``ReduceLogSumExp`` when the graph uses it.
+- ``smx::softmax_topk``: renormalized (MoE routers, ``softmax(topk(x))``) -> ``TopK`` of the logits and
+  ``Softmax`` over the k values only. Not renormalized: ``target="portable"`` -> ``TopK`` of the logits and
+  ``Exp(values - m) / ReduceSum(Exp(x - m))`` with ``m`` the top value, never a full ``Softmax``
+  (``softmax(x)[topk] = exp(topk(x) - lse(x))``, ALGORITHMS.md section 2); ``target="onnxruntime"`` -> ``Softmax`` then ``TopK``, because onnxruntime's
+  fused Softmax kernel was measured faster on CPU than any form that avoids it
+  (``benchmarks/bench_onnx_forms.py``; its ``ReduceLogSumExp`` is 2-5x slower than ``Softmax``).
 - ``smx::quant_softmax`` -> ``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` for a code range narrower than
   the 8-bit type); the graph's own dequantization and bias correction (Pandey et al. 2023, "Softmax Bias
   Correction for Quantized Generative Models") follow as standard ops.
@@ -27,26 +33,76 @@ def scaled(op, x, scale: float):
     return x if scale == 1.0 else op.Mul(x, op.CastLike(op.Constant(value_float=scale), x))
 
 
+def _float_type(v) -> int:
+    """The ONNX type the op computes in for input value ``v``: fp64 for fp64, else fp32 (half inputs and
+    integers are computed in fp32, as the op's CPU and Triton paths do)."""
+    import onnx
+
+    return onnx.TensorProto.DOUBLE if _dtype_of(v) == onnx.TensorProto.DOUBLE else onnx.TensorProto.FLOAT
+
+
+def _dtype_of(v) -> int | None:
+    dt = getattr(v, "dtype", None)
+    return None if dt is None else int(dt)
+
+
+def prologue(op, x, scale: float, softcap, mask):
+    """``z = softcap * tanh(x * scale / softcap) + mask`` in fp32 (fp64 for fp64 input): the fused prologue of
+    ``smx::softmax`` / ``smx::log_softmax`` (kernels/softmax.py ``_prologue``)."""
+    acc = _float_type(x)
+    z = x if _dtype_of(x) == acc else op.Cast(x, to=acc)
+    z = scaled(op, z, scale)
+    if softcap is not None:
+        cap = op.CastLike(op.Constant(value_float=float(softcap)), z)
+        z = op.Mul(op.Tanh(op.Div(z, cap)), cap)
+    if mask is not None:
+        z = op.Add(z, mask if _dtype_of(mask) == acc else op.Cast(mask, to=acc))
+    return z
+
+
 def translations(target) -> dict[Any, Any]:
     from onnxscript import opset18 as op
 
+    def _softmax_family(x, dim, scale, softcap, mask, dtype, log: bool):
+        z = prologue(op, x, scale, softcap, mask)
+        y = op.LogSoftmax(z, axis=dim) if log else op.Softmax(z, axis=dim)
+        out = dtype if dtype is not None else _dtype_of(x)
+        if out is not None and out != _float_type(x):
+            y = op.Cast(y, to=out)
+        # the lse output (fp32; fp64 for fp64): pruned from the file unless the graph uses it
+        return y, op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+
     def smx_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None, return_lse: bool = False):
-        z = scaled(op, x, scale)
-        return op.Softmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+        return _softmax_family(x, dim, scale, softcap, mask, dtype, log=False)
 
     def smx_log_softmax(x, dim: int, scale: float = 1.0, softcap=None, mask=None, dtype=None,
                         return_lse: bool = False):
-        z = scaled(op, x, scale)
-        return op.LogSoftmax(z, axis=dim), op.ReduceLogSumExp(z, op.Constant(value_ints=[dim]), keepdims=0)
+        return _softmax_family(x, dim, scale, softcap, mask, dtype, log=True)
+
+    fused_softmax = getattr(target, "name", None) == "onnxruntime"
 
     def smx_softmax_topk(x, k: int, dim: int, scale: float = 1.0, renormalize: bool = False, dtype=None):
-        z = scaled(op, x, scale)
+        z = prologue(op, x, scale, None, None)            # fp32 (fp64 for fp64), as the op computes
         axes = op.Constant(value_ints=[dim])
-        values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
         if renormalize:
+            # softmax(topk(x)): the k values only, never the whole row
+            values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
             probs = op.Softmax(values, axis=dim)
+        elif fused_softmax:
+            # onnxruntime's fused Softmax kernel then TopK was measured faster on CPU than every form that
+            # avoids it (ReduceLogSumExp 2-5x slower; benchmarks/bench_onnx_forms.py)
+            probs, indices = op.TopK(op.Softmax(z, axis=dim), op.Constant(value_ints=[k]), axis=dim, largest=1,
+                                     sorted=1)
         else:
-            probs = op.Exp(op.Sub(values, op.ReduceLogSumExp(z, axes, keepdims=1)))
+            # exp(topk(z) - m) / sum(exp(z - m)) with m the top value (the row max): no full Softmax written,
+            # no ReduceMax; ReduceLogSumExp measured 2-5x slower than this in onnxruntime
+            values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
+            m = op.Slice(values, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), axes)
+            d = op.ReduceSum(op.Exp(op.Sub(z, m)), axes, keepdims=1)
+            probs = op.Div(op.Exp(op.Sub(values, m)), d)
+        out = dtype if dtype is not None else _dtype_of(x)
+        if out is not None and out != _float_type(x):
+            probs = op.Cast(probs, to=out)
         logd = op.Sub(op.ReduceLogSumExp(z, axes, keepdims=0), op.ReduceMax(z, axes, keepdims=0))
         return probs, indices, logd
 
@@ -70,19 +126,7 @@ def translations(target) -> dict[Any, Any]:
 
 
 def refuse(name: str, args: dict, node: torch.fx.Node) -> str | None:
-    if name not in ("softmax", "log_softmax", "softmax_topk", "quant_softmax"):
-        return None
-    what = [k for k in ("softcap", "mask", "return_lse") if args.get(k) not in (None, False)]
-    if what:
-        return (f"with {' and '.join(what)} (an added score / mask folded into the op) has no ONNX translation yet; "
-                f"pass options={{'cpu': 'rewrite', 'disable': ['{name}']}} to export the softmax as written")
-    if name == "quant_softmax":
-        if args.get("prob_dtype") not in (None, torch.float32):
-            return (f"rounds its probabilities to {args['prob_dtype']} before quantizing; not translated yet: pass "
-                    "options={'cpu': 'rewrite', 'disable': ['quant_softmax']}")
-        return None
-    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    if args.get("dtype") is not None and (x is None or args["dtype"] != x.dtype):
-        return (f"with dtype= other than its input's has no ONNX translation yet; pass "
-                f"options={{'cpu': 'rewrite', 'disable': ['{name}']}}")
+    if name == "quant_softmax" and args.get("prob_dtype") not in (None, torch.float32):
+        return (f"rounds its probabilities to {args['prob_dtype']} before quantizing; not translated yet: pass "
+                "options={'cpu': 'rewrite', 'disable': ['quant_softmax']}")
     return None
