@@ -204,8 +204,14 @@ def test_smx_export_cli(tmp_path, capsys):
     assert "attention" in printed and "wrote" in printed and "max |diff|" in printed
     sess = ort.InferenceSession(str(tmp_path / "tiny.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in sess.get_inputs()] == ["input_ids"]
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "p.onnx"), "--seq-len", "16", "--target", "portable",
+                     "--compare"]) == 0
+    printed = capsys.readouterr().out
+    assert "target portable, attention as decompose" in printed and "onnxruntime CPU latency: plain" in printed
     assert cli.main(["export", str(run), "--out", str(tmp_path / "x.onnx"), "--options", '{"nope": 1}']) == 2
     assert "unknown smx option" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "x.onnx"), "--rewrites", "attention,sofmax"]) == 2
+    assert "unknown kind(s) ['sofmax']" in capsys.readouterr().err
     assert cli.main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "x.onnx")]) == 2
 
 
