@@ -192,13 +192,19 @@ def test_a_quantized_model_exports_quantize_dequantize_pairs(tmp_path, bits):
     assert out.max_abs_diff < 1e-4
 
 
-def test_smx_export_cli(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """A tiny ``smx demo``-style run folder (trained 40 steps on Python's docs)."""
     pytest.importorskip("tokenizers")
     from conftest import build_tiny_lm_checkpoint
 
+    return build_tiny_lm_checkpoint(tmp_path_factory.mktemp("demo-run"))
+
+
+def test_smx_export_cli(demo_run, tmp_path, capsys):
     from smxcompile import cli
 
-    run = build_tiny_lm_checkpoint(tmp_path / "run")
+    run = demo_run
     assert cli.main(["export", str(run), "--out", str(tmp_path / "tiny.onnx"), "--seq-len", "16"]) == 0
     printed = capsys.readouterr().out
     assert "attention" in printed and "wrote" in printed and "max |diff|" in printed
@@ -342,3 +348,27 @@ def test_a_file_onnxruntime_cannot_load_names_its_versions(tmp_path, monkeypatch
     onnx.save(proto, str(tmp_path / "future.onnx"))
     with pytest.raises(OnnxExportError, match=r"cannot load future.onnx \(IR version 99"):
         onnx_backend._session(tmp_path / "future.onnx")
+
+
+def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, capsys):
+    """The issue's end-to-end path: `smx swap` of the demo checkpoint, then `smx export` of its output; and the
+    demo checkpoint with quantize_softmax through export_onnx; both checked in onnxruntime on two shapes."""
+    from smxcompile import cli, tune
+
+    swapped = tmp_path / "softpick-run"
+    assert cli.main(["swap", str(demo_run), "--variant", "softpick", "--out", str(swapped), "--batches", "1", "--batch-size", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(swapped), "--out", str(tmp_path / "softpick.onnx"), "--seq-len", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "swapped" in printed and "variant:softpick" in printed, printed
+    model = tune.load_lm(tune.checkpoint_dir(demo_run), "cpu")
+    model.config.use_cache = False
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    q = smxcompile.quantize_softmax(model, [{"input_ids": ids}], bits=6, progress=False)
+    out = export_onnx(q, (), tmp_path / "q6.onnx", kwargs={"input_ids": ids},
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}},
+                      check_inputs=[((), {"input_ids": torch.randint(0, 512, (3, 9), generator=g)})])
+    assert out.report.count(kind="quant_softmax", action="rewritten") == 2, str(out.report)
+    assert out.exported["smx::quant_softmax"]["calls"] == 2
+    assert out.exported["smx::quant_softmax"]["onnx"].get("QuantizeLinear") == 2
