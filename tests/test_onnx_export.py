@@ -57,7 +57,9 @@ def test_keyword_inputs_and_a_transformers_model(tmp_path):
     assert out.max_abs_diff < 1e-4
 
 
-def test_an_op_without_translation_names_it_and_the_way_out(tmp_path):
+def test_an_op_without_translation_names_it_and_the_way_out(tmp_path, monkeypatch):
+    from smxcompile.backends import onnx as onnx_backend
+
     class Attn(nn.Module):
         def forward(self, q, k, v):
             s = q @ k.transpose(-2, -1) * 0.25
@@ -65,7 +67,13 @@ def test_an_op_without_translation_names_it_and_the_way_out(tmp_path):
 
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     opts = {"cpu": "rewrite", "attention_normalizer": "sigmoid"}    # the attention op with a variant normalizer
-    with pytest.raises(OnnxExportError, match=r"smx::attention .*'disable': \['attention'\]"):
+    # smx::attention is translated (backends/onnx_attention.py): it exports as standard ops
+    out = export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options=opts, check=False)  # the model changed: no eager check
+    assert out.report.count(kind="attention", action="rewritten") == 1 and out.op_types.get("Sigmoid") == 1
+    # an op whose translation module is missing: the error names the op and the option that exports it unrewritten
+    monkeypatch.setattr(onnx_backend, "TRANSLATION_MODULES",
+                        tuple(m for m in onnx_backend.TRANSLATION_MODULES if m != "onnx_attention"))
+    with pytest.raises(OnnxExportError, match=r"smx::attention .*has no ONNX translation.*'disable': \['attention'\]"):
         export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options=opts)
     out = export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options={**opts, "disable": ["attention"]})
     assert out.op_types.get("Softmax") == 1
@@ -149,6 +157,8 @@ def test_dynamic_batch_and_sequence_stay_dynamic(tmp_path):
     assert names == ["input_ids", "attention_mask"]
     assert all(isinstance(d, str) for i in sess.get_inputs() for d in i.shape)     # symbolic, not 2 / 16
     assert out.max_abs_diff < 1e-4
+    # the example, check_inputs, and the example narrowed along the dims that can shrink (batch 2 cannot)
+    assert out.checked_shapes == [((2, 16), (2, 16)), ((3, 9), (3, 9)), ((2, 15), (2, 15))], out.checked_shapes
 
 
 def test_a_dynamic_dim_of_size_one_is_refused(tmp_path):

@@ -77,6 +77,8 @@ class OnnxExport:
             read from the exporter's node metadata after onnxscript's optimizer.
         latency_ms: onnxruntime CPU latency of the file on the example inputs (ms per call; ``compare=True``).
         baseline: the plain ``torch.onnx.export`` of the model, its op types and latency (``compare=True``).
+        checked_shapes: the input shapes the check ran onnxruntime against eager on (the example, ``check_inputs``
+            and, with ``dynamic_shapes``, the example narrowed by one along every dynamic dim).
     """
 
     path: Path
@@ -88,6 +90,7 @@ class OnnxExport:
     exported: dict[str, dict] = dataclasses.field(default_factory=dict)
     latency_ms: float | None = None
     baseline: OnnxBaseline | None = None
+    checked_shapes: list = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         """The report as text: rewrites, how each smxcompile op was exported, op types (before/after with
@@ -95,7 +98,8 @@ class OnnxExport:
         t = self.target
         lines = [str(self.report), "",
                  f"wrote {self.path} (opset {self.opset}" + (f", target {t.name}, attention as {t.attention}" if t else "")
-                 + ")" + ("" if math.isnan(self.max_abs_diff) else f"; onnxruntime vs eager max |diff| {self.max_abs_diff:.3g}")]
+                 + ")" + ("" if math.isnan(self.max_abs_diff) else f"; onnxruntime vs eager max |diff| {self.max_abs_diff:.3g} "
+                         f"on input shapes {', '.join(str(list(s)) for s in self.checked_shapes)}")]
         if self.exported:
             lines.append("exported as:")
             for name, e in self.exported.items():
@@ -127,6 +131,7 @@ class OnnxExport:
                 "max_abs_diff": None if math.isnan(self.max_abs_diff) else self.max_abs_diff, "op_types": self.op_types,
                 "exported": self.exported, "latency_ms": self.latency_ms,
                 "baseline": dataclasses.asdict(self.baseline) if self.baseline else None,
+                "checked_shapes": [[list(t) for t in s] for s in self.checked_shapes],
                 "report": self.report.to_dict()}
 
 
@@ -134,7 +139,7 @@ class OnnxExport:
 
 #: The modules whose ``translations(target)`` make up the ``custom_translation_table`` and whose
 #: ``refuse(name, args, node)`` says why a call cannot be translated (see :mod:`.onnx_softmax`).
-TRANSLATION_MODULES = ("onnx_softmax", "onnx_ce")
+TRANSLATION_MODULES = ("onnx_softmax", "onnx_ce", "onnx_attention")
 
 
 def _modules() -> list:
@@ -472,7 +477,9 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
             graph keeps every fusion, whatever Inductor's CPU policy is).
         check: run ``onnx.checker`` and onnxruntime on the example inputs and compare every output
             with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|``.
-        check_inputs: more ``(args, kwargs)`` to compare on, e.g. other shapes of the dynamic dims.
+        check_inputs: more ``(args, kwargs)`` to compare on, e.g. other shapes of the dynamic dims. With
+            ``dynamic_shapes``, the check also runs the example narrowed by one along every dynamic dim (a
+            prefix of each tensor; skipped when the model itself fails on it or a dim cannot shrink).
         compare: also export the model plainly (``torch.onnx.export(model, dynamo=True)`` at the same
             opset, without smxcompile) and time both files in onnxruntime on the example inputs, in turn:
             the op types before/after and the latencies land in the result (``print()`` it).
@@ -539,13 +546,24 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
                 raise OnnxExportError(f"input {inp.name}: dim(s) {fixed} came out fixed in the ONNX graph although "
                                       "dynamic_shapes asks for them to be dynamic")
     diff = math.nan
+    checked: list[tuple] = []
     if check:
         onnx.checker.check_model(proto)
-        diff = _run_and_compare(path, model, args, kwargs, rtol, atol)
-        for more_args, more_kwargs in check_inputs:
-            diff = max(diff, _run_and_compare(path, model, tuple(more_args), dict(more_kwargs), rtol, atol))
+        runs = [(args, kwargs)] + [(tuple(a), dict(k)) for a, k in check_inputs]
+        narrowed = _narrowed_inputs(args, kwargs, leaves, shapes)
+        if narrowed is not None:
+            runs.append(narrowed)                     # the dynamic dims really dynamic: one more shape
+        for i, (a, k) in enumerate(runs):
+            try:
+                d = _run_and_compare(path, model, a, k, rtol, atol)
+            except _EagerFailed:
+                if i < len(runs) - 1 or narrowed is None:
+                    raise
+                continue                              # the model itself does not take the narrowed shape
+            diff = d if math.isnan(diff) else max(diff, d)
+            checked.append(tuple(tuple(t.shape) for t in input_leaves(model, a, k)[0]))
     out = OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used, target=tgt,
-                     exported=_exported_ops(proto))
+                     exported=_exported_ops(proto), checked_shapes=checked)
     if compare:
         _compare(out, model, args, kwargs, tgt, threads)
     return out
@@ -695,14 +713,54 @@ def _compare(out: OnnxExport, model: nn.Module, args: tuple, kwargs: dict, tgt: 
     out.baseline, out.latency_ms = base, ms["smx"]
 
 
+class _EagerFailed(OnnxExportError):
+    """Eager PyTorch itself fails on a check input."""
+
+
+def _narrowed_inputs(args: tuple, kwargs: dict, leaves: list, shapes: tuple | None) -> tuple | None:
+    """``(args, kwargs)`` with every dynamic dim one smaller (prefixes of the example tensors; dims that share a
+    ``Dim`` stay equal), or None when no dim can shrink (size - 1 below 2 or below the Dim's min)."""
+    if shapes is None:
+        return None
+    sizes: dict[str, int] = {}
+    frozen: set[str] = set()
+    plan: dict[int, list[tuple[int, str]]] = {}
+    for t, spec in zip(leaves, shapes):
+        for d, dim in (spec.items() if isinstance(spec, dict) else enumerate(spec or ())):
+            name = getattr(dim, "__name__", None)
+            if name is None:                          # None / Dim.AUTO / Dim.STATIC: not a declared dynamic dim
+                continue
+            lo = max(2, int(getattr(dim, "min", 2) or 2))
+            if t.shape[d] - 1 < lo:
+                frozen.add(name)                      # this dim (and every dim of its name) keeps its size
+            sizes[name] = min(sizes.get(name, t.shape[d] - 1), t.shape[d] - 1)
+            plan.setdefault(id(t), []).append((d, name))
+    if not set(sizes) - frozen:
+        return None
+
+    def narrow(x):
+        if isinstance(x, torch.Tensor) and id(x) in plan:
+            for d, name in plan[id(x)]:
+                if name not in frozen:
+                    x = x.narrow(d, 0, sizes[name])
+        return x
+
+    a, k = pytree.tree_map(narrow, (args, kwargs))
+    return tuple(a), dict(k)
+
+
 def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float) -> float:
     import numpy as np
 
     sess = _session(path)
     leaves, names = input_leaves(model, args, kwargs)
+    try:
+        with torch.no_grad():
+            ref = model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure of the model itself
+        raise _EagerFailed(f"eager PyTorch fails on the check input of shapes "
+                           f"{[tuple(t.shape) for t in leaves]}: {type(e).__name__}: {e}") from e
     got = sess.run(None, _feeds(sess, leaves, names))
-    with torch.no_grad():
-        ref = model(*args, **kwargs)
     ref_leaves = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
     if len(ref_leaves) != len(got):
         raise OnnxExportError(f"the ONNX model has {len(got)} outputs, the model returns {len(ref_leaves)} tensors: "
