@@ -476,7 +476,8 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
         options: further ``smx`` backend options; ``cpu`` defaults to ``"rewrite"`` here (the deployed
             graph keeps every fusion, whatever Inductor's CPU policy is).
         check: run ``onnx.checker`` and onnxruntime on the example inputs and compare every output
-            with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|``.
+            with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|`` (with an ``attention_normalizer``
+            option, which changes the model, with the rewritten graph run in PyTorch instead).
         check_inputs: more ``(args, kwargs)`` to compare on, e.g. other shapes of the dynamic dims. With
             ``dynamic_shapes``, the check also runs the example narrowed by one along every dynamic dim (a
             prefix of each tensor; skipped when the model itself fails on it or a dim cannot shrink).
@@ -517,7 +518,14 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
         tgt = resolve_target(target, opset, attention_op)
     except OnnxTargetError as e:
         raise OnnxExportError(str(e)) from e
-    module, report = capture(model, args, kwargs, _export_options(options, rewrites), dynamic_shapes)
+    opts = _export_options(options, rewrites)
+    module, report = capture(model, args, kwargs, opts, dynamic_shapes)
+    if SmxOptions.from_mapping(opts).attention_normalizer != "softmax":
+        # the options change the model's math (another attention normalizer): the file is checked against the
+        # rewritten graph run in PyTorch (the smx ops' reference paths), not against the model as written
+        reference = _RewrittenCall(module, model)
+    else:
+        reference = model
     shapes = None
     with torch.no_grad(), _export_ops():
         # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
@@ -555,7 +563,7 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
             runs.append(narrowed)                     # the dynamic dims really dynamic: one more shape
         for i, (a, k) in enumerate(runs):
             try:
-                d = _run_and_compare(path, model, a, k, rtol, atol)
+                d = _run_and_compare(path, model, a, k, rtol, atol, reference)
             except _EagerFailed:
                 if i < len(runs) - 1 or narrowed is None:
                     raise
@@ -749,14 +757,28 @@ def _narrowed_inputs(args: tuple, kwargs: dict, leaves: list, shapes: tuple | No
     return tuple(a), dict(k)
 
 
-def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float) -> float:
+class _RewrittenCall:
+    """Calls the captured, rewritten graph with a model's ``(args, kwargs)`` (the check's reference when the
+    options change the model's math)."""
+
+    def __init__(self, module: nn.Module, model: nn.Module):
+        self.module, self.model = module, model
+
+    def __call__(self, *args, **kwargs):
+        with _export_ops():
+            return self.module(*input_leaves(self.model, args, kwargs)[0])
+
+
+def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
+                     reference=None) -> float:
+    """Largest ``|onnxruntime - reference|`` on one input (reference: ``model`` itself by default)."""
     import numpy as np
 
     sess = _session(path)
     leaves, names = input_leaves(model, args, kwargs)
     try:
         with torch.no_grad():
-            ref = model(*args, **kwargs)
+            ref = (reference or model)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure of the model itself
         raise _EagerFailed(f"eager PyTorch fails on the check input of shapes "
                            f"{[tuple(t.shape) for t in leaves]}: {type(e).__name__}: {e}") from e
