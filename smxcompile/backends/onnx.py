@@ -790,12 +790,14 @@ def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rt
                               "returned twice) are not part of an exported graph; return only computed tensors")
     worst = 0.0
     for i, (g, r) in enumerate(zip(got, ref_leaves)):
-        r = r.detach().float().cpu().numpy()
-        g = g.astype(np.float32) if g.dtype != r.dtype else g
+        r = r.detach().cpu()
+        r = (r if r.dtype == torch.float64 else r.float()).numpy()      # fp64 outputs compared in fp64
+        g = g.astype(r.dtype) if g.dtype != r.dtype else g
         if g.shape != r.shape:
             raise OnnxExportError(f"output {i}: onnxruntime shape {g.shape}, eager {r.shape}")
-        both_nan = np.isnan(g) & np.isnan(r)
-        d = np.where(both_nan, 0.0, np.abs(g - r))        # NaN where only one of them is NaN
+        same = (np.isnan(g) & np.isnan(r)) | (g == r)                   # NaN == NaN, and inf == inf
+        with np.errstate(invalid="ignore"):
+            d = np.where(same, 0.0, np.abs(g - r))        # NaN where only one of them is NaN
         bad = ~(d <= atol + rtol * np.where(np.isnan(r), 0.0, np.abs(r)))
         if bad.any():
             nan_eager, nan_ort = int((np.isnan(r) & ~np.isnan(g)).sum()), int((np.isnan(g) & ~np.isnan(r)).sum())
