@@ -21,6 +21,7 @@ from . import variants  # noqa: E402  (the registry of normalization variants: s
 from .swapping import from_pretrained, load, save, swap  # noqa: E402
 from .backends.smx import smx_backend  # noqa: E402
 from .backends.onnx import OnnxExportError, export_onnx  # noqa: E402  (onnx itself is imported on use)
+from .backends.mlir import MlirExportError, export_mlir  # noqa: E402  (torch-mlir itself is imported on use)
 
 
 def last_report() -> Report | None:
@@ -49,5 +50,5 @@ def _register_backend_if_needed() -> None:
 
 _register_backend_if_needed()
 
-__all__ = ["softmax", "log_softmax", "softmax_topk", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
+__all__ = ["softmax", "log_softmax", "softmax_topk", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "export_mlir", "MlirExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
            "smx_backend", "last_report", "__version__"]

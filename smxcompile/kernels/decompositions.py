@@ -1,0 +1,249 @@
+"""Reference ATen forms of smxcompile's forward ops, for exporters: ``{torch.ops.smx.<op>: fn}``.
+
+Each function takes the op's schema arguments and returns what the op returns (same shapes, dtypes and
+number of outputs), written in plain torch with no Python branch on tensor values, so
+``ExportedProgram.run_decompositions(table)`` can trace it (static or symbolic shapes) and replace every
+call of the op by ATen ops. :func:`smxcompile.export_mlir` uses the table; any exporter whose target
+does not know ``smx::*`` can. They follow the math of the op's torch (CPU) path, rewritten without
+in-place updates, chunking or blocking:
+
+* ``smx::softmax`` / ``smx::log_softmax``: the op's prologue (:func:`.softmax._prologue`: scale,
+  soft-cap, additive mask; fp32 for half inputs), then ``torch.softmax`` / ``torch.log_softmax`` and the
+  cast to ``dtype``; the log-sum-exp when ``return_lse``.
+* ``smx::softmax_topk``: ``topk`` of the scaled logits (softmax is monotone), values ``exp(z_top - m) /
+  sum(exp(z - m))`` with ``m`` the row max, or ``softmax(z_top)`` when ``renormalize``; ``logd =
+  log(sum(exp(z - m)))`` (see :mod:`.softmax_topk`). Ties may pick other columns than the op's selection
+  networks (as ``torch.topk`` may).
+* ``smx::quant_softmax``: :func:`.quant_softmax.quant_softmax_decomposed` itself (already pure torch).
+* ``smx::attention``: the materialized definition (as :func:`.attention.attention_reference`) with the
+  op's calling convention: 4-D q/k/v, K and V repeated for GQA, the normalizer's own reference function
+  (:data:`.attention.NORMALIZERS`), ``n`` from ``n_keys`` or counted from the causal / full visibility
+  mask (a tensor count, so a dynamic key length is not fixed by a Python ``float(S)``); ``stats`` are zeros, as on
+  the op's torch path. Dropout (``dropout_p > 0``) and ``skip_threshold`` have no reference form and
+  raise ``NotImplementedError``.
+* ``smx::ce_stats`` / ``smx::linear_ce_stats``: the per-row statistics of :mod:`.cross_entropy`
+  (``lse``, target logit, other mass, weighted sum; the linear op's logits when asked) over the whole
+  logits matrix at once. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN target
+  logit (as on CUDA) instead of the op's ``IndexError`` (a value check cannot be traced).
+
+Backward ops and ``smx::linear_ce_loss`` (the CPU training path, which computes gradients in its
+forward) have no entry: an inference export never holds them.
+
+Source: the ops' own torch paths (this package); online softmax / FlashAttention / cut cross-entropy
+are the kernels' methods, not needed here (the forms materialize the rows).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# (the package re-exports functions under the modules' names: take the modules themselves)
+_attn = importlib.import_module(f"{__package__}.attention")
+_ce = importlib.import_module(f"{__package__}.cross_entropy")
+_qs = importlib.import_module(f"{__package__}.quant_softmax")
+_sm = importlib.import_module(f"{__package__}.softmax")
+_topk = importlib.import_module(f"{__package__}.softmax_topk")
+
+__all__ = ["decomposition_table", "softmax_ref", "log_softmax_ref", "softmax_topk_ref", "quant_softmax_ref",
+           "attention_ref", "ce_stats_ref", "linear_ce_stats_ref"]
+
+
+# --------------------------------------------------------------------------- softmax, log_softmax
+
+
+def _softmax_like(x, dim, scale, softcap, mask, dtype, return_lse, log):
+    out_dtype = dtype or x.dtype
+    z = _sm._prologue(x, scale, softcap, mask)           # fp32 (fp64 for fp64 x) from here on
+    y = (torch.log_softmax if log else torch.softmax)(z, dim).to(out_dtype)
+    if return_lse:
+        lse = torch.logsumexp(z.to(_sm._lse_dtype(x)), dim)
+    else:
+        lse = x.new_zeros((0,), dtype=_sm._lse_dtype(x))
+    return y, lse
+
+
+def softmax_ref(x, dim, scale=1.0, softcap=None, mask=None, dtype=None, return_lse=False):
+    """``smx::softmax``: ``(softmax(z, dim).to(dtype), logsumexp(z, dim) or empty)``, z the prologue's output."""
+    return _softmax_like(x, dim, scale, softcap, mask, dtype, return_lse, log=False)
+
+
+def log_softmax_ref(x, dim, scale=1.0, softcap=None, mask=None, dtype=None, return_lse=False):
+    """``smx::log_softmax``: as :func:`softmax_ref` with ``log_softmax``."""
+    return _softmax_like(x, dim, scale, softcap, mask, dtype, return_lse, log=True)
+
+
+# --------------------------------------------------------------------------- softmax + top-k
+
+
+def softmax_topk_ref(x, k, dim, scale, renormalize, dtype):
+    """``smx::softmax_topk``: ``(values, indices, logd)`` (see the module docstring)."""
+    out_dtype = dtype or x.dtype
+    acc = _topk._acc_dtype(x)
+    d = dim % x.dim()
+    z = x.to(acc) * scale
+    lead = [s for i, s in enumerate(x.shape) if i != d]
+    if k == 0 or statically_known_true(x.shape[d] == 0):
+        shape = list(x.shape)
+        shape[d] = k
+        values = x.new_zeros(shape, dtype=out_dtype)
+        idx = torch.zeros(shape, dtype=torch.int64, device=x.device)
+        logd = x.new_empty((0,), dtype=acc) if renormalize else x.new_zeros(lead, dtype=acc)
+        return values, idx, logd
+    top, idx = torch.topk(z, k, d)
+    m = top.narrow(d, 0, 1)                                # the row max (NaN for a row with NaN)
+    if renormalize:
+        e = torch.exp(top - m)
+        values = (e / e.sum(d, keepdim=True)).to(out_dtype)
+        return values, idx, x.new_zeros((0,), dtype=acc)
+    den = torch.exp(z - m).sum(d, keepdim=True)
+    values = (torch.exp(top - m) / den).to(out_dtype)
+    return values, idx, torch.log(den).squeeze(d)
+
+
+# --------------------------------------------------------------------------- quantized softmax
+
+
+def quant_softmax_ref(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype, prob_dtype=None):
+    """``smx::quant_softmax``: :func:`.quant_softmax.quant_softmax_decomposed` (contiguous)."""
+    return _qs.quant_softmax_decomposed(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype,
+                                        prob_dtype).contiguous()
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_ref(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
+                  skip_threshold=None, n_keys=None):
+    """``smx::attention``: ``(out (B, Hq, L, Ev) in q.dtype, stats (B, Hq, L, 2) fp32 zeros)``."""
+    if dropout_p > 0:
+        raise NotImplementedError("smx::attention with dropout_p > 0 (a training graph) has no reference form; "
+                                  "export the model in eval mode")
+    if skip_threshold is not None:
+        raise NotImplementedError("smx::attention with skip_threshold (BLASST tile skipping) is an approximation "
+                                  "of the CUDA kernel only; it has no reference form")
+    B, Hq, L, _ = q.shape
+    Hkv, S, Ev = v.shape[1], v.shape[2], v.shape[3]
+    acc = _attn._acc_dtype(q)
+    stats = q.new_zeros((B, Hq, L, 2), dtype=torch.float32)
+    if statically_known_true(S == 0):
+        return q.new_zeros((B, Hq, L, Ev)), stats
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    if Hkv != Hq:
+        ka = ka.repeat_interleave(Hq // Hkv, dim=1)
+        va = va.repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    keep = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask
+        else:
+            madd = attn_mask.to(acc)
+            s = s + madd
+            keep = madd != float("-inf")
+    if is_causal:
+        tri = _attn._causal_keep(0, L, S, q.device)
+        keep = tri if keep is None else keep & tri
+    if keep is not None:
+        keep = keep.expand(B, Hq, L, S)
+    if n_keys is not None:
+        n = n_keys.to(acc).reshape(B, Hq, L, 1).clamp(min=1.0)
+    else:
+        # the keys each row may see, S or min(i + 1, S) (as _visible_keys), counted from tensors: a Python
+        # float(S) would fix a dynamic S to the example's size
+        visible = _attn._causal_keep(0, L, S, q.device) if is_causal else torch.ones(L, S, dtype=torch.bool,
+                                                                                      device=q.device)
+        n = visible.sum(-1, keepdim=True).to(acc)
+    param = None if norm_param is None else norm_param.to(acc).reshape(B, Hq, 1, 1)
+    w = _attn.NORMALIZERS[normalizer].ref(s, keep, n, param)
+    out = torch.matmul(w, va).to(q.dtype)
+    return out, stats
+
+
+# --------------------------------------------------------------------------- cross-entropy statistics
+
+
+def _row_stats(z, target, probs, class_weight, ignore_index, need_ws):
+    """``(lse, target_logit, other_mass, weighted_sum or empty)`` of the (N, V) transformed logits ``z``
+    (acc dtype), as :func:`.cross_entropy._stats_chunk` computes them chunk by chunk."""
+    n, v = z.shape
+    acc = z.dtype
+    has_target = probs is None
+    empty_v = statically_known_true(v == 0)
+    lse = z.new_full((n,), float("-inf")) if empty_v else torch.logsumexp(z, 1)
+    if need_ws:
+        w = _ce._weights_rows(class_weight, probs, 0, n, acc)
+        ws = (z * w).sum(1) if w is not None else z.sum(1)
+    else:
+        ws = z.new_zeros((0,))
+    if has_target:
+        valid = target != ignore_index
+        inrange = (target >= 0) & (target < v)
+        idx = torch.where(inrange, target, 0).unsqueeze(1)
+        tl = z.new_zeros((n,)) if empty_v else z.gather(1, idx).squeeze(1)
+        tl = torch.where(valid, torch.where(inrange, tl, float("nan")), 0.0)
+        if empty_v:
+            om = z.new_zeros((n,))
+        else:
+            others = z.scatter(1, idx, float("-inf"))      # the target knocked out
+            om = torch.exp(others - lse.unsqueeze(1)).sum(1)
+        om = torch.where(valid & inrange, om, 0.0)
+    else:
+        tl = z.new_zeros((n,))
+        om = z.new_zeros((n,))
+    return lse, tl, om, ws
+
+
+def _transformed(x, scale, softcap):
+    """``softcap * tanh(scale * x / softcap)`` or ``scale * x`` (out of place)."""
+    if softcap is not None:
+        return torch.tanh(x * (scale / softcap)) * softcap
+    return x * scale if scale != 1.0 else x
+
+
+def ce_stats_ref(logits, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum,
+                 chunk_bytes):
+    """``smx::ce_stats``: ``(lse, target_logit, other_mass, weighted_sum or empty)``, each (N,) fp32 (fp64)."""
+    acc = _ce._acc_dtype(logits)
+    z = _transformed(logits.to(acc), scale, softcap)
+    return _row_stats(z, target, probs, class_weight, ignore_index, need_weighted_sum)
+
+
+def linear_ce_stats_ref(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap,
+                        need_weighted_sum, return_logits, logits_dtype, chunk_bytes):
+    """``smx::linear_ce_stats``: :func:`ce_stats_ref` of ``input @ weight.T + bias`` (matmul in the input
+    dtype, as ``F.linear``), plus the transformed logits in ``logits_dtype`` when ``return_logits``."""
+    acc = _ce._acc_dtype(input)
+    x = torch.nn.functional.linear(input, weight, bias)
+    z = _transformed(x.to(acc), scale, softcap)
+    if return_logits:
+        logits = z.to(logits_dtype or input.dtype)
+        if logits.dtype != acc:
+            z = logits.to(acc)      # the loss sees the logits the caller sees, as the op does
+    else:
+        logits = input.new_zeros((0,))
+    lse, tl, om, ws = _row_stats(z, target, probs, class_weight, ignore_index, need_weighted_sum)
+    return lse, tl, om, ws, logits
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
+    """``{torch.ops.smx.<op>.default: reference function}`` for every forward op an inference graph holds."""
+    smx = torch.ops.smx
+    return {
+        smx.softmax.default: softmax_ref,
+        smx.log_softmax.default: log_softmax_ref,
+        smx.softmax_topk.default: softmax_topk_ref,
+        smx.quant_softmax.default: quant_softmax_ref,
+        smx.attention.default: attention_ref,
+        smx.ce_stats.default: ce_stats_ref,
+        smx.linear_ce_stats.default: linear_ce_stats_ref,
+    }
+

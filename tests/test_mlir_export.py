@@ -1,0 +1,361 @@
+"""smxcompile.export_mlir: the rewritten graph through torch-mlir (torch / linalg-on-tensors / stablehlo), with
+smxcompile's ops decomposed to their reference ATen forms or kept as ``torch.operator``; linalg-on-tensors
+modules run on the LLVM JIT and compared with eager PyTorch."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("torch_mlir", reason="torch-mlir not installed: pip install smxcompile[mlir]")
+
+import smxcompile  # noqa: E402
+from smxcompile import MlirExportError, export_mlir  # noqa: E402
+from smxcompile.backends.mlir_run import LinalgModule  # noqa: E402
+from smxcompile.kernels import decompositions as D  # noqa: E402
+
+TYPES = ["torch", "linalg-on-tensors", "stablehlo"]
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x):
+        z = self.lin(x)
+        return torch.softmax(z / 2.0, dim=-1), F.log_softmax(z, dim=0)
+
+
+class Router(nn.Module):
+    def __init__(self, renormalize: bool):
+        super().__init__()
+        self.renormalize = renormalize
+
+    def forward(self, x):
+        w, i = torch.topk(torch.softmax(x, dim=-1), 3, dim=-1)
+        return (w / w.sum(-1, keepdim=True) if self.renormalize else w), i
+
+
+class Attn(nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+
+def _no_smx_left(out):
+    assert out.decomposed and not out.custom_ops, out.custom_ops
+    assert not any(k.startswith("torch.operator") for k in out.ops), out.ops
+    assert "smx" not in out.text
+
+
+def _dialect_only(out):
+    """linalg-on-tensors / stablehlo: no torch dialect op is left."""
+    assert not any(k.startswith("torch.") for k in out.ops), out.ops
+
+
+def _run(out, *tensors):
+    return [torch.from_numpy(a) for a in LinalgModule(out.text).run(*[t.numpy() for t in tensors])]
+
+
+# --------------------------------------------------------------------------- softmax, log_softmax, top-k
+
+
+@pytest.mark.parametrize("output_type", TYPES)
+def test_softmax_and_log_softmax(output_type, tmp_path):
+    torch.manual_seed(0)
+    m, x = Heads().eval(), torch.randn(4, 8)
+    out = export_mlir(m, (x,), output_type=output_type, path=tmp_path / "heads.mlir")
+    assert out.report.summary() == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}, str(out.report)
+    assert out.output_type == output_type and out.path.read_text() == out.text
+    _no_smx_left(out)
+    if output_type == "torch":
+        assert out.checked == "verified" and out.ops.get("torch.aten.exp", 0) >= 2, out.ops
+    elif output_type == "linalg-on-tensors":
+        _dialect_only(out)
+        assert out.checked == "run" and out.max_abs_diff < 1e-5, (out.checked, out.max_abs_diff)
+        assert out.ops["math.exp"] >= 2 and "linalg.generic" in out.ops
+        x2 = torch.randn(4, 8)                      # the module on its own, against the eager model
+        with torch.no_grad():
+            ref = m(x2)
+        for got, r in zip(_run(out, x2), ref):
+            torch.testing.assert_close(got, r, rtol=1e-5, atol=1e-6)
+    else:
+        _dialect_only(out)
+        assert out.checked == "verified" and out.ops["stablehlo.exponential"] >= 2, out.ops
+
+
+@pytest.mark.parametrize("output_type,renormalize", [("linalg-on-tensors", False), ("linalg-on-tensors", True),
+                                                     ("stablehlo", False), ("torch", True)])
+def test_softmax_topk(output_type, renormalize):
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    out = export_mlir(Router(renormalize), (x,), output_type=output_type)
+    assert out.report.count(kind="softmax_topk", action="rewritten") == 1, str(out.report)
+    _no_smx_left(out)
+    if output_type == "linalg-on-tensors":
+        assert out.checked == "run" and out.max_abs_diff < 1e-6
+        v, i = _run(out, x)
+        ev, ei = Router(renormalize)(x)
+        torch.testing.assert_close(v, ev, rtol=1e-5, atol=1e-7)
+        assert torch.equal(i, ei)
+
+
+def test_cross_entropy_statistics_decompose():
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 12)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.lin(x), y, label_smoothing=0.1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 8), torch.randint(0, 12, (5,))
+    y[2] = -100
+    out = export_mlir(Loss().eval(), (x, y), output_type="linalg-on-tensors")
+    assert out.report.count(kind="linear_cross_entropy", action="rewritten") == 1, str(out.report)
+    _no_smx_left(out)
+    assert out.checked == "run" and out.max_abs_diff < 1e-5
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("output_type", TYPES)
+def test_gpt2_attention(gpt2, output_type):
+    model, ids = gpt2
+    out = export_mlir(model, (), kwargs={"input_ids": ids}, output_type=output_type)
+    assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
+    _no_smx_left(out)
+    if output_type == "torch":
+        # softmax attention is torch's fused SDPA op, kept whole
+        assert out.ops.get("torch.aten.scaled_dot_product_attention") == 2, out.ops
+    elif output_type == "linalg-on-tensors":
+        _dialect_only(out)
+        assert out.ops.get("tm_tensor.attention") == 2, out.ops      # still one fused op per layer
+        assert out.checked == "run" and out.max_abs_diff < 1e-4
+        ids2 = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+        (got,) = _run(out, ids2)
+        torch.testing.assert_close(got, _logits(model, ids2), rtol=1e-4, atol=1e-4)
+    else:
+        _dialect_only(out)                                           # materialized: dot_general + softmax
+        assert out.ops.get("stablehlo.dot_general", 0) >= 4, out.ops
+
+
+def test_attention_normalizer_op_decomposes_with_dynamic_lengths():
+    """smx::attention (a variant normalizer) becomes its reference form; dynamic L and S stay dynamic."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    opts = {"cpu": "rewrite", "attention_normalizer": "ssmax"}
+    more = (torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 11, 16, generator=g),
+            torch.randn(1, 2, 11, 16, generator=g))
+    out = export_mlir(Attn(), (q, k, v), output_type="linalg-on-tensors", options=opts,
+                      dynamic_shapes={"q": {2: "L"}, "k": {2: "S"}, "v": {2: "S"}}, check_inputs=[(more, {})])
+    assert out.report.count(kind="attention", action="rewritten") == 1, str(out.report)
+    _no_smx_left(out)
+    assert "tensor<1x2x?x16xf32>" in out.text                       # symbolic, not 8
+    assert out.checked == "run" and out.max_abs_diff < 1e-5
+    kept = export_mlir(Attn(), (q, k, v), output_type="torch", options=opts, decompose=False)
+    assert kept.custom_ops == {"torch.smx.attention": 1}, kept.custom_ops
+
+
+@pytest.mark.parametrize("normalizer", sorted(set(smxcompile.NORMALIZERS) - {"softmax"}))
+def test_every_attention_normalizer_lowers_and_runs(normalizer):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    out = export_mlir(Attn(), (q, k, v), output_type="linalg-on-tensors",
+                      options={"cpu": "rewrite", "attention_normalizer": normalizer})
+    assert out.report.count(kind="attention", action="rewritten") == 1, str(out.report)
+    _no_smx_left(out)
+    assert out.checked == "run" and out.max_abs_diff < 1e-5
+
+
+def test_quantized_softmax_model(gpt2):
+    model, ids = gpt2
+    q = smxcompile.quantize_softmax(model, [{"input_ids": ids}], bits=8, progress=False)
+    out = export_mlir(q, (), kwargs={"input_ids": ids}, output_type="linalg-on-tensors")
+    assert out.report.count(kind="quant_softmax", action="rewritten") == 2, str(out.report)
+    _no_smx_left(out)
+    assert out.checked == "run" and out.max_abs_diff < 1e-4
+    assert any("fptoui" in k or "roundeven" in k for k in out.ops), out.ops     # codes are computed in the module
+    (got,) = _run(out, ids)
+    torch.testing.assert_close(got, _logits(q, ids), rtol=1e-4, atol=1e-4)
+    shlo = export_mlir(q, (), kwargs={"input_ids": ids}, output_type="stablehlo")
+    _dialect_only(shlo)
+    kept = export_mlir(q, (), kwargs={"input_ids": ids}, output_type="torch", decompose=False)
+    assert kept.custom_ops == {"torch.smx.quant_softmax": 2}, kept.custom_ops
+
+
+def test_swapped_ssmax_model(gpt2):
+    model, ids = gpt2
+    sw = smxcompile.swap(model, "ssmax", example_inputs={"input_ids": ids})
+    with torch.no_grad():
+        for n, p in sw.named_parameters():
+            if n.startswith("smx_swap."):
+                p.mul_(1.5)                                        # trained values must reach the module
+    out = export_mlir(sw, (), kwargs={"input_ids": ids}, output_type="linalg-on-tensors")
+    assert out.report.count(kind="attention", action="swapped") == 2, str(out.report)
+    _no_smx_left(out)
+    assert out.checked == "run" and out.max_abs_diff < 1e-4
+    (got,) = _run(out, ids)
+    torch.testing.assert_close(got, _logits(sw, ids), rtol=1e-4, atol=1e-4)
+    _dialect_only(export_mlir(sw, (), kwargs={"input_ids": ids}, output_type="stablehlo"))
+
+
+# --------------------------------------------------------------------------- kept ops and errors
+
+
+def test_decompose_false_keeps_smx_ops_in_the_torch_dialect():
+    m, x = Heads().eval(), torch.randn(4, 8)
+    out = export_mlir(m, (x,), output_type="torch", decompose=False)
+    assert not out.decomposed and out.checked == "verified"
+    assert out.custom_ops == {"torch.smx.softmax": 1, "torch.smx.log_softmax": 1}, out.custom_ops
+    assert 'torch.operator "torch.smx.softmax"' in out.text
+    assert "torch.aten.mm" in out.ops or "torch.aten.linear" in out.ops    # the rest is backend-contract torch
+    for other in ("linalg-on-tensors", "stablehlo"):
+        with pytest.raises(ValueError, match="decompose=False .* cannot lower"):
+            export_mlir(m, (x,), output_type=other, decompose=False)
+
+
+def test_bad_output_type_and_missing_torch_mlir(monkeypatch):
+    m, x = Heads().eval(), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="output_type must be one of"):
+        export_mlir(m, (x,), output_type="tosa-ish")
+    monkeypatch.setitem(sys.modules, "torch_mlir", None)
+    with pytest.raises(ImportError, match=r"pip install smxcompile\[mlir\]"):
+        export_mlir(m, (x,))
+
+
+def test_an_op_that_does_not_lower_is_named():
+    class Erfinv(nn.Module):
+        def forward(self, x):
+            return torch.softmax(torch.erfinv(x.tanh()), -1)
+
+    with pytest.raises(MlirExportError, match=r"torch\.aten\.erfinv to linalg-on-tensors"):
+        export_mlir(Erfinv(), (torch.randn(3, 5),), output_type="linalg-on-tensors")
+
+
+def test_an_smx_op_without_reference_form_is_named(monkeypatch):
+    table = D.decomposition_table()
+    del table[torch.ops.smx.log_softmax.default]
+    monkeypatch.setattr(D, "decomposition_table", lambda: table)
+    with pytest.raises(MlirExportError, match=r"smx::log_softmax .* no reference ATen form.*'log_softmax'"):
+        export_mlir(Heads().eval(), (torch.randn(4, 8),), output_type="linalg-on-tensors")
+
+
+def test_the_run_catches_a_wrong_reference_form(monkeypatch):
+    real = D.decomposition_table
+
+    def wrong():
+        table = real()
+        table[torch.ops.smx.softmax.default] = lambda x, dim, *a, **k: (torch.softmax(x, 0), x.new_zeros((0,)))
+        return table
+
+    monkeypatch.setattr(D, "decomposition_table", wrong)
+    with pytest.raises(MlirExportError, match="output 0: the linalg-on-tensors module differs from eager"):
+        export_mlir(Heads().eval(), (torch.randn(4, 8),), output_type="linalg-on-tensors")
+
+
+def test_a_graph_break_is_a_clear_error():
+    class Breaks(nn.Module):
+        def forward(self, x):
+            y = torch.softmax(x, -1)
+            if y.sum().item() > 0:
+                y = y * 2
+            return y
+
+    with pytest.raises(MlirExportError, match="does not trace as one graph"):
+        export_mlir(Breaks(), (torch.randn(2, 3),))
+
+
+def test_exported_name_is_public():
+    assert smxcompile.export_mlir is export_mlir and "export_mlir" in smxcompile.__all__
+
+
+# --------------------------------------------------------------------------- the reference forms themselves
+
+
+def _same(a, b):
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+        if x.numel() and x.dtype.is_floating_point:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_reference_forms_match_the_ops():
+    smx = torch.ops.smx
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, generator=g)
+    mask = torch.zeros(3, 7)
+    mask[0, 2] = float("-inf")
+    for a in [(x, -1), (x, 0, 0.5), (x, 1, 2.0, 3.0, mask, torch.float64, True),
+              (x.half(), -1, 0.3, None, None, None, True)]:
+        _same(smx.softmax(*a), D.softmax_ref(*a))
+        _same(smx.log_softmax(*a), D.log_softmax_ref(*a))
+    for k, dim, ren in itertools.product([0, 1, 3], [0, -1], [False, True]):
+        v, i, lg = smx.softmax_topk(x, k, dim, 0.5, ren, None)
+        rv, ri, rlg = D.softmax_topk_ref(x, k, dim, 0.5, ren, None)
+        _same((v, lg), (rv, rlg))
+        assert torch.equal(i, ri)
+    for a in [(x, -1, 1.0, 1 / 255, 0, 0, 255, torch.uint8), (x, 0, 0.5, 1 / 15, -8, -8, 7, torch.int8)]:
+        assert torch.equal(smx.quant_softmax(*a), D.quant_softmax_ref(*a))
+    n, vocab = 6, 11
+    logits, tgt = torch.randn(n, vocab, generator=g), torch.randint(0, vocab, (n,), generator=g)
+    tgt[1] = -100
+    cw = torch.rand(vocab, generator=g)
+    for a in [(logits, tgt, None, None, -100, 1.0, None, False, 0), (logits, tgt, None, cw, -100, 0.5, 30.0, True, 0)]:
+        _same(smx.ce_stats(*a), D.ce_stats_ref(*a))
+    h, w, b = torch.randn(n, 5, generator=g), torch.randn(vocab, 5, generator=g), torch.randn(vocab, generator=g)
+    a = (h, w, b, tgt, None, cw, -100, 0.5, 30.0, True, True, torch.float16, 0)
+    _same(smx.linear_ce_stats(*a), D.linear_ce_stats_ref(*a))
+
+
+@pytest.mark.parametrize("normalizer", sorted(smxcompile.NORMALIZERS))
+def test_attention_reference_form_matches_the_op(normalizer):
+    attn = importlib.import_module("smxcompile.kernels.attention")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g),
+               torch.randn(2, 2, 6, 3, generator=g))
+    keep = torch.rand(2, 1, 5, 6, generator=g) > 0.3
+    calls = []
+    real = attn._attention_op
+
+    def spy(*a):
+        calls.append(a)
+        return real(*a)
+
+    attn._attention_op = spy
+    try:
+        masks = [(None, False), (keep, False), (torch.where(keep, 0.0, float("-inf")), False), (None, True)]
+        for mask, causal in masks:
+            attn.attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True, softcap=30.0,
+                           normalizer=normalizer)
+    finally:
+        attn._attention_op = real
+    assert len(calls) == 4
+    for a in calls:
+        _same(real(*a), D.attention_ref(*a))
