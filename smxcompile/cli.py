@@ -33,7 +33,7 @@ examples:
                                     fusions) as ONNX, checked in onnxruntime
 """
 
-EXPORT_DESCRIPTION = """Export a causal language model checkpoint to ONNX as smxcompile rewrites it (smxcompile.export_onnx):
+EXPORT_DESCRIPTION = """Export a causal language model checkpoint to ONNX (or MLIR) as smxcompile rewrites it (smxcompile.export_onnx):
 the rewritten graph, not the original one, so the file keeps the fusions, the swapped variants of a
 `smx swap` output and the corrected quantized softmax. Batch and sequence length stay dynamic. The
 file is checked before this returns: onnx.checker, and onnxruntime against eager PyTorch on random
@@ -43,7 +43,10 @@ before/after and both onnxruntime CPU latencies side by side.
 
 Targets: onnxruntime (default; fused attention as the ONNX Attention op or onnxruntime's
 com.microsoft MultiHeadAttention, whichever the installed onnxruntime runs fastest and exactly) or
-portable (standard ONNX ops only, attention as MatMul / Softmax / MatMul, for other runtimes)."""
+portable (standard ONNX ops only, attention as MatMul / Softmax / MatMul, for other runtimes).
+
+--format mlir writes torch-mlir's torch, linalg-on-tensors or stablehlo dialect instead
+(smxcompile.export_mlir), the sequence length dynamic, the smx ops in their reference ATen form."""
 
 EXPORT_EPILOG = """examples:
   smx export smx-demo-out --out demo.onnx
@@ -51,6 +54,8 @@ EXPORT_EPILOG = """examples:
   smx export runs/ssmax --out ssmax.onnx --batch 4 --seq-len 64
   smx export smx-demo-out --out portable.onnx --target portable --opset 18
   smx export smx-demo-out --out plain.onnx --rewrites none   the model as written, through the same checks
+  smx export smx-demo-out --format mlir --out demo.mlir      linalg-on-tensors, run on MLIR's JIT as a check
+  smx export smx-demo-out --format mlir --output-type torch --keep-ops --out demo.torch.mlir
 """
 
 
@@ -71,6 +76,13 @@ def _export_cmd(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--rewrites: unknown kind(s) {bad}; known: {', '.join(smxcompile.REWRITE_KINDS)}, "
                              "or all / none")
+        onnx_only = [f for f, v in (("--target", args.target != "onnxruntime"), ("--opset", args.opset is not None),
+                                    ("--attention-op", args.attention_op is not None), ("--compare", args.compare))
+                     if v]
+        if args.format == "mlir" and onnx_only:
+            raise ValueError(f"{', '.join(onnx_only)}: ONNX options; --format mlir takes --output-type / --keep-ops")
+        if args.format == "onnx" and (args.output_type or args.keep_ops):
+            raise ValueError("--output-type / --keep-ops are MLIR options: add --format mlir")
         model = tune.load_lm(ck, "cpu")
     except (OSError, ValueError, KeyError) as e:
         print(f"smx export: {e}", file=sys.stderr)
@@ -85,6 +97,8 @@ def _export_cmd(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     batch = max(args.batch, 2)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    if args.format == "mlir":
+        return _export_mlir(args, model, ids, vocab, options, rewrites)
     ids2 = torch.randint(0, vocab, (batch + 1, max(2, seq // 2 + 1)), generator=g)
     try:
         out = smxcompile.export_onnx(model, (), args.out, kwargs={"input_ids": ids}, options=options,
@@ -97,6 +111,43 @@ def _export_cmd(args: argparse.Namespace) -> int:
         return 1
     print(out)
     print(f"checked in onnxruntime against eager PyTorch on shapes {tuple(ids.shape)} and {tuple(ids2.shape)}")
+    return 0
+
+
+def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewrites) -> int:
+    """``smx export --format mlir``: the sequence dim dynamic (batch static: torch-mlir's linalg lowering
+    miscompiles GPT-2 with both dynamic), checked on a second length."""
+    import torch
+
+    import smxcompile
+    from smxcompile.backends.onnx import _export_options
+
+    output_type = args.output_type or "linalg-on-tensors"
+    if args.keep_ops and output_type != "torch":
+        print("smx export: --keep-ops keeps the smx ops as torch.operator, which only the torch dialect holds: "
+              "add --output-type torch", file=sys.stderr)
+        return 2
+    ids2 = torch.randint(0, vocab, (ids.shape[0], max(2, ids.shape[1] // 2 + 1)), generator=torch.Generator().manual_seed(1))
+    try:
+        out = smxcompile.export_mlir(model, (), kwargs={"input_ids": ids}, output_type=output_type,
+                                     options=_export_options(options, rewrites), decompose=not args.keep_ops,
+                                     dynamic_shapes={"input_ids": {1: "sequence"}}, path=args.out,
+                                     check_inputs=[((), {"input_ids": ids2})])
+    except ImportError as e:
+        print(f"smx export: {e}", file=sys.stderr)
+        return 2
+    except (smxcompile.MlirExportError, smxcompile.OnnxExportError) as e:
+        print(f"smx export: {e}", file=sys.stderr)
+        return 1
+    print(out.report)
+    top = sorted(out.ops.items(), key=lambda kv: -kv[1])[:12]
+    print(f"wrote {args.out} ({output_type}{', smx ops kept' if args.keep_ops else ''}): "
+          + ", ".join(f"{k} {v}" for k, v in top))
+    if out.checked == "run":
+        print(f"run on MLIR's LLVM JIT against eager PyTorch on shapes {tuple(ids.shape)} and {tuple(ids2.shape)}: "
+              f"max |diff| {out.max_abs_diff:.3g}")
+    else:
+        print(f"parsed and verified ({output_type} modules are not run here)")
     return 0
 
 
@@ -666,8 +717,15 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     x.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="checkpoint folder (config.json + weights) or an `smx demo --out` / `smx swap --out` folder")
-    x.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: onnx)")
-    x.add_argument("--out", required=True, type=Path, metavar="FILE", help="the .onnx file to write")
+    x.add_argument("--format", choices=("onnx", "mlir"), default="onnx",
+                   help="onnx (checked in onnxruntime) or mlir (torch-mlir; pip install smxcompile[mlir]) "
+                   "(default: onnx)")
+    x.add_argument("--out", required=True, type=Path, metavar="FILE", help="the .onnx / .mlir file to write")
+    x.add_argument("--output-type", choices=("torch", "linalg-on-tensors", "stablehlo"), default=None,
+                   help="--format mlir: the MLIR dialect (default: linalg-on-tensors, run on MLIR's JIT as a check)")
+    x.add_argument("--keep-ops", action="store_true",
+                   help="--format mlir --output-type torch: keep the smx ops as torch.operator for a compiler "
+                   "with its own lowering (default: their reference ATen form)")
     x.add_argument("--target", choices=("onnxruntime", "portable"), default="onnxruntime",
                    help="onnxruntime: its fastest exact ops, com.microsoft ones included; portable: standard ONNX "
                    "ops only (default: onnxruntime)")

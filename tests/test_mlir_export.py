@@ -359,3 +359,28 @@ def test_attention_reference_form_matches_the_op(normalizer):
     assert len(calls) == 4
     for a in calls:
         _same(real(*a), D.attention_ref(*a))
+
+
+def test_smx_export_cli_mlir(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from conftest import build_tiny_lm_checkpoint
+
+    from smxcompile import cli
+
+    run = build_tiny_lm_checkpoint(tmp_path / "run")
+    out = tmp_path / "demo.mlir"
+    assert cli.main(["export", str(run), "--format", "mlir", "--out", str(out), "--seq-len", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention" in printed and "run on MLIR's LLVM JIT" in printed, printed
+    assert "torch.operator" not in out.read_text() and "linalg" in out.read_text()
+    kept = tmp_path / "kept.mlir"
+    assert cli.main(["export", str(run), "--format", "mlir", "--output-type", "torch", "--keep-ops", "--out", str(kept),
+                     "--seq-len", "16", "--options", '{"attention_normalizer": "softpick"}']) == 0
+    assert 'torch.operator "torch.smx.attention"' in kept.read_text()
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--format", "mlir", "--keep-ops", "--out", str(kept)]) == 2
+    assert "add --output-type torch" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "--format", "mlir", "--compare", "--out", str(kept)]) == 2
+    assert "--compare: ONNX options" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "--output-type", "torch", "--out", str(kept)]) == 2
+    assert "add --format mlir" in capsys.readouterr().err
