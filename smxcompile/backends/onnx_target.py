@@ -3,10 +3,12 @@
 ``smxcompile.export_onnx(..., target=...)`` resolves its ``target`` / ``opset`` / ``attention_op``
 arguments into an :class:`OnnxTarget`, which every translation module receives:
 
-- ``"onnxruntime"`` (default): the installed onnxruntime's best ops. Fused attention sites become the
-  ONNX ``Attention`` op (opset 23; causal, grouped-query heads, soft-capping and masks as attributes /
-  inputs) when onnxruntime has a kernel for it, else com.microsoft ``MultiHeadAttention``; the opset is
-  23 when onnxruntime loads it, else the exporter's default.
+- ``"onnxruntime"`` (default): the installed onnxruntime's fastest exact ops. Fused attention sites become
+  the ONNX ``Attention`` op (opset 23; causal, grouped-query heads, soft-capping and masks as attributes /
+  inputs, with fix-ups where onnxruntime's semantics differ from torch's: :mod:`.onnx_attention`) when
+  onnxruntime has a kernel for it (the opset is then 23), else the MatMul / Softmax / MatMul
+  decomposition at the exporter's default opset. com.microsoft ``MultiHeadAttention`` is exact too but
+  was measured 13-22% slower at 128 tokens (``attention_op="MultiHeadAttention"`` asks for it).
 - ``"portable"``: standard ONNX ops only (no ``com.microsoft`` domain), attention as a
   MatMul / Softmax / MatMul decomposition, at the exporter's default opset (18) or the one asked for;
   for runtimes other than onnxruntime.
@@ -131,13 +133,17 @@ def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op:
                               "use target='portable' to export for another runtime")
     has_attention = ort_loads("Attention", ATTENTION_OPSET, n_inputs=3)
     if opset is None:
-        # TODO(attention translations): ATTENTION_OPSET once Attention / MultiHeadAttention are translated
-        # with torch's semantics (fully masked rows); until then the exporter's default and the decomposition
-        opset = DEFAULT_OPSET
+        # the Attention op's opset when onnxruntime has its kernel: backends/onnx_attention.py writes Attention /
+        # MultiHeadAttention with torch's semantics (fully masked rows, finfo.min masks, NaN), else the default
+        opset = ATTENTION_OPSET if has_attention else DEFAULT_OPSET
     elif not ort_loads("Softmax", opset):
         raise OnnxTargetError(f"onnxruntime {version} does not load opset {opset} models; ask for a lower opset")
     if attention_op is None:
-        attention_op = "decompose"
+        # the fastest exact form on onnxruntime 1.32 CPU (1 thread; B=4, H=8, E=64 blocks at L 128 / 512 / 1024,
+        # causal and padded, and GPT-2 / Llama / BERT at 512 tokens; quiet machine): Attention-23 2-8% faster than the
+        # decomposition on each; MultiHeadAttention within 5% of it at L >= 512 but 13-22% slower at L = 128 (its
+        # Transposes) and probed on 1.32 only, so without the Attention kernel: the decomposition
+        attention_op = "Attention" if opset >= ATTENTION_OPSET and has_attention else "decompose"
     if attention_op == "Attention" and (opset < ATTENTION_OPSET or not has_attention):
         raise OnnxTargetError(f"attention_op='Attention' needs opset >= {ATTENTION_OPSET} and an onnxruntime with "
                               f"its kernel (opset {opset}, onnxruntime {version})")

@@ -1,0 +1,634 @@
+"""ONNX translations of attention: ``aten.scaled_dot_product_attention`` (what softmax-normalizer sites become)
+and ``smx::attention`` (every other normalizer, and soft-capping), per :attr:`OnnxTarget.attention`.
+
+Each translation module of :mod:`smxcompile.backends.onnx` has the same two functions (see
+:mod:`.onnx_softmax`): ``translations(target) -> {OpOverload: onnxscript function}`` and
+``refuse(name, args, node) -> str | None``.
+
+The semantics kept: ``F.scaled_dot_product_attention`` as torch defines it (its MATH backend,
+``torch.nn.attention.SDPBackend.MATH``; the default CPU kernels agree except on NaN), for query
+(..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev): ``s = q k^T * scale`` (default
+``1/sqrt(E)``), plus the mask (bool: ``False`` -> ``-inf``, added; float: added), plus ``-inf`` above the
+top-left diagonal under ``is_causal`` (mask and ``is_causal`` together both apply), ``w = softmax(s)`` with a
+row whose every entry is ``-inf`` giving ``w = 0``, ``out = w @ v`` -> (..., Hq, L, Ev) in q's dtype. NaN
+propagates as that arithmetic has it: NaN in ``q_i`` makes row i NaN, NaN in any key of a kv head every row of
+its query heads, NaN in ``v_j[e]`` column e, masked key or not. ``smx::attention`` keeps the op's own
+definition (:func:`smxcompile.kernels.attention.attention_reference`; below).
+
+``aten.scaled_dot_product_attention.default`` by ``target.attention`` (onnxruntime 1.32's CPU kernels
+probed against torch for bool / float masks, ``finfo.min`` and ``-inf``, causal with and without padding,
+L < S and L > S, grouped-query heads, fully masked rows, NaN inputs; tests/test_onnx_attention.py pins the
+differences found):
+
+- ``"Attention"``: the ONNX ``Attention`` op (opset 23, https://onnx.ai/onnx/operators/onnx__Attention.html),
+  4-D inputs, grouped-query heads as the op's own (Hq a multiple of Hkv), the mask as ``attn_mask`` and
+  ``is_causal`` as the attribute (top-left without a KV cache, as torch). onnxruntime's differences, and the
+  fix-ups:
+
+  * a float mask entry equal to the dtype's lowest finite value (``torch.finfo(dtype).min``, what
+    transformers masks with) is taken for a masked key, so a row whose keys are all at ``finfo.min`` (left
+    padding under a causal mask) gives 0 where torch averages V. Fix: those entries become the next float up,
+    ``nextafter(finfo.min, 0)``, which onnxruntime treats as a score: ``s + m`` rounds to ``m`` for any
+    ``|s| < 1e31``, so the weights are torch's exactly (only a mask holding both ``finfo.min`` and that
+    neighbour changes meaning). One ``Equal`` + ``Where`` on the mask, shared by the layers.
+  * the mask needs the query length at dim -2 and the key length at dim -1 (no broadcasting there: a
+    (B, 1, 1, S) padding mask fails at run time): such masks are ``Expand``-ed to (..., L, S).
+  * a fully masked row (bool all False, or all ``-inf``) gives 0 even when ``q_i`` or the keys hold NaN
+    (torch: NaN). Fix, with a mask: ``out + P``, ``P = sum_e(q_i[e] * 0) + sum_{j,e}(k_j[e] * 0)`` per row and
+    head (0, or NaN where the row's query or its head's keys hold NaN / inf): it changes nothing else.
+- ``"MultiHeadAttention"``: onnxruntime's com.microsoft ``MultiHeadAttention`` (docs/ContribOperators.md of
+  onnxruntime, https://github.com/microsoft/onnxruntime/blob/main/docs/ContribOperators.md): query as
+  (B, L, Hq*E) (``Transpose`` + ``Reshape``, which onnxruntime cancels against the model's own), key / value
+  as (B, Hq, S, E) ("BNSH", no transpose) when Ev == E, else (B, S, Hq*E); grouped-query K/V expanded to Hq
+  heads; the mask as ``attention_bias`` (B or 1, Hq or 1, L, S) (bool -> 0 / ``-inf``); ``scale``. Its
+  differences, and the fix-ups:
+
+  * ``unidirectional`` is bottom-right aligned (for L < S torch is top-left), and together with an
+    ``attention_bias`` it gets rows whose visible keys are all masked wrong: it is used only without a mask
+    and with L == S (the same static or symbolic size); otherwise the causal triangle is folded into
+    ``attention_bias`` as ``-inf``.
+  * a fully masked row (``attention_bias`` all ``-inf``) gives NaN (torch: 0). Fix: those rows, read off
+    the bias (not the output), become ``sum_j v_j * 0`` (0, or NaN per column where torch's ``0 @ V`` is NaN)
+    plus ``P``.
+- ``"decompose"``: ``MatMul`` / ``Softmax`` / ``MatMul``, standard ops only, at any opset (overriding torch's
+  opset-23 translation, which emits ``Attention``): the scale folded into q, grouped-query heads as a 5-D
+  ``MatMul`` broadcast (K and V never repeated), fp16 computed in fp32, fully masked rows (read off the
+  bias; ``Softmax`` gives NaN there) set as above.
+
+A call a fused op cannot take exactly uses the decomposition whatever the form: not 4-D, fp64 (no fused
+kernel), a broadcast batch dim, a scale <= 0 (onnxruntime refuses it; MultiHeadAttention reads 0 as "the
+default"), a symbolic head count (MultiHeadAttention's ``num_heads``). ``dropout_p > 0`` has no exact form
+(the mask is random) and raises.
+
+``smx::attention`` (``normalizer != "softmax"``, or soft-capping): q (B, Hq, L, E), k / v (B, Hkv, S, E / Ev),
+the op's arguments as :func:`smxcompile.kernels.attention._attention_op` takes them, decomposed op for op from
+the reference functions of :data:`smxcompile.kernels.attention.NORMALIZERS`: masks bool (``keep``) or float
+(added; ``-inf`` masks), masked keys exactly 0 and not counted in n (``n`` from the op's ``n_keys`` input,
+else S or ``min(i + 1, S)`` under ``is_causal``), ``norm_param`` per (B, Hq), soft-capping
+``cap * tanh(s / cap)`` before the mask, grouped-query heads by 5-D broadcast, math in fp32 (fp64 for fp64).
+The normalizers: softmax (Vaswani et al. 2017, "Attention Is All You Need"), softmax1 (Miller 2023,
+"Attention Is Off By One"), sigmoid (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for Sigmoid
+Self-Attention"), relu (Wortsman et al. 2023, "Replacing softmax with ReLU in Vision Transformers"), softpick
+(Zuhri, Fuadi & Aji 2025, "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax"), ssmax
+(Nakanishi 2025, "Scalable-Softmax Is Superior for Attention"), softplus (Gao & Spratling 2025, "Softplus
+Attention with Re-weighting Boosts Length Extrapolation in Large Language Models"), sparsemax (Martins &
+Astudillo 2016, "From Softmax to Sparsemax") and 1.5-entmax (Peters, Niculae & Martins 2019, "Sparse
+Sequence-to-Sequence Models") by their exact sort-based thresholds, the sort a full-length ``TopK`` (ONNX has
+no Sort op) and the prefix sums ``CumSum``. ONNX has no ``expm1`` / ``log1p``: softpick's ``expm1`` and
+softplus's ``log1p`` use Kahan's forms (``expm1(x) = (u - 1) x / log u``, ``u = exp x``;
+``log1p(y) = log(u) y / (u - 1)``, ``u = 1 + y``), accurate to a few ulps where ``exp(x) - 1`` loses every
+digit. The second output (``stats``) is zeros, as on the op's CPU path (only the CUDA backward reads it).
+With ``target.attention == "Attention"`` a softmax site with soft-capping is the ``Attention`` op with its
+``softcap`` attribute (onnxruntime caps before the mask, as the op; the mask fix-ups above apply), except
+that a NaN score at a masked key then gives NaN where ``smx::attention``, which selects masked keys out, does
+not (NaN appears; never a number where the op gives NaN). Refused (:func:`refuse`): ``dropout_p > 0``,
+``skip_threshold`` (the CUDA kernel's approximation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+NEG_INF = float("-inf")
+
+
+class OnnxAttentionError(RuntimeError):
+    """An attention call that has no exact ONNX form (raised while translating)."""
+
+
+# --------------------------------------------------------------------------- shape / dtype helpers
+
+
+def _dims(x) -> list | None:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return list(shape)
+    except TypeError:
+        return None
+
+
+def _rank(x) -> int | None:
+    d = _dims(x)
+    return None if d is None else len(d)
+
+
+def _static(d) -> int | None:
+    return d if isinstance(d, int) else None
+
+
+def _same_dim(a, b) -> bool:
+    """Whether two dims are known equal: the same int, or the same named symbol."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    va, vb = getattr(a, "value", None), getattr(b, "value", None)
+    return va is not None and va == vb and not isinstance(a, int) and not isinstance(b, int)
+
+
+def _dtype_name(x) -> str | None:
+    dt = getattr(x, "dtype", None)
+    return None if dt is None else getattr(dt, "name", str(dt))
+
+
+def _np_dtype(x):
+    return {"FLOAT": np.float32, "FLOAT16": np.float16, "DOUBLE": np.float64}.get(_dtype_name(x))
+
+
+def _mha_schema():
+    """The schema of com.microsoft ``MultiHeadAttention`` (version 1, inputs 0-5 and output 0 of
+    onnxruntime's ContribOperators.md), for onnxscript, which only knows the ai.onnx schemas."""
+    from onnx.defs import OpSchema
+
+    opt = OpSchema.FormalParameterOption.Optional
+    P = OpSchema.FormalParameter
+    return OpSchema(
+        "MultiHeadAttention", "com.microsoft", 1,
+        inputs=[P("query", "T"), P("key", "T", param_option=opt), P("value", "T", param_option=opt),
+                P("bias", "T", param_option=opt), P("key_padding_mask", "M", param_option=opt),
+                P("attention_bias", "T", param_option=opt)],
+        outputs=[P("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], "")],
+        attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+                    OpSchema.Attribute("unidirectional", OpSchema.AttrType.INT, "", required=False),
+                    OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=False),
+                    OpSchema.Attribute("mask_filter_value", OpSchema.AttrType.FLOAT, "", required=False)])
+
+
+def translations(target) -> dict[Any, Any]:
+    import onnx
+    import onnx_ir as ir
+    from onnxscript import opset18 as op
+    from onnxscript.values import Op, Opset
+
+    form = "decompose" if target is None else target.attention
+    mha = Op(Opset("com.microsoft", 1), "MultiHeadAttention", _mha_schema())
+    FLOAT, DOUBLE = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
+
+    # ---------------------------------------------------------------- small builders
+
+    # the math dtype of the translation being built (numpy), for constants whose ``like`` is an intermediate
+    # value (the tracer knows the dtypes of a translation's inputs, not of the values it builds)
+    cur = {"np": None}
+
+    def const(value: float, like):
+        """A 0-d constant of ``like``'s dtype (exact in fp64)."""
+        npd = _np_dtype(like) or cur["np"]
+        if npd is None:
+            return op.CastLike(op.Constant(value_float=value), like)
+        return op.Constant(value=ir.tensor(np.array(value, dtype=npd)))
+
+    def ints(*v: int):
+        return op.Constant(value_ints=list(v))
+
+    def axes_last():
+        return ints(-1)
+
+    def dim(x, i: int):
+        """``x.shape[i]`` as a 1-D int64 tensor of one element."""
+        return op.Shape(x, start=i, end=i + 1 if i != -1 else None)
+
+    def scalar(v1d):
+        return op.Squeeze(v1d, ints(0))
+
+    def acc_of(x):
+        """(cast to the math dtype, the math dtype's TensorProto code): fp32 for fp16, else the input's."""
+        name = _dtype_name(x)
+        if name == "DOUBLE":
+            return x, DOUBLE
+        if name == "FLOAT":
+            return x, FLOAT
+        return op.Cast(x, to=FLOAT), FLOAT
+
+    def causal_keep(L1d, S1d):
+        """Top-left causal mask (L, S) bool: key j allowed iff j <= i."""
+        zero, one = ints(0), ints(1)
+        i = op.Range(scalar(zero), scalar(L1d), scalar(one))
+        j = op.Range(scalar(zero), scalar(S1d), scalar(one))
+        return op.LessOrEqual(op.Unsqueeze(j, ints(0)), op.Unsqueeze(i, ints(1)))
+
+    def zero_poison(x, axes: list[int]):
+        """``sum(x * 0)`` over ``axes`` (keepdims): 0 where x is finite, NaN where it holds NaN or inf."""
+        return op.ReduceSum(op.Mul(x, const(0.0, x)), ints(*axes), keepdims=1)
+
+    def qk_poison(q, k, grouped: bool):
+        """Per (B, Hq, L, 1): 0, or NaN where torch's scores of the row are NaN (the row's query, or any key
+        of its kv head, holds NaN / inf). 4-D q (B, Hq, L, E), k (B, Hkv, S, E)."""
+        pq = zero_poison(q, [-1])
+        pk = zero_poison(k, [-2, -1])               # (B, Hkv, 1, 1)
+        if grouped:
+            g = op.Div(dim(q, 1), dim(k, 1))
+            pk = op.Unsqueeze(pk, ints(2))          # (B, Hkv, 1, 1, 1)
+            pk = op.Expand(pk, op.Concat(ints(1, 1), g, ints(1, 1), axis=0))
+            pk = op.Reshape(pk, ints(0, -1, 1, 1))
+        return op.Add(pq, pk)
+
+    def scores_5d(q, k, v):
+        """Grouped-query views: q (B, Hkv, g, L, E), k (B, Hkv, 1, S, E), v (B, Hkv, 1, S, Ev)."""
+        shape5 = op.Concat(dim(q, 0), dim(k, 1), op.Div(dim(q, 1), dim(k, 1)), dim(q, 2), dim(q, 3), axis=0)
+        return op.Reshape(q, shape5), op.Unsqueeze(k, ints(2)), op.Unsqueeze(v, ints(2))
+
+    def qk_matmul(q, k, v, grouped: bool, rank: int):
+        """``q @ k^T`` in the layout of q's heads: (..., Hq, L, S); and how to apply ``w @ v``."""
+        if grouped:
+            q5, k5, v5 = scores_5d(q, k, v)
+            s5 = op.MatMul(q5, op.Transpose(k5, perm=[0, 1, 2, 4, 3]))
+            s = op.Reshape(s5, op.Concat(dim(q, 0), dim(q, 1), dim(q, 2), dim(k, 2), axis=0))
+
+            def pv(w):
+                w5 = op.Reshape(w, op.Concat(dim(q, 0), dim(k, 1), ints(-1), dim(q, 2), dim(k, 2), axis=0))
+                o5 = op.MatMul(w5, v5)
+                return op.Reshape(o5, op.Concat(dim(q, 0), dim(q, 1), dim(q, 2), dim(v, 3), axis=0))
+
+            return s, pv
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+        s = op.MatMul(q, op.Transpose(k, perm=perm))
+        return s, (lambda w: op.MatMul(w, v))
+
+    def default_scale(q) -> Any:
+        E = _static(_dims(q)[-1])
+        if E is not None:
+            return 1.0 / math.sqrt(E) if E else 1.0
+        return None
+
+    def scale_value(query, scale):
+        """The scale as a 0-d tensor of the math dtype (``cur``); ``query`` the translation's input."""
+        if scale is None:
+            scale = default_scale(query)
+        if scale is not None:
+            return op.Constant(value=ir.tensor(np.array(float(scale), dtype=cur["np"])))
+        e = op.Cast(dim(query, -1), to=DOUBLE if cur["np"] is np.float64 else FLOAT)
+        return op.Reciprocal(op.Sqrt(e))
+
+    def fully_masked_fixup(out, flag, v, q, k, grouped_v: bool):
+        """Rows with ``flag`` (B?, H?, L, 1) set to torch's value there: ``0 @ V`` (0, or NaN per column where V
+        holds NaN / inf), plus the NaN of their scores (``qk_poison``)."""
+        vv = v
+        if grouped_v:
+            g = op.Div(dim(q, 1), dim(v, 1))
+            vv = op.Reshape(op.Expand(op.Unsqueeze(v, ints(2)),
+                                      op.Concat(ints(1, 1), g, ints(1, 1), axis=0)),
+                            op.Concat(dim(v, 0), ints(-1), dim(v, 2), dim(v, 3), axis=0))
+        fill = zero_poison(vv, [-2])                # (B, Hq, 1, Ev)
+        return op.Add(op.Where(flag, fill, out), qk_poison(q, k, grouped_v))
+
+    # ---------------------------------------------------------------- SDPA: the three forms
+
+    def sdpa_bias(mask, like, L1d, S1d, is_causal: bool):
+        """The additive bias (bool -> 0 / -inf) with the causal triangle folded in, or None."""
+        bias = None
+        if mask is not None:
+            if _dtype_name(mask) == "BOOL":
+                bias = op.Where(mask, const(0.0, like), const(NEG_INF, like))
+            else:
+                bias = op.CastLike(mask, like)
+        if is_causal:
+            tri = op.Where(causal_keep(L1d, S1d), const(0.0, like), const(NEG_INF, like))
+            bias = tri if bias is None else op.Add(bias, tri)
+        return bias
+
+    def sdpa_decompose(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+        rank = _rank(query)
+        if rank is None:
+            raise OnnxAttentionError("scaled_dot_product_attention: the query's rank is unknown")
+        q, acc = acc_of(query)
+        cur["np"] = np.float64 if acc == DOUBLE else np.float32
+        k, v = op.Cast(key, to=acc), op.Cast(value, to=acc)
+        grouped = bool(enable_gqa) and not _same_dim(_dims(query)[-3], _dims(key)[-3])
+        if grouped and rank != 4:
+            raise OnnxAttentionError("scaled_dot_product_attention with enable_gqa on a non-4-D query has no ONNX "
+                                     "translation")
+        qs = op.Mul(q, scale_value(query, scale))   # scale folded into q: (..., L, E), not (..., L, S)
+        s, pv = qk_matmul(qs, k, v, grouped, rank)
+        bias = sdpa_bias(attn_mask, s, dim(q, -2), dim(k, -2), is_causal)
+        if bias is not None:
+            s = op.Add(s, bias)
+        out = pv(op.Softmax(s, axis=-1))
+        if attn_mask is not None:
+            # a row whose bias is all -inf: Softmax gives NaN, torch 0 (decided on the bias, as the ONNX spec)
+            flag = op.Equal(op.ReduceMax(bias, axes_last(), keepdims=1), const(NEG_INF, bias))
+            if rank == 4:
+                out = fully_masked_fixup(out, flag, v, q, k, grouped)
+            else:
+                fill = zero_poison(v, [-2])
+                pq = zero_poison(q, [-1])
+                pk = zero_poison(k, [-2, -1])
+                out = op.Add(op.Where(flag, fill, out), op.Add(pq, pk))
+        return op.CastLike(out, query)
+
+    def mask_ls(mask, shape_of, q, k):
+        """The mask with dims -2, -1 exactly (L, S) (onnxruntime broadcasts neither); ``shape_of``: a value of
+        the mask's shape whose static shape is known (the translation's input), or None."""
+        d = _dims(shape_of) if shape_of is not None else None
+        if d is not None and len(d) >= 2 and _same_dim(d[-2], _dims(q)[-2]) and _same_dim(d[-1], _dims(k)[-2]):
+            return mask
+        return op.Expand(mask, op.Concat(dim(q, -2), dim(k, -2), axis=0))
+
+    def lowest_to_next(mask):
+        """Float mask entries equal to the dtype's lowest finite value -> the next float up (see module doc)."""
+        npd = cur["np"]
+        lo = np.finfo(npd).min
+        up = np.nextafter(lo, npd(0))
+        return op.Where(op.Equal(mask, const(float(lo), mask)), const(float(up), mask), mask)
+
+    def attention_op(q, k, v, attn_mask, is_causal, scale, softcap=None, poison: bool = True):
+        from onnxscript import opset23 as op23
+
+        cur["np"] = _np_dtype(q)
+        grouped = not _same_dim(_dims(q)[1], _dims(k)[1])
+        m = None
+        if attn_mask is not None:
+            if _dtype_name(attn_mask) == "BOOL":
+                m = attn_mask
+            else:
+                m = attn_mask if _dtype_name(attn_mask) == _dtype_name(q) else op.CastLike(attn_mask, q)
+                m = lowest_to_next(m)
+            m = mask_ls(m, attn_mask, q, k)
+        kw: dict[str, Any] = {"is_causal": int(bool(is_causal))}
+        if scale is not None:
+            kw["scale"] = float(scale)
+        if softcap is not None:
+            kw["softcap"] = float(softcap)
+        y, _, _, _ = op23.Attention(q, k, v, m, **kw)
+        if attn_mask is not None and poison:
+            y = op.Add(y, qk_poison(q, k, grouped))
+        return y
+
+    def mha_op(q, k, v, attn_mask, is_causal, scale):
+        dq, dk, dv = _dims(q), _dims(k), _dims(v)
+        cur["np"] = _np_dtype(q)
+        H = _static(dq[1])
+        grouped = not _same_dim(dq[1], dk[1])
+        kk, vv = k, v
+        if grouped:
+            g = op.Div(dim(q, 1), dim(k, 1))
+            rep = op.Concat(ints(1, 1), g, ints(1, 1), axis=0)
+            kk = op.Reshape(op.Expand(op.Unsqueeze(k, ints(2)), rep),
+                            op.Concat(dim(k, 0), ints(-1), dim(k, 2), dim(k, 3), axis=0))
+            vv = op.Reshape(op.Expand(op.Unsqueeze(v, ints(2)), rep),
+                            op.Concat(dim(v, 0), ints(-1), dim(v, 2), dim(v, 3), axis=0))
+        q3 = op.Reshape(op.Transpose(q, perm=[0, 2, 1, 3]), ints(0, 0, -1))
+        if _same_dim(dk[3], dv[3]):
+            key_in, value_in = kk, vv               # BNSH: (B, Hq, S, E), no transpose
+        else:
+            key_in = op.Reshape(op.Transpose(kk, perm=[0, 2, 1, 3]), ints(0, 0, -1))
+            value_in = op.Reshape(op.Transpose(vv, perm=[0, 2, 1, 3]), ints(0, 0, -1))
+        unidirectional = 0
+        bias = None
+        if attn_mask is not None or is_causal:
+            if attn_mask is None and _same_dim(dq[2], dk[2]):
+                unidirectional = 1                  # exact without a bias and with L == S only
+            else:
+                bias = sdpa_bias(attn_mask, q, dim(q, 2), dim(k, 2), is_causal)
+                if not is_causal:                   # (the causal triangle made it (..., L, S) already)
+                    bias = mask_ls(bias, attn_mask, q, k)
+                r = max(2, _rank(attn_mask) or 2)
+                if r < 4:
+                    bias = op.Unsqueeze(bias, ints(*range(4 - r)))
+        kw: dict[str, Any] = {"num_heads": H, "unidirectional": unidirectional}
+        if scale is not None:
+            kw["scale"] = float(scale)
+        y = mha(q3, key_in, value_in, None, None, bias, **kw)
+        y = op.Transpose(op.Reshape(y, op.Concat(dim(q, 0), dim(q, 2), ints(H, -1), axis=0)), perm=[0, 2, 1, 3])
+        if attn_mask is not None:
+            flag = op.Equal(op.ReduceMax(bias, axes_last(), keepdims=1), const(NEG_INF, bias))
+            y = fully_masked_fixup(y, flag, v, q, k, grouped)
+        return y
+
+    def fused_ok(query, key, value, scale=None) -> bool:
+        """Whether the fused ops take the call as it is: 4-D fp32 / fp16, one batch size (no broadcast batch),
+        a positive scale (onnxruntime refuses others; MultiHeadAttention reads 0 as "the default")."""
+        if {_rank(query), _rank(key), _rank(value)} != {4} or _dtype_name(query) not in ("FLOAT", "FLOAT16"):
+            return False
+        dq, dk, dv = _dims(query), _dims(key), _dims(value)
+        if not (_same_dim(dq[0], dk[0]) and _same_dim(dk[0], dv[0]) and _same_dim(dk[1], dv[1])
+                and _same_dim(dk[2], dv[2])):
+            return False
+        return scale is None or scale > 0
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+             enable_gqa: bool = False):
+        """``aten::scaled_dot_product_attention``: q (..., Hq, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev),
+        attn_mask bool / float broadcastable to (..., Hq, L, S) -> (..., Hq, L, Ev) in q's dtype."""
+        if dropout_p:
+            raise OnnxAttentionError(f"scaled_dot_product_attention with dropout_p={dropout_p} has no exact ONNX "
+                                     "form (the dropout mask is random); export the model in eval mode")
+        if form == "Attention" and fused_ok(query, key, value, scale):
+            return attention_op(query, key, value, attn_mask, is_causal, scale)
+        if form == "MultiHeadAttention" and fused_ok(query, key, value, scale) and _static(_dims(query)[1]):
+            return mha_op(query, key, value, attn_mask, is_causal, scale)
+        return sdpa_decompose(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+    # ---------------------------------------------------------------- smx::attention: the normalizers
+
+    def keep_where(t, keep, fill: float):
+        return t if keep is None else op.Where(keep, t, const(fill, t))
+
+    def row_max(z):
+        """Row max of z (masked -inf), 0 where it is not finite (``_row_max``)."""
+        m = op.ReduceMax(z, axes_last(), keepdims=1)
+        finite = op.Not(op.Or(op.IsInf(m), op.IsNaN(m)))
+        return op.Where(finite, m, const(0.0, m))
+
+    def row_sum(x):
+        return op.ReduceSum(x, axes_last(), keepdims=1)
+
+    def normalize(e):
+        d = row_sum(e)
+        return op.Div(e, op.Where(op.Equal(d, const(0.0, d)), const(1.0, d), d))
+
+    def expm1(x):
+        """``exp(x) - 1`` for x <= 0 without cancellation (Kahan): ``(u - 1) * x / log(u)``, u = exp(x)."""
+        u = op.Exp(x)
+        um1 = op.Sub(u, const(1.0, x))
+        r = op.Div(op.Mul(um1, x), op.Log(u))
+        r = op.Where(op.Equal(u, const(1.0, x)), x, r)
+        return op.Where(op.Equal(u, const(0.0, x)), const(-1.0, x), r)
+
+    def softplus(x):
+        """``F.softplus`` (beta 1, threshold 20): x above 20, else ``log1p(exp(x))`` with Kahan's log1p."""
+        e = op.Exp(op.Neg(op.Abs(x)))               # in (0, 1]
+        u = op.Add(e, const(1.0, x))
+        log1p = op.Where(op.Equal(u, const(1.0, x)), e, op.Div(op.Mul(op.Log(u), e), op.Sub(u, const(1.0, x))))
+        sp = op.Add(op.Relu(x), log1p)
+        return op.Where(op.Greater(x, const(20.0, x)), x, sp)
+
+    def nz_softmax(s, keep, n, param):
+        z = keep_where(s, keep, NEG_INF)
+        return normalize(op.Exp(op.Sub(z, row_max(z))))
+
+    def nz_softmax1(s, keep, n, param):
+        z = keep_where(s, keep, NEG_INF)
+        m = op.Max(row_max(z), const(0.0, s))
+        e = op.Exp(op.Sub(z, m))
+        return op.Div(e, op.Add(op.Exp(op.Neg(m)), row_sum(e)))
+
+    def nz_sigmoid(s, keep, n, param):
+        b = op.Neg(op.Log(n)) if param is None else param
+        return keep_where(op.Sigmoid(op.Add(keep_where(s, keep, 0.0), b)), keep, 0.0)
+
+    def nz_relu(s, keep, n, param):
+        c = op.Reciprocal(n) if param is None else param
+        return keep_where(op.Mul(op.Relu(keep_where(s, keep, 0.0)), c), keep, 0.0)
+
+    def nz_softpick(s, keep, n, param):
+        eps = const(1e-6, s) if param is None else param
+        z = keep_where(s, keep, 0.0)
+        m = op.Max(row_max(keep_where(s, keep, NEG_INF)), const(0.0, s))
+        zero = const(0.0, s)
+        zp, zn = op.Max(z, zero), op.Min(z, zero)
+        u = op.Where(op.Greater(z, zero), op.Neg(op.Mul(op.Exp(op.Sub(zp, m)), expm1(op.Neg(zp)))),
+                     op.Mul(op.Exp(op.Neg(m)), expm1(zn)))
+        u = keep_where(u, keep, 0.0)
+        den = op.Add(row_sum(op.Abs(u)), op.Mul(eps, op.Exp(op.Neg(m))))
+        return op.Div(op.Relu(u), op.Where(op.Equal(den, zero), const(1.0, s), den))
+
+    def nz_ssmax(s, keep, n, param):
+        hi = row_max(keep_where(s, keep, NEG_INF))
+        if param is None:
+            p, m = const(1.0, s), hi
+        else:
+            p = param
+            lo = op.Neg(row_max(keep_where(op.Neg(s), keep, NEG_INF)))
+            m = op.Where(op.GreaterOrEqual(p, const(0.0, s)), hi, lo)
+        x = keep_where(op.Sub(s, m), keep, 0.0)
+        return nz_softmax(op.Mul(x, op.Mul(p, op.Log(n))), keep, n, None)
+
+    def nz_softplus(s, keep, n, param):
+        c = op.Log(op.Max(n, const(2.0, n))) if param is None else param
+        return normalize(keep_where(softplus(op.Mul(keep_where(s, keep, 0.0), c)), keep, 0.0))
+
+    def sorted_keep(s, keep, half: bool):
+        z = keep_where(s, keep, NEG_INF)
+        if half:
+            z = op.Mul(z, const(0.5, s))
+        m = row_max(z)
+        x = op.Sub(z, m)
+        xs, _ = op.TopK(x, op.Shape(x, start=-1), axis=-1, largest=1, sorted=1)   # a full descending sort
+        valid = op.Greater(xs, const(NEG_INF, s))
+        xf = keep_where(s, keep, 0.0)
+        if half:
+            xf = op.Mul(xf, const(0.5, s))
+        return op.Sub(xf, m), op.Where(valid, xs, const(0.0, s)), valid
+
+    def ranks_1_to_S(xs):
+        S = scalar(op.Shape(xs, start=-1))
+        one = scalar(ints(1))
+        return op.CastLike(op.Range(one, op.Add(S, one), one), xs)
+
+    def gather_at(t, support):
+        """``t.gather(-1, support - 1)`` with support a float count >= 1."""
+        idx = op.Cast(op.Sub(support, const(1.0, support)), to=onnx.TensorProto.INT64)
+        return op.GatherElements(t, idx, axis=-1)
+
+    def count(cond, like):
+        return op.Max(row_sum(op.CastLike(cond, like)), const(1.0, like))
+
+    def nz_sparsemax(s, keep, n, param):
+        xf, xs, valid = sorted_keep(s, keep, half=False)
+        cs = op.CumSum(xs, ints(-1))
+        k = ranks_1_to_S(xs)
+        support = count(op.And(valid, op.Greater(op.Add(const(1.0, s), op.Mul(k, xs)), cs)), s)
+        tau = op.Div(op.Sub(gather_at(cs, support), const(1.0, s)), support)
+        return keep_where(op.Relu(op.Sub(xf, tau)), keep, 0.0)
+
+    def nz_entmax15(s, keep, n, param):
+        xf, xs, valid = sorted_keep(s, keep, half=True)
+        k = ranks_1_to_S(xs)
+        cs, cs2 = op.CumSum(xs, ints(-1)), op.CumSum(op.Mul(xs, xs), ints(-1))
+        mean, mean_sq = op.Div(cs, k), op.Div(cs2, k)
+        one, zero = const(1.0, s), const(0.0, s)
+        delta = op.Div(op.Sub(one, op.Mul(k, op.Sub(mean_sq, op.Mul(mean, mean)))), k)
+        tau_k = op.Sub(mean, op.Sqrt(op.Max(delta, zero)))
+        support = count(op.And(valid, op.LessOrEqual(tau_k, xs)), s)
+        mean = op.Div(gather_at(cs, support), support)
+        mean_sq = op.Div(gather_at(cs2, support), support)
+        tau = op.Sub(mean, op.Sqrt(op.Max(op.Div(op.Sub(one, op.Mul(support, op.Sub(mean_sq, op.Mul(mean, mean)))),
+                                                  support), zero)))
+        y = op.Relu(op.Sub(xf, tau))
+        return keep_where(op.Mul(y, y), keep, 0.0)
+
+    normalizers = {"softmax": nz_softmax, "softmax1": nz_softmax1, "sigmoid": nz_sigmoid, "relu": nz_relu,
+                   "softpick": nz_softpick, "ssmax": nz_ssmax, "softplus": nz_softplus,
+                   "sparsemax": nz_sparsemax, "entmax15": nz_entmax15}
+
+    def smx_decompose(q_in, k_in, v_in, attn_mask, is_causal, scale, softcap, normalizer, norm_param, n_keys):
+        q, acc = acc_of(q_in)
+        cur["np"] = np.float64 if acc == DOUBLE else np.float32
+        k, v = op.Cast(k_in, to=acc), op.Cast(v_in, to=acc)
+        grouped = not _same_dim(_dims(q_in)[1], _dims(k_in)[1])
+        s, pv = qk_matmul(q, k, v, grouped, 4)
+        s = op.Mul(s, const(float(scale), s))
+        if softcap is not None:
+            cap = const(float(softcap), s)
+            s = op.Mul(op.Tanh(op.Div(s, cap)), cap)
+        keep = None
+        if attn_mask is not None:
+            if _dtype_name(attn_mask) == "BOOL":
+                keep = attn_mask
+            else:
+                madd = op.CastLike(attn_mask, s)
+                s = op.Add(s, madd)
+                keep = op.Not(op.Equal(madd, const(NEG_INF, s)))
+        L1d, S1d = dim(q, 2), dim(k, 2)
+        if is_causal:
+            tri = causal_keep(L1d, S1d)
+            keep = tri if keep is None else op.And(keep, tri)
+        if n_keys is not None:
+            n = op.Max(op.Unsqueeze(op.CastLike(n_keys, s), ints(-1)), const(1.0, s))    # (B, Hq, L, 1)
+        else:
+            Sf = op.CastLike(S1d, s)
+            if is_causal:
+                one = scalar(ints(1))
+                rows = op.CastLike(op.Range(one, op.Add(scalar(L1d), one), one), s)
+                n = op.Unsqueeze(op.Min(rows, Sf), ints(-1))                               # (L, 1)
+            else:
+                n = op.Unsqueeze(Sf, ints(-1))                                             # (1, 1)
+        param = None
+        if norm_param is not None:
+            param = op.Unsqueeze(op.CastLike(norm_param, s), ints(-1, -2))                 # (B, Hq, 1, 1)
+        w = normalizers[normalizer](s, keep, n, param)
+        return op.CastLike(pv(w), q_in)
+
+    def smx_attention(q, k, v, attn_mask=None, is_causal: bool = False, scale: float = 1.0, softcap=None,
+                      normalizer: str = "softmax", norm_param=None, dropout_p: float = 0.0, seed=None,
+                      skip_threshold=None, n_keys=None):
+        """``smx::attention``: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), attn_mask None or bool /
+        float broadcastable to (B, Hq, L, S), norm_param None or (B, Hq), n_keys None or (B, Hq, L) ->
+        (out (B, Hq, L, Ev) in q's dtype, stats (B, Hq, L, 2) fp32 zeros)."""
+        if dropout_p:
+            raise OnnxAttentionError(f"smx::attention with dropout_p={dropout_p} has no exact ONNX form")
+        if normalizer not in normalizers:
+            raise OnnxAttentionError(f"smx::attention: unknown normalizer {normalizer!r}")
+        if (normalizer == "softmax" and softcap is not None and form == "Attention" and fused_ok(q, k, v, scale)
+                and _dtype_name(attn_mask) in (None, "BOOL", _dtype_name(q))):
+            # smx::attention selects masked keys out (a NaN score there is dropped): no NaN for rows with no key
+            out = attention_op(q, k, v, attn_mask, is_causal, scale, softcap=softcap, poison=False)
+        else:
+            out = smx_decompose(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, n_keys)
+        stats = op.Expand(op.Constant(value=ir.tensor(np.zeros((), dtype=np.float32))),
+                          op.Concat(dim(q, 0), dim(q, 1), dim(q, 2), ints(2), axis=0))
+        return out, stats
+
+    return {torch.ops.aten.scaled_dot_product_attention.default: sdpa,
+            torch.ops.smx.attention.default: smx_attention}
+
+
+def refuse(name: str, args: dict, node: torch.fx.Node) -> str | None:
+    if name != "attention":
+        return None
+    from ..kernels.attention import NORMALIZERS
+
+    if args.get("dropout_p"):
+        return (f"with dropout_p={args['dropout_p']} has no exact ONNX form (the dropout mask is random); export "
+                "the model in eval mode (dropout_p=0)")
+    if args.get("skip_threshold") is not None:
+        return ("with skip_threshold (BLASST tile skipping, an approximation of the CUDA kernel) has no ONNX "
+                "translation; pass skip_threshold=None")
+    if args.get("normalizer", "softmax") not in NORMALIZERS:
+        return f"with the unknown normalizer {args.get('normalizer')!r} has no ONNX translation"
+    return None
