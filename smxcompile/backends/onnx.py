@@ -1,22 +1,26 @@
-"""ONNX export of the *rewritten* model: ``smxcompile.export_onnx`` (issue 8, first part).
+"""ONNX export of the *rewritten* model: ``smxcompile.export_onnx``.
 
-How. The model is captured by Dynamo as one graph (``fullgraph=True``, static shapes), smxcompile's
-passes rewrite it exactly as the ``smx`` backend does (so the deployed graph keeps the fusions), and
-the rewritten ``GraphModule`` -- wrapped so that the model's parameters and buffers are attributes
-again, not graph inputs -- goes to ``torch.onnx.export(..., dynamo=True)`` with a
-``custom_translation_table`` mapping each smxcompile op to ONNX (onnxscript). Then the file is
-checked: ``onnx.checker``, a run in onnxruntime on the example inputs compared with eager PyTorch.
+How. The model is captured by Dynamo as one graph (``fullgraph=True``; static, or with the requested
+dims dynamic), smxcompile's passes rewrite it exactly as the ``smx`` backend does (so the deployed
+graph keeps the fusions), and the rewritten ``GraphModule`` -- wrapped so that the model's parameters
+and buffers are attributes again, not graph inputs -- goes through ``torch.export`` to
+``torch.onnx.export(..., dynamo=True, optimize=True)`` with a ``custom_translation_table`` mapping each
+smxcompile op to ONNX (onnxscript). Then the file is checked: ``onnx.checker``, loaded by the installed
+onnxruntime, and run on the example inputs (and more shapes) against eager PyTorch.
 
-Exported so far: ``smx::softmax`` -> ``Softmax`` (scale folded in front), ``smx::log_softmax`` ->
-``LogSoftmax``, ``smx::softmax_topk`` -> ``TopK`` of the logits and ``Exp(values - ReduceLogSumExp)``
-(never a full ``Softmax``; ``Softmax`` over the k values when renormalized), ``smx::quant_softmax`` ->
-``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` for a code range narrower than the 8-bit type; the
-graph's own dequantization and bias correction follow as standard ops); graphs whose attention the
-passes hand to ``F.scaled_dot_product_attention`` export through torch's own translation, and
-variants swapped in by :func:`smxcompile.swap` as their torch code. Any other smxcompile op in the
-rewritten graph raises :class:`OnnxExportError` naming it (attention with a variant normalizer is
-the next step of issue 8), as do masks, soft-capping, ``dtype=`` and ``return_lse`` on the softmax
-ops.
+The translations live in one module per op family (:data:`TRANSLATION_MODULES`), each written for an
+:class:`~smxcompile.backends.onnx_target.OnnxTarget` (``target="onnxruntime"`` or ``"portable"``, the
+opset and the form of attention):
+
+- :mod:`.onnx_softmax`: ``smx::softmax`` / ``log_softmax`` (with their fused prologue),
+  ``smx::softmax_topk``, ``smx::quant_softmax``.
+- :mod:`.onnx_attention`: ``aten.scaled_dot_product_attention`` (softmax attention sites) as the ONNX
+  ``Attention`` op, com.microsoft ``MultiHeadAttention`` or MatMul / Softmax / MatMul with torch's
+  semantics, and ``smx::attention`` with every normalizer.
+- :mod:`.onnx_ce`: ``smx::ce_stats`` and ``smx::linear_ce_stats`` (cut cross-entropy's statistics).
+
+Variants swapped in by :func:`smxcompile.swap` export as their torch code. An smxcompile op no module
+translates raises :class:`OnnxExportError` naming it and the option that exports the site unrewritten.
 """
 
 from __future__ import annotations
