@@ -67,7 +67,10 @@ def _export_cmd(args: argparse.Namespace) -> int:
 
     try:
         ck = tune.checkpoint_dir(args.checkpoint)
-        options = json.loads(args.options) if args.options else None
+        try:
+            options = json.loads(args.options) if args.options else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--options is not JSON ({e}): e.g. --options '{{\"disable\": [\"attention\"]}}'") from e
         if options is not None:
             smxcompile.SmxOptions.from_mapping(options)
         rewrites = "all" if args.rewrites == "all" else [] if args.rewrites == "none" else \

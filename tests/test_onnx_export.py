@@ -382,3 +382,55 @@ def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, c
     assert out.report.count(kind="quant_softmax", action="rewritten") == 2, str(out.report)
     assert out.exported["smx::quant_softmax"]["calls"] == 2
     assert out.exported["smx::quant_softmax"]["onnx"].get("QuantizeLinear") == 2
+
+
+def test_named_dims_reach_the_file_and_dim_min_below_two_means_from_two(tmp_path):
+    from torch.export import Dim
+
+    model, ids = _tiny_gpt2()
+    out = export_onnx(model, (), tmp_path / "n.onnx", kwargs={"input_ids": ids},
+                      dynamic_shapes={"input_ids": {0: Dim("batch"), 1: "seq"}})   # Dim("batch"): min 0
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    assert sess.get_inputs()[0].shape == ["batch", "seq"] and sess.get_outputs()[0].shape == ["batch", "seq", 97]
+    assert out.dynamic and ((2, 15),) in out.checked_shapes
+
+
+def test_usage_errors_are_clear_and_early(tmp_path):
+    x = torch.randn(4, 8)
+    h = Heads().eval()
+    with pytest.raises(OnnxExportError, match="rewrites must be 'all' or a list"):
+        export_onnx(h, (x,), tmp_path / "h.onnx", rewrites=None)
+    with pytest.raises(OnnxExportError, match=r"check_inputs must be a list of \(args, kwargs\) pairs"):
+        export_onnx(h, (x,), tmp_path / "h.onnx", check_inputs=[{"x": x}])
+    with pytest.raises(OnnxExportError, match="is a directory"):
+        export_onnx(h, (x,), tmp_path)
+    with pytest.raises(OnnxExportError, match="rtol must be a number >= 0"):
+        export_onnx(h, (x,), tmp_path / "h.onnx", rtol=-1)
+    with pytest.raises(OnnxExportError, match="newer than the installed onnx package"):
+        export_onnx(h, (x,), tmp_path / "h.onnx", target="portable", opset=99)
+    with pytest.raises(OnnxExportError, match=r"fails on the example inputs .*TorchRuntimeError"):
+        export_onnx(h, (torch.randn(4, 5),), tmp_path / "h.onnx")         # the model itself fails (8 features)
+
+
+def test_graph_break_messages_name_the_cause(tmp_path):
+    model, _ = _tiny_gpt2()
+    with pytest.raises(OnnxExportError, match=r"graph break.*You have to specify either input_ids"):
+        export_onnx(model, (), tmp_path / "g.onnx")                      # no inputs at all
+
+
+def test_training_mode_attention_dropout_is_refused_up_front(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=1, n_head=4, attn_pdrop=0.1,
+                                  use_cache=False)
+    cfg._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    with pytest.raises(OnnxExportError, match=r"dropout_p=0.1.*no exact ONNX form.*model.eval\(\)"):
+        export_onnx(model, (), tmp_path / "t.onnx", kwargs={"input_ids": torch.randint(0, 97, (2, 8))})
+
+
+def test_compare_uses_a_dynamic_baseline_for_a_dynamic_export(tmp_path):
+    model, ids = _tiny_gpt2()
+    out = export_onnx(model, (), tmp_path / "c.onnx", kwargs={"input_ids": ids}, compare=True,
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
+    assert out.baseline.error is None and out.baseline.dynamic, out.baseline
+    assert "static shapes" not in str(out)

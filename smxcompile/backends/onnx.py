@@ -59,11 +59,14 @@ class OnnxBaseline:
         op_types: ``{ONNX op type: count}`` of the plain file (empty when it failed).
         latency_ms: its onnxruntime CPU latency (ms per call, median of rounds; None when it failed).
         error: why the plain export or its run failed (None when it worked).
+        dynamic: whether it has the same dynamic dims as the smxcompile file (False: static, torch.onnx could not
+            export the model with them; a static file has fewer shape ops, so the comparison favours it).
     """
 
     op_types: dict[str, int]
     latency_ms: float | None = None
     error: str | None = None
+    dynamic: bool = False
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class OnnxExport:
         baseline: the plain ``torch.onnx.export`` of the model, its op types and latency (``compare=True``).
         checked_shapes: the input shapes the check ran onnxruntime against eager on (the example, ``check_inputs``
             and, with ``dynamic_shapes``, the example narrowed by one along every dynamic dim).
+        dynamic: whether the file has dynamic dims (``dynamic_shapes`` given).
     """
 
     path: Path
@@ -95,25 +99,29 @@ class OnnxExport:
     latency_ms: float | None = None
     baseline: OnnxBaseline | None = None
     checked_shapes: list = dataclasses.field(default_factory=list)
+    dynamic: bool = False
 
     def summary(self) -> str:
         """The report as text: rewrites, how each smxcompile op was exported, op types (before/after with
         ``compare=True``) and the latency side by side."""
         t = self.target
         lines = [str(self.report), "",
-                 f"wrote {self.path} (opset {self.opset}" + (f", target {t.name}, attention as {t.attention}" if t else "")
+                 f"wrote {self.path} (opset {self.opset}" + (f", target {t.name}" if t else "")
+                 + (f", attention as {t.attention}" if t and any("attention" in k for k in self.exported) else "")
                  + ")" + ("" if math.isnan(self.max_abs_diff) else f"; onnxruntime vs eager max |diff| {self.max_abs_diff:.3g} "
                          f"on input shapes {', '.join(str(list(s)) for s in self.checked_shapes)}")]
         if self.exported:
             lines.append("exported as:")
             for name, e in self.exported.items():
                 ops = ", ".join(f"{k} {v}" for k, v in sorted(e["onnx"].items()))
-                lines.append(f"  {name} x{e['calls']} -> {ops}")
+                what = " (what fused softmax attention sites call)" if name.startswith("aten::") else ""
+                lines.append(f"  {name}{what} x{e['calls']} -> {ops}")
         b = self.baseline
         if b is None:
             lines.append("ONNX op types: " + ", ".join(f"{k} {v}" for k, v in sorted(self.op_types.items())))
         else:
-            lines.append("ONNX op types (plain torch.onnx.export -> smxcompile export):")
+            lines.append("ONNX op types (plain torch.onnx.export" + (", static shapes (it could not export the dynamic "
+                         "dims)" if self.dynamic and not b.dynamic else "") + " -> smxcompile export):")
             for k in sorted(set(b.op_types) | set(self.op_types)):
                 before, after = b.op_types.get(k, 0), self.op_types.get(k, 0)
                 if b.error or before != after:
@@ -166,14 +174,21 @@ def _check_graph(gm: torch.fx.GraphModule, table: dict) -> None:
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
-        if n.target.namespace != "smx":
+        sdpa = n.target is torch.ops.aten.scaled_dot_product_attention.default
+        if not sdpa and n.target.namespace != "smx":
+            continue
+        args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
+        if (sdpa or n.target._opname == "attention") and args.get("dropout_p", 0.0):
+            raise OnnxExportError(f"{n.target._opname} (node {n.name}) with dropout_p={args['dropout_p']}: attention "
+                                  "dropout (training mode) has no exact ONNX form; export the model in eval mode "
+                                  "(model.eval())")
+        if sdpa:
             continue
         name = n.target._opname
         if name not in translated:
             raise OnnxExportError(f"smx::{name} (node {n.name}) has no ONNX translation yet; pass "
                                   f"options={{'cpu': 'rewrite', 'disable': ['{_kind_of(name)}']}} to export that site "
                                   "unrewritten")
-        args = dict(zip([a.name for a in n.target._schema.arguments], n.args)) | dict(n.kwargs)
         for m in modules:
             why = m.refuse(name, args, n)
             if why:
@@ -280,6 +295,24 @@ def _bound(v) -> int | None:
     return int(v)
 
 
+def _dynamo_reason(e: BaseException) -> str:
+    """Dynamo's message in one line: its headline, the exception it observed (``Developer debug context``) or
+    its explanation, and the user's line it stopped at."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    parts = [lines[0][:300]]
+    detail = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Developer debug context:")), None) \
+        or next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Explanation:")), None)
+    if detail and detail not in parts[0]:
+        parts.append(detail[:300])
+    files = [re.search(r'File "([^"]+)", line (\d+)', ln) for ln in lines]
+    files = [m for m in files if m]
+    if files:
+        parts.append(f"at {Path(files[-1].group(1)).name}:{files[-1].group(2)}")
+    return "; ".join(parts)
+
+
 def _check_ranges(marked: list, ranges: dict) -> None:
     """A dynamic dim whose valid sizes the capture narrowed (a Python branch on the size, or a limit such
     as learned position embeddings) exports a graph that is wrong or fails outside that range: refuse
@@ -289,7 +322,8 @@ def _check_ranges(marked: list, ranges: dict) -> None:
         lo = 2 if lo is None else lo
         umin = getattr(spec, "min", None) if not isinstance(spec, str) else None
         umax = getattr(spec, "max", None) if not isinstance(spec, str) else None
-        umin = 2 if umin is None else int(umin)
+        # sizes 0 and 1 are never traced (Dynamo specializes them): a declared min below 2 means "from 2"
+        umin = 2 if umin is None else max(2, int(umin))
         try:
             umax = None if umax is None or not math.isfinite(float(umax)) or float(umax) >= 2 ** 62 else int(umax)
         except (TypeError, ValueError, OverflowError):
@@ -419,7 +453,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
         raise OnnxExportError("a dim asked to be dynamic cannot be (the model fixes or constrains its size): "
                               f"{str(e).splitlines()[0][:400]}") from e
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-        raise OnnxExportError(f"the model does not trace as one graph (a graph break): {str(e).splitlines()[0]}") from e
+        raise OnnxExportError(f"the model does not trace as one graph (a graph break): {_dynamo_reason(e)}") from e
+    except OnnxExportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model itself failing on the example (empty batch, wrong dtype...)
+        raise OnnxExportError(f"the model fails on the example inputs while Dynamo traces it: {type(e).__name__}: "
+                              f"{_dynamo_reason(e)}") from e
     finally:
         torch._dynamo.reset()
         for _, t, _, _ in marked:           # leave the caller's tensors as they were
@@ -515,6 +554,7 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
+    _check_arguments(path, check_inputs, rtol, atol, rewrites, threads)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.dtype == torch.bfloat16 for t in (*tensors, *model.parameters(), *model.buffers())):
         raise OnnxExportError("bf16 models: onnxruntime's CPU kernels lack bf16 for Softmax / ReduceMax / TopK; "
@@ -541,14 +581,20 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
                                  dynamic_shapes=None if shapes is None else (shapes,))   # the varargs tuple
         table = _translations(tgt)
         _check_graph(ep.graph_module, table)
-        program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=tgt.opset, input_names=names,
-                                    custom_translation_table=table, optimize=False, verbose=False)
+        try:
+            program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=tgt.opset, input_names=names,
+                                        custom_translation_table=table, optimize=False, verbose=False)
+        except Exception as e:  # noqa: BLE001 - torch.onnx's ConversionError buries the translation's message
+            raise OnnxExportError(f"torch.onnx could not translate the rewritten graph: {_innermost(e)}") from e
     _optimize(program)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _rename_dims(program.model, shapes)
     program.save(str(path))
     proto = onnx.load(str(path))
     op_types = _op_types(proto)
     opset_used = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
+    if opset_used != tgt.opset:
+        raise OnnxExportError(f"asked for opset {tgt.opset}, the exporter wrote opset {opset_used} (its version "
+                              "converter failed); ask for another opset")
     if shapes is not None:
         # dynamic dims must come out symbolic (a dim_param), not baked to the example's size
         for spec, inp in zip(shapes, proto.graph.input):
@@ -577,10 +623,80 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
             diff = d if math.isnan(diff) else max(diff, d)
             checked.append(tuple(tuple(t.shape) for t in input_leaves(model, a, k)[0]))
     out = OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used, target=tgt,
-                     exported=_exported_ops(proto), checked_shapes=checked)
+                     exported=_exported_ops(proto), checked_shapes=checked, dynamic=shapes is not None)
     if compare:
-        _compare(out, model, args, kwargs, tgt, threads)
+        _compare(out, model, args, kwargs, tgt, threads, dynamic_shapes)
     return out
+
+
+def _innermost(e: BaseException) -> str:
+    """The message of the deepest exception in ``e``'s cause chain (a translation's own error), one line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first[:400]}"
+
+
+def _check_arguments(path: Path, check_inputs, rtol, atol, rewrites, threads) -> None:
+    """Bad arguments fail before the (long) export, with a message that says what is expected."""
+    if path.is_dir():
+        raise OnnxExportError(f"path {str(path)!r} is a directory; give the .onnx file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OnnxExportError(f"cannot create the folder of {str(path)!r}: {e}") from e
+    if not isinstance(check_inputs, (list, tuple)) or not all(
+            isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], (list, tuple)) and isinstance(c[1], dict)
+            for c in check_inputs):
+        raise OnnxExportError("check_inputs must be a list of (args, kwargs) pairs, e.g. [((), {'input_ids': ids2})] "
+                              "or [((x2,), {})]")
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise OnnxExportError(f"{name} must be a number >= 0, not {v!r}")
+    if not (isinstance(rewrites, str) or (isinstance(rewrites, (list, tuple, set, frozenset))
+                                          and all(isinstance(k, str) for k in rewrites))):
+        raise OnnxExportError(f"rewrites must be 'all' or a list of rewrite kinds (smxcompile.REWRITE_KINDS), "
+                              f"not {rewrites!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise OnnxExportError(f"threads must be an int >= 1, not {threads!r}")
+
+
+def _rename_dims(model, shapes: tuple | None) -> None:
+    """Name the file's symbolic dims as ``dynamic_shapes`` did (``batch``, ``seq``) instead of the exporter's
+    symbols (``s28``), everywhere they appear (inputs, outputs, intermediate shapes, expressions)."""
+    if shapes is None:
+        return
+    import onnx_ir as ir
+
+    names: dict[str, str] = {}
+    for inp, spec in zip(model.graph.inputs, shapes):
+        if inp.shape is None:
+            continue
+        for d, dim in (spec.items() if isinstance(spec, dict) else enumerate(spec or ())):
+            user = getattr(dim, "__name__", None)
+            if user is None or d >= len(inp.shape):
+                continue
+            sym = inp.shape[d]
+            if isinstance(sym, ir.SymbolicDim) and sym.value and sym.value not in names \
+                    and user not in names.values():
+                names[sym.value] = user
+    if not names:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b")
+
+    def fix(value) -> None:
+        if value is None or value.shape is None:
+            return
+        dims = [ir.SymbolicDim(pattern.sub(lambda m: names[m.group(1)], d.value))
+                if isinstance(d, ir.SymbolicDim) and d.value and pattern.search(d.value) else d for d in value.shape]
+        if any(a is not b for a, b in zip(dims, value.shape)):
+            value.shape = ir.Shape(dims)
+
+    for v in (*model.graph.inputs, *model.graph.outputs):
+        fix(v)
+    for node in model.graph.all_nodes() if hasattr(model.graph, "all_nodes") else model.graph:
+        for v in node.outputs:
+            fix(v)
 
 
 def _optimize(program) -> None:
@@ -591,9 +707,19 @@ def _optimize(program) -> None:
     cos/sin cache that onnxruntime 1.32 refuses for any batch > 1 once the batch dim is dynamic (a Llama file
     that fails on its own example), and the fusions were measured to change nothing else in onnxruntime's
     latency (Llama, 4 x 128 tokens: 72.8 vs 73.5 ms)."""
+    import logging
+
     import onnxscript.optimizer
 
-    onnxscript.optimizer.optimize_ir(program.model)
+    # its constant folder logs a warning for every node it cannot evaluate ("Evaluation failed: cannot reshape
+    # ..."), which is not a problem of the file
+    folding = logging.getLogger("onnxscript.optimizer._constant_folding")
+    level = folding.level
+    folding.setLevel(logging.ERROR)
+    try:
+        onnxscript.optimizer.optimize_ir(program.model)
+    finally:
+        folding.setLevel(level)
 
 
 def _export_options(options: dict | None, rewrites: str | Iterable[str]) -> dict:
@@ -708,15 +834,32 @@ def time_sessions(runs: dict[str, tuple[Any, dict]], rounds: int = 5, seconds: f
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def plain_export(model: nn.Module, args: tuple, kwargs: dict, path: Path, opset: int | None = None) -> None:
-    """``torch.onnx.export(model, dynamo=True)`` of the model as written (the baseline of ``compare``)."""
+def plain_export(model: nn.Module, args: tuple, kwargs: dict, path: Path, opset: int | None = None,
+                 dynamic_shapes: Any = None) -> None:
+    """``torch.onnx.export(model, dynamo=True)`` of the model as written (the baseline of ``compare``), with
+    ``dynamic_shapes`` in :func:`export_onnx`'s format (names become shared ``Dim`` s)."""
+    if dynamic_shapes is not None:
+        from torch.export import Dim
+
+        frame = _bind(model, args, kwargs)
+        if isinstance(dynamic_shapes, (tuple, list)):
+            dynamic_shapes = dict(zip(list(frame), dynamic_shapes))
+        dims: dict[str, Any] = {}
+        conv = lambda v: dims.setdefault(v, Dim(v)) if isinstance(v, str) else v  # noqa: E731
+        dynamic_shapes = {k: (None if v is None else {d: conv(x) for d, x in v.items()} if isinstance(v, dict)
+                              else tuple(None if x is None else conv(x) for x in v))
+                          for k, v in dynamic_shapes.items()}
+        dynamic_shapes = {k: dynamic_shapes.get(k) for k in frame if isinstance(frame[k], torch.Tensor)
+                          or k in dynamic_shapes}
     with torch.no_grad(), torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
         torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=True,
-                          verbose=False).save(str(path))
+                          dynamic_shapes=dynamic_shapes, verbose=False).save(str(path))
 
 
-def _compare(out: OnnxExport, model: nn.Module, args: tuple, kwargs: dict, tgt: OnnxTarget, threads: int) -> None:
-    """Fill ``out.baseline`` and ``out.latency_ms``: the plain export at the same opset, both timed in turn."""
+def _compare(out: OnnxExport, model: nn.Module, args: tuple, kwargs: dict, tgt: OnnxTarget, threads: int,
+             dynamic_shapes: Any = None) -> None:
+    """Fill ``out.baseline`` and ``out.latency_ms``: the plain export at the same opset and with the same dynamic
+    dims (static when torch.onnx cannot export it so: ``baseline.dynamic``), both timed in turn."""
     import tempfile
 
     import onnx
@@ -725,8 +868,15 @@ def _compare(out: OnnxExport, model: nn.Module, args: tuple, kwargs: dict, tgt: 
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp) / "plain.onnx"
         try:
-            plain_export(model, args, kwargs, plain, tgt.opset)
-            base = OnnxBaseline(op_types=_op_types(onnx.load(str(plain), load_external_data=False)))
+            dynamic = dynamic_shapes is not None
+            try:
+                plain_export(model, args, kwargs, plain, tgt.opset, dynamic_shapes)
+            except Exception:  # noqa: BLE001 - e.g. a raw model whose export wants use_cache handled; try static
+                if not dynamic:
+                    raise
+                dynamic = False
+                plain_export(model, args, kwargs, plain, tgt.opset)
+            base = OnnxBaseline(op_types=_op_types(onnx.load(str(plain), load_external_data=False)), dynamic=dynamic)
             plain_sess = _session(plain, threads)
             plain_feeds = _feeds(plain_sess, leaves, names)
         except Exception as e:  # noqa: BLE001 - a model torch cannot export plainly is a finding, not a crash
@@ -810,7 +960,9 @@ def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rt
     if len(ref_leaves) != len(got):
         raise OnnxExportError(f"the ONNX model has {len(got)} outputs, the model returns {len(ref_leaves)} tensors: "
                               "outputs the graph does not compute (an input returned as it is, or the same tensor "
-                              "returned twice) are not part of an exported graph; return only computed tensors")
+                              "returned twice) are not part of an exported graph, nor objects that are not tensors "
+                              "(a transformers model returning its KV cache: pass use_cache=False); return only "
+                              "computed tensors")
     worst = 0.0
     for i, (g, r) in enumerate(zip(got, ref_leaves)):
         r = r.detach().cpu()

@@ -115,8 +115,13 @@ def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op:
     if attention_op is not None and attention_op not in ATTENTION_OPS:
         raise OnnxTargetError(f"attention_op must be one of {', '.join(map(repr, ATTENTION_OPS))} or None, "
                               f"not {attention_op!r}")
-    if opset is not None and (not isinstance(opset, int) or opset < DEFAULT_OPSET):
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < DEFAULT_OPSET):
         raise OnnxTargetError(f"opset must be an int >= {DEFAULT_OPSET} (torch.onnx's dynamo exporter), not {opset!r}")
+    import onnx
+
+    if opset is not None and opset > onnx.defs.onnx_opset_version():
+        raise OnnxTargetError(f"opset {opset} is newer than the installed onnx package knows "
+                              f"({onnx.defs.onnx_opset_version()}, onnx {onnx.__version__})")
     ort = _ort()
     version = getattr(ort, "__version__", None)
     if target == "portable":
