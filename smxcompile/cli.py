@@ -46,7 +46,8 @@ com.microsoft MultiHeadAttention, whichever the installed onnxruntime runs faste
 portable (standard ONNX ops only, attention as MatMul / Softmax / MatMul, for other runtimes).
 
 --format mlir writes torch-mlir's torch, linalg-on-tensors or stablehlo dialect instead
-(smxcompile.export_mlir), the sequence length dynamic, the smx ops in their reference ATen form."""
+(smxcompile.export_mlir), the sequence length dynamic (stablehlo: static shapes), the smx ops in their
+reference ATen form."""
 
 EXPORT_EPILOG = """examples:
   smx export smx-demo-out --out demo.onnx
@@ -118,7 +119,8 @@ def _export_cmd(args: argparse.Namespace) -> int:
 
 def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewrites) -> int:
     """``smx export --format mlir``: the sequence dim dynamic (batch static: torch-mlir's linalg lowering
-    miscompiles GPT-2 with both dynamic), checked on a second length."""
+    miscompiles GPT-2 with both dynamic), checked on a second length; for stablehlo every shape static
+    (torch-mlir does not lower the dynamic length's ``aten.cumsum`` to StableHLO)."""
     import torch
 
     import smxcompile
@@ -129,12 +131,13 @@ def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewr
         print("smx export: --keep-ops keeps the smx ops as torch.operator, which only the torch dialect holds: "
               "add --output-type torch", file=sys.stderr)
         return 2
+    static = output_type == "stablehlo"
     ids2 = torch.randint(0, vocab, (ids.shape[0], max(2, ids.shape[1] // 2 + 1)), generator=torch.Generator().manual_seed(1))
     try:
         out = smxcompile.export_mlir(model, (), kwargs={"input_ids": ids}, output_type=output_type,
                                      options=_export_options(options, rewrites), decompose=not args.keep_ops,
-                                     dynamic_shapes={"input_ids": {1: "sequence"}}, path=args.out,
-                                     check_inputs=[((), {"input_ids": ids2})])
+                                     dynamic_shapes=None if static else {"input_ids": {1: "sequence"}}, path=args.out,
+                                     check_inputs=[] if static else [((), {"input_ids": ids2})])
     except ImportError as e:
         print(f"smx export: {e}", file=sys.stderr)
         return 2
@@ -145,6 +148,9 @@ def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewr
     top = sorted(out.ops.items(), key=lambda kv: -kv[1])[:12]
     print(f"wrote {args.out} ({output_type}{', smx ops kept' if args.keep_ops else ''}): "
           + ", ".join(f"{k} {v}" for k, v in top))
+    if static:
+        print(f"shapes static: input_ids {tuple(ids.shape)} (--batch, --seq-len; torch-mlir does not lower the "
+              "dynamic sequence length's aten.cumsum to stablehlo)")
     if out.checked == "run":
         print(f"run on MLIR's LLVM JIT against eager PyTorch on shapes {tuple(ids.shape)} and {tuple(ids2.shape)}: "
               f"max |diff| {out.max_abs_diff:.3g}")
@@ -724,7 +730,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: onnx)")
     x.add_argument("--out", required=True, type=Path, metavar="FILE", help="the .onnx / .mlir file to write")
     x.add_argument("--output-type", choices=("torch", "linalg-on-tensors", "stablehlo"), default=None,
-                   help="--format mlir: the MLIR dialect (default: linalg-on-tensors, run on MLIR's JIT as a check)")
+                   help="--format mlir: the MLIR dialect (default: linalg-on-tensors, run on MLIR's JIT as a check; "
+                   "stablehlo is written with static shapes, the --batch x --seq-len example's, since torch-mlir "
+                   "does not lower a dynamic sequence length to it)")
     x.add_argument("--keep-ops", action="store_true",
                    help="--format mlir --output-type torch: keep the smx ops as torch.operator for a compiler "
                    "with its own lowering (default: their reference ATen form)")

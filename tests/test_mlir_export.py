@@ -4,6 +4,7 @@ modules run on the LLVM JIT and compared with eager PyTorch."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import sys
@@ -17,7 +18,8 @@ pytest.importorskip("torch_mlir", reason="torch-mlir not installed: pip install 
 
 import smxcompile  # noqa: E402
 from smxcompile import MlirExportError, export_mlir  # noqa: E402
-from smxcompile.backends.mlir_run import LinalgModule  # noqa: E402
+from smxcompile.backends import mlir as M  # noqa: E402
+from smxcompile.backends.mlir_run import LinalgModule, RunError  # noqa: E402
 from smxcompile.kernels import decompositions as D  # noqa: E402
 
 TYPES = ["torch", "linalg-on-tensors", "stablehlo"]
@@ -157,8 +159,20 @@ def test_gpt2_attention(gpt2, output_type):
         assert out.ops.get("tm_tensor.attention") == 2, out.ops      # still one fused op per layer
         assert out.checked == "run" and out.max_abs_diff < 1e-4
         ids2 = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
-        (got,) = _run(out, ids2)
-        torch.testing.assert_close(got, _logits(model, ids2), rtol=1e-4, atol=1e-4)
+        compiled = LinalgModule(out.text)
+        (got,) = compiled.run(ids2.numpy())
+        torch.testing.assert_close(torch.from_numpy(got), _logits(model, ids2), rtol=1e-4, atol=1e-4)
+        # the runner refuses inputs that do not fit @main (they used to reach the code's bounds assertions,
+        # which abort the process)
+        assert compiled.signatures["main"] == [((2, 12), "i64")]
+        with pytest.raises(RunError, match=r"tensor<2x12xi64>; the input has shape \(2, 8\)"):
+            compiled.run(ids2[:, :8].numpy())
+        with pytest.raises(RunError, match=r"shape \(1, 12\)"):
+            compiled.run(ids2[:1].numpy())
+        with pytest.raises(RunError, match="dtype int32"):
+            compiled.run(ids2.int().numpy())
+        with pytest.raises(RunError, match="takes 1 tensors, 2 given"):
+            compiled.run(ids2.numpy(), ids2.numpy())
     else:
         _dialect_only(out)                                           # materialized: dot_general + softmax
         assert out.ops.get("stablehlo.dot_general", 0) >= 4, out.ops
@@ -222,6 +236,200 @@ def test_swapped_ssmax_model(gpt2):
     (got,) = _run(out, ids)
     torch.testing.assert_close(got, _logits(sw, ids), rtol=1e-4, atol=1e-4)
     _dialect_only(export_mlir(sw, (), kwargs={"input_ids": ids}, output_type="stablehlo"))
+
+
+def test_gpt2_padding_masks_left_and_right(gpt2):
+    """Fully masked rows (left padding under the causal mask, all finfo.min) average V in torch; the
+    tm_tensor.attention a kept SDPA lowered to gave other values there, and the check on a right-padded
+    example could not see it."""
+    model, ids = gpt2
+    right = torch.ones_like(ids)
+    right[0, 11:] = 0
+    left = torch.ones_like(ids)
+    left[0, :5] = 0
+    out = export_mlir(model, (), kwargs={"input_ids": ids, "attention_mask": right}, output_type="linalg-on-tensors",
+                      check_inputs=[((), {"input_ids": ids, "attention_mask": left})])
+    assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
+    assert out.checked == "run" and out.max_abs_diff < 1e-4
+    assert "tm_tensor.attention" not in out.ops, out.ops                # masked: materialized
+    left[1, :3] = 0
+    (got,) = _run(out, ids, left)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=left).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)         # padded rows included
+
+
+class Biased(nn.Module):
+    def forward(self, q, k, v, b):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.5 + b, -1) @ v
+
+
+def test_masked_attention_keeps_its_scale():
+    """With a mask, tm_tensor.attention scaled by 1/sqrt(E) whatever the scale (every T5 encoder, scale 1)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 6, 16, generator=g) for _ in range(3))
+    b = torch.randn(2, 2, 6, 6, generator=g)
+    b[0, 1, 2] = torch.finfo(torch.float32).min                         # a fully masked row, as transformers masks
+    out = export_mlir(Biased(), (q, k, v, b), output_type="linalg-on-tensors")
+    assert out.report.count(kind="attention", action="rewritten") == 1, str(out.report)
+    assert out.checked == "run" and out.max_abs_diff < 1e-5
+    assert "tm_tensor.attention" not in out.ops, out.ops
+    (got,) = _run(out, q, k, v, b)
+    torch.testing.assert_close(got, Biased()(q, k, v, b), rtol=1e-5, atol=1e-5)
+
+
+class Sdpa(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, *mask, **self.kw)
+
+
+def _fully_masked_bool(L, S):
+    keep = torch.rand(2, 1, L, S, generator=torch.Generator().manual_seed(8)) > 0.3
+    keep[1, 0, 0] = False                                                # a row with no key: 0 in torch
+    return keep
+
+
+@pytest.mark.parametrize("L,S,kw,mask,fused", [
+    (4, 7, {"is_causal": True}, None, True),             # what stays tm_tensor.attention: no mask, default scale
+    (7, 4, {"is_causal": True, "scale": 8 ** -0.5}, None, True),
+    (6, 6, {"is_causal": True, "enable_gqa": True}, None, True),
+    (6, 6, {"is_causal": True, "scale": 0.5}, None, False),     # tm_tensor.attention would scale by 1/sqrt(E)
+    (5, 6, {"enable_gqa": True, "scale": 0.5}, None, False),
+    (5, 6, {"scale": 0.5}, "bool", False),
+    (5, 6, {}, "float", False),
+], ids=["causal-L<S", "causal-L>S", "gqa-causal", "causal-scaled", "gqa-scaled", "bool-fully-masked", "float-inf-row"])
+def test_sdpa_calls_in_linalg(L, S, kw, mask, fused):
+    """Which SDPA calls stay one op in linalg-on-tensors, and that each form runs as torch computes it."""
+    g = torch.Generator().manual_seed(9)
+    hkv = 1 if kw.get("enable_gqa") else 2
+    q, k, v = torch.randn(2, 2, L, 8, generator=g), torch.randn(2, hkv, S, 8, generator=g), torch.randn(2, hkv, S, 8,
+                                                                                                      generator=g)
+    extra = ()
+    if mask == "bool":
+        extra = (_fully_masked_bool(L, S),)
+    elif mask == "float":
+        m = torch.randn(2, 1, L, S, generator=g)
+        m[0, 0, 3] = float("-inf")                                        # all -inf: 0 in torch
+        extra = (m,)
+    out = export_mlir(Sdpa(**kw), (q, k, v, *extra), output_type="linalg-on-tensors")
+    assert out.checked == "run" and out.max_abs_diff < 1e-5
+    assert ("tm_tensor.attention" in out.ops) == fused, out.ops
+    (got,) = _run(out, q, k, v, *extra)
+    torch.testing.assert_close(got, Sdpa(**kw)(q, k, v, *extra), rtol=1e-5, atol=1e-5)
+
+
+def test_check_inputs_that_do_not_fit_the_module_are_refused(gpt2):
+    """Refused before anything is lowered or run compiled (they used to abort the process in the JIT)."""
+    model, ids = gpt2
+    kw = {"input_ids": ids}
+    static = [(ids[:, :8], r"input_ids has shape \(2, 8\); the module takes \(2, 12\), dim 1 static"),
+              (ids[:1], r"dim 0 static"),
+              (ids.int(), r"input_ids is torch.int32; the module takes torch.int64"),
+              (ids + 100, r"check_inputs\[0\]: the model itself fails on it in PyTorch \(IndexError")]
+    for x, msg in static:
+        with pytest.raises(MlirExportError, match=msg):
+            export_mlir(model, (), kwargs=kw, output_type="linalg-on-tensors", check_inputs=[((), {"input_ids": x})])
+    dyn = {"input_ids": {1: "seq"}}
+    for x, msg in [(torch.randint(0, 97, (2, 40)), r"fails on it in PyTorch \(IndexError"),   # > n_positions
+                   (ids[:, :1], "sizes 2 and up")]:
+        with pytest.raises(MlirExportError, match=msg):
+            export_mlir(model, (), kwargs=kw, output_type="linalg-on-tensors", dynamic_shapes=dyn,
+                        check_inputs=[((), {"input_ids": x})])
+    with pytest.raises(ValueError, match=r"check_inputs\[0\] must be an \(args, kwargs\) pair"):
+        export_mlir(model, (), kwargs=kw, output_type="linalg-on-tensors", check_inputs=[ids])
+    x = torch.randn(4, 8)
+    with pytest.raises(MlirExportError, match=r"has 2 tensors; the module takes 1 \(x\)"):
+        export_mlir(Heads().eval(), (x,), output_type="linalg-on-tensors", check_inputs=[((x, x), {})])
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.linspace(0.5, 2.0, 8), persistent=False)
+
+    def forward(self, x):
+        return torch.softmax(x * self.w, -1)
+
+
+def test_non_persistent_buffers_export_and_the_model_is_left_as_it_was(monkeypatch):
+    m, x = WithBuffer(), torch.randn(3, 8)
+    out = export_mlir(m, (x,), output_type="linalg-on-tensors")
+    assert out.checked == "run" and out.max_abs_diff < 1e-6
+    assert m._non_persistent_buffers_set == {"w"} and "w" not in m.state_dict()
+    # without the fix, torch-mlir's importer asserts; that (any importer failure) is an MlirExportError
+    monkeypatch.setattr(M, "_persistent_buffers", lambda module: contextlib.nullcontext())
+    with pytest.raises(MlirExportError, match="FX importer failed .*Could not find state mapping for buffer"):
+        export_mlir(m, (x,), output_type="torch")
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.randn(8, 4, generator=torch.Generator().manual_seed(10)))
+
+    def forward(self, x):
+        return torch.softmax(x + self.pos[: x.shape[1]], -1)
+
+
+def test_failed_exports_leave_the_inputs_usable():
+    """A Dim range the example does not fit is torch.export's ConstraintViolationError, wrapped; a refused
+    dynamic capture used to leave Dynamo's dim marks on the user's tensors, and the next static export of
+    them failed ("Guard failed on the same frame it was created")."""
+    m, x = Positions(), torch.randn(2, 6, 4)
+    with pytest.raises(MlirExportError, match=r"refuses dynamic_shapes for this example: .*4 not in range \[5"):
+        export_mlir(Heads().eval(), (torch.randn(4, 8),), dynamic_shapes={"x": {0: torch.export.Dim("b", min=5)}})
+    with pytest.raises(MlirExportError, match=r"only holds for sizes in \[2, 8\]"):
+        export_mlir(m, (x,), dynamic_shapes={"x": {1: "seq"}})
+    out = export_mlir(m, (x,), output_type="linalg-on-tensors")
+    assert out.checked == "run" and out.max_abs_diff < 1e-6
+
+
+def _transformers_model(name):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(**common, num_key_value_heads=2, use_cache=False)
+        cls = transformers.LlamaForCausalLM
+    elif name == "bert":
+        cfg, cls = transformers.BertConfig(**common), transformers.BertModel
+    else:
+        cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                    use_cache=False)
+        cls = transformers.T5EncoderModel
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "t5"])
+def test_transformers_models_with_padding(name):
+    """Llama (grouped-query heads, rotary inv_freq) and BERT (position_ids / token_type_ids) hold
+    non-persistent buffers; T5's encoder attends with scale 1 and a position bias."""
+    model = _transformers_model(name)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if name == "llama":
+        mask[0, :4] = 0                                                 # left padding: fully masked rows
+    else:
+        mask[0, 9:] = 0
+    state = set(model.state_dict())
+    non_persistent = {n: set(mod._non_persistent_buffers_set) for n, mod in model.named_modules()}
+    out = export_mlir(model, (), kwargs={"input_ids": ids, "attention_mask": mask}, output_type="linalg-on-tensors")
+    assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
+    _no_smx_left(out)
+    assert out.checked == "run" and out.max_abs_diff < 1e-4
+    assert set(model.state_dict()) == state                            # the model is left as it was
+    assert {n: set(mod._non_persistent_buffers_set) for n, mod in model.named_modules()} == non_persistent
+    got = _run(out, ids, mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask)
+    first = ref.logits if name == "llama" else ref.last_hidden_state
+    torch.testing.assert_close(got[0], first, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- kept ops and errors
@@ -374,6 +582,11 @@ def test_smx_export_cli_mlir(tmp_path, capsys):
     assert "attention" in printed and "run on MLIR's LLVM JIT" in printed, printed
     assert "torch.operator" not in out.read_text() and "linalg" in out.read_text()
     kept = tmp_path / "kept.mlir"
+    shlo = tmp_path / "demo.stablehlo.mlir"                            # static shapes: no dynamic cumsum to lower
+    assert cli.main(["export", str(run), "--format", "mlir", "--output-type", "stablehlo", "--out", str(shlo),
+                     "--seq-len", "16"]) == 0
+    assert "shapes static: input_ids (2, 16)" in capsys.readouterr().out
+    assert "stablehlo." in shlo.read_text() and "tensor<2x16xi64>" in shlo.read_text()
     assert cli.main(["export", str(run), "--format", "mlir", "--output-type", "torch", "--keep-ops", "--out", str(kept),
                      "--seq-len", "16", "--options", '{"attention_normalizer": "softpick"}']) == 0
     assert 'torch.operator "torch.smx.attention"' in kept.read_text()

@@ -434,3 +434,12 @@ def test_compare_uses_a_dynamic_baseline_for_a_dynamic_export(tmp_path):
                       dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
     assert out.baseline.error is None and out.baseline.dynamic, out.baseline
     assert "static shapes" not in str(out)
+
+
+def test_a_refused_dynamic_spec_leaves_the_inputs_unmarked(tmp_path):
+    x = torch.randn(2, 1, 8)
+    with pytest.raises(OnnxExportError, match="size >= 2"):
+        export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx", dynamic_shapes={"x": {0: "b", 1: "t"}})
+    assert not hasattr(x, "_dynamo_dynamic_indices")          # dim 0 was marked before dim 1 was refused
+    out = export_onnx(Heads().eval(), (x,), tmp_path / "h.onnx")   # a static export of the same tensor works
+    assert out.max_abs_diff < 1e-5

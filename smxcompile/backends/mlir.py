@@ -9,9 +9,13 @@ attributes again), exported with ``torch.export``, and handed to ``torch_mlir.fx
   together with torch-mlir's own decomposition table), so the module holds only ops torch-mlir lowers;
   any output type works. Two changes to torch-mlir's table: ``aten.scaled_dot_product_attention`` (what
   softmax attention sites become) is not decomposed through the math kernel, whose output strides break
-  the model's later ``.view``; it stays one op (``torch``, ``linalg-on-tensors``) or is materialized in
-  the fused kernel's layout (``stablehlo``); ``aten.isfinite`` (row maxima of the attention variants) is
-  written ``|x| < inf`` for ``linalg-on-tensors``, which has no lowering of it.
+  the model's later ``.view``; it stays one op in ``torch``, and is materialized as torch defines it, in
+  the fused kernel's layout (:func:`_sdpa`), for ``stablehlo`` (no lowering of the op there) and for
+  ``linalg-on-tensors`` whenever torch-mlir's own lowering (``tm_tensor.attention``) would be wrong: with
+  any mask (it gives fully masked rows -- left padding -- other values than torch), a non-default scale
+  (it scales by ``1/sqrt(E)`` whatever ``scale`` says), or a dtype other than fp32
+  (:func:`_sdpa_linalg`); ``aten.isfinite`` (row maxima of the attention variants)
+  is written ``|x| < inf`` for ``linalg-on-tensors``, which has no lowering of it.
 * ``decompose=False``: the smx ops stay one op each, ``torch.operator "torch.smx.softmax"(...)`` in the
   ``torch`` dialect, for a compiler that brings its own lowering of them. torch-mlir's backend-contract
   pipeline refuses every ``torch.operator`` unless an "extra library" declares it value-semantic; this
@@ -19,11 +23,18 @@ attributes again), exported with ``torch.export``, and handed to ``torch_mlir.fx
   of the graph is still lowered to the backend-contract ``torch`` form. Nothing can lower those ops
   further, so other output types are refused up front.
 
+Non-persistent buffers (``rotary_emb.inv_freq``, BERT's ``position_ids``) are made persistent while
+``torch.export`` runs, so that torch-mlir's importer finds them (it reads the state dict only), and
+restored afterwards: the user's model is left as it was.
+
 Then the module is checked: it is parsed back and verified in a fresh context; no ``torch.operator``
 may remain when decomposed, and no ``torch`` dialect op in ``linalg-on-tensors`` / ``stablehlo``; a
 ``linalg-on-tensors`` module is compiled with the wheel's passes and run on the LLVM JIT
 (:mod:`.mlir_run`) on the example inputs and compared with the rewritten graph run in eager PyTorch
-(smxcompile's own kernels). ``torch`` and ``stablehlo``
+(smxcompile's own kernels). Check inputs are first matched against the exported signature (count,
+dtypes, static dims, dynamic dims' ranges) and run in PyTorch, before anything is lowered: the compiled
+code trusts its inputs, and an out-of-range size or index fails an assertion in it that aborts the
+process. ``torch`` and ``stablehlo``
 modules are verified but not run (the wheel has no runner for them that is safe in-process: its
 StableHLO interpreter aborts the process on ops it does not know).
 
@@ -33,6 +44,7 @@ Source: torch-mlir's FX importer and pipelines (``torch_mlir.fx``, ``torch_mlir.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -190,10 +202,12 @@ def _isfinite(x):
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``aten.scaled_dot_product_attention`` materialized, for StableHLO (torch-mlir lowers the op itself
-    only to ``linalg-on-tensors``), returned in the fused CPU kernel's layout ((B, L, H, E) in memory) so
-    the model's later ``.view`` of the output traces as it did against the fused op. Fully masked rows
-    give 0, as the op does in torch 2.13."""
+    """``aten.scaled_dot_product_attention`` materialized, as torch defines it (its math, fully masked rows
+    giving 0 as the op does in torch 2.13; a row whose mask entries are all ``finfo.min`` averages V, as
+    torch does), returned in the fused CPU kernel's layout ((B, L, H, E) in memory) so the model's later
+    ``.view`` of the output traces as it did against the fused op. For StableHLO (torch-mlir lowers the
+    op itself only to ``linalg-on-tensors``) and, through :func:`_sdpa_linalg`, for every call
+    ``tm_tensor.attention`` would get wrong."""
     if dropout_p > 0:
         raise NotImplementedError("aten.scaled_dot_product_attention with dropout_p > 0 (a training graph) has no "
                                   "reference form; export the model in eval mode")
@@ -210,7 +224,8 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
     m = s.amax(-1, keepdim=True)
-    e = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
+    # (|m| < inf: aten.isfinite has no linalg lowering)
+    e = torch.exp(s - torch.where(torch.abs(m) < float("inf"), m, 0.0))
     d = e.sum(-1, keepdim=True)
     out = torch.matmul(e / torch.where(d == 0, 1.0, d), v).to(query.dtype)
     if out.dim() == 4:
@@ -218,18 +233,43 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return out
 
 
+def _default_scale(scale, E) -> bool:
+    """``scale`` is SDPA's default ``1/sqrt(E)`` (None, or that value as the attention pass writes it)."""
+    if scale is None:
+        return True
+    if not isinstance(E, int):
+        return False
+    return abs(float(scale) * math.sqrt(E) - 1.0) < 1e-6
+
+
+def _sdpa_linalg(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA for ``linalg-on-tensors``: kept whole (``NotImplemented``: torch.export's marker for "preserve
+    this op") only where torch-mlir's lowering was found exact -- no mask, the default scale, fp32 (causal
+    or not, grouped-query heads or not; tests/test_mlir_export.py pins these) -- and :func:`_sdpa` for
+    everything else: ``tm_tensor.attention`` (torch-mlir 20261001) scales by ``1/sqrt(E)`` whatever
+    ``scale`` says, and with a mask gives rows whose entries are all ``finfo.min`` (left padding) other
+    values than torch, and wrong ones under a bool mask with a fully masked row."""
+    if (attn_mask is None and dropout_p == 0 and query.dtype == torch.float32
+            and _default_scale(scale, query.shape[-1])):
+        return NotImplemented
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
 def _decomposition_table(decompose: bool, output_type: str = "torch") -> dict:
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
     table = dict(get_decomposition_table())       # a copy: torch-mlir caches (and shares) its table
-    # SDPA (what the attention pass emits for softmax attention) stays one op where torch-mlir lowers it
-    # (torch, linalg-on-tensors: tm_tensor.attention): its table entry decomposes through the math kernel,
-    # whose output strides differ from the fused kernel's, and the model's ``.view`` of the output
-    # (exported where the fused layout allowed it) then fails to trace
+    # SDPA (what the attention pass emits for softmax attention): torch-mlir's table entry decomposes it
+    # through the math kernel, whose output strides differ from the fused kernel's, and the model's
+    # ``.view`` of the output (exported where the fused layout allowed it) then fails to trace. It stays one
+    # op in ``torch``; ``stablehlo`` has no lowering of it; ``linalg-on-tensors`` keeps it (tm_tensor.attention)
+    # only where that lowering is exact (see _sdpa_linalg)
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     table.pop(sdpa, None)
     if output_type == "stablehlo":
         table[sdpa] = _sdpa
+    elif output_type == "linalg-on-tensors":
+        table[sdpa] = _sdpa_linalg
     if output_type == "linalg-on-tensors":
         table[torch.ops.aten.isfinite.default] = _isfinite
     if decompose:
@@ -299,10 +339,137 @@ def _lower(ep, output_type: str, custom: list[str]):
         op = _failing_op(diags)
         first = next((d for d in diags), str(e).strip().splitlines()[0])
         raise MlirExportError(f"torch-mlir could not lower {op or 'the module'} to {output_type}: {first[:500]}") from e
+    except Exception as e:  # noqa: BLE001 - the FX importer asserts on what it does not handle
+        raise MlirExportError(f"torch-mlir's FX importer failed on the exported program: {_one_line(e)}"
+                              + (f" ({diags[0][:300]})" if diags else "")
+                              + "; export the site unrewritten (options={'cpu': 'rewrite', 'disable': [...]}) "
+                              "or the model with plain torch_mlir.fx.export_and_import to tell whether "
+                              "smxcompile's graph is the cause") from e
     finally:
         handler.detach()
         if lib_path is not None:
             os.unlink(lib_path)
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line`` of an exception's message."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:400]}" if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _persistent_buffers(module: nn.Module):
+    """Every buffer of ``module`` persistent while the block runs, and as it was afterwards: torch.export
+    puts a non-persistent buffer (``rotary_emb.inv_freq`` of Llama-style models, BERT's ``position_ids`` /
+    ``token_type_ids``) among the program's constants, where torch-mlir's FX importer does not look for it
+    ("Could not find state mapping for buffer"); as a persistent one it is in the state dict and becomes a
+    constant of the module like any other buffer. Only the modules' ``_non_persistent_buffers_set`` is
+    touched (what ``state_dict`` reads); the tensors are not."""
+    saved = [(m, set(m._non_persistent_buffers_set)) for m in module.modules() if m._non_persistent_buffers_set]
+    try:
+        for m, _ in saved:
+            m._non_persistent_buffers_set.clear()
+        yield
+    finally:
+        for m, names in saved:
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(names)
+
+
+@dataclasses.dataclass
+class _InputSpec:
+    """What the exported program takes at one input: ``name`` (the forward argument), ``shape`` (ints,
+    sympy expressions of the program's symbols for dynamic dims), ``dtype``."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _input_specs(ep, leaves: list[torch.Tensor], names: list[str]) -> tuple[list[_InputSpec], dict]:
+    """The user inputs of ``ep`` (shapes as traced: ints, or sympy expressions of its symbols) and the
+    symbols' ranges ``{symbol: (lo, hi or None)}``."""
+    from .onnx import _bound
+
+    user = set(ep.graph_signature.user_inputs)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
+    specs = []
+    for t, name, n in zip(leaves, names, placeholders):
+        val = n.meta.get("val")
+        shape = tuple(t.shape) if val is None else tuple(
+            d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
+        specs.append(_InputSpec(name, shape, t.dtype))
+    ranges = {}
+    for sym, r in ep.range_constraints.items():
+        try:
+            ranges[sym] = (_bound(r.lower), _bound(r.upper))
+        except (TypeError, ValueError):
+            ranges[sym] = (None, None)
+    return specs, ranges
+
+
+def _check_leaves(which: str, leaves: list, specs: list[_InputSpec], ranges: dict) -> None:
+    """Refuse inputs the module was not exported for, before anything runs them: the compiled code trusts
+    them, and a size it does not expect fails an assertion in it that aborts the process."""
+    if len(leaves) != len(specs):
+        raise MlirExportError(f"{which} has {len(leaves)} tensors; the module takes {len(specs)} "
+                              f"({', '.join(s.name for s in specs)}): give the same arguments as the example")
+    bound: dict = {}
+    for t, spec in zip(leaves, specs):
+        if not isinstance(t, torch.Tensor):
+            raise MlirExportError(f"{which}: {spec.name} is a {type(t).__name__}, not a tensor")
+        if t.dtype != spec.dtype:
+            raise MlirExportError(f"{which}: {spec.name} is {t.dtype}; the module takes {spec.dtype} (the example's "
+                                  f"dtype): convert it (e.g. .to({spec.dtype})) or export with an example of that "
+                                  "dtype")
+        want = "(" + ", ".join(str(d) if isinstance(d, int) else "?" for d in spec.shape) + ")"
+        if t.dim() != len(spec.shape):
+            raise MlirExportError(f"{which}: {spec.name} has shape {tuple(t.shape)}; the module takes {want}")
+        for d, (size, dim) in enumerate(zip(t.shape, spec.shape)):
+            if isinstance(dim, int):
+                if size != dim:
+                    raise MlirExportError(
+                        f"{which}: {spec.name} has shape {tuple(t.shape)}; the module takes {want}, dim {d} static: "
+                        f"export with dynamic_shapes={{{spec.name!r}: {{{d}: ...}}}} to run other sizes there")
+                continue
+            if getattr(dim, "is_Symbol", False):
+                lo, hi = ranges.get(dim, (None, None))
+                lo = 2 if lo is None else max(lo, 2)         # torch-mlir assumes a dynamic dim is not 1
+                if size < lo or (hi is not None and size > hi):
+                    raise MlirExportError(
+                        f"{which}: {spec.name} dim {d} has size {size}; the module was exported for sizes "
+                        + (f"{lo} and up" if hi is None else f"{lo} to {hi}")
+                        + " there (a dynamic dim never takes sizes 0 or 1)")
+                if bound.setdefault(dim, size) != size:
+                    raise MlirExportError(f"{which}: {spec.name} dim {d} has size {size}, another input's dim "
+                                          f"of the same dynamic size has {bound[dim]} (the module ties them)")
+    for t, spec in zip(leaves, specs):                   # dims derived from the symbols (e.g. 2*s0)
+        for d, (size, dim) in enumerate(zip(t.shape, spec.shape)):
+            if isinstance(dim, int) or getattr(dim, "is_Symbol", False):
+                continue
+            if dim.free_symbols <= set(bound):
+                want = int(dim.subs(bound))
+                if size != want:
+                    raise MlirExportError(f"{which}: {spec.name} dim {d} has size {size}; the module expects "
+                                          f"{dim} = {want} there")
+
+
+def _check_input_leaves(model: nn.Module, check_inputs) -> list[list[torch.Tensor]]:
+    """``check_inputs`` as flattened tensors, one list per ``(args, kwargs)``."""
+    from . import onnx as _onnx
+
+    check_inputs = check_inputs or ()
+    if isinstance(check_inputs, tuple) and len(check_inputs) == 2 and isinstance(check_inputs[1], dict):
+        check_inputs = [check_inputs]                          # one (args, kwargs) given bare
+    out = []
+    for j, item in enumerate(check_inputs):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict)):
+            raise ValueError(f"check_inputs[{j}] must be an (args, kwargs) pair, e.g. ((), {{'input_ids': ids}}); "
+                             f"got {type(item).__name__}")
+        more_args, more_kwargs = item
+        more_args = tuple(more_args) if isinstance(more_args, (tuple, list)) else (more_args,)
+        out.append(_onnx.input_leaves(model, more_args, dict(more_kwargs))[0])
+    return out
 
 
 # --------------------------------------------------------------------------- export
@@ -351,21 +518,29 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
     the rewritten graph run in eager PyTorch on smxcompile's own kernels -- the model itself, unless
     ``options`` change its math (``attention_normalizer``) -- (``checked="run"``), unless a tensor is
     bfloat16, which the JIT's descriptors cannot carry (``checked="verified"``, as for ``torch`` and
-    ``stablehlo``, which are parsed and verified only).
+    ``stablehlo``, which are parsed and verified only). Every check input is first matched against the
+    exported program (number of tensors, dtypes, static dims, the dynamic dims' ranges, sizes >= 2) and run
+    in PyTorch, before the lowering: what does not fit, or what the model itself rejects (an id past the
+    vocabulary, a sequence past the position table), is an :class:`MlirExportError`, never a run of the
+    compiled code (whose bounds assertions abort the process).
 
     Raises:
         ImportError: torch-mlir is not installed (``pip install smxcompile[mlir]``).
         ValueError: an unknown ``output_type``; ``decompose=False`` with an output type other than
-            ``"torch"`` (kept smx ops cannot be lowered further).
-        MlirExportError: a graph break or a bad ``dynamic_shapes`` (from the capture); an smx op with no
-            reference form (named, e.g. a training-only op, or attention with dropout); an op torch-mlir
-            fails to lower (named from its diagnostics, with the output type); a ``torch.operator`` left
-            after decomposition; a module that does not verify; outputs that differ from eager (which
-            output, by how much).
+            ``"torch"`` (kept smx ops cannot be lowered further); a ``check_inputs`` entry that is not an
+            ``(args, kwargs)`` pair.
+        MlirExportError: a graph break or a bad ``dynamic_shapes`` (from the capture); torch.export failing
+            on the rewritten graph; an smx op with no reference form (named, e.g. a training-only op, or
+            attention with dropout); an op torch-mlir fails to lower (named from its diagnostics, with the
+            output type) or its importer failing; a ``torch.operator`` left after decomposition; a module
+            that does not verify; a check input that does not fit the module or that the model rejects;
+            outputs that differ from eager (which input, which output, by how much).
 
     What lowers (torch-mlir 20261001): every smx op's reference form, to all three output types. Softmax
-    attention is torch's SDPA op, kept whole in ``torch``, ``tm_tensor.attention`` (or matmul + softmax)
-    in ``linalg-on-tensors``, materialized for ``stablehlo`` (no SDPA lowering there). Softmax + top-k
+    attention is torch's SDPA op, kept whole in ``torch``; in ``linalg-on-tensors`` it stays one op
+    (``tm_tensor.attention``, or torch-mlir's matmul + softmax) only without a mask, with the default scale,
+    in fp32, and is materialized otherwise (torch-mlir's lowering ignores ``scale`` and differs from torch
+    on fully masked rows); materialized for ``stablehlo`` (no SDPA lowering there). Softmax + top-k
     becomes a full sort of the row and a slice (torch-mlir decomposes ``aten.topk`` so; the probabilities
     are still never materialized). Limits met: a GPT-2 with batch *and* sequence dynamic lowers to
     ``linalg-on-tensors`` with NaN rows (the run refuses it; either dim alone is fine) and its ``aten.cumsum``
@@ -385,15 +560,41 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
+    # the capture marks the dims of dynamic_shapes on the tensors it is given, and the marks stay: a later
+    # static export of the same tensors then fails in Dynamo ("Guard failed on the same frame it was
+    # created"). It gets aliases (same storage, no attributes; one per tensor, so aliasing is kept)
+    aliases: dict[int, torch.Tensor] = {}
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: aliases.setdefault(id(t), t.detach()), (args, kwargs))
+    run_check = check and output_type == "linalg-on-tensors"
+    more_inputs = [(f"check_inputs[{j}]", more) for j, more in
+                   enumerate(_check_input_leaves(model, check_inputs) if run_check else [])]
     try:
         module, report = _onnx.capture(model, args, kwargs, options, dynamic_shapes)
     except _onnx.OnnxExportError as e:
         raise MlirExportError(str(e)) from e
-    leaves, _ = _onnx.input_leaves(model, args, kwargs)
+    leaves, names = _onnx.input_leaves(model, args, kwargs)
     shapes = _onnx._leaf_shapes(model, args, kwargs, dynamic_shapes)
-    with torch.no_grad(), _onnx._export_ops():
-        ep = torch.export.export(module, tuple(leaves), strict=False,
-                                 dynamic_shapes=None if shapes is None else (shapes,))
+    try:
+        with torch.no_grad(), _onnx._export_ops(), _persistent_buffers(module):
+            ep = torch.export.export(module, tuple(leaves), strict=False,
+                                     dynamic_shapes=None if shapes is None else (shapes,))
+    except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:
+        raise MlirExportError(f"torch.export refuses dynamic_shapes for this example: {_one_line(e)}; give an "
+                              "example whose sizes lie in the declared Dim(min=, max=) range, or keep the dim "
+                              "static") from e
+    except Exception as e:  # noqa: BLE001 - what Dynamo captured, torch.export should take: name the cause
+        raise MlirExportError(f"torch.export failed on the rewritten graph: {_one_line(e)} (check that the model "
+                              "exports with torch.export.export(model, args, kwargs, strict=False); with "
+                              "dynamic_shapes, try the dims static)") from e
+    # the run's inputs and PyTorch's outputs on them, before the lowering: an input the module was not
+    # exported for (shape, dtype) or that the model itself rejects is refused here, never run compiled
+    runs: list[tuple[str, list, list]] = []
+    if run_check and _runnable(leaves, model):
+        specs, ranges = _input_specs(ep, leaves, names)
+        for which, more in more_inputs:
+            _check_leaves(which, more, specs, ranges)
+        for which, ls in [("the example", leaves), *more_inputs]:
+            runs.append((which, ls, _reference(module, ls, which)))
     kept = sorted({name for name, _ in _smx_ops(ep.graph_module)})
     if decompose:
         from ..kernels.decompositions import decomposition_table
@@ -412,6 +613,9 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
             ep = ep.run_decompositions(_decomposition_table(decompose, output_type))
     except NotImplementedError as e:
         raise MlirExportError(str(e)) from e
+    except Exception as e:  # noqa: BLE001
+        raise MlirExportError(f"decomposing the exported graph for {output_type} failed: {_one_line(e)}; with "
+                              "decompose=False (output_type='torch') the smx ops are kept whole") from e
     if decompose:
         left = _smx_ops(ep.graph_module)
         if left:
@@ -431,18 +635,14 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
             if torch_ops:
                 raise MlirExportError(f"{torch_ops[0]} (torch dialect) is left in the {output_type} module")
         out.checked = "verified"
-        if output_type == "linalg-on-tensors" and _runnable(leaves, model):
+        if runs:
             from .mlir_run import LinalgModule, RunError
 
             try:
                 compiled = LinalgModule(text)
             except RunError as e:
                 raise MlirExportError(f"the linalg-on-tensors module did not compile for the JIT: {e}") from e
-            out.max_abs_diff = _run_and_compare(compiled, module, leaves, rtol, atol)
-            for more_args, more_kwargs in check_inputs:
-                more_args = more_args if isinstance(more_args, tuple) else (more_args,)
-                more, _ = _onnx.input_leaves(model, more_args, dict(more_kwargs))
-                out.max_abs_diff = max(out.max_abs_diff, _run_and_compare(compiled, module, more, rtol, atol))
+            out.max_abs_diff = max(_run_and_compare(compiled, ls, ref, rtol, atol, which) for which, ls, ref in runs)
             out.checked = "run"
     if path is not None:
         out.path = Path(path)
@@ -455,22 +655,34 @@ def _runnable(leaves: list[torch.Tensor], model: nn.Module) -> bool:
     return not any(t.dtype == torch.bfloat16 for t in (*leaves, *model.parameters(), *model.buffers()))
 
 
-def _run_and_compare(compiled, module: nn.Module, leaves: list[torch.Tensor], rtol: float, atol: float) -> float:
-    """Run the linalg module on the JIT and compare it with ``module`` (the rewritten graph) run in eager
-    PyTorch with smxcompile's own kernels: the model itself unless ``options`` change its math (a
-    requested attention normalizer)."""
+def _reference(module: nn.Module, leaves: list[torch.Tensor], which: str) -> list[torch.Tensor]:
+    """``module`` (the rewritten graph) run in eager PyTorch with smxcompile's own kernels -- the model
+    itself unless ``options`` change its math (a requested attention normalizer) -- its output tensors. Run
+    before the JIT: an input the model rejects (an id past the vocabulary, a sequence past the position
+    table) is the model's error, raised here, and never reaches the compiled code, whose bounds assertions
+    abort the process."""
+    from .onnx import _export_ops
+
+    try:
+        with torch.no_grad(), _export_ops():
+            ref = module(*leaves)
+    except Exception as e:  # noqa: BLE001 - the model's own error on these inputs
+        raise MlirExportError(f"{which}: the model itself fails on it in PyTorch ({_one_line(e)}), so the module "
+                              "is not run on it (an out-of-range index aborts compiled code)") from e
+    return [t.detach().cpu() for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+
+
+def _run_and_compare(compiled, leaves: list[torch.Tensor], ref_leaves: list[torch.Tensor], rtol: float,
+                     atol: float, which: str = "the example") -> float:
+    """Run the linalg module on the JIT on ``leaves`` and compare it with ``ref_leaves`` (:func:`_reference`)."""
     import numpy as np
 
     from .mlir_run import RunError
-    from .onnx import _export_ops
 
     try:
         got = compiled.run(*[t.detach().cpu().numpy() for t in leaves])
     except RunError as e:
-        raise MlirExportError(f"the linalg-on-tensors module did not run: {e}") from e
-    with torch.no_grad(), _export_ops():
-        ref = module(*leaves)
-    ref_leaves = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+        raise MlirExportError(f"{which}: the linalg-on-tensors module did not run: {e}") from e
     if len(got) != len(ref_leaves):
         raise MlirExportError(f"the MLIR module returns {len(got)} tensors, the model {len(ref_leaves)} (outputs the "
                               "graph does not compute, such as an input returned as it is, are not part of an export)")
@@ -481,9 +693,10 @@ def _run_and_compare(compiled, module: nn.Module, leaves: list[torch.Tensor], rt
         if g.dtype != r.dtype and g.element_size() == r.element_size() and not r.dtype.is_floating_point:
             g = g.view(r.dtype)                           # e.g. ui8 results read back as i8
         if tuple(g.shape) != tuple(r.shape):
-            raise MlirExportError(f"output {i}: the module gives shape {tuple(g.shape)}, eager {tuple(r.shape)}")
+            raise MlirExportError(f"{which}, output {i}: the module gives shape {tuple(g.shape)}, eager "
+                                  f"{tuple(r.shape)}")
         if g.dtype != r.dtype:
-            raise MlirExportError(f"output {i}: the module gives {g.dtype}, eager {r.dtype}")
+            raise MlirExportError(f"{which}, output {i}: the module gives {g.dtype}, eager {r.dtype}")
         gd, rd = g.double(), r.double()
         both_nan = torch.isnan(gd) & torch.isnan(rd)
         d = torch.where(both_nan, 0.0, (gd - rd).abs())
@@ -491,7 +704,7 @@ def _run_and_compare(compiled, module: nn.Module, leaves: list[torch.Tensor], rt
         if bool(bad.any()):
             nan = int((torch.isnan(gd) & ~torch.isnan(rd)).sum())
             finite = d[~torch.isnan(d)]
-            raise MlirExportError(f"output {i}: the linalg-on-tensors module differs from eager PyTorch at "
+            raise MlirExportError(f"{which}, output {i}: the linalg-on-tensors module differs from eager PyTorch at "
                                   f"{int(bad.sum())} of {bad.numel()} entries (rtol {rtol}, atol {atol}): by up to "
                                   f"{float(finite.max()) if finite.numel() else math.nan:.3g}"
                                   + (f", NaN at {nan} where eager is not" if nan else ""))

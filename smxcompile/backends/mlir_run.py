@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["PIPELINE", "LinalgModule", "RunError", "new_context", "run_linalg"]
+__all__ = ["PIPELINE", "LinalgModule", "RunError", "check_arguments", "new_context", "run_linalg", "signatures"]
 
 PIPELINE = "builtin.module(" + ",".join([
     "func.func(linalg-generalize-named-ops)",
@@ -66,6 +66,12 @@ _MEMREF_DTYPES = {
 }
 #: Input dtypes the descriptors can carry (no bfloat16 in numpy).
 INPUT_DTYPES = (np.float16, np.float32, np.float64, np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64)
+#: Element types of a function's tensor arguments -> the numpy dtypes an input may have there (torch-mlir's
+#: linalg types are signless: ``i8`` holds int8 and uint8 tensors alike).
+_ARG_DTYPES = {
+    "f16": (np.float16,), "f32": (np.float32,), "f64": (np.float64,), "i1": (np.bool_,), "i8": (np.int8, np.uint8),
+    "ui8": (np.uint8,), "si8": (np.int8,), "i16": (np.int16,), "i32": (np.int32,), "i64": (np.int64,),
+}
 _RETURN_PREFIX = "refbackend_consume_func_return_"
 
 
@@ -95,7 +101,53 @@ def new_context():
 
 
 class RunError(RuntimeError):
-    """The module could not be compiled for, or run on, the JIT."""
+    """The module could not be compiled for, or run on, the JIT, or inputs do not fit its signature."""
+
+
+def signatures(module) -> dict[str, list[tuple[tuple[int | None, ...], str]]]:
+    """``{function name: [(shape, element type) per argument]}`` of the module's public functions, ``None``
+    for a dynamic dim (``tensor<2x?xi64>`` -> ``((2, None), "i64")``); an argument that is not a ranked
+    tensor has shape ``None``."""
+    from torch_mlir import ir
+
+    out: dict[str, list] = {}
+    for op in module.body.operations:
+        if op.operation.name != "func.func" or "sym_visibility" in op.attributes:
+            continue
+        ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+        args = []
+        for t in ftype.inputs:
+            try:
+                rt = ir.RankedTensorType(t)
+            except ValueError:
+                args.append((None, str(t)))
+                continue
+            args.append((tuple(None if rt.is_dynamic_dim(i) else int(rt.shape[i]) for i in range(rt.rank)),
+                         str(rt.element_type)))
+        out[op.attributes["sym_name"].value] = args
+    return out
+
+
+def _fmt(shape: tuple, elt: str) -> str:
+    return "tensor<" + "".join(f"{'?' if d is None else d}x" for d in shape) + elt + ">"
+
+
+def check_arguments(sig: list, arrays: Sequence[np.ndarray], func: str = "main") -> None:
+    """Raise :class:`RunError` unless ``arrays`` fit ``sig`` (from :func:`signatures`): the number of
+    arguments, each one's rank, static dims and dtype. The compiled code trusts its descriptors: a wrong
+    size reaches its bounds assertions (``index must be smaller than dim size``), which abort the process."""
+    if len(arrays) != len(sig):
+        raise RunError(f"@{func} takes {len(sig)} tensors, {len(arrays)} given")
+    for i, (a, (shape, elt)) in enumerate(zip(arrays, sig)):
+        if shape is None:
+            raise RunError(f"@{func} argument {i} is a {elt}, which this runner does not pass")
+        want = _fmt(shape, elt)
+        if a.ndim != len(shape) or any(d is not None and d != n for d, n in zip(shape, a.shape)):
+            raise RunError(f"@{func} argument {i} is {want}; the input has shape {tuple(a.shape)} (the module's "
+                           "static dims are fixed: export with dynamic_shapes for other sizes)")
+        if a.dtype.type not in _ARG_DTYPES.get(elt, ()):
+            raise RunError(f"@{func} argument {i} is {want}; the input has dtype {a.dtype} (convert it, e.g. "
+                           f"int32 ids to int64, or export with an example of that dtype)")
 
 
 class LinalgModule:
@@ -126,6 +178,8 @@ class LinalgModule:
         try:
             with self.context:
                 module = ir.Module.parse(text)
+                #: ``{function: [(shape, element type)]}`` before lowering (see :func:`signatures`)
+                self.signatures = signatures(module)
                 PassManager.parse(PIPELINE).run(module.operation)
         except Exception as e:
             raise RunError("lowering the linalg-on-tensors module to LLVM failed: "
@@ -168,17 +222,29 @@ class LinalgModule:
     def run(self, *arrays: np.ndarray, func: str = "main") -> list[np.ndarray]:
         """Call ``func`` on numpy arrays (its tensor arguments, in order); returns its results as arrays.
 
+        The arrays are checked against ``func``'s signature first (count, rank, static dims, dtype). Values
+        are not: an index the module's code finds out of range (an id past the vocabulary, a position past
+        the position table) fails an assertion in the compiled code, which aborts the process; run the
+        model in PyTorch on such inputs first (as :func:`smxcompile.export_mlir`'s check does).
+
         Raises:
-            RunError: an input dtype the descriptors cannot carry (bfloat16), or no result came back.
+            RunError: no public function ``func``; inputs that do not fit its signature; an input dtype the
+                descriptors cannot carry (bfloat16); no result came back.
         """
         from torch_mlir.runtime import get_unranked_memref_descriptor
 
+        if func not in self.signatures:
+            raise RunError(f"the module has no public function @{func} (it has "
+                           f"{', '.join('@' + f for f in self.signatures) or 'none'})")
+        arrays = [np.asarray(a) for a in arrays]
+        for a in arrays:
+            if a.dtype.type not in INPUT_DTYPES:
+                raise RunError(f"input of dtype {a.dtype} cannot be passed to the JIT")
+        check_arguments(self.signatures[func], arrays, func)
         ffi = []
         keep = []
         for a in arrays:
             a = np.ascontiguousarray(a)
-            if a.dtype.type not in INPUT_DTYPES:
-                raise RunError(f"input of dtype {a.dtype} cannot be passed to the JIT")
             keep.append(a)
             ffi.append(ctypes.pointer(ctypes.pointer(get_unranked_memref_descriptor(a))))
         self._result = None

@@ -249,11 +249,13 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> list[tuple[str, torch.Tensor, int, Any]]:
+def _mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
+                  marked: list[tuple[str, torch.Tensor, int, Any]]) -> list[tuple[str, torch.Tensor, int, Any]]:
     """Mark the dims ``dynamic_shapes`` (torch.export's format: per ``forward`` argument name, a dict
     ``{dim: Dim}`` or a per-dim tuple/list with None for static dims) dynamic for Dynamo; returns
     ``(name, tensor, dim, spec value)`` of each marked dim."""
-    marked: list[tuple[str, torch.Tensor, int, Any]] = []
+    # ``marked`` is the caller's list, filled as dims are marked: a bad spec raising half-way still leaves the
+    # caller able to unmark what was marked
     frame = _bind(model, args, kwargs)
     if isinstance(dynamic_shapes, (tuple, list)):
         names = list(frame)[:len(dynamic_shapes)]
@@ -445,7 +447,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     marked: list = []
     try:
         if dynamic_shapes is not None:
-            marked = _mark_dynamic(model, args, kwargs, dynamic_shapes)
+            _mark_dynamic(model, args, kwargs, dynamic_shapes, marked)
         with torch.no_grad(), _export_ops(), torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             torch.compile(model, backend=backend, fullgraph=True,
                           dynamic=None if dynamic_shapes is not None else False)(*args, **kwargs)
@@ -461,9 +463,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
                               f"{_dynamo_reason(e)}") from e
     finally:
         torch._dynamo.reset()
-        for _, t, _, _ in marked:           # leave the caller's tensors as they were
-            if hasattr(t, "_dynamo_dynamic_indices"):
-                del t._dynamo_dynamic_indices
+        for _, t, _, _ in marked:           # leave the caller's tensors as they were (every mark_dynamic attribute)
+            for attr in ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_has_dynamo_dim_marking",
+                         "_specialize_on", "_dynamo_hint_overrides"):
+                if attr in vars(t):
+                    delattr(t, attr)
     if "gm" in store:
         _check_ranges(marked, store.get("ranges", {}))
     if "gm" not in store:
