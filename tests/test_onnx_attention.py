@@ -1,7 +1,9 @@
 """Attention in ONNX, per form (backends/onnx_attention.py): ``aten::scaled_dot_product_attention`` as the ONNX
 ``Attention`` op, com.microsoft ``MultiHeadAttention`` or MatMul / Softmax / MatMul, and ``smx::attention``
-with every normalizer, checked in onnxruntime against torch (the MATH definition of SDPA; the normalizers
-against an fp64 ``attention_reference``)."""
+with every normalizer, checked in onnxruntime against the eager model as written (every spelling the attention
+pass rewrites, NaN and inf in q / k / v included), against torch for direct ``F.scaled_dot_product_attention``
+calls (the module docstring's semantics: ``_sdpa_ref``), the normalizers against an fp64
+``attention_reference``."""
 
 from __future__ import annotations
 
@@ -61,6 +63,32 @@ def _math(q, k, v, mask=None, causal=False, gqa=False):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
+def _sdpa_ref(q, k, v, mask=None, causal=False, gqa=False):
+    """What the file computes for ``F.scaled_dot_product_attention`` (onnx_attention's module docstring): a bool
+    mask and the causal triangle select keys (a masked score is never read, as ``masked_fill``), a float mask is
+    added; a row with no key ``0 @ V`` (NaN for a float mask where ``s + (-inf)`` is NaN there); any other row
+    softmax as written. Equal to torch's MATH backend on finite inputs."""
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    keep = seen = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = seen = mask
+    elif mask is not None:
+        s, seen = s + mask, mask != NEG
+    if causal:
+        tri = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        keep, seen = keep & tri, seen & tri
+    z = s.masked_fill(~keep, NEG)
+    out = torch.softmax(z, -1) @ v
+    if mask is None:
+        return out
+    fill = (v * 0).sum(-2, keepdim=True)
+    if mask.dtype != torch.bool:
+        fill = fill + torch.where(z.sum(-1, keepdim=True).isnan(), NAN, 0.0)
+    return torch.where(~seen.any(-1, keepdim=True), fill, out)
+
+
 def _same(got, ref, atol=2e-5, rtol=1e-4, what=""):
     """Equal NaN positions, values within tolerance elsewhere."""
     assert torch.equal(got.isnan(), ref.isnan()), f"{what}: NaN at {got.isnan().sum()} vs torch {ref.isnan().sum()}"
@@ -101,10 +129,13 @@ def _float_masks(B, L, S):
 @pytest.mark.parametrize("case", ["float", "bool", "causal_pad", "causal_pad_float", "causal_L<S", "causal_L>S",
                                   "gqa"])
 def test_sdpa_forms_match_torch(tmp_path, form, case):
-    """Every form gives torch's numbers: masks (bool / float, finfo.min and -inf, fully masked rows), causal
-    (top-left, with and without a padding mask), grouped-query heads, NaN inputs."""
+    """``F.scaled_dot_product_attention`` in the model (kept): every form gives torch's numbers (masks bool / float,
+    finfo.min and -inf, fully masked rows, causal top-left with and without a padding mask, grouped-query heads)
+    and, with NaN / inf in q, k or v, the module docstring's semantics (``_sdpa_ref``): torch's default CPU kernel
+    for float masks and is_causal; a bool mask selects (torch adds it as -inf: NaN from a masked key)."""
     B, L, S = 2, 6, 6
     feeds: dict[str, tuple] = {}
+    torch_cpu: set[str] = set()       # feeds on which the file also equals torch's default CPU kernel
     if case in ("float", "bool", "gqa"):
         q, k, v = _qkv(Hkv=2 if case == "gqa" else 4)
         model = SDPA(gqa=case == "gqa")
@@ -114,11 +145,15 @@ def test_sdpa_forms_match_torch(tmp_path, form, case):
         for name, m in masks.items():
             feeds[name] = (q, k, v, m)
         m = masks["fully masked rows"]
-        qn, kn, vn = q.clone(), k.clone(), v.clone()
-        qn[0, :, 1, 0] = NAN           # in a fully masked row: torch gives NaN, not 0
-        kn[1, :1, 5, 0] = NAN          # a key of one kv head: every row of its query heads is NaN
+        qn, kn, vn, ki = q.clone(), k.clone(), v.clone(), k.clone()
+        qn[0, :, 1, 0] = NAN           # a row of finfo.min (float: NaN) / no key (bool: 0 @ V)
+        qn[1, :, 2, 1] = float("inf")  # a row with no key
+        kn[1, :1, 5, 0] = NAN          # a key of one kv head, masked in some rows only
+        ki[0, :, 3, 1] = float("inf")  # +inf / -inf scores by the sign of q's entry
         vn[1, :, 0, 3] = NAN           # a value: that column is NaN in every row of the batch entry
-        feeds |= {"NaN q": (qn, k, v, m), "NaN k": (q, kn, v, m), "NaN v": (q, k, vn, m)}
+        feeds |= {"NaN q": (qn, k, v, m), "NaN k": (q, kn, v, m), "inf k": (q, ki, v, m), "NaN v": (q, k, vn, m)}
+        if case != "bool":
+            torch_cpu |= {"NaN q", "NaN k", "NaN v"}
     elif case.startswith("causal_pad"):
         q, k, v = _qkv()
         model = SDPA(causal=True)
@@ -129,19 +164,31 @@ def test_sdpa_forms_match_torch(tmp_path, form, case):
         m2 = m.clone()
         m2[0, ..., :1] = False if m.dtype == torch.bool else FMIN
         feeds["other padding"] = (q, k, v, m2)
+        kn, ki = k.clone(), k.clone()
+        kn[1, :, 1, 0] = NAN           # a padded key
+        ki[0, :, 3, 2] = float("inf")  # a future key of rows 0-2
+        feeds |= {"NaN k, padded key": (q, kn, v, m), "inf k, future key": (q, ki, v, m)}
     else:
         L, S = (4, 7) if case == "causal_L<S" else (7, 4)
         q, k, v = _qkv(L=L, S=S)
         model = SDPA(causal=True)
         feeds["causal"] = (q, k, v)
         feeds["large scores"] = (q * 30, k * 30, v)
+        kn = k.clone()
+        kn[0, :, 2, 0] = NAN           # a future key of rows 0 and 1: skipped, as torch's CPU kernel
+        feeds["NaN k, future key"] = (q, kn, v)
+        torch_cpu.add("NaN k, future key")
     first = next(iter(feeds.values()))
     out = _export(model, first, tmp_path / "a.onnx", form)
     _form_ops(form, out.op_types)
     assert out.max_abs_diff < 1e-4
     for name, args in feeds.items():
         got = _run(out.path, *args)
-        ref = _math(*args[:3], args[3] if len(args) > 3 else None, causal=model.causal, gqa=model.gqa)
+        ref = _sdpa_ref(*args[:3], args[3] if len(args) > 3 else None, causal=model.causal, gqa=model.gqa)
+        if all(t.isfinite().all() for t in args[:3]):
+            _same(ref, _math(*args[:3], args[3] if len(args) > 3 else None, causal=model.causal, gqa=model.gqa))
+        if name in torch_cpu:
+            _same(ref, model(*args), what=f"{case} {name}: the reference vs torch's default CPU kernel")
         _same(got, ref, what=f"{form} {case} {name}")
 
 
@@ -176,6 +223,143 @@ def test_decompose_is_standard_ops_at_opset_18(tmp_path):
     assert {o.domain for o in onnx.load(str(out.path)).opset_import} <= {"", "ai.onnx"}
     _form_ops("decompose", out.op_types)
     assert out.exported["aten::scaled_dot_product_attention"]["onnx"].get("MatMul") == 2
+
+
+# --------------------------------------------------------------------------- eager spellings: NaN and inf
+
+
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def _repeat_kv(x, n):
+    B, H, S, E = x.shape
+    return x[:, :, None].expand(B, H, n, S, E).reshape(B, H * n, S, E)
+
+
+#: The spellings the attention pass rewrites (one site each), and what each becomes: bool mask, float mask or
+#: is_causal. The last two are what the SDPA node cannot carry (onnx_attention's module docstring): their
+#: reference is not the site itself but the spelling whose semantics the file has.
+SPELLINGS = {
+    "masked_fill -inf, padding": lambda s, pad, keep, tri: s.masked_fill(~pad, NEG),
+    "masked_fill finfo.min, causal+padding": lambda s, pad, keep, tri: s.masked_fill(~keep, FMIN),
+    "where finfo.min, causal+padding": lambda s, pad, keep, tri: torch.where(keep, s, FMIN),
+    "additive -inf, padding": lambda s, pad, keep, tri: s + torch.where(pad, 0.0, NEG),
+    "additive finfo.min, causal+padding": lambda s, pad, keep, tri: s + torch.where(keep, 0.0, FMIN),
+    "additive -1e9, padding": lambda s, pad, keep, tri: s + torch.where(pad, 0.0, -1e9),
+    "causal masked_fill -inf": lambda s, pad, keep, tri: s.masked_fill(~tri, NEG),
+    "causal where finfo.min + padding masked_fill": lambda s, pad, keep, tri: torch.where(tri, s, FMIN).masked_fill(
+        ~pad, FMIN),
+    "GQA masked_fill -inf, causal+padding": None,
+    "causal additive -inf (constant: is_causal)": lambda s, pad, keep, tri: s + torch.where(tri, 0.0, NEG),
+    "additive then masked_fill": lambda s, pad, keep, tri: (s + torch.where(keep, 0.0, FMIN)).masked_fill(~pad, NEG),
+}
+#: the file's semantics for the two the node cannot carry: is_causal selects; one float mask, added
+AS_FILE = {
+    "causal additive -inf (constant: is_causal)": lambda s, pad, keep, tri: s.masked_fill(~tri, NEG),
+    "additive then masked_fill": lambda s, pad, keep, tri: s + torch.where(keep, 0.0, FMIN) + torch.where(pad, 0.0,
+                                                                                                          NEG),
+}
+
+
+class Spellings(nn.Module):
+    def __init__(self, table=SPELLINGS):
+        super().__init__()
+        self.table = table
+
+    def forward(self, q, k, v, pad, keep):
+        L, S = q.shape[-2], k.shape[-2]
+        tri = torch.arange(L)[:, None] >= torch.arange(S)[None, :]     # constant: the pass makes it is_causal
+        outs = []
+        for name, spell in self.table.items():
+            if spell is None:    # grouped-query heads: transformers' repeat_kv, taken un-repeated by the pass
+                kv, vv = _repeat_kv(k[:, :1], q.shape[1]), _repeat_kv(v[:, :1], q.shape[1])
+                outs.append(torch.softmax(_scores(q, kv).masked_fill(~keep, NEG), -1) @ vv)
+            else:
+                outs.append(torch.softmax(spell(_scores(q, k), pad, keep, tri), -1) @ v)
+        return tuple(outs)
+
+
+def _perturbed(q, k, v):
+    """NaN / inf at masked keys (padded; masked in some rows only), unmasked keys, queries, values."""
+    inf = float("inf")
+    cases = {}
+
+    def case(name, where, value):
+        t = {"q": q, "k": k, "v": v}
+        t[where[0]] = t[where[0]].clone()
+        t[where[0]][where[1:]] = value
+        cases[name] = (t["q"], t["k"], t["v"])
+
+    case("NaN k, padded key", ("k", 0, slice(None), 5, 0), NAN)
+    case("inf k, padded key", ("k", 0, slice(None), 4, 1), inf)
+    case("-inf k, left-padded key", ("k", 1, slice(None), 0, 2), NEG)
+    case("NaN k, key of one head", ("k", 1, 1, 3, 0), NAN)
+    case("inf k, future key", ("k", 0, slice(None), 2, 3), inf)
+    case("NaN q", ("q", 0, 1, 2, 0), NAN)
+    case("inf q", ("q", 1, 0, 4, 1), inf)
+    case("inf q, row with no key", ("q", 1, slice(None), 0, 0), inf)
+    case("NaN v, padded key", ("v", 0, slice(None), 5, 2), NAN)
+    return cases
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_eager_spellings_nan_inf_per_form(tmp_path, form):
+    """Every spelling the attention pass rewrites, in one model, against the eager model as written with NaN /
+    inf at masked keys (padding: every row; causal: some rows), unmasked keys, queries (rows with and without a
+    key) and values: equal NaN positions, equal numbers. The fused forms keep the op (an ``If`` takes the
+    decomposition when q or k is not finite); the two spellings whose semantics the SDPA node cannot carry equal
+    what the module docstring says the file computes."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    pad = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    pad[0, ..., 4:] = False                                 # right padding
+    pad[1, ..., :2] = False                                 # left padding: rows 0, 1 with causal see no key
+    keep = pad & torch.ones(6, 6, dtype=torch.bool).tril()
+    model = Spellings()
+    out = _export(model, (q, k, v, pad, keep), tmp_path / "s.onnx", form)
+    assert out.report.count(kind="attention", action="rewritten") == len(SPELLINGS), str(out.report)
+    _form_ops(form, out.op_types)
+    assert ("If" in out.op_types) == (form != "decompose"), out.op_types
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    as_file = Spellings({n: AS_FILE.get(n, f) for n, f in SPELLINGS.items()})
+    for case, (qq, kk, vv) in _perturbed(q, k, v).items():
+        feeds = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), (qq, kk, vv, pad, keep))}
+        got = [torch.from_numpy(x) for x in sess.run(None, feeds)]
+        eager, file = model(qq, kk, vv, pad, keep), as_file(qq, kk, vv, pad, keep)
+        for name, g_, e, f in zip(SPELLINGS, got, eager, file):
+            _same(g_, f if name in AS_FILE else e, what=f"{form}, {name}, {case}")
+    # the two the node cannot carry do differ from eager there (a NaN / +inf score at a masked key)
+    qq, kk, vv = _perturbed(q, k, v)["NaN k, padded key"]
+    eager = dict(zip(SPELLINGS, model(qq, kk, vv, pad, keep)))
+    assert eager["causal additive -inf (constant: is_causal)"][0].isnan().all()     # the file: rows 0-4 finite
+    assert not eager["additive then masked_fill"].isnan().any()                     # the file: batch entry 0 NaN
+
+
+def test_fp16_overflow_at_padding(tmp_path):
+    """fp16 with inf at padded keys and queries (an overflow there), the default form: as eager in fp16."""
+    class Padded(nn.Module):
+        def forward(self, q, k, v, pad):
+            a = torch.softmax(_scores(q, k).masked_fill(~pad, NEG), -1) @ v
+            b = torch.softmax(_scores(q, k) + torch.where(pad, 0.0, torch.finfo(q.dtype).min).to(q.dtype), -1) @ v
+            return a, b
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g).half() for _ in range(3))
+    pad = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    pad[0, ..., 4:] = False
+    out = export_onnx(Padded(), (q, k, v, pad), tmp_path / "h.onnx", atol=2e-3, rtol=2e-3)
+    assert out.report.count(kind="attention", action="rewritten") == 2, str(out.report)
+    form = onnx_target.resolve().attention
+    _form_ops(form, out.op_types)
+    assert ("If" in out.op_types) == (form != "decompose"), out.op_types
+    sess = ort.InferenceSession(str(out.path), providers=["CPUExecutionProvider"])
+    kk, qq = k.clone(), q.clone()
+    kk[0, :, 4:, 0] = float("inf")
+    qq[0, :, 5, 1] = float("-inf")
+    got = sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), (qq, kk, v, pad))})
+    for g_, e, name in zip(got, Padded()(qq, kk, v, pad), ("masked_fill", "additive")):
+        _same(torch.from_numpy(g_).float(), e.float(), atol=2e-3, rtol=2e-3, what=f"fp16 {name}")
 
 
 # --------------------------------------------------------------------------- smx::attention: normalizers
@@ -326,6 +510,12 @@ def test_softcap_per_form(tmp_path, form):
     else:
         assert "Tanh" in out.op_types and "Attention" not in out.op_types
     assert out.max_abs_diff < 1e-4
+    qn, kn, ki = q.clone(), k.clone(), k.clone()
+    qn[0, 1, 2, 0] = NAN
+    kn[1, :, 0, 1] = NAN                                  # a padded key (an additive mask: NaN in eager)
+    ki[0, :, 3, 2] = float("inf")                         # capped to +-5
+    for name, args in {"NaN q": (qn, k, v, mask), "NaN k": (q, kn, v, mask), "inf k": (q, ki, v, mask)}.items():
+        _same(_run(out.path, *args), Eager(softcap=5.0)(*args), atol=1e-4, what=f"{form} softcap {name}")
 
 
 def test_dropout_is_refused(tmp_path):
@@ -334,9 +524,9 @@ def test_dropout_is_refused(tmp_path):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 
     q, k, v = _qkv()
-    with pytest.raises(OnnxExportError, match="dropout_p=0.5 has no exact ONNX form"):
+    with pytest.raises(OnnxExportError, match="dropout_p=0.5.* has no exact ONNX form"):
         export_onnx(Drop(), (q, k, v), tmp_path / "d.onnx", options=_opts("sigmoid"), check=False)
-    with pytest.raises(Exception, match="dropout_p=0.5 has no exact ONNX form"):
+    with pytest.raises(Exception, match="dropout_p=0.5.* has no exact ONNX form"):
         export_onnx(Drop(), (q, k, v), tmp_path / "d.onnx", check=False)
 
 
@@ -344,13 +534,15 @@ def test_dropout_is_refused(tmp_path):
 
 
 def test_onnxruntime_behaviour_the_fixups_are_for():
-    """Pins what onnxruntime does that torch does not (the reason for each fix-up in onnx_attention.py); if
-    one of these starts failing, onnxruntime changed and the fix-up may no longer be needed (or be wrong)."""
+    """Pins what onnxruntime does that torch does not (the reason for each fix-up in onnx_attention.py), and what
+    the fused forms rely on; if one of these starts failing, onnxruntime changed and the fix-up may no longer be
+    needed (or be wrong)."""
     from onnx import TensorProto as TP
     from onnx import helper
 
     def run(node, feeds, opset):
-        ins = [helper.make_tensor_value_info(n, TP.FLOAT, a.shape) for n, a in feeds.items()]
+        ins = [helper.make_tensor_value_info(n, TP.BOOL if a.dtype == torch.bool else TP.FLOAT, a.shape)
+               for n, a in feeds.items()]
         g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("y", TP.FLOAT, None)])
         imports = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
         m = helper.make_model(g, opset_imports=imports)
@@ -361,17 +553,38 @@ def test_onnxruntime_behaviour_the_fixups_are_for():
     q, k, v = _qkv(B=1, Hq=1, Hkv=1, L=3, S=4)
     mask = torch.zeros(1, 1, 3, 4)
     mask[0, 0, 1] = FMIN
-    if onnx_target.ort_loads("Attention", 23, n_inputs=3):
-        y = run(helper.make_node("Attention", ["q", "k", "v", "m"], ["y"]), {"q": q, "k": k, "v": v, "m": mask}, 23)
+    keep = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    keep[..., 3] = False                                     # key 3 masked in every row
+    kn, vn = k.clone(), v.clone()
+    kn[..., 3, 0] = NAN                                      # ... and its score NaN
+    vn[..., 2, 1] = NAN
+    attention = onnx_target.ort_loads("Attention", 23, n_inputs=3)
+    if attention:
+        A = helper.make_node("Attention", ["q", "k", "v", "m"], ["y"])
+        y = run(A, {"q": q, "k": k, "v": v, "m": mask}, 23)
         assert (y[0, 0, 1] == 0).all(), "Attention: a row of finfo.min is no longer 0 (torch: the mean of V)"
         assert np.allclose(y[0, 0, 0], _math(q, k, v, mask)[0, 0, 0].numpy(), atol=1e-6)
+        # relied on (no fix-up): a row with no key (bool all False, all -inf) is 0 @ V: 0, NaN where V is
+        no_key = keep.clone()
+        no_key[..., 1, :] = False
+        for m in (no_key, torch.where(no_key, 0.0, NEG)):
+            y = run(A, {"q": q, "k": k, "v": vn, "m": m}, 23)
+            assert np.isnan(y[0, 0, 1, 1]) and (np.delete(y[0, 0, 1], 1) == 0).all(), "Attention: a row with no key"
+        # the reason for the If: the mask is added to the score (bool as finfo.min), so a NaN score at a masked
+        # key is a NaN row, where masked_fill (and a bool mask's selection) never reads it
+        y = run(A, {"q": q, "k": kn, "v": v, "m": keep}, 23)
+        assert np.isnan(y).all(), "Attention: a NaN score at a masked key no longer makes the row NaN"
+        y = run(helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1), {"q": q, "k": kn, "v": v}, 23)
+        assert np.isnan(y).all(), "Attention is_causal: a NaN score at a future key no longer makes the row NaN"
     mha = dict(num_heads=1)
-    q3, k3, v3 = (t.transpose(1, 2).reshape(1, t.shape[2], -1) for t in (q, k, v))
+    q3, k3, v3, kn3 = (t.transpose(1, 2).reshape(1, t.shape[2], -1) for t in (q, k, v, kn))
+    MHA = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "b"], ["y"], domain="com.microsoft", **mha)
     bias = torch.zeros(1, 1, 3, 4)
     bias[0, 0, 1] = NEG
-    y = run(helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "b"], ["y"], domain="com.microsoft", **mha),
-            {"q": q3, "k": k3, "v": v3, "b": bias}, 18)
+    y = run(MHA, {"q": q3, "k": k3, "v": v3, "b": bias}, 18)
     assert np.isnan(y[0, 1]).all(), "MultiHeadAttention: a row of -inf is no longer NaN (torch: 0)"
+    y = run(MHA, {"q": q3, "k": kn3, "v": v3, "b": torch.where(keep, 0.0, NEG)}, 18)
+    assert np.isnan(y).all(), "MultiHeadAttention: a NaN score at a masked key no longer makes the row NaN"
     y = run(helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["y"], domain="com.microsoft", unidirectional=1,
                              **mha), {"q": q3, "k": k3, "v": v3}, 18)
     top_left = _math(q, k, v, causal=True)[0, 0].numpy()

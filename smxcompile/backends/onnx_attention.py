@@ -5,20 +5,53 @@ Each translation module of :mod:`smxcompile.backends.onnx` has the same two func
 :mod:`.onnx_softmax`): ``translations(target) -> {OpOverload: onnxscript function}`` and
 ``refuse(name, args, node) -> str | None``.
 
-The semantics kept: ``F.scaled_dot_product_attention`` as torch defines it (its MATH backend,
-``torch.nn.attention.SDPBackend.MATH``; the default CPU kernels agree except on NaN), for query
-(..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev): ``s = q k^T * scale`` (default
-``1/sqrt(E)``), plus the mask (bool: ``False`` -> ``-inf``, added; float: added), plus ``-inf`` above the
-top-left diagonal under ``is_causal`` (mask and ``is_causal`` together both apply), ``w = softmax(s)`` with a
-row whose every entry is ``-inf`` giving ``w = 0``, ``out = w @ v`` -> (..., Hq, L, Ev) in q's dtype. NaN
-propagates as that arithmetic has it: NaN in ``q_i`` makes row i NaN, NaN in any key of a kv head every row of
-its query heads, NaN in ``v_j[e]`` column e, masked key or not. ``smx::attention`` keeps the op's own
-definition (:func:`smxcompile.kernels.attention.attention_reference`; below).
+The semantics kept, for ``F.scaled_dot_product_attention``'s query (..., Hq, L, E), key (..., Hkv, S, E), value
+(..., Hkv, S, Ev): ``s = q k^T * scale`` (default ``1/sqrt(E)``); a bool mask and the causal triangle
+(``is_causal``: keys above the top-left diagonal; mask and ``is_causal`` together both apply) *select* keys,
+``z = where(keep, s, -inf)``: a masked key's score is never read, so a NaN / inf there changes nothing; a
+float mask is *added*, ``z = s + mask``, so NaN + mask is NaN and +inf + (-inf) NaN; ``out = softmax(z) @ v``
+-> (..., Hq, L, Ev) in q's dtype, so NaN / inf in ``v_j[e]`` makes column e NaN (``0 * inf`` too), masked key or
+not. A row with no key (bool all False, float all ``-inf``) is ``0 @ V`` (0, or NaN per column where V holds
+NaN / inf), NaN for a float mask where ``s + (-inf)`` is (``s`` NaN or +inf there); any other row whose ``z`` is
+all ``-inf`` (every visible score ``-inf``: an inf in q or k) is softmax's NaN. ``smx::attention`` keeps the
+op's own definition (:func:`smxcompile.kernels.attention.attention_reference`; below).
+
+Why these, and what the SDPA node cannot tell. The gold is the model as written (eager), and the attention
+pass (:func:`smxcompile.passes.attention.graph_attention`) turns every eager spelling into one SDPA call whose
+mask says which spelling it was: ``scores.masked_fill(~keep, v)`` / ``torch.where(keep, scores, v)`` (``v``
+``-inf`` or ``finfo.min``...; several of them combined) become a *bool* mask (eager replaces the masked score:
+selection), ``scores + mask`` a *float* mask (eager adds: NaN from any key propagates), a constant causal mask
+``is_causal``; rows with no key get eager's values back after the call (NaN for ``-inf`` fills, the mean of V
+for finite ones: not a function of q or k, whatever the call gives there). So every masked_fill / where
+spelling (``-inf`` or ``finfo.min``, padding, causal, causal + padding, grouped-query heads) and every additive
+one (``-inf``, ``finfo.min``, ``-1e9``) is exact, NaN and inf included, except what the node does not carry:
+
+* ``scores + causal`` with a *constant* causal mask (transformers' eager mask when no padding mask is given)
+  becomes ``is_causal``, selected: a NaN / +inf score at a future key makes eager's row NaN, not the file's;
+* ``(scores + mask).masked_fill(~keep, v)``: the pass folds both into one float mask (``-inf`` where ``keep``
+  is False), added: a NaN / +inf score at such a key gives NaN where eager drops it;
+* ``masked_fill(~keep, finfo.min)`` on a row whose every visible score is ``-inf``: eager averages the masked
+  keys' values, the file gives NaN (the call only sees a bool mask);
+* scores that overflow from finite q and k (fp16 ``|q k| > 65504``) are not detected (below).
+
+``F.scaled_dot_product_attention`` in the model itself (not rewritten): NaN handling depends on torch's
+backend (probed, torch 2.13 CPU): float masks and ``is_causal`` as its default CPU kernel (flash: future keys
+skipped; the MATH backend adds ``-inf`` above the diagonal instead, so there a NaN at a future key is NaN
+everywhere); a bool mask both CPU kernels add as ``-inf`` (a NaN / +inf score at a masked key: NaN row, also
+on a row with no key), where the file selects; a row whose every visible score is ``-inf``: torch 0, the file
+NaN.
 
 ``aten.scaled_dot_product_attention.default`` by ``target.attention`` (onnxruntime 1.32's CPU kernels
 probed against torch for bool / float masks, ``finfo.min`` and ``-inf``, causal with and without padding,
-L < S and L > S, grouped-query heads, fully masked rows, NaN inputs; tests/test_onnx_attention.py pins the
-differences found):
+L < S and L > S, grouped-query heads, fully masked rows, NaN / inf in q, k, v; tests/test_onnx_attention.py
+pins the differences found). What the fused ops have in common: they *add* every mask to the scores (a bool
+mask as 0 / ``finfo.min``, ``is_causal`` / ``unidirectional`` as ``finfo.min`` / ``-inf``), so a NaN or +inf
+score at a masked key makes the row NaN. Whether a score is NaN, +inf or -inf depends on ``q_i`` and ``k_j``
+together (an inf times the sign of the other's entry), so no fix-up on a fused op's output recovers the
+selection without the score matrix. The fused forms are exact while q and k are finite (every score finite:
+adding ``finfo.min`` / ``-inf`` to it is selecting it out), and an ``If`` on ``isnan(sum(q * 0) + sum(k * 0))``
+runs the decomposition (exact by construction) when they are not: one ``Mul`` + ``ReduceSum`` over q and over
+k on the usual path (a call with neither mask nor ``is_causal`` has nothing to select and no ``If``):
 
 - ``"Attention"``: the ONNX ``Attention`` op (opset 23, https://onnx.ai/onnx/operators/onnx__Attention.html),
   4-D inputs, grouped-query heads as the op's own (Hq a multiple of Hkv), the mask as ``attn_mask`` and
@@ -33,27 +66,25 @@ differences found):
     neighbour changes meaning). One ``Equal`` + ``Where`` on the mask, shared by the layers.
   * the mask needs the query length at dim -2 and the key length at dim -1 (no broadcasting there: a
     (B, 1, 1, S) padding mask fails at run time): such masks are ``Expand``-ed to (..., L, S).
-  * a fully masked row (bool all False, or all ``-inf``) gives 0 even when ``q_i`` or the keys hold NaN
-    (torch: NaN). Fix, with a mask: ``out + P``, ``P = sum_e(q_i[e] * 0) + sum_{j,e}(k_j[e] * 0)`` per row and
-    head (0, or NaN where the row's query or its head's keys hold NaN / inf): it changes nothing else.
+  * a row with no key (bool all False, all ``-inf``) gives ``0 @ V`` already (weights 0 times V).
 - ``"MultiHeadAttention"``: onnxruntime's com.microsoft ``MultiHeadAttention`` (docs/ContribOperators.md of
   onnxruntime, https://github.com/microsoft/onnxruntime/blob/main/docs/ContribOperators.md): query as
   (B, L, Hq*E) (``Transpose`` + ``Reshape``, which onnxruntime cancels against the model's own), key / value
   as (B, Hq, S, E) ("BNSH", no transpose) when Ev == E, else (B, S, Hq*E); grouped-query K/V expanded to Hq
-  heads; the mask as ``attention_bias`` (B or 1, Hq or 1, L, S) (bool -> 0 / ``-inf``); ``scale``. Its
-  differences, and the fix-ups:
+  heads; the mask as ``attention_bias`` (B or 1, Hq or 1, L, S) (bool -> 0 / ``-inf``); ``scale``. It has
+  no soft-capping: soft-capped sites (``smx::attention``) decompose. Its differences, and the fix-ups:
 
   * ``unidirectional`` is bottom-right aligned (for L < S torch is top-left), and together with an
     ``attention_bias`` it gets rows whose visible keys are all masked wrong: it is used only without a mask
     and with L == S (the same static or symbolic size); otherwise the causal triangle is folded into
     ``attention_bias`` as ``-inf``.
   * a fully masked row (``attention_bias`` all ``-inf``) gives NaN (torch: 0). Fix: those rows, read off
-    the bias (not the output), become ``sum_j v_j * 0`` (0, or NaN per column where torch's ``0 @ V`` is NaN)
-    plus ``P``.
+    the bias (not the output), become ``sum_j v_j * 0`` (``0 @ V``).
 - ``"decompose"``: ``MatMul`` / ``Softmax`` / ``MatMul``, standard ops only, at any opset (overriding torch's
   opset-23 translation, which emits ``Attention``): the scale folded into q, grouped-query heads as a 5-D
-  ``MatMul`` broadcast (K and V never repeated), fp16 computed in fp32, fully masked rows (read off the
-  bias; ``Softmax`` gives NaN there) set as above.
+  ``MatMul`` broadcast (K and V never repeated), fp16 computed in fp32, the bool mask and the causal triangle by
+  ``Where``, the float mask by ``Add``, rows with no key (read off the mask; ``Softmax`` gives NaN there) set
+  as above. This is the fused forms' ``If`` branch too.
 
 A call a fused op cannot take exactly uses the decomposition whatever the form: not 4-D, fp64 (no fused
 kernel), a broadcast batch dim, a scale <= 0 (onnxruntime refuses it; MultiHeadAttention reads 0 as "the
@@ -79,14 +110,16 @@ softplus's ``log1p`` use Kahan's forms (``expm1(x) = (u - 1) x / log u``, ``u = 
 ``log1p(y) = log(u) y / (u - 1)``, ``u = 1 + y``), accurate to a few ulps where ``exp(x) - 1`` loses every
 digit. The second output (``stats``) is zeros, as on the op's CPU path (only the CUDA backward reads it).
 With ``target.attention == "Attention"`` a softmax site with soft-capping is the ``Attention`` op with its
-``softcap`` attribute (onnxruntime caps before the mask, as the op; the mask fix-ups above apply), except
-that a NaN score at a masked key then gives NaN where ``smx::attention``, which selects masked keys out, does
-not (NaN appears; never a number where the op gives NaN). Refused (:func:`refuse`): ``dropout_p > 0``,
-``skip_threshold`` (the CUDA kernel's approximation).
+``softcap`` attribute (onnxruntime caps before the mask, as the op; the mask fix-ups above apply), exact while
+q and k are finite; ``smx::attention`` selects masked keys out, which the op (adding the mask) cannot when a
+score is NaN / inf, so NaN / inf in q or k take the decomposition above through the same ``If``. With
+``"MultiHeadAttention"`` (no soft-capping) and ``"decompose"`` soft-capped sites are the decomposition.
+Refused (:func:`refuse`): ``dropout_p > 0``, ``skip_threshold`` (the CUDA kernel's approximation).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -215,18 +248,6 @@ def translations(target) -> dict[Any, Any]:
         """``sum(x * 0)`` over ``axes`` (keepdims): 0 where x is finite, NaN where it holds NaN or inf."""
         return op.ReduceSum(op.Mul(x, const(0.0, x)), ints(*axes), keepdims=1)
 
-    def qk_poison(q, k, grouped: bool):
-        """Per (B, Hq, L, 1): 0, or NaN where torch's scores of the row are NaN (the row's query, or any key
-        of its kv head, holds NaN / inf). 4-D q (B, Hq, L, E), k (B, Hkv, S, E)."""
-        pq = zero_poison(q, [-1])
-        pk = zero_poison(k, [-2, -1])               # (B, Hkv, 1, 1)
-        if grouped:
-            g = op.Div(dim(q, 1), dim(k, 1))
-            pk = op.Unsqueeze(pk, ints(2))          # (B, Hkv, 1, 1, 1)
-            pk = op.Expand(pk, op.Concat(ints(1, 1), g, ints(1, 1), axis=0))
-            pk = op.Reshape(pk, ints(0, -1, 1, 1))
-        return op.Add(pq, pk)
-
     def scores_5d(q, k, v):
         """Grouped-query views: q (B, Hkv, g, L, E), k (B, Hkv, 1, S, E), v (B, Hkv, 1, S, Ev)."""
         shape5 = op.Concat(dim(q, 0), dim(k, 1), op.Div(dim(q, 1), dim(k, 1)), dim(q, 2), dim(q, 3), axis=0)
@@ -264,34 +285,75 @@ def translations(target) -> dict[Any, Any]:
         e = op.Cast(dim(query, -1), to=DOUBLE if cur["np"] is np.float64 else FLOAT)
         return op.Reciprocal(op.Sqrt(e))
 
-    def fully_masked_fixup(out, flag, v, q, k, grouped_v: bool):
-        """Rows with ``flag`` (B?, H?, L, 1) set to torch's value there: ``0 @ V`` (0, or NaN per column where V
-        holds NaN / inf), plus the NaN of their scores (``qk_poison``)."""
+    def zero_rows(out, flag, v, q, grouped_v: bool):
+        """Rows with ``flag`` (..., L, 1) set to ``0 @ V``: 0, or NaN per column where V holds NaN / inf."""
         vv = v
         if grouped_v:
             g = op.Div(dim(q, 1), dim(v, 1))
             vv = op.Reshape(op.Expand(op.Unsqueeze(v, ints(2)),
                                       op.Concat(ints(1, 1), g, ints(1, 1), axis=0)),
                             op.Concat(dim(v, 0), ints(-1), dim(v, 2), dim(v, 3), axis=0))
-        fill = zero_poison(vv, [-2])                # (B, Hq, 1, Ev)
-        return op.Add(op.Where(flag, fill, out), qk_poison(q, k, grouped_v))
+        return op.Where(flag, zero_poison(vv, [-2]), out)
+
+    def no_key(seen):
+        """Per row (..., L, 1): whether the bool ``seen`` (..., L, S) has no key at all."""
+        zero = op.Constant(value=ir.tensor(np.array(0.0, dtype=np.float32)))
+        return op.Equal(op.ReduceMax(op.Cast(seen, to=FLOAT), axes_last(), keepdims=1), zero)
+
+    # ---------------------------------------------------------------- exact path for non-finite q / k
+
+    def nonfinite(*xs):
+        """A 0-d bool: whether any of ``xs`` holds a NaN or an inf (``sum(x * 0)`` is NaN exactly then)."""
+        total = None
+        for x in xs:
+            t = op.ReduceSum(op.Mul(x, const(0.0, x)), keepdims=0)
+            total = t if total is None else op.Add(total, t)
+        return op.IsNaN(total)
+
+    branches = itertools.count()
+
+    def branch(build, name: str):
+        """What ``build()`` records, moved into a graph of its own (an ``If`` branch, reading the values around
+        it), or None when the translation is not being recorded by torch.onnx's tracer."""
+        import onnxscript.evaluator
+
+        tracer = onnxscript.evaluator.default()
+        nodes = getattr(tracer, "nodes", None)
+        if not isinstance(nodes, list):
+            return None
+        farm = getattr(tracer, "constant_farm", None)
+        farm0 = dict(farm) if isinstance(farm, dict) else None
+        n0, saved = len(nodes), dict(cur)
+        try:
+            out = build()
+        finally:
+            body = nodes[n0:]
+            del nodes[n0:]
+            if farm0 is not None:       # constants made for the branch live in it: not shared with the graph
+                farm.clear()
+                farm.update(farm0)
+            cur.update(saved)
+        n = next(branches)
+        for i, value in enumerate(v for node in body for v in node.outputs):
+            value.name = f"smx_{name}{n}_{i}"     # unique in the model (ONNX wants one name per value, subgraphs too)
+        return ir.Graph((), [out], nodes=body, name=f"{name}{n}")
+
+    def exact_if_nonfinite(fast, q, k, slow):
+        """``fast`` (a fused op: exact while every score is finite) unless q or k holds a NaN / inf, where the
+        scores' NaN / inf pattern needs the score matrix: then the decomposition ``slow()``. An ``If``, so only
+        that case runs it (one ``Mul`` + ``ReduceSum`` over q and k decide)."""
+        then_g = branch(slow, "nonfinite_qk")
+        if then_g is None:
+            return op.Where(nonfinite(q, k), slow(), fast)
+        else_g = branch(lambda: op.Identity(fast), "finite_qk")
+        return op.If(nonfinite(q, k), then_branch=then_g, else_branch=else_g)
 
     # ---------------------------------------------------------------- SDPA: the three forms
 
-    def sdpa_bias(mask, like, L1d, S1d, is_causal: bool):
-        """The additive bias (bool -> 0 / -inf) with the causal triangle folded in, or None."""
-        bias = None
-        if mask is not None:
-            if _dtype_name(mask) == "BOOL":
-                bias = op.Where(mask, const(0.0, like), const(NEG_INF, like))
-            else:
-                bias = op.CastLike(mask, like)
-        if is_causal:
-            tri = op.Where(causal_keep(L1d, S1d), const(0.0, like), const(NEG_INF, like))
-            bias = tri if bias is None else op.Add(bias, tri)
-        return bias
-
     def sdpa_decompose(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+        """The exact form: ``z = s + mask`` (float mask), ``z = where(keep, s, -inf)`` (bool mask, and the causal
+        triangle), ``softmax(z) @ v``; a row with no key (mask all False / -inf) ``0 @ V``, NaN for a float mask
+        where ``z`` holds NaN there (torch's ``s + (-inf)``)."""
         rank = _rank(query)
         if rank is None:
             raise OnnxAttentionError("scaled_dot_product_attention: the query's rank is unknown")
@@ -304,20 +366,27 @@ def translations(target) -> dict[Any, Any]:
                                      "translation")
         qs = op.Mul(q, scale_value(query, scale))   # scale folded into q: (..., L, E), not (..., L, S)
         s, pv = qk_matmul(qs, k, v, grouped, rank)
-        bias = sdpa_bias(attn_mask, s, dim(q, -2), dim(k, -2), is_causal)
-        if bias is not None:
-            s = op.Add(s, bias)
-        out = pv(op.Softmax(s, axis=-1))
+        keep = seen = None                  # keys selected; keys a row has (selected, and not a -inf mask entry)
+        additive = attn_mask is not None and _dtype_name(attn_mask) != "BOOL"
+        if additive:
+            m = op.CastLike(attn_mask, s)
+            s = op.Add(s, m)
+            seen = op.Not(op.Equal(m, const(NEG_INF, s)))
+        elif attn_mask is not None:
+            keep = attn_mask
+        if is_causal:
+            tri = causal_keep(dim(q, -2), dim(k, -2))
+            keep = tri if keep is None else op.And(keep, tri)
+            seen = None if seen is None else op.And(seen, tri)
+        z = s if keep is None else op.Where(keep, s, const(NEG_INF, s))
+        out = pv(op.Softmax(z, axis=-1))
         if attn_mask is not None:
-            # a row whose bias is all -inf: Softmax gives NaN, torch 0 (decided on the bias, as the ONNX spec)
-            flag = op.Equal(op.ReduceMax(bias, axes_last(), keepdims=1), const(NEG_INF, bias))
-            if rank == 4:
-                out = fully_masked_fixup(out, flag, v, q, k, grouped)
-            else:
-                fill = zero_poison(v, [-2])
-                pq = zero_poison(q, [-1])
-                pk = zero_poison(k, [-2, -1])
-                out = op.Add(op.Where(flag, fill, out), op.Add(pq, pk))
+            # a row with no key: Softmax gives NaN (exp(-inf - -inf)), torch 0 @ V; decided on the mask
+            flag = no_key(seen if additive else keep)
+            out = zero_rows(out, flag, v, q, grouped)
+            if additive:                    # s + (-inf) is NaN where s is NaN / +inf: so is torch's row
+                nan_row = op.IsNaN(op.ReduceSum(z, axes_last(), keepdims=1))
+                out = op.Where(op.And(flag, nan_row), const(math.nan, out), out)
         return op.CastLike(out, query)
 
     def mask_ls(mask, shape_of, q, k):
@@ -335,11 +404,10 @@ def translations(target) -> dict[Any, Any]:
         up = np.nextafter(lo, npd(0))
         return op.Where(op.Equal(mask, const(float(lo), mask)), const(float(up), mask), mask)
 
-    def attention_op(q, k, v, attn_mask, is_causal, scale, softcap=None, poison: bool = True):
+    def attention_op(q, k, v, attn_mask, is_causal, scale, softcap=None):
         from onnxscript import opset23 as op23
 
         cur["np"] = _np_dtype(q)
-        grouped = not _same_dim(_dims(q)[1], _dims(k)[1])
         m = None
         if attn_mask is not None:
             if _dtype_name(attn_mask) == "BOOL":
@@ -354,9 +422,20 @@ def translations(target) -> dict[Any, Any]:
         if softcap is not None:
             kw["softcap"] = float(softcap)
         y, _, _, _ = op23.Attention(q, k, v, m, **kw)
-        if attn_mask is not None and poison:
-            y = op.Add(y, qk_poison(q, k, grouped))
         return y
+
+    def sdpa_bias(mask, like, L1d, S1d, is_causal: bool):
+        """The additive bias (bool -> 0 / -inf) with the causal triangle folded in, or None."""
+        bias = None
+        if mask is not None:
+            if _dtype_name(mask) == "BOOL":
+                bias = op.Where(mask, const(0.0, like), const(NEG_INF, like))
+            else:
+                bias = op.CastLike(mask, like)
+        if is_causal:
+            tri = op.Where(causal_keep(L1d, S1d), const(0.0, like), const(NEG_INF, like))
+            bias = tri if bias is None else op.Add(bias, tri)
+        return bias
 
     def mha_op(q, k, v, attn_mask, is_causal, scale):
         dq, dk, dv = _dims(q), _dims(k), _dims(v)
@@ -395,8 +474,9 @@ def translations(target) -> dict[Any, Any]:
         y = mha(q3, key_in, value_in, None, None, bias, **kw)
         y = op.Transpose(op.Reshape(y, op.Concat(dim(q, 0), dim(q, 2), ints(H, -1), axis=0)), perm=[0, 2, 1, 3])
         if attn_mask is not None:
+            # a row whose bias is all -inf: MultiHeadAttention gives NaN, torch 0 @ V
             flag = op.Equal(op.ReduceMax(bias, axes_last(), keepdims=1), const(NEG_INF, bias))
-            y = fully_masked_fixup(y, flag, v, q, k, grouped)
+            y = zero_rows(y, flag, v, q, grouped)
         return y
 
     def fused_ok(query, key, value, scale=None) -> bool:
@@ -417,11 +497,18 @@ def translations(target) -> dict[Any, Any]:
         if dropout_p:
             raise OnnxAttentionError(f"scaled_dot_product_attention with dropout_p={dropout_p} has no exact ONNX "
                                      "form (the dropout mask is random); export the model in eval mode")
+
+        def exact():
+            return sdpa_decompose(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+        masked = attn_mask is not None or is_causal
         if form == "Attention" and fused_ok(query, key, value, scale):
-            return attention_op(query, key, value, attn_mask, is_causal, scale)
+            y = attention_op(query, key, value, attn_mask, is_causal, scale)
+            return exact_if_nonfinite(y, query, key, exact) if masked else y
         if form == "MultiHeadAttention" and fused_ok(query, key, value, scale) and _static(_dims(query)[1]):
-            return mha_op(query, key, value, attn_mask, is_causal, scale)
-        return sdpa_decompose(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+            y = mha_op(query, key, value, attn_mask, is_causal, scale)
+            return exact_if_nonfinite(y, query, key, exact) if masked else y
+        return exact()
 
     # ---------------------------------------------------------------- smx::attention: the normalizers
 
@@ -606,8 +693,11 @@ def translations(target) -> dict[Any, Any]:
             raise OnnxAttentionError(f"smx::attention: unknown normalizer {normalizer!r}")
         if (normalizer == "softmax" and softcap is not None and form == "Attention" and fused_ok(q, k, v, scale)
                 and _dtype_name(attn_mask) in (None, "BOOL", _dtype_name(q))):
-            # smx::attention selects masked keys out (a NaN score there is dropped): no NaN for rows with no key
-            out = attention_op(q, k, v, attn_mask, is_causal, scale, softcap=softcap, poison=False)
+            # exact while the scores are finite; smx::attention selects masked keys out (a NaN score there is
+            # dropped), which the op cannot: NaN / inf in q or k take the decomposition
+            out = exact_if_nonfinite(attention_op(q, k, v, attn_mask, is_causal, scale, softcap=softcap), q, k,
+                                     lambda: smx_decompose(q, k, v, attn_mask, is_causal, scale, softcap, normalizer,
+                                                           norm_param, n_keys))
         else:
             out = smx_decompose(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, n_keys)
         stats = op.Expand(op.Constant(value=ir.tensor(np.zeros((), dtype=np.float32))),
