@@ -37,3 +37,18 @@ def build_tiny_lm_checkpoint(out, seq_len: int = 32):
     (out / "results.json").write_text(json.dumps({"settings": {"seq_len": seq_len, "corpus": "topics",
                                                                "batch_size": 8}}))
     return out
+
+
+def tiny_gpt2(seq_len: int = 16, **config):
+    """``(model, input_ids)``: a 2-layer transformers GPT-2 (vocabulary 97, n_embd 32, 4 heads, eager attention,
+    no KV cache), seeded, in eval mode, and a (2, seq_len) batch of ids. ``config`` overrides GPT2Config fields.
+    The model of the export tests (ONNX, MLIR)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(**{"vocab_size": 97, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                     "bos_token_id": 0, "eos_token_id": 0, "use_cache": False, **config})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    return transformers.GPT2LMHeadModel(cfg).eval(), ids

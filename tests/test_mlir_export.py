@@ -130,14 +130,9 @@ def test_cross_entropy_statistics_decompose():
 
 @pytest.fixture(scope="module")
 def gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-                                  eos_token_id=0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    return model, ids
+    from conftest import tiny_gpt2
+
+    return tiny_gpt2(seq_len=12)
 
 
 def _logits(model, ids):

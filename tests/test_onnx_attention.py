@@ -599,12 +599,9 @@ def _tf():
 
 
 def _tiny_gpt2():
-    tf = _tf()
-    cfg = tf.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-                        eos_token_id=0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return tf.GPT2LMHeadModel(cfg).eval()
+    from conftest import tiny_gpt2
+
+    return tiny_gpt2()[0]
 
 
 def test_default_target_is_the_attention_op_at_opset_23():

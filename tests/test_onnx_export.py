@@ -167,13 +167,9 @@ def test_a_dynamic_dim_of_size_one_is_refused(tmp_path):
 
 
 def _tiny_gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-                                  eos_token_id=0, use_cache=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).eval(), torch.randint(0, 97, (2, 16),
-                                                                    generator=torch.Generator().manual_seed(0))
+    from conftest import tiny_gpt2
+
+    return tiny_gpt2()
 
 
 @pytest.mark.parametrize("variant", ["ssmax", "sparsemax"])
@@ -419,11 +415,9 @@ def test_graph_break_messages_name_the_cause(tmp_path):
 
 
 def test_training_mode_attention_dropout_is_refused_up_front(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=1, n_head=4, attn_pdrop=0.1,
-                                  use_cache=False)
-    cfg._attn_implementation = "eager"
-    model = transformers.GPT2LMHeadModel(cfg).train()
+    from conftest import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=1, attn_pdrop=0.1)[0].train()
     with pytest.raises(OnnxExportError, match=r"dropout_p=0.1.*no exact ONNX form.*model.eval\(\)"):
         export_onnx(model, (), tmp_path / "t.onnx", kwargs={"input_ids": torch.randint(0, 97, (2, 8))})
 
