@@ -678,6 +678,7 @@ def _run_and_compare(compiled, leaves: list[torch.Tensor], ref_leaves: list[torc
     import numpy as np
 
     from .mlir_run import RunError
+    from .onnx import compare_arrays
 
     try:
         got = compiled.run(*[t.detach().cpu().numpy() for t in leaves])
@@ -697,16 +698,8 @@ def _run_and_compare(compiled, leaves: list[torch.Tensor], ref_leaves: list[torc
                                   f"{tuple(r.shape)}")
         if g.dtype != r.dtype:
             raise MlirExportError(f"{which}, output {i}: the module gives {g.dtype}, eager {r.dtype}")
-        gd, rd = g.double(), r.double()
-        both_nan = torch.isnan(gd) & torch.isnan(rd)
-        d = torch.where(both_nan, 0.0, (gd - rd).abs())
-        bad = ~(d <= atol + rtol * rd.abs())
-        if bool(bad.any()):
-            nan = int((torch.isnan(gd) & ~torch.isnan(rd)).sum())
-            finite = d[~torch.isnan(d)]
-            raise MlirExportError(f"{which}, output {i}: the linalg-on-tensors module differs from eager PyTorch at "
-                                  f"{int(bad.sum())} of {bad.numel()} entries (rtol {rtol}, atol {atol}): by up to "
-                                  f"{float(finite.max()) if finite.numel() else math.nan:.3g}"
-                                  + (f", NaN at {nan} where eager is not" if nan else ""))
-        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+        d, why = compare_arrays(g.double().numpy(), r.double().numpy(), rtol, atol, "the module")
+        if why:
+            raise MlirExportError(f"{which}, output {i}: the linalg-on-tensors module {why}")
+        worst = max(worst, d)
     return worst

@@ -355,6 +355,21 @@ def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torc
     return leaves, names
 
 
+def _named_dims(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> dict[str, Any]:
+    """``dynamic_shapes`` keyed by ``forward`` argument name, with each dim name turned into a ``Dim`` (one per
+    name: the same name is the same size); ``Dim`` s and None kept as given."""
+    from torch.export import Dim
+
+    frame = _bind(model, args, kwargs)
+    if isinstance(dynamic_shapes, (tuple, list)):
+        dynamic_shapes = dict(zip(list(frame), dynamic_shapes))
+    dims: dict[str, Any] = {}
+    conv = lambda v: dims.setdefault(v, Dim(v)) if isinstance(v, str) else v  # noqa: E731
+    return {k: (None if v is None else {d: conv(x) for d, x in v.items()} if isinstance(v, dict)
+                else tuple(conv(x) for x in v))
+            for k, v in dynamic_shapes.items()}
+
+
 def _leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple | None:
     """``dynamic_shapes`` per flattened input tensor (the wrapper's arguments), for torch.export."""
     if dynamic_shapes is None:
@@ -362,24 +377,15 @@ def _leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: An
     from torch.export import Dim
 
     frame = _bind(model, args, kwargs)
-    if isinstance(dynamic_shapes, (tuple, list)):
-        dynamic_shapes = dict(zip(list(frame), dynamic_shapes))
-    by_id = {id(frame[k]): v for k, v in dynamic_shapes.items() if isinstance(frame.get(k), torch.Tensor)}
+    by_id = {id(frame[k]): v for k, v in _named_dims(model, args, kwargs, dynamic_shapes).items()
+             if isinstance(frame.get(k), torch.Tensor)}
     leaves, _ = input_leaves(model, args, kwargs)
-    dims: dict[str, Any] = {}
-
-    def conv(v):
-        if isinstance(v, str):            # one Dim per name: the same name is the same size
-            return dims.setdefault(v, Dim(v))
-        return Dim.AUTO if v is None else v
 
     def per_leaf(t):
         spec = by_id.get(id(t))
-        if spec is None:
-            return None
-        if isinstance(spec, dict):
-            return {d: conv(v) for d, v in spec.items()}
-        return tuple(None if v is None else conv(v) for v in spec)
+        if spec is None or not isinstance(spec, dict):
+            return spec
+        return {d: Dim.AUTO if v is None else v for d, v in spec.items()}
 
     return tuple(per_leaf(t) for t in leaves)
 
@@ -613,13 +619,14 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     checked: list[tuple] = []
     if check:
         onnx.checker.check_model(proto)
+        sess = _session(path)
         runs = [(args, kwargs)] + [(tuple(a), dict(k)) for a, k in check_inputs]
         narrowed = _narrowed_inputs(args, kwargs, leaves, shapes)
         if narrowed is not None:
             runs.append(narrowed)                     # the dynamic dims really dynamic: one more shape
         for i, (a, k) in enumerate(runs):
             try:
-                d = _run_and_compare(path, model, a, k, rtol, atol, reference)
+                d = _run_and_compare(sess, model, a, k, rtol, atol, reference)
             except _EagerFailed:
                 if i < len(runs) - 1 or narrowed is None:
                     raise
@@ -843,18 +850,9 @@ def plain_export(model: nn.Module, args: tuple, kwargs: dict, path: Path, opset:
     """``torch.onnx.export(model, dynamo=True)`` of the model as written (the baseline of ``compare``), with
     ``dynamic_shapes`` in :func:`export_onnx`'s format (names become shared ``Dim`` s)."""
     if dynamic_shapes is not None:
-        from torch.export import Dim
-
         frame = _bind(model, args, kwargs)
-        if isinstance(dynamic_shapes, (tuple, list)):
-            dynamic_shapes = dict(zip(list(frame), dynamic_shapes))
-        dims: dict[str, Any] = {}
-        conv = lambda v: dims.setdefault(v, Dim(v)) if isinstance(v, str) else v  # noqa: E731
-        dynamic_shapes = {k: (None if v is None else {d: conv(x) for d, x in v.items()} if isinstance(v, dict)
-                              else tuple(None if x is None else conv(x) for x in v))
-                          for k, v in dynamic_shapes.items()}
-        dynamic_shapes = {k: dynamic_shapes.get(k) for k in frame if isinstance(frame[k], torch.Tensor)
-                          or k in dynamic_shapes}
+        named = _named_dims(model, args, kwargs, dynamic_shapes)
+        dynamic_shapes = {k: named.get(k) for k in frame if isinstance(frame[k], torch.Tensor) or k in named}
     with torch.no_grad(), torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
         torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset, optimize=True,
                           dynamic_shapes=dynamic_shapes, verbose=False).save(str(path))
@@ -942,12 +940,11 @@ class _RewrittenCall:
             return self.module(*input_leaves(self.model, args, kwargs)[0])
 
 
-def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
+def _run_and_compare(sess, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
                      reference=None) -> float:
     """Largest ``|onnxruntime - reference|`` on one input (reference: ``model`` itself by default)."""
     import numpy as np
 
-    sess = _session(path)
     leaves, names = input_leaves(model, args, kwargs)
     try:
         with torch.no_grad():
@@ -974,18 +971,32 @@ def _run_and_compare(path: Path, model: nn.Module, args: tuple, kwargs: dict, rt
         g = g.astype(r.dtype) if g.dtype != r.dtype else g
         if g.shape != r.shape:
             raise OnnxExportError(f"output {i}: onnxruntime shape {g.shape}, eager {r.shape}")
-        same = (np.isnan(g) & np.isnan(r)) | (g == r)                   # NaN == NaN, and inf == inf
-        with np.errstate(invalid="ignore"):
-            d = np.where(same, 0.0, np.abs(g - r))        # NaN where only one of them is NaN
-        bad = ~(d <= atol + rtol * np.where(np.isnan(r), 0.0, np.abs(r)))
-        if bad.any():
-            nan_eager, nan_ort = int((np.isnan(r) & ~np.isnan(g)).sum()), int((np.isnan(g) & ~np.isnan(r)).sum())
-            nans = f"; NaN in eager only at {nan_eager}, in onnxruntime only at {nan_ort}" if nan_eager or nan_ort else ""
-            worst_d = float(np.nanmax(d)) if (~np.isnan(d)).any() else float("nan")
-            raise OnnxExportError(f"output {i}: onnxruntime differs from eager PyTorch by up to {worst_d:.3g} "
-                                  f"(rtol {rtol}, atol {atol}) at {int(bad.sum())} of {bad.size} entries{nans}")
-        worst = max(worst, float(d.max()) if d.size else 0.0)
+        d, why = compare_arrays(g, r, rtol, atol, "onnxruntime")
+        if why:
+            raise OnnxExportError(f"output {i}: onnxruntime {why}")
+        worst = max(worst, d)
     return worst
 
 
-__all__ = ["export_onnx", "capture", "plain_export", "time_sessions", "OnnxExport", "OnnxBaseline", "OnnxExportError"]
+def compare_arrays(got, ref, rtol: float, atol: float, name: str) -> tuple[float, str | None]:
+    """``(largest |got - ref|, None)``, or ``(NaN, why)`` when some entry is off by more than ``atol + rtol * |ref|``.
+
+    NaN matches NaN and inf matches inf (of the same sign); a NaN on one side only is a mismatch. ``got`` and
+    ``ref`` are numpy arrays of one shape and dtype (the exports' checks: ONNX in onnxruntime, MLIR on the JIT);
+    ``name`` names ``got`` in the message."""
+    import numpy as np
+
+    same = (np.isnan(got) & np.isnan(ref)) | (got == ref)
+    with np.errstate(invalid="ignore"):
+        d = np.where(same, 0.0, np.abs(got - ref))          # NaN where only one of them is NaN
+    bad = ~(d <= atol + rtol * np.where(np.isnan(ref), 0.0, np.abs(ref)))
+    if not bad.any():
+        return (float(d.max()) if d.size else 0.0), None
+    only_ref, only_got = int((np.isnan(ref) & ~np.isnan(got)).sum()), int((np.isnan(got) & ~np.isnan(ref)).sum())
+    nans = f"; NaN in eager only at {only_ref}, in {name} only at {only_got}" if only_ref or only_got else ""
+    worst = float(np.nanmax(d)) if (~np.isnan(d)).any() else float("nan")
+    return math.nan, (f"differs from eager PyTorch by up to {worst:.3g} (rtol {rtol}, atol {atol}) at "
+                      f"{int(bad.sum())} of {bad.size} entries{nans}")
+
+
+__all__ = ["export_onnx", "capture", "plain_export", "time_sessions", "compare_arrays", "OnnxExport", "OnnxBaseline", "OnnxExportError"]

@@ -72,21 +72,15 @@ def ort_loads(op_type: str, opset: int, domain: str = "", n_inputs: int = 1, ir_
     ort = _ort()
     if ort is None:
         return False
-    import onnx
     from onnx import TensorProto, helper
 
-    def vi(name: str):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, 2, 4])
-
-    inputs = [f"x{i}" for i in range(n_inputs)]
+    # com.microsoft ops take 3-D (batch, sequence, hidden) inputs; the ONNX ones here 4-D
+    shape = [1, 2, 4] if domain == "com.microsoft" else [1, 1, 2, 4]
     attrs = {"num_heads": 1} if domain == "com.microsoft" else {}
-    if domain == "com.microsoft":
-        vi3 = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2, 4])  # noqa: E731
-        graph = helper.make_graph([helper.make_node(op_type, inputs, ["y"], domain=domain, **attrs)], "probe",
-                                  [vi3(i) for i in inputs], [vi3("y")])
-    else:
-        graph = helper.make_graph([helper.make_node(op_type, inputs, ["y"], domain=domain, **attrs)], "probe",
-                                  [vi(i) for i in inputs], [vi("y")])
+    inputs = [f"x{i}" for i in range(n_inputs)]
+    graph = helper.make_graph([helper.make_node(op_type, inputs, ["y"], domain=domain, **attrs)], "probe",
+                              [helper.make_tensor_value_info(i, TensorProto.FLOAT, shape) for i in inputs],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
     imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=imports)
     model.ir_version = ir_version or (11 if opset >= 23 else 10)
@@ -94,7 +88,6 @@ def ort_loads(op_type: str, opset: int, domain: str = "", n_inputs: int = 1, ir_
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001 - any load failure means "not supported"
         return False
-    del onnx
     return True
 
 
