@@ -25,8 +25,12 @@ $(VENV)/.smx-installed: pyproject.toml
 demo: setup
 	$(BIN)/smx demo $(ARGS)
 
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist; a test file stays on one worker, so its
+# module fixtures are built once). PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q -ra $(ARGS)
+	$(BIN)/python -m pytest -q -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_softmax.py $(ARGS)

@@ -17,6 +17,7 @@ from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
 from .explain import explain  # noqa: E402
 from .quantize import quantize_softmax  # noqa: E402
+from . import distributed  # noqa: E402  (vocabulary-parallel cut cross-entropy, CollectiveCounter)
 from . import variants  # noqa: E402  (the registry of normalization variants: smxcompile.variants.names())
 from .swapping import from_pretrained, load, save, swap  # noqa: E402
 from .backends.smx import smx_backend  # noqa: E402
@@ -50,5 +51,5 @@ def _register_backend_if_needed() -> None:
 
 _register_backend_if_needed()
 
-__all__ = ["softmax", "log_softmax", "softmax_topk", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "export_mlir", "MlirExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
+__all__ = ["softmax", "log_softmax", "distributed", "softmax_topk", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "export_mlir", "MlirExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
            "smx_backend", "last_report", "__version__"]

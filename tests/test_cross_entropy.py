@@ -209,8 +209,12 @@ def upstream_for(seed=7):
     return up
 
 
-def check_linear(x, w, b, target, *, dtype=None, chunk_bytes=None, loss_ulps=4.0, grad_ulps=4.0, **opts):
-    """Ours vs torch (input dtype) vs gold (fp64): loss and the gradients of x, w, b."""
+def check_linear(x, w, b, target, *, dtype=None, chunk_bytes=None, loss_ulps=4.0, grad_ulps=4.0, result=None,
+                 **opts):
+    """Ours vs torch (input dtype) vs gold (fp64): loss and the gradients of x, w, b.
+
+    ``result``: ours computed elsewhere, ``(loss, [grad_input, grad_weight, grad_bias])`` for the upstream
+    gradient of :func:`upstream_for` (the vocabulary-parallel tests run ours in other processes)."""
     precision = x.dtype
     cw, tw = opts.get("class_weight"), opts.get("token_weight")
     red = opts.get("reduction", "mean")
@@ -230,7 +234,7 @@ def check_linear(x, w, b, target, *, dtype=None, chunk_bytes=None, loss_ulps=4.0
                 o[k] = o[k].double()
         return reference(x_, w_, b_, target.double() if target.is_floating_point() else target, keep=keep, **o)
 
-    lo, go, _ = _grads(ours, (x, w, b), up)
+    lo, go, _ = _grads(ours, (x, w, b), up) if result is None else (result[0], list(result[1]), None)
     lt, gt, _ = _grads(theirs, (x, w, b), up)
     lg, gg, keep = _grads(gold, tuple(None if t is None else t.double() for t in (x, w, b)), up)
     assert lo.dtype == lt.dtype and lo.shape == lt.shape, (lo.dtype, lt.dtype, lo.shape, lt.shape)
@@ -971,7 +975,7 @@ def test_autocast_bf16_like_torch(fn, reduction):
         keep["raw"] = raw
         return F.cross_entropy(raw, t, reduction=reduction, label_smoothing=0.1)
 
-    lo, go, _ = _grads(ours, (x, w, b), up)
+    lo, go, _ = _grads(ours, (x, w, b), up) if result is None else (result[0], list(result[1]), None)
     lt, gt, _ = _grads(theirs, (x, w, b), up)
     bf = [u.bfloat16().double() for u in (x, w, b)]
     lg, gg, keep = _grads(gold, bf, up)

@@ -1093,6 +1093,7 @@ def linear_cross_entropy(
     dtype: torch.dtype | None = None,
     filter_eps: float | None = None,
     chunk_bytes: int | None = None,
+    process_group=None,
 ):
     """Cross-entropy of ``input @ weight.T + bias`` without materializing the logits (cut cross-entropy).
 
@@ -1132,6 +1133,12 @@ def linear_cross_entropy(
         filter_eps: gradient filtering threshold of CCE (CUDA only; skips gradient tiles whose
             entries are all below it). None (default) is exact.
         chunk_bytes: size of one logits chunk on the torch path (default 32 MiB).
+        process_group: vocabulary parallelism. A ``torch.distributed`` group whose ranks each hold a
+            slice of the classifier's rows (``weight`` is then this rank's ``(V_r, D)`` rows, ``bias``
+            its ``(V_r,)`` slice; ``input`` and ``target`` are the same on every rank); or pass
+            ``weight`` as a DTensor sharded on dim 0. See
+            :func:`smxcompile.kernels.vocab_parallel_ce.vocab_parallel_linear_cross_entropy`
+            (the loss equals the unsharded one; O(N) communication in the forward).
 
     Returns:
         ``loss``; or ``CrossEntropyOutput(loss, lse, z_loss)`` when ``return_lse`` or
@@ -1157,6 +1164,15 @@ def linear_cross_entropy(
     ALGORITHMS.md 1.4. Peers: ``F.linear_cross_entropy``, Apple's ``cut_cross_entropy``,
     Liger-Kernel's fused linear cross-entropy.
     """
+    if process_group is not None or _is_dtensor(weight):
+        from .vocab_parallel_ce import vocab_parallel_linear_cross_entropy
+
+        return vocab_parallel_linear_cross_entropy(
+            input, weight, target, process_group=process_group, bias=bias, class_weight=class_weight,
+            token_weight=token_weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, scale=scale, softcap=softcap, lse_square_scale=lse_square_scale,
+            return_lse=return_lse, return_z_loss=return_z_loss, dtype=dtype, filter_eps=filter_eps,
+            chunk_bytes=chunk_bytes)
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -1194,6 +1210,19 @@ def linear_cross_entropy(
         None if softcap is None else float(softcap), False, None, int(chunk_bytes or 0),
         return_lse, filter_eps)
     return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+
+
+def _is_dtensor(t) -> bool:
+    """A DTensor (without importing torch.distributed when nothing distributed is in use)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _needs_grad(*ts) -> bool:

@@ -1,0 +1,187 @@
+"""Workers of tests/test_vocab_parallel_ce.py: each rank runs vocabulary-parallel cut cross-entropy on its shard.
+
+Problems are rebuilt from seeds on every rank (and in the parent) with tests/test_cross_entropy.py's
+``make_problem`` / ``_options``, so ranks and parent see bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import smxcompile
+from smxcompile.distributed import CollectiveCounter
+
+import test_cross_entropy as T
+
+
+def shard_sizes(layout, v: int, world: int) -> list[int]:
+    """Rows per rank: "chunk" (torch.chunk's split, as DTensor's Shard(0)), or an explicit list."""
+    if layout == "chunk":
+        step = -(-v // world)
+        return [max(0, min(step, v - r * step)) for r in range(world)]
+    assert sum(layout) == v and len(layout) == world, (layout, v, world)
+    return list(layout)
+
+
+def problem(case: dict):
+    """The full (unsharded) problem of a case: x, w, b, target, opts (the kwargs of linear_cross_entropy)."""
+    v = case.get("v", T.V)
+    opts, bias = T._options(case["options"], v=v, n=T.N)
+    shape = case.get("shape", (T.N,))
+    if "token_weight" in opts and shape != (T.N,):
+        opts["token_weight"] = opts["token_weight"].reshape(shape)
+    x, w, b, t = T.make_problem(shape=shape, v=v, dtype=case.get("dtype", torch.float32), bias=bias,
+                                ignore_index=opts.get("ignore_index", -100), seed=case.get("seed", 1))
+    g = torch.Generator().manual_seed(5)
+    sizes = shard_sizes(case.get("layout", "chunk"), v, 2)
+    mode = case.get("targets", "random")
+    if mode in ("rank0", "rank1"):
+        lo = 0 if mode == "rank0" else sizes[0]
+        hi = sizes[0] if mode == "rank0" else v
+        t = torch.where(t == opts.get("ignore_index", -100), t, torch.randint(lo, hi, t.shape, generator=g))
+    elif mode == "ignored":
+        t = torch.full_like(t, opts.get("ignore_index", -100))
+    if case.get("nan_row"):  # row 3 of the input NaN; its target valid (or ignored: torch's gradients are NaN too)
+        x = x.clone()
+        x.view(-1, x.shape[-1])[3] = float("nan")
+        t = t.clone()
+        t.view(-1)[3] = opts.get("ignore_index", -100) if case["nan_row"] == "ignored" else 7
+    if case.get("masked_vocab"):  # rank 1's whole shard masked out by the bias, row 5 of x zero: -inf logits
+        b = b.clone()
+        b[sizes[0]:] = float("-inf")
+    if case.get("collapse"):  # x one-hot, so grad_weight[y_i, i] is row i's target gradient; p_target rounds to 1
+        zc, t = T._collapse_logits(16, v, torch.float32, seed=18)
+        x, w, b, opts = torch.eye(16), zc.t().contiguous(), None, {}
+    opts["reduction"] = case.get("reduction", "mean")
+    return x, w, b, t, opts
+
+
+def _local_rows(full, sizes, rank):
+    if full is None:
+        return None
+    s0 = sum(sizes[:rank])
+    return full[s0:s0 + sizes[rank]]
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    x, w, b, t, opts = problem(case)
+    sizes = shard_sizes(case.get("layout", "chunk"), w.shape[0], world)
+    group = dist.group.WORLD
+    xx = x.clone().requires_grad_()
+    if case.get("dtensor"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        ww = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
+        bb = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_() if b is not None else None
+        kw = {}
+    else:
+        ww = _local_rows(w, sizes, rank).clone().requires_grad_()
+        bb = _local_rows(b, sizes, rank).clone().requires_grad_() if b is not None else None
+        kw = {"process_group": group}
+    extra = case.get("extra", {})
+    with CollectiveCounter() as comm:
+        out = smxcompile.linear_cross_entropy(xx, ww, t, bias=bb, **opts, **kw, **extra)
+        forward = [(c.op, c.sent, c.received) for c in comm.collectives]
+        loss = out[0] if isinstance(out, tuple) else out
+        obj = loss
+        if extra.get("return_lse"):
+            obj = loss.sum() + (out.lse * torch.linspace(-1, 1, out.lse.numel()).reshape(out.lse.shape)).sum()
+            up = torch.ones((), dtype=obj.dtype)
+        else:
+            up = T.upstream_for()(loss.detach())
+        leaves = [u for u in (xx, ww, bb) if u is not None]
+        grads = torch.autograd.grad(obj, leaves, up)
+    backward = [(c.op, c.sent, c.received) for c in comm.collectives[len(forward):]]
+    if extra.get("chunk_bytes"):
+        assert len(forward) > 4, forward  # the chunks really ran (a merge per chunk)
+    gx, gw = grads[0], grads[1]
+    gb = grads[2] if bb is not None else None
+    if case.get("dtensor"):
+        gw = gw.to_local()
+        gb = gb.to_local() if gb is not None else None
+    return {"loss": loss.detach(), "lse": out.lse.detach() if extra.get("return_lse") else None, "gx": gx,
+            "gw": gw, "gb": gb, "forward": forward, "backward": backward, "sizes": sizes}
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    """Every case on this rank: ``{name: run_case(...)}``; an exception is stored as ``{"error": (type, msg)}``."""
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = run_case(rank, world, case)
+        except Exception as e:  # the parent asserts on it; every rank raises the same (checks are collective)
+            out[name] = {"error": (type(e).__name__, str(e))}
+    return out
+
+
+def run_errors(rank: int, world: int) -> dict:
+    """Inputs the function must refuse, on every rank alike (no hang: the checks run after a collective)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    w = torch.randn(11, 4, generator=g)
+    t = torch.randint(0, 11, (8,), generator=g)
+    sizes = shard_sizes("chunk", 11, world)
+    wl = _local_rows(w, sizes, rank)
+    grp = dist.group.WORLD
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = (type(e).__name__, str(e))
+
+    attempt("targets_differ", lambda: smxcompile.linear_cross_entropy(x, wl, (t + rank) % 11, process_group=grp))
+    attempt("inputs_differ", lambda: smxcompile.linear_cross_entropy(x + rank, wl, t, process_group=grp))
+    attempt("rows_permuted", lambda: smxcompile.linear_cross_entropy(x.roll(rank, 0), wl, t.roll(rank, 0),
+                                                                       process_group=grp))
+    attempt("soft_targets", lambda: smxcompile.linear_cross_entropy(x, wl, torch.softmax(torch.randn(8, 11), -1),
+                                                                      process_group=grp))
+    attempt("out_of_range", lambda: smxcompile.linear_cross_entropy(x, wl, torch.full((8,), 11),
+                                                                      process_group=grp))
+    attempt("class_weight_shard", lambda: smxcompile.linear_cross_entropy(x, wl, t, class_weight=torch.ones(wl.shape[0]),
+                                                                            process_group=grp))
+    attempt("reduce_input_grad_false", lambda: _partial_grad(x, wl, t, grp, errors))
+    return errors
+
+
+def _partial_grad(x, wl, t, grp, errors):
+    """reduce_input_grad=False: each rank's grad_input is its partial; their sum is the full gradient."""
+    from smxcompile.distributed import vocab_parallel_linear_cross_entropy
+
+    xx = x.clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(xx, wl, t, process_group=grp, reduce_input_grad=False)
+    (g,) = torch.autograd.grad(loss, xx)
+    part = g.clone()
+    dist.all_reduce(g)
+    errors["partial"] = part
+    errors["full"] = g
+
+
+class _Head(torch.nn.Module):
+    """A replicated projection, then the vocabulary-parallel loss over this rank's classifier rows."""
+
+    def __init__(self, w_local, d):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(d, d)
+        self.w = torch.nn.Parameter(w_local.clone())
+
+    def forward(self, x, y, group):
+        return smxcompile.linear_cross_entropy(torch.tanh(self.proj(x)), self.w, y, process_group=group,
+                                               label_smoothing=0.1)
+
+
+def run_compiled(rank: int, world: int) -> dict:
+    """The loss inside a module compiled with backend="smx": a graph break (the loss runs eagerly), same numbers."""
+    x, w, _, t = T.make_problem(seed=4, bias=False)
+    sizes = shard_sizes("chunk", w.shape[0], world)
+    head = _Head(_local_rows(w, sizes, rank), w.shape[1])
+    compiled = torch.compile(head, backend="smx")
+    loss = compiled(x, t, dist.group.WORLD)
+    loss.backward()
+    return {"loss": loss.detach(), "proj_grad": head.proj.weight.grad, "w_grad": head.w.grad}
