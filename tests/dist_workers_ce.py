@@ -185,3 +185,19 @@ def run_compiled(rank: int, world: int) -> dict:
     loss = compiled(x, t, dist.group.WORLD)
     loss.backward()
     return {"loss": loss.detach(), "proj_grad": head.proj.weight.grad, "w_grad": head.w.grad}
+
+
+def run_triton_cases(rank: int, world: int, cases: dict) -> dict:
+    """``run_cases`` with the Triton kernels forced on CPU tensors (through Triton's interpreter)."""
+    from smxcompile.kernels import config, triton_linear_ce
+
+    config.force_triton = True
+    calls = {"lce_forward": 0, "lce_backward": 0}
+    for name in calls:
+        def counted(*a, __f=getattr(triton_linear_ce, name), __n=name, **k):
+            calls[__n] += 1
+            return __f(*a, **k)
+        setattr(triton_linear_ce, name, counted)
+    out = run_cases(rank, world, cases)
+    out["__calls__"] = calls
+    return out

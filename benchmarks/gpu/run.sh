@@ -16,11 +16,13 @@ python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothes
 
 # TRITON_INTERPRET stays unset: the real kernels run on the GPU.
 unset TRITON_INTERPRET
-timeout 220 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
+timeout 185 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
   tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_softmax_topk.py tests/test_triton_op.py tests/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
+# vocabulary-parallel cut cross-entropy: the Triton kernels per shard (2 gloo ranks on this GPU) vs the unsharded op
+timeout 45 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8
 # attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers
-timeout 80 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
+timeout 75 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
 # cut cross-entropy on CUDA: the Triton path against eager and Inductor (loss, grads, time, peak memory)
 timeout 80 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
 # a subset of shapes keeps compile time (one compile per backend x case x pass) inside the budget

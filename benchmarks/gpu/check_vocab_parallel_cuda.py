@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Vocabulary-parallel cut cross-entropy on CUDA: 2 processes on one GPU (gloo), against the unsharded op.
+
+On CUDA every shard runs the Triton kernels (statistics with local targets, -1 where the rank does
+not own the target; backward with the global lse and other mass), which the CPU tests cannot reach.
+Two ranks share the GPU, so the process group is gloo (nccl wants one GPU per rank); the math is
+what is checked here, not the collectives' speed. Prints one line per case and exits 1 on a mismatch.
+
+  python benchmarks/gpu/check_vocab_parallel_cuda.py               # on a CUDA machine
+  python benchmarks/gpu/check_vocab_parallel_cuda.py --device cpu  # the same checks on the CPU paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+CASES = {
+    "mean": dict(reduction="mean"),
+    "none+smoothing+class_weight": dict(reduction="none", label_smoothing=0.1, class_weight=True),
+    "sum+softcap+z_loss": dict(reduction="sum", softcap=20.0, lse_square_scale=1e-3),
+    "mean+scale+bias": dict(reduction="mean", scale=0.7, bias=True),
+    "all ignored (sum)": dict(reduction="sum", ignored=True),
+    "bf16 mean": dict(reduction="mean", dtype=torch.bfloat16),
+}
+N, D, V = 300, 64, 1001  # V odd: shards of 501 and 500
+
+
+def problem(opts, device):
+    g = torch.Generator().manual_seed(0)
+    dt = opts.get("dtype", torch.float32)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) * D ** -0.5 * 4
+    b = torch.randn(V, generator=g) if opts.get("bias") else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[torch.rand(N, generator=g) < 0.2] = -100
+    if opts.get("ignored"):
+        t[:] = -100
+    kw = {k: v for k, v in opts.items() if k in ("reduction", "label_smoothing", "softcap", "lse_square_scale",
+                                                  "scale")}
+    if opts.get("class_weight"):
+        kw["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device)
+    cast = lambda u: None if u is None else u.to(device, dt)
+    return cast(x), cast(w), cast(b), t.to(device), kw
+
+
+def run(x, w, b, t, kw, **extra):
+    import smxcompile
+
+    leaves = [u.clone().requires_grad_() for u in (x, w, b) if u is not None]
+    loss = smxcompile.linear_cross_entropy(leaves[0], leaves[1], t, bias=leaves[2] if b is not None else None,
+                                           **kw, **extra)
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(loss.shape, generator=g).to(loss.device, loss.dtype) if loss.dim() else torch.ones_like(loss)
+    grads = torch.autograd.grad(loss, leaves, up)
+    return [loss.detach().cpu()] + [gr.cpu() for gr in grads]
+
+
+def worker(rank, world, folder, device):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    out = {}
+    for name, opts in CASES.items():
+        x, w, b, t, kw = problem(opts, device)
+        step = -(-V // world)
+        sl = slice(rank * step, min(V, (rank + 1) * step))
+        out[name] = run(x, w[sl].contiguous(), b[sl].contiguous() if b is not None else None, t, kw,
+                        process_group=dist.group.WORLD)
+    torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(worker, args=(2, folder, args.device), nprocs=2, join=True, start_method="spawn")
+        ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(2)]
+    bad = 0
+    for name, opts in CASES.items():
+        x, w, b, t, kw = problem(opts, args.device)
+        ref = run(x, w, b, t, kw)
+        ours = ranks[0][name][:2] + [torch.cat([ranks[0][name][i], ranks[1][name][i]]) for i in range(2, len(ref))]
+        eps = torch.finfo(opts.get("dtype", torch.float32)).eps
+        errs = []
+        for o, r in zip(ours, ref):
+            fin = ~r.isnan()
+            same_nan = torch.equal(o.isnan(), r.isnan())
+            scale = r[fin].abs().max().item() if fin.any() else 0.0
+            err = (o[fin].double() - r[fin].double()).abs().max().item() if fin.any() else 0.0
+            errs.append(err / scale if scale else err)
+            if not same_nan or err > 64 * eps * scale:
+                bad += 1
+        print(f"{'ok ' if all(e <= 64 * eps for e in errs) else 'BAD'} {name:32s} rel. err loss/grads: "
+              + " ".join(f"{e:.1e}" for e in errs))
+    print(f"vocab-parallel on {args.device}: {'all match' if not bad else f'{bad} mismatch(es)'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
