@@ -27,6 +27,13 @@ def _child(rank: int, world_size: int, folder: str, fn, args) -> None:
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
         dist.barrier()
     finally:
+        # free whatever still holds the group (DDP's reducer, compiled graphs) before destroying it: a
+        # reducer that destroys the gloo group later, holding the GIL, can deadlock with a gloo thread
+        import gc
+
+        del fn, args
+        torch._dynamo.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1094,8 +1094,9 @@ def _erase_unused_pure(graph: Graph, nodes: list) -> None:
     stack = [n for n in nodes if isinstance(n, Node)]
     while stack:
         n = stack.pop()
-        if n.graph is not graph or n.users or n.op not in ("call_function", "call_method") or is_mutation(n) \
-                or is_random(n):
+        # a node reached twice (an input of two erased nodes) is erased only once
+        if getattr(n, "_erased", False) or n.graph is not graph or n.users \
+                or n.op not in ("call_function", "call_method") or is_mutation(n) or is_random(n):
             continue
         ins = n.all_input_nodes
         graph.erase_node(n)
