@@ -11,8 +11,10 @@ Variants (--variants):
   smx         smxcompile.linear_cross_entropy(x, W_r, y, process_group=group): cut cross-entropy on
               each shard, partial (max, sum) merged with O(N) collectives; no rank holds logits.
   allgather   the naive form it replaces: local logits x @ W_r.T, all_gather them into the full
-              N x V logits (torch.distributed.nn.functional.all_gather, differentiable), F.cross_entropy;
-              x.grad is then all-reduced.
+              N x V logits, F.cross_entropy; the backward keeps this rank's columns of the logits'
+              gradient (no collective, as Megatron-LM's gather_from_tensor_model_parallel_region;
+              torch.distributed.nn.functional.all_gather would add an N x V all_to_all); x.grad is
+              then all-reduced.
   loss_parallel  PyTorch's own: the local logits wrapped as a DTensor sharded on the vocabulary dim, and
               F.cross_entropy under torch.distributed.tensor.parallel.loss_parallel() (O(N) collectives,
               but each rank materializes its N x V_r logits); x.grad all-reduced.
@@ -29,7 +31,8 @@ Metrics, per variant (median over --rounds steps after one warm-up step; rank 0'
   step ms          wall time of the step (all ranks start together after a barrier).
   peak MB          peak memory above the step's start: torch.cuda.max_memory_allocated on CUDA; on CPU
                    the peak RSS (VmHWM after clear_refs, as smx demo measures).
-  |dloss|          |loss - smx's loss| / |smx's loss| and max |x.grad - smx's| / max |smx's|.
+  |dloss|          |loss - smx's loss| / |smx's loss|.
+  |dgrad|          max |x.grad - smx's x.grad| / max |smx's x.grad|.
 
 Example:
   python benchmarks/bench_vocab_parallel_ce.py                       # CPU, 2 processes, V 8192 and 32768
@@ -49,6 +52,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
+from smxcompile.argtypes import positive_int
 
 VARIANTS = ("smx", "allgather", "loss_parallel")
 
@@ -175,10 +180,11 @@ def _worker(rank, world, folder, args):
 def _table(rows, markdown: bool) -> str:
     head = ["V", "variant", "loss fwd MB", "loss bwd MB", "grad_input MB", "collectives", "step ms", "peak MB",
             "|dloss|", "|dgrad|"]
-    lines = []
+    lines, notes = [], []
     for r in rows:
         if "error" in r:
-            lines.append([str(r["vocab"]), r["variant"], r["error"]] + [""] * 7)
+            lines.append([str(r["vocab"]), r["variant"]] + ["-"] * 8)
+            notes.append(f"V={r['vocab']} {r['variant']}: {r['error']}")
             continue
         lines.append([str(r["vocab"]), r["variant"], f"{r['loss_fwd_bytes'] / 1e6:.3f}",
                       f"{r['loss_bwd_bytes'] / 1e6:.3f}", f"{r['grad_input_bytes'] / 1e6:.3f}",
@@ -187,24 +193,24 @@ def _table(rows, markdown: bool) -> str:
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(c for c in line) + " |" for line in lines]
-        return "\n".join(out)
+        return "\n".join(out + [""] + notes if notes else out)
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines] + notes)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__[__doc__.index("Variants"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2, help="processes (GPUs with nccl when CUDA is available)")
-    p.add_argument("--n", type=int, default=1024, help="tokens per step (rows of x), default 1024")
-    p.add_argument("--d", type=int, default=256, help="hidden size, default 256")
-    p.add_argument("--vocab", type=lambda s: [int(v) for v in s.split(",")], default=[8192, 32768],
+    p.add_argument("--world-size", type=positive_int, default=2, help="processes (GPUs with nccl when CUDA is available)")
+    p.add_argument("--n", type=positive_int, default=1024, help="tokens per step (rows of x), default 1024")
+    p.add_argument("--d", type=positive_int, default=256, help="hidden size, default 256")
+    p.add_argument("--vocab", type=lambda s: [positive_int(v) for v in s.split(",")], default=[8192, 32768],
                    help="comma-separated vocabulary sizes, default 8192,32768")
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                    help=f"comma-separated, from {','.join(VARIANTS)}")
-    p.add_argument("--rounds", type=int, default=3, help="timed steps per variant after one warm-up (median)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process on CPU, default 1")
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed steps per variant after one warm-up (median)")
+    p.add_argument("--threads", type=positive_int, default=1, help="intra-op threads per process on CPU, default 1")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args(argv)

@@ -158,7 +158,7 @@ def report_lines(reports) -> list[str]:
     """One line per compiled graph piece: ``piece 1 (g1): attention 1 rewritten, linear_cross_entropy 1 rewritten``."""
     lines = []
     for i, r in enumerate(reports):
-        graph = f" ({r.sites[0].graph})" if r.sites else ""
+        graph = f" ({r.sites[0].graph})" if r.sites else ""  # a piece without sites has no tag to show
         parts = [f"{kind} {n} {action}" for kind, acts in sorted(r.summary().items())
                  for action, n in sorted(acts.items())]
         lines.append(f"piece {i}{graph}: {', '.join(parts) if parts else 'no softmax-shaped sites'}")
@@ -228,6 +228,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         for r in compiled_reports:
             combined.extend(r)
         say(f"rank0 {combined}")
+    else:
+        say(f"(no smx report: --compile-backend {args.compile_backend} does not run smxcompile's passes)")
     say(f"final loss (mean over {world} ranks): {means[-1]:.4f}; mean over {len(means)} steps: "
         f"{sum(means) / len(means):.4f}", flush=True)
     return 0

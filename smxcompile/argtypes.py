@@ -19,9 +19,12 @@ def nonneg_int(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """An integer > 0 (``argparse`` type); raises ``ArgumentTypeError`` otherwise."""
-    v = nonneg_int(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError("must be an integer > 0, got 0")
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer > 0, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be an integer > 0, got {text!r}")
     return v
 
 

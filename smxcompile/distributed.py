@@ -36,6 +36,10 @@ except ImportError:  # a torch build without torch.distributed
     _DTensor = None
 
 
+# functional ops that move no data: waiting on a result, and wrapping a result for autograd
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
 def _nbytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
@@ -82,10 +86,13 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "c10d" and args:
             if name in _OUT_IN and len(args) > 1:
                 self.collectives.append(Collective(name, _nbytes(args[1]), _nbytes(args[0])))
+            elif name in ("send", "recv_", "recv_any_source_"):  # point to point: one direction only
+                n = _nbytes(args[0])
+                self.collectives.append(Collective(name, n if name == "send" else 0, 0 if name == "send" else n))
             elif name != "barrier" and not name.startswith("monitored_barrier"):
                 n = _nbytes(args[0])
                 self.collectives.append(Collective(name, n, n))
-        elif func.namespace == "_c10d_functional" and args and name != "wait_tensor":
+        elif func.namespace == "_c10d_functional" and args and name not in _NOT_COLLECTIVES:
             # functional collectives (DTensor, torch.compile): the result is a new tensor
             self.collectives.append(Collective(name, _nbytes(args[0]), _nbytes(out)))
         return out

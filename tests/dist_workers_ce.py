@@ -146,6 +146,63 @@ def run_errors(rank: int, world: int) -> dict:
     attempt("class_weight_shard", lambda: smxcompile.linear_cross_entropy(x, wl, t, class_weight=torch.ones(wl.shape[0]),
                                                                             process_group=grp))
     attempt("reduce_input_grad_false", lambda: _partial_grad(x, wl, t, grp, errors))
+    # options / weights that differ between ranks: an error on every rank, not mismatched collectives
+    lce = smxcompile.linear_cross_entropy
+    xg = x.clone().requires_grad_()
+    attempt("reduction_differs", lambda: lce(xg, wl, t, process_group=grp, reduction="sum" if rank else "mean"))
+    attempt("chunk_bytes_differs", lambda: lce(xg, wl, t, process_group=grp, chunk_bytes=4096 if rank else None))
+    attempt("smoothing_differs", lambda: lce(xg, wl, t, process_group=grp, label_smoothing=0.1 * rank))
+    attempt("ignore_index_differs", lambda: lce(xg, wl, t, process_group=grp, ignore_index=-100 - rank))
+    attempt("token_weight_differs", lambda: lce(xg, wl, t, process_group=grp, token_weight=torch.rand(8)))
+    attempt("class_weight_differs", lambda: lce(xg, wl, t, process_group=grp,
+                                                class_weight=torch.ones(11) + rank * torch.arange(11)))
+
+    def grad_on_one_rank():
+        with torch.set_grad_enabled(rank == 0):
+            return lce(xg, wl, t, process_group=grp)
+    attempt("no_grad_on_one_rank", grad_on_one_rank)
+    # a bad argument on one rank only (bias of the wrong length): every rank raises, nobody waits
+    attempt("bad_bias_on_one_rank", lambda: lce(x, wl, t, process_group=grp,
+                                                bias=torch.zeros(wl.shape[0] + rank)))
+    # embeddings that differ without changing any row sum, and rows 100 apart swapped
+    xs = x.clone()
+    if rank:
+        xs[:, 0] += 1
+        xs[:, 1] -= 1
+    attempt("columns_moved", lambda: lce(xs, wl, t, process_group=grp))
+    xl = torch.randn(120, 4, generator=torch.Generator().manual_seed(1))
+    tl = torch.randint(0, 11, (120,), generator=torch.Generator().manual_seed(2))
+    if rank:
+        xl[[5, 105]] = xl[[105, 5]]
+    attempt("rows_100_apart_swapped", lambda: lce(xl, wl, tl, process_group=grp))
+
+    def double_backward():
+        xx = x.clone().requires_grad_()
+        loss = lce(xx, wl, t, process_group=grp)
+        torch.autograd.grad(loss, xx, create_graph=True)
+    attempt("double_backward", double_backward)
+
+    def frozen_input():  # no grad_input wanted: no N x D all_reduce
+        ww = wl.clone().requires_grad_()
+        with CollectiveCounter() as c:
+            lce(x, ww, t, process_group=grp).backward()
+        errors["frozen_input_collectives"] = [(k.op, k.received) for k in c.collectives]
+    attempt("frozen_input", frozen_input)
+
+    def counter():  # CollectiveCounter itself: functional collectives once each, point to point one way
+        import torch.distributed._functional_collectives as funcol
+
+        with CollectiveCounter() as c:
+            y = funcol.all_reduce(torch.ones(1000), "sum", grp)
+            float(y.sum())
+            if rank == 0:
+                dist.send(torch.ones(10), 1)
+            else:
+                dist.recv(torch.empty(10), 0)
+            out = [torch.empty(3) for _ in range(world)]
+            dist.all_gather(out, torch.ones(3))
+        errors["counted"] = [(k.op, k.sent, k.received) for k in c.collectives]
+    attempt("counter", counter)
     return errors
 
 

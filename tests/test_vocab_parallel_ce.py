@@ -185,7 +185,7 @@ def test_layouts_and_target_ownership_cover_what_they_claim(results):
 
 
 def test_collectives_are_O_of_N(results):
-    """Whatever V is, the forward moves O(N) numbers: an all_gather of 3 fp64 per rank, then all_reduces of the
+    """Whatever V is, the forward moves O(N) numbers: an all_gather of 9 fp64 per rank (sizes, checksums), then all_reduces of the
     rows' maxima (N fp32) and of 3 (4 with label smoothing) numbers per row; the backward one all_reduce of
     grad_input (N x D). On the CPU fused path (mean/sum, no smoothing / soft-cap) the merge runs per row chunk
     over the non-ignored rows, and grad_input is reduced in the forward. A naive all-gather of the logits
@@ -194,13 +194,13 @@ def test_collectives_are_O_of_N(results):
     _, _, _, t, _ = W.problem(CASES["smoothing-mean"])
     rows = int((t != -100).sum())
     assert rows < n
-    stats = lambda parts: [("allgather_", 24, 48), ("allreduce_", 4 * n, 4 * n),
+    stats = lambda parts: [("allgather_", 72, 144), ("allreduce_", 4 * n, 4 * n),
                            ("allreduce_", 4 * parts * n, 4 * parts * n)]
     for name, v, fwd, bwd in (
             ("smoothing-mean", T.V, stats(4), [("allreduce_", 4 * n * d, 4 * n * d)]),
             ("comm_v1001-mean", 1001, stats(4), [("allreduce_", 4 * n * d, 4 * n * d)]),
             ("plain-none", T.V, stats(3), [("allreduce_", 4 * n * d, 4 * n * d)]),
-            ("plain-mean", T.V, [("allgather_", 24, 48), ("allreduce_", 4 * rows, 4 * rows),
+            ("plain-mean", T.V, [("allgather_", 72, 144), ("allreduce_", 4 * rows, 4 * rows),
                                  ("allreduce_", 12 * rows, 12 * rows), ("allreduce_", 4 * n * d, 4 * n * d)], [])):
         r = results[name][0]
         assert r["forward"] == fwd, (name, r["forward"])
@@ -215,8 +215,10 @@ def test_dtensor_weight_is_sharded_like_torch_chunk(results):
 
 
 def test_refuses_what_it_cannot_do(results):
-    """Targets / inputs that differ between ranks (also a permutation of rows), soft targets, out-of-range
-    targets, a class_weight of the shard's size: clear errors, on both ranks (no hang)."""
+    """Targets / inputs / options / weights that differ between ranks (also a permutation of rows, values moved
+    between columns), soft targets, out-of-range targets, a class_weight of the shard's size, a bad argument on
+    one rank only, double backward: clear errors, on both ranks (no hang, no mismatched collectives); a frozen
+    input issues no N x D collective."""
     errs = results["__errors__"]
     for r in errs:
         assert r["targets_differ"][0] == "ValueError" and "targets differ" in r["targets_differ"][1]
@@ -224,8 +226,23 @@ def test_refuses_what_it_cannot_do(results):
         assert r["rows_permuted"][0] == "ValueError"
         assert r["soft_targets"][0] == "NotImplementedError"
         assert r["out_of_range"][0] == "IndexError" and "out of bounds" in r["out_of_range"][1]
-        assert r["class_weight_shard"][0] == "ValueError" and "(11,)" in r["class_weight_shard"][1]
+        assert r["class_weight_shard"][0] == "ValueError" and "(11,)" in r["class_weight_shard"][1], r["class_weight_shard"]
         assert r["reduce_input_grad_false"] is None
+        for name in ("reduction_differs", "chunk_bytes_differs", "smoothing_differs", "ignore_index_differs",
+                     "no_grad_on_one_rank"):
+            assert r[name][0] == "ValueError" and "options" in r[name][1], (name, r[name])
+        assert r["token_weight_differs"][0] == "ValueError" and "token_weight" in r["token_weight_differs"][1]
+        assert r["class_weight_differs"][0] == "ValueError" and "class_weight" in r["class_weight_differs"][1]
+        for name in ("columns_moved", "rows_100_apart_swapped"):
+            assert r[name][0] == "ValueError" and "embeddings" in r[name][1], (name, r[name])
+        assert r["double_backward"][0] == "RuntimeError" and "double backward" in r["double_backward"][1]
+        assert r["frozen_input"] is None and ("allreduce_", 8 * 4 * 4) not in r["frozen_input_collectives"]  # N x D fp32
+        assert [op for op, _ in r["frozen_input_collectives"]] == ["allgather_", "allreduce_", "allreduce_"]
+    assert errs[1]["bad_bias_on_one_rank"][0] == "ValueError" and "bias" in errs[1]["bad_bias_on_one_rank"][1]
+    assert errs[0]["bad_bias_on_one_rank"][0] == "RuntimeError" and "rank(s) [1]" in errs[0]["bad_bias_on_one_rank"][1]
+    # CollectiveCounter: a functional all_reduce counted once (not its autograd wrapper), send / recv one way
+    assert errs[0]["counted"] == [("all_reduce", 4000, 4000), ("send", 40, 0), ("allgather_", 12, 24)]
+    assert errs[1]["counted"] == [("all_reduce", 4000, 4000), ("recv_", 0, 40), ("allgather_", 12, 24)]
     # reduce_input_grad=False: partial gradients that sum to the full one
     a, b = errs
     assert not torch.equal(a["partial"], a["full"])

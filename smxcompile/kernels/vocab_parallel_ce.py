@@ -14,8 +14,10 @@ embeddings ``e`` (N x D) and targets. It runs the single-device statistics op on
 
 and the partials merge with three collectives of O(N) numbers (never N x V):
 
-    1. all_gather of 3 numbers per rank: the shard sizes (hence the offsets s_r) and checksums
-       that verify the targets and embeddings really are the same on every rank;
+    1. all_gather of 9 numbers per rank: the shard size (hence the offsets s_r), checksums that
+       verify the targets, embeddings, class and token weights (and their sizes) and options are the same on
+       every rank, and whether the rank's own argument checks passed (so a rank that rejects its
+       arguments makes every rank raise, instead of leaving them waiting in the next collective);
     2. all_reduce(MAX) of lse_r -> M (N numbers);
     3. all_reduce(SUM) of [exp(lse_r - M), m_r exp(lse_r - M), tl_r, ws_r] (3 or 4 x N), with
        m_r = om_r on the rank that owns the target and 1 elsewhere, so that
@@ -48,10 +50,6 @@ __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
 # FAST_FUSED / MIN_CHUNK_ROWS switches are read at call time, as the single-device path reads them
 _ce = importlib.import_module(".cross_entropy", __package__)
 
-#: Positions weigh the replication checksums (a permutation of rows across ranks changes them).
-_CHECK_PERIOD = 97
-
-
 def _dist():
     import torch.distributed as dist
 
@@ -83,36 +81,99 @@ class VocabShard:
         return f"VocabShard(start={self.start}, size={self.size}, vocab_size={self.vocab_size}, sizes={self.sizes})"
 
 
-def _checksums(x2: torch.Tensor, tgt: torch.Tensor) -> tuple[float, float]:
-    """Position-weighted sums of the targets (exact in fp64) and of the embeddings' rows."""
-    n = tgt.shape[0]
-    pos = (torch.arange(n, device=tgt.device) % _CHECK_PERIOD + 1).to(torch.float64)
-    t = (tgt.to(torch.float64) * pos).sum() + n
-    x = (x2.sum(1, dtype=torch.float64) * pos).sum() if x2.numel() else x2.new_zeros((), dtype=torch.float64)
-    return t, torch.nan_to_num(x, nan=0.0, posinf=1e300, neginf=-1e300)
+def _weights(n: int, seed: int, device) -> torch.Tensor:
+    """Fixed pseudo-random weights in [1, 2) (the same on every rank) for the replication checksums."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, generator=g, dtype=torch.float64) + 1.0).to(device)
 
 
-def _exchange(group, v_loc: int, x2: torch.Tensor, tgt: torch.Tensor) -> VocabShard:
-    """Collective 1: every rank's shard size, and a check that targets and embeddings are replicated."""
+def _checksum(t: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """A deterministic fingerprint of a tensor's values and positions (float64; NaN/inf mapped to numbers).
+
+    Floats: ``pos . (t @ r)`` with fixed random ``pos``/``r`` (a row permutation or values moved between
+    columns change it); integers: the same with exact int64 weights. One pass over ``t``."""
+    if t is None:
+        return torch.zeros((), dtype=torch.float64)
+    t2 = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    n, d = t2.shape
+    if n * d == 0:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    if not t2.dtype.is_floating_point:
+        pos = torch.arange(n, device=t.device, dtype=torch.int64) % 1_000_003 + 1
+        return (t2[:, 0].long() * pos).sum().to(torch.float64) + n
+    r = _weights(d, seed, t.device).to(t2.dtype)
+    rows = (t2 @ r).to(torch.float64)
+    return torch.nan_to_num((rows * _weights(n, seed + 1, t.device)).sum(), nan=-1.0, posinf=1e300, neginf=-1e300)
+
+
+def _fingerprint(options: tuple) -> float:
+    """The call's options as a float64-exact 48-bit hash (ranks that disagree would pair up mismatched
+    collectives: a crash or a hang instead of an error)."""
+    import hashlib
+
+    h = hashlib.blake2b(repr(options).encode(), digest_size=6).digest()
+    return float(int.from_bytes(h, "little"))
+
+
+_HINT = ("every rank of the group must pass the same (replicated) input rows, targets and options and hold its "
+         "own slice of the classifier. Data-parallel ranks (different batches) belong to another group; an FSDP2 "
+         "parameter (a DTensor sharded on dim 0 over the data-parallel mesh) used outside its module's forward "
+         "is not a vocabulary shard: call the loss inside the module, where FSDP has gathered it")
+
+
+def _exchange(group, v_loc: int, x2, tgt, class_weight, token_weight, options: tuple, error) -> VocabShard:
+    """Collective 1 (an all_gather of 9 numbers per rank): the shard sizes, and the checks that every rank
+    passed the same targets, embeddings, weights and options and that no rank rejected its arguments. Runs
+    on every rank even when this rank's own argument checks failed (``error``), so that every rank raises
+    instead of the others waiting forever in the next collective."""
     dist = _dist()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    t, x = _checksums(x2, tgt)
-    scale = (x2.abs().sum(dtype=torch.float64) if x2.numel() else x2.new_zeros((), dtype=torch.float64))
-    mine = torch.stack([torch.tensor(float(v_loc), dtype=torch.float64, device=t.device), t, x])
+    device = x2.device if isinstance(x2, torch.Tensor) else torch.device("cpu")
+    if error is None:
+        scale = _checksum(x2.abs(), 7) if x2.numel() else torch.zeros((), dtype=torch.float64, device=device)
+        mine = torch.stack([torch.tensor(float(v_loc), dtype=torch.float64, device=device), _checksum(tgt, 3),
+                            _checksum(x2, 5), scale.to(device), _checksum(class_weight, 11).to(device),
+                            _checksum(token_weight, 13).to(device),
+                            torch.tensor(_fingerprint(options), dtype=torch.float64, device=device),
+                            torch.tensor(float(class_weight.numel()) if class_weight is not None else -1.0,
+                                         dtype=torch.float64, device=device),
+                            torch.tensor(float(token_weight.numel()) if token_weight is not None else -1.0,
+                                         dtype=torch.float64, device=device)])
+    else:
+        mine = torch.full((9,), float("nan"), dtype=torch.float64, device=device)
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        mine = mine.cuda()
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()
-    sizes = [int(s) for s in table[:, 0].tolist()]
-    hint = ("every rank of the group must pass the same (replicated) input rows and targets and hold its own "
-            "slice of the classifier. Data-parallel ranks (different batches) belong to another group; an FSDP2 "
-            "parameter (a DTensor sharded on dim 0 over the data-parallel mesh) used outside its module's "
-            "forward is not a vocabulary shard: call the loss inside the module, where FSDP has gathered it")
-    if not torch.equal(table[:, 1], table[:, 1][:1].expand(world)):
-        raise ValueError(f"vocabulary-parallel cross-entropy: the targets differ between the ranks; {hint}")
-    tol = 1e-6 * float(torch.nan_to_num(scale, nan=0.0, posinf=1e300)) + 1e-30
+    failed = [r for r in range(world) if bool(table[r].isnan().all())]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"vocabulary-parallel cross-entropy: rank(s) {failed} of the group rejected their "
+                           "arguments (their own error says why); this rank stops too")
+    same = lambda col: torch.equal(table[:, col], table[:1, col].expand(world))  # noqa: E731
+    v = int(table[:, 0].sum())
+    cw_sizes = [int(c) for c in table[:, 7].tolist()]
+    if any(c not in (-1, v) for c in cw_sizes) or not same(7):
+        raise ValueError(f"class_weight must be the full ({v},) per-class weights on every rank (the vocabulary of "
+                         f"all shards, replicated), got sizes {cw_sizes} on ranks 0..{world - 1} (-1: none)")
+    if not same(8):
+        raise ValueError(f"token_weight differs in size between the ranks ({[int(c) for c in table[:, 8].tolist()]}); "
+                         f"{_HINT}")
+    if not same(6):
+        raise ValueError("vocabulary-parallel cross-entropy: the options (reduction, ignore_index, label_smoothing, "
+                         "scale, softcap, lse_square_scale, chunk_bytes, dtype, shapes, whether a gradient is needed, "
+                         f"...) differ between the ranks; {_HINT}")
+    if not same(1):
+        raise ValueError(f"vocabulary-parallel cross-entropy: the targets differ between the ranks; {_HINT}")
+    if not same(4) or not same(5):
+        raise ValueError("vocabulary-parallel cross-entropy: class_weight or token_weight differ between the "
+                         f"ranks; {_HINT}")
+    tol = 1e-6 * float(table[:, 3].abs().max()) + 1e-30
     if float(table[:, 2].max() - table[:, 2].min()) > tol:
-        raise ValueError(f"vocabulary-parallel cross-entropy: the embeddings (input) differ between the ranks; {hint}")
-    return VocabShard(sizes, rank)
+        raise ValueError(f"vocabulary-parallel cross-entropy: the embeddings (input) differ between the ranks; {_HINT}")
+    return VocabShard([int(v) for v in table[:, 0].tolist()], rank)
 
 
 def _stats_local(x2, weight, bias, tgt_local, cw_local, scale, softcap, need_ws, chunk_bytes):
@@ -145,6 +206,9 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lse, grad_tl, grad_ws):
+        if torch.is_grad_enabled():
+            raise RuntimeError("double backward (create_graph=True) through vocabulary-parallel cross-entropy is not "
+                               "supported; use F.cross_entropy(F.linear(...)) for higher-order gradients")
         x2, weight, bias, tgt_local, cw_local, lse, other_mass = ctx.saved_tensors
         group, scale, softcap, chunk_bytes, filter_eps, reduce_input_grad = ctx.args
         a, b, c = _coefs(lse, grad_lse, grad_tl, grad_ws)
@@ -201,7 +265,8 @@ class _VocabParallelFused(torch.autograd.Function):
         tl = torch.zeros(n, dtype=acc, device=x2.device)
         gdt = _saved_grad_dtype(x2.dtype)
         w_gi = weight if weight.dtype == gdt else weight.to(gdt)
-        gi = torch.zeros((n, d), dtype=gdt, device=x2.device)
+        need_in = x2.requires_grad
+        gi = torch.zeros((n, d) if need_in else (0, d), dtype=gdt, device=x2.device)
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         gb = torch.zeros(v_loc, dtype=acc, device=weight.device) if bias is not None else None
         rows = (tgt != ignore_index).nonzero().squeeze(1)  # only rows that contribute; the same on every rank
@@ -236,12 +301,13 @@ class _VocabParallelFused(torch.autograd.Function):
                 z.masked_fill_(dead.unsqueeze(1), 0.0)
             row = (a * f * scale).unsqueeze(1)
             t = torch.where(own, (-a * om + (a - b0[sel])) * scale, 0.0)
-            g = (z @ w_gi.to(acc)) if w_gi.dtype != acc else z @ w_gi
-            g.mul_(row)
             has_t = bool(own.any())
-            if has_t:
-                g.add_(w_gi.index_select(0, idx.squeeze(1)).to(acc) * t.unsqueeze(1))
-            gi[sel] = g.to(gdt)
+            if need_in:
+                g = (z @ w_gi.to(acc)) if w_gi.dtype != acc else z @ w_gi
+                g.mul_(row)
+                if has_t:
+                    g.add_(w_gi.index_select(0, idx.squeeze(1)).to(acc) * t.unsqueeze(1))
+                gi[sel] = g.to(gdt)
             gw.addmm_(z.t(), ef * row)
             if has_t:
                 gw.index_add_(0, idx.squeeze(1), ef * t.unsqueeze(1))
@@ -249,7 +315,7 @@ class _VocabParallelFused(torch.autograd.Function):
                 gb.add_(z.t() @ row.squeeze(1))
                 if has_t:
                     gb.index_add_(0, idx.squeeze(1), t)
-        if reduce_input_grad:
+        if reduce_input_grad and need_in:
             dist.all_reduce(gi, op=dist.ReduceOp.SUM, group=group)
         loss, zl = _compose(lse, tl, None, tgt, None, v, class_weight, token_weight, ignore_index, reduction, 0.0,
                             z_scale)
@@ -261,11 +327,15 @@ class _VocabParallelFused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_zl):
+        if torch.is_grad_enabled():
+            raise RuntimeError("double backward (create_graph=True) through vocabulary-parallel cross-entropy is not "
+                               "supported; use F.cross_entropy(F.linear(...)) for higher-order gradients")
         gi, gw, gb = ctx.saved_tensors
         dx, dw, db = ctx.dtypes
         acc = gw.dtype
         gl = grad_loss.reshape(()).to(acc)
-        return ((gi.to(acc) * gl).to(dx), (gw * gl).to(dw), (gb * gl).to(db) if gb is not None else None) + (None,) * 13
+        gx = (gi.to(acc) * gl).to(dx) if ctx.needs_input_grad[0] else None
+        return (gx, (gw * gl).to(dw), (gb * gl).to(db) if gb is not None else None) + (None,) * 13
 
 
 def _local(t, what: str, want_shard: bool):
@@ -287,7 +357,8 @@ def _local(t, what: str, want_shard: bool):
     return t.to_local(), mesh
 
 
-@torch._dynamo.disable
+@torch._dynamo.disable(reason="smxcompile's vocabulary-parallel cross-entropy runs eagerly (c10d collectives): a "
+                        "deliberate graph break; fullgraph=True cannot include it")
 def vocab_parallel_linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -316,7 +387,7 @@ def vocab_parallel_linear_cross_entropy(
     W, b), target, ...)``) for the full classifier ``W = cat([weight of rank 0, weight of rank 1,
     ...])``, forward and backward, on every rank; no rank ever holds logits (not even its own N x V_r
     slice: each shard runs the cut cross-entropy kernels). Communication per call: forward, one
-    all_gather of 3 numbers per rank and all_reduces of 4N (5N with label smoothing) fp32 numbers;
+    all_gather of 9 numbers per rank and all_reduces of 4N (5N with label smoothing) fp32 numbers;
     backward, one all_reduce of grad_input (N x D). The naive alternative, all-gathering the logits,
     moves N x V numbers per rank (see ``benchmarks/bench_vocab_parallel_ce.py``).
 
@@ -362,6 +433,66 @@ def vocab_parallel_linear_cross_entropy(
     if not dist.is_initialized():
         raise RuntimeError("vocabulary-parallel cross-entropy: torch.distributed is not initialised "
                            "(call torch.distributed.init_process_group first)")
+    # Local checks first; whatever they find, every rank still joins the first collective (a rank that
+    # raised alone would leave the others waiting in it), which then reports the failure on every rank.
+    error, prep = None, None
+    try:
+        prep = _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index,
+                        reduction, label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss,
+                        dtype, filter_eps, chunk_bytes, reduce_input_grad)
+        process_group = prep["group"]
+    except Exception as e:  # re-raised by _exchange, after the collective
+        error = e
+        if _is_dtensor(weight):
+            process_group = weight.device_mesh.get_group() if process_group is None else process_group
+    if error is None:
+        x2, tgt, weight, bias, class_weight = prep["x2"], prep["tgt"], prep["weight"], prep["bias"], prep["cw"]
+        tw, lead, fused = prep["tw"], prep["lead"], prep["fused"]
+        shard = _exchange(process_group, weight.shape[0], x2.detach(), tgt, class_weight, tw, prep["options"], None)
+    else:
+        _exchange(process_group, 0, None, None, None, None, (), error)  # raises on every rank
+    v = shard.vocab_size
+    # from here on every check sees the same values on every rank (verified above): all raise alike
+    if prep["vocab_size"] is not None and prep["vocab_size"] != v:
+        raise ValueError(f"weight's DTensor shape says V = {prep['vocab_size']} but the shards hold {v} rows")
+    _check_common(tgt, tgt.shape[0], v, class_weight, tw, ignore_index, reduction, label_smoothing, softcap,
+                  scale, lse_square_scale, "input", x2.device, dtype)
+    _check_range(tgt, ignore_index, v)
+    start, stop = shard.start, shard.start + shard.size
+    owned = (tgt != ignore_index) & (tgt >= start) & (tgt < stop)
+    tgt_local = torch.where(owned, tgt - start, -1)
+    cw_local = class_weight[start:stop] if class_weight is not None else None
+    eps = float(label_smoothing)
+    out_dtype = _loss_dtype(dtype, prep["input"])
+    if fused:
+        # rows per chunk from the largest shard, so that every rank runs the same chunks
+        acc = torch.float64 if x2.dtype == torch.float64 else torch.float32
+        cb = int(chunk_bytes or 0)
+        step = max(_rows_per_chunk(max(shard.sizes), cb, acc), _ce.MIN_CHUNK_ROWS if not cb else 1)
+        loss, zl = _VocabParallelFused.apply(
+            x2, weight, bias, tgt, tgt_local, owned, class_weight, tw, v, int(ignore_index), reduction,
+            float(lse_square_scale), float(scale), process_group, step, bool(reduce_input_grad))
+        # a target outside [0, V) on CUDA (not checked above, to avoid a host sync) makes the loss NaN
+        bad = ((tgt != ignore_index) & ((tgt < 0) | (tgt >= v))).any()
+        loss = torch.where(bad, float("nan"), loss)
+        return _finish(loss, zl if lse_square_scale else None, None, lead, reduction, out_dtype, False,
+                       return_z_loss)
+    lse, tl, ws = _VocabParallelStats.apply(
+        x2, weight, bias, tgt_local, owned, cw_local, process_group, float(scale),
+        None if softcap is None else float(softcap), bool(eps), int(chunk_bytes or 0), filter_eps,
+        bool(reduce_input_grad))
+    # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as
+    # the single-device kernels give, instead of a finite loss with a zero target logit
+    tl = torch.where((tgt != ignore_index) & ((tgt < 0) | (tgt >= v)), float("nan"), tl)
+    loss, zl = _compose(lse, tl, ws if eps else None, tgt, None, v, class_weight, tw, int(ignore_index),
+                        reduction, eps, float(lse_square_scale))
+    return _finish(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+
+
+def _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index, reduction,
+             label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss, dtype, filter_eps,
+             chunk_bytes, reduce_input_grad) -> dict:
+    """This rank's argument checks (no communication) -> the flattened, local tensors and the options."""
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -396,46 +527,24 @@ def vocab_parallel_linear_cross_entropy(
     if target.dtype.is_floating_point:
         raise NotImplementedError("vocabulary-parallel cross-entropy takes class-index targets; probability "
                                   "targets (N x V) would defeat the sharding")
+    if class_weight is not None and not isinstance(class_weight, torch.Tensor):
+        raise ValueError(f"class_weight must be a tensor of shape (V,), got {type(class_weight).__name__}")
+    if token_weight is not None and not isinstance(token_weight, torch.Tensor):
+        raise ValueError(f"token_weight must be a tensor, got {type(token_weight).__name__}")
     lead = tuple(input.shape[:-1])
     n = 1
     for s in lead:
         n *= s
     x2 = input.reshape(n, input.shape[-1])
     tgt, _ = _targets(target, lead, weight.shape[0], "input")
-    shard = _exchange(process_group, weight.shape[0], x2.detach(), tgt)
-    v = shard.vocab_size
-    if vocab_size is not None and vocab_size != v:
-        raise ValueError(f"weight's DTensor shape says V = {vocab_size} but the shards hold {v} rows")
-    _check_common(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
-                  scale, lse_square_scale, "input", input.device, dtype)
-    _check_range(tgt, ignore_index, v)
-    start, stop = shard.start, shard.start + shard.size
-    owned = (tgt != ignore_index) & (tgt >= start) & (tgt < stop)
-    tgt_local = torch.where(owned, tgt - start, -1)
-    cw_local = class_weight[start:stop] if class_weight is not None else None
-    eps = float(label_smoothing)
     tw = None if token_weight is None else token_weight.reshape(-1)
-    if (_ce.FAST_FUSED and softcap is None and not eps and reduction != "none" and not return_lse
-            and not config.use_triton(x2) and _needs_grad(x2, weight, bias) and not _needs_grad(tw)):
-        # rows per chunk from the largest shard, so that every rank runs the same chunks
-        acc = torch.float64 if x2.dtype == torch.float64 else torch.float32
-        cb = int(chunk_bytes or 0)
-        step = max(_rows_per_chunk(max(shard.sizes), cb, acc), _ce.MIN_CHUNK_ROWS if not cb else 1)
-        loss, zl = _VocabParallelFused.apply(
-            x2, weight, bias, tgt, tgt_local, owned, class_weight, tw, v, int(ignore_index), reduction,
-            float(lse_square_scale), float(scale), process_group, step, bool(reduce_input_grad))
-        # a target outside [0, V) on CUDA (not checked above, to avoid a host sync) makes the loss NaN
-        bad = ((tgt != ignore_index) & ((tgt < 0) | (tgt >= v))).any()
-        loss = torch.where(bad, float("nan"), loss)
-        return _finish(loss, zl if lse_square_scale else None, None, lead, reduction, _loss_dtype(dtype, input),
-                       False, return_z_loss)
-    lse, tl, ws = _VocabParallelStats.apply(
-        x2, weight, bias, tgt_local, owned, cw_local, process_group, float(scale),
-        None if softcap is None else float(softcap), bool(eps), int(chunk_bytes or 0), filter_eps,
-        bool(reduce_input_grad))
-    # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as
-    # the single-device kernels give, instead of a finite loss with a zero target logit
-    tl = torch.where((tgt != ignore_index) & ((tgt < 0) | (tgt >= v)), float("nan"), tl)
-    loss, zl = _compose(lse, tl, ws if eps else None, tgt, None, v, class_weight, tw, int(ignore_index),
-                        reduction, eps, float(lse_square_scale))
-    return _finish(loss, zl, lse, lead, reduction, _loss_dtype(dtype, input), return_lse, return_z_loss)
+    fused = bool(_ce.FAST_FUSED and softcap is None and not label_smoothing and reduction != "none"
+                 and not return_lse and not config.use_triton(x2) and _needs_grad(x2, weight, bias)
+                 and not _needs_grad(tw))
+    options = (reduction, int(ignore_index) if isinstance(ignore_index, int) else repr(ignore_index),
+               repr(label_smoothing), repr(scale), repr(softcap), repr(lse_square_scale), repr(chunk_bytes),
+               bool(return_lse), bool(return_z_loss), repr(dtype), repr(filter_eps), bool(reduce_input_grad),
+               str(x2.dtype), tuple(lead), int(x2.shape[1]), fused, bias is None,
+               _needs_grad(x2), _needs_grad(weight, bias), _needs_grad(tw), x2.device.type)
+    return {"group": process_group, "x2": x2, "tgt": tgt, "weight": weight, "bias": bias, "cw": class_weight,
+            "tw": tw, "lead": lead, "fused": fused, "options": options, "vocab_size": vocab_size, "input": input}
