@@ -1138,7 +1138,9 @@ def linear_cross_entropy(
             its ``(V_r,)`` slice; ``input`` and ``target`` are the same on every rank); or pass
             ``weight`` as a DTensor sharded on dim 0. See
             :func:`smxcompile.kernels.vocab_parallel_ce.vocab_parallel_linear_cross_entropy`
-            (the loss equals the unsharded one; O(N) communication in the forward).
+            (the loss equals the unsharded one; O(N) communication in the forward). None (default)
+            is one device — note that ``torch.distributed.group.WORLD`` is None until
+            ``init_process_group`` has run.
 
     Returns:
         ``loss``; or ``CrossEntropyOutput(loss, lse, z_loss)`` when ``return_lse`` or
