@@ -64,6 +64,16 @@ def _local_rows(full, sizes, rank):
     return full[s0:s0 + sizes[rank]]
 
 
+def objective(out, extra: dict):
+    """(loss, what to differentiate, its upstream gradient): the loss with check_linear's upstream, or, when the
+    lse is returned, loss + a fixed linear function of the lse (so that the lse's gradient is exercised too)."""
+    loss = out[0] if isinstance(out, tuple) else out
+    if extra.get("return_lse"):
+        obj = loss.sum() + (out.lse * torch.linspace(-1, 1, out.lse.numel()).reshape(out.lse.shape)).sum()
+        return loss, obj, torch.ones((), dtype=obj.dtype)
+    return loss, loss, T.upstream_for()(loss.detach())
+
+
 def run_case(rank: int, world: int, case: dict) -> dict:
     x, w, b, t, opts = problem(case)
     sizes = shard_sizes(case.get("layout", "chunk"), w.shape[0], world)
@@ -85,13 +95,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     with CollectiveCounter() as comm:
         out = smxcompile.linear_cross_entropy(xx, ww, t, bias=bb, **opts, **kw, **extra)
         forward = [(c.op, c.sent, c.received) for c in comm.collectives]
-        loss = out[0] if isinstance(out, tuple) else out
-        obj = loss
-        if extra.get("return_lse"):
-            obj = loss.sum() + (out.lse * torch.linspace(-1, 1, out.lse.numel()).reshape(out.lse.shape)).sum()
-            up = torch.ones((), dtype=obj.dtype)
-        else:
-            up = T.upstream_for()(loss.detach())
+        loss, obj, up = objective(out, extra)
         leaves = [u for u in (xx, ww, bb) if u is not None]
         grads = torch.autograd.grad(obj, leaves, up)
     backward = [(c.op, c.sent, c.received) for c in comm.collectives[len(forward):]]

@@ -97,12 +97,7 @@ def _unsharded(case):
     bb = leaves[2] if b is not None else None
     extra = case.get("extra", {})
     out = smxcompile.linear_cross_entropy(xx, ww, t, bias=bb, **opts, **extra)
-    loss = out[0] if isinstance(out, tuple) else out
-    if extra.get("return_lse"):
-        obj = loss.sum() + (out.lse * torch.linspace(-1, 1, out.lse.numel()).reshape(out.lse.shape)).sum()
-        up = torch.ones((), dtype=obj.dtype)
-    else:
-        obj, up = loss, T.upstream_for()(loss.detach())
+    loss, obj, up = W.objective(out, extra)
     grads = list(torch.autograd.grad(obj, leaves, up)) + [None] * (3 - len(leaves))
     return loss.detach(), grads, (out.lse.detach() if extra.get("return_lse") else None)
 

@@ -1074,6 +1074,33 @@ def _loss_dtype(dtype, input):
     return input.dtype
 
 
+def _check_linear(input, weight, bias, rows: str = "V"):
+    """``F.linear``'s operands, cast as autocast would, checked: -> (input, weight, bias).
+
+    ``rows`` names the classifier's rows in the messages ("V", or "V_r": one rank's shard)."""
+    input, weight, bias = _autocast(input, weight, bias)
+    if input.dtype not in _FLOAT or weight.dtype not in _FLOAT:
+        raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be ({rows}, D), got shape {tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input (*, D) and weight ({rows}, D) disagree on D: {tuple(input.shape)} vs "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"input and weight must have the same dtype (as for F.linear), got {input.dtype} and "
+                        f"{weight.dtype}")
+    v = weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (v,)):
+        raise ValueError(f"bias must be a tensor of shape ({v},), got {getattr(bias, 'shape', None)}")
+    if bias is not None and bias.dtype != input.dtype:
+        raise TypeError(f"bias must have the dtype of input and weight (as for F.linear), got {bias.dtype} and "
+                        f"{input.dtype}")
+    if weight.device != input.device or (bias is not None and bias.device != input.device):
+        raise RuntimeError(f"Expected all tensors to be on the same device: input is on {input.device}, weight on "
+                           f"{weight.device}" + (f", bias on {bias.device}" if bias is not None else ""))
+    return input, weight, bias
+
+
 def linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -1178,25 +1205,8 @@ def linear_cross_entropy(
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    input, weight, bias = _autocast(input, weight, bias)
-    if input.dtype not in _FLOAT or weight.dtype not in _FLOAT:
-        raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be (V, D), got shape {tuple(weight.shape)}")
-    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input (*, D) and weight (V, D) disagree on D: {tuple(input.shape)} vs {tuple(weight.shape)}")
-    if weight.dtype != input.dtype:
-        raise TypeError(f"input and weight must have the same dtype (as for F.linear), got {input.dtype} and "
-                        f"{weight.dtype}")
+    input, weight, bias = _check_linear(input, weight, bias)
     v = weight.shape[0]
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (v,)):
-        raise ValueError(f"bias must be a tensor of shape ({v},), got {getattr(bias, 'shape', None)}")
-    if bias is not None and bias.dtype != input.dtype:
-        raise TypeError(f"bias must have the dtype of input and weight (as for F.linear), got {bias.dtype} and "
-                        f"{input.dtype}")
-    if weight.device != input.device or (bias is not None and bias.device != input.device):
-        raise RuntimeError(f"Expected all tensors to be on the same device: input is on {input.device}, weight on "
-                           f"{weight.device}" + (f", bias on {bias.device}" if bias is not None else ""))
     lead = tuple(input.shape[:-1])
     tgt, probs = _targets(target, lead, v, "input")
     n = 1

@@ -40,9 +40,9 @@ import importlib
 import torch
 
 from . import config
-from .cross_entropy import (_autocast, _autocast_off, _check_common, _check_range, _coefs, _compose, _finish,
-                            _linear_ce_backward, _linear_ce_stats, _loss_dtype, _needs_grad, _rows_per_chunk,
-                            _saved_grad_dtype, _scalar_coefs, _targets, _FLOAT)
+from .cross_entropy import (_autocast_off, _check_common, _check_linear, _check_range, _coefs, _compose, _finish,
+                            _is_dtensor, _linear_ce_backward, _linear_ce_stats, _loss_dtype, _needs_grad,
+                            _rows_per_chunk, _saved_grad_dtype, _scalar_coefs, _targets)
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
 
@@ -56,14 +56,6 @@ def _dist():
     if not dist.is_available():
         raise RuntimeError("vocabulary-parallel cross-entropy needs torch.distributed, which this torch build lacks")
     return dist
-
-
-def _is_dtensor(t) -> bool:
-    if not isinstance(t, torch.Tensor) or not _dist().is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 class VocabShard:
@@ -509,19 +501,7 @@ def _prepare(input, weight, target, process_group, bias, class_weight, token_wei
         process_group = mgroup
     if bias is not None and (bmesh is None) != (mesh is None):
         raise TypeError("weight and bias must both be DTensors or both plain tensors")
-    input, weight, bias = _autocast(input, weight, bias)
-    if input.dtype not in _FLOAT or weight.dtype not in _FLOAT:
-        raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be this rank's (V_r, D) rows, got shape {tuple(weight.shape)}")
-    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input (*, D) and weight (V_r, D) disagree on D: {tuple(input.shape)} vs "
-                         f"{tuple(weight.shape)}")
-    if weight.dtype != input.dtype or (bias is not None and bias.dtype != input.dtype):
-        raise TypeError(f"input, weight and bias must have the same dtype (as for F.linear), got {input.dtype}, "
-                        f"{weight.dtype}" + (f", {bias.dtype}" if bias is not None else ""))
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be this rank's ({weight.shape[0]},) slice, got {tuple(bias.shape)}")
+    input, weight, bias = _check_linear(input, weight, bias, rows="V_r")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point:
