@@ -164,7 +164,7 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor)
 l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertEqual(sites(r), [("attention", "rewritten")])
         self.assertEqual(attn_site(r).detail, "matmul(q, k^T), scale=0.25")
@@ -182,7 +182,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
 full = torch.full([], 4.0, dtype = torch.float32, device = device(type='cpu'))
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_runtime_tensor_scale_folded_into_q(self):
@@ -193,7 +193,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_t_ = L_t_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [(l_t_, 'mul')], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [(l_t_, 'mul')], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_prescaled_q(self):
@@ -204,7 +204,7 @@ l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
 q = l_q_ * 0.25
-graph_attention = smxcompile_passes_attention_graph_attention(q, l_k_, l_v_, [], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(q, l_k_, l_v_, [], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_additive_mask(self):
@@ -216,7 +216,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_mask_ = L_mask_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [l_mask_], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_mask_], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_masked_fill_neg_inf_keeps_nan_rows(self):
@@ -231,7 +231,7 @@ l_q_ = L_q_
 l_pad_ = L_pad_
 l_v_ = L_v_
 getitem = l_pad_[(slice(None, None, None), None, None, slice(None, None, None))]
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [(getitem, True, -inf)], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [(getitem, True, -inf)], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         out = r.gm(*r.inputs)[0]
         torch.testing.assert_close(out, masked_fill_neg_inf(*qkv(), pad), atol=1e-5, rtol=1e-5, equal_nan=True)
@@ -250,7 +250,7 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
 l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = True, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = True, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertEqual(attn_site(r).detail, "matmul(q, k^T), causal, scale=0.25")
 
@@ -264,7 +264,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_bias_ = L_bias_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [l_bias_], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_bias_], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         # bf16: the fused kernel keeps the scores in fp32, eager rounds them to bf16 first
         gold = t5_upcast(*(t.double() for t in (q, k, v, bias)))
@@ -288,7 +288,7 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor)
 l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_bshd_permuted(self):
@@ -303,7 +303,7 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
 l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 2, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 2, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertIn("GQA 2 q heads per kv head", attn_site(r).detail)
 
@@ -556,7 +556,7 @@ def test_check_option_passes_on_an_attention_site():
 
 def test_check_option_rejects_a_wrong_attention_rewrite(monkeypatch):
     # a rewrite that ignores the mask is caught on the example inputs and the site is put back
-    import smxcompile.passes.attention as A
+    import smxcompile.passes.attention.rewrite as A
 
     real = A.graph_attention
 

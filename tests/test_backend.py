@@ -174,9 +174,9 @@ def test_training_default_cpu_policy_matches_eager():
     (True, 131072, "rewritten"),
 ])
 def test_default_cpu_policy_row_length_thresholds(requires_grad, cols, action):
-    from smxcompile.passes.softmax import CPU_MIN_COLUMNS, CPU_MIN_COLUMNS_INFERENCE
+    from smxcompile.passes.policy import cpu_threshold
 
-    assert (CPU_MIN_COLUMNS_INFERENCE, CPU_MIN_COLUMNS) == (16384, 131072)
+    assert (cpu_threshold("softmax_min_columns_inference"), cpu_threshold("softmax_min_columns")) == (16384, 131072)
     x = torch.randn(2, cols, requires_grad=requires_grad)
     rep = smxcompile.explain(lambda t: torch.softmax(t, -1), x)
     assert [(s.kind, s.action) for s in rep] == [("softmax", action)], rep
@@ -388,10 +388,10 @@ def test_uuid_stable_and_option_dependent():
 
 
 def test_uuid_follows_the_source(monkeypatch):
-    from smxcompile.passes import framework
+    from smxcompile.passes import manager
 
     base = SmxPass(SmxOptions()).uuid()
-    monkeypatch.setattr(framework, "source_hash", lambda: "0" * 64)
+    monkeypatch.setattr(manager, "source_hash", lambda: "0" * 64)
     assert SmxPass(SmxOptions()).uuid() != base
 
 

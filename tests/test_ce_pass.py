@@ -29,11 +29,12 @@ import smxcompile
 from smxcompile.backends import smx as smx_backend_mod
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass, analyze
-from smxcompile.passes.cross_entropy import CPU_MIN_VOCAB
+from smxcompile.passes.policy import cpu_threshold
 from smxcompile.report import Report
 
 # the module (``smxcompile.kernels.cross_entropy`` as an attribute is the function of that name)
 ce_kernels = importlib.import_module("smxcompile.kernels.cross_entropy")
+CPU_MIN_VOCAB = cpu_threshold("linear_cross_entropy_min_vocab")
 
 HERE = os.path.abspath(__file__)
 REWRITE = {"cpu": "rewrite"}
@@ -404,7 +405,7 @@ def forward(self, L_h2_ : torch.Tensor, L_W_ : torch.Tensor, L_y2_ : torch.Tenso
 l_h2_ = L_h2_
 l_w_ = L_W_
 l_y2_ = L_y2_
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
         self.assertEqual(r.site.detail, "F.cross_entropy, reduction=mean, ignore_index=-100")
@@ -418,7 +419,7 @@ l_self_modules_head_parameters_bias_ = L_self_modules_head_parameters_bias_
 l_h_ = L_h_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_self_modules_head_parameters_weight_, l_self_modules_head_parameters_bias_, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_self_modules_head_parameters_weight_, l_self_modules_head_parameters_bias_, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -429,7 +430,7 @@ def forward(self, L_W_ : torch.Tensor, L_h2_ : torch.Tensor, L_y2_ : torch.Tenso
 l_w_ = L_W_
 l_h2_ = L_h2_
 l_y2_ = L_y2_
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
         self.assertIn("nll_loss(log_softmax)", r.site.detail)
@@ -442,7 +443,7 @@ l_w_ = L_W_
 l_h_ = L_h_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -454,7 +455,7 @@ def forward(self, L_h2_ : torch.Tensor, L_W_ : torch.Tensor, L_y2_ : torch.Tenso
 l_h2_ = L_h2_
 l_w_ = L_W_
 l_y2_ = L_y2_
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h2_, l_w_, None, l_y2_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -486,7 +487,7 @@ pad = torch._C._nn.pad(l_y_, (0, 1), 'constant', -100)
 getitem = pad[(Ellipsis, slice(1, None, None))]
 labels = getitem.contiguous()
 view_1 = labels.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'sum', 0.0, 1.0, None, torch.float32, True, torch.float32, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'sum', 0.0, 1.0, None, torch.float32, True, torch.float32, False)
 getitem_1 = graph_linear_cross_entropy[0]
 getitem_2 = graph_linear_cross_entropy[1]
 loss = getitem_1 / l_n_
@@ -509,7 +510,7 @@ getitem_1 = l_y_[(Ellipsis, slice(1, None, None))]
 shift_labels = getitem_1.contiguous()
 view_1 = shift_labels.view(-1)
 getitem_2 = l_h_[(Ellipsis, slice(None, -1, None), slice(None, None, None))]
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(getitem_2, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(getitem_2, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem_3 = graph_linear_cross_entropy[0]
 return (getitem_3,)""")
         self.assertIn("row slice [..., :-1, :]", r.site.detail)
@@ -526,7 +527,7 @@ l_y_ = L_y_
 getitem_1 = l_y_[(Ellipsis, slice(1, None, None))]
 shift_labels = getitem_1.contiguous()
 view_1 = shift_labels.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, True, torch.float32, False, row_ops = (('slice', (Ellipsis, slice(None, -1, None), slice(None, None, None))),))
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, True, torch.float32, False, row_ops = (('slice', (Ellipsis, slice(None, -1, None), slice(None, None, None))),))
 getitem_2 = graph_linear_cross_entropy[0]
 getitem_3 = graph_linear_cross_entropy[1]
 return (getitem_2, getitem_3)""")
@@ -542,7 +543,7 @@ view_1 = l_y_.view(-1)
 getitem_1 = view_1[slice(None, -3, None)]
 flatten = l_h_.flatten(0, -2)
 getitem_2 = flatten[(slice(None, -3, None),)]
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(getitem_2, l_w_, None, getitem_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(getitem_2, l_w_, None, getitem_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem_3 = graph_linear_cross_entropy[0]
 return (getitem_3,)""")
 
@@ -554,7 +555,7 @@ l_h_ = L_h_
 l_w_ = L_W_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, 3.0, torch.float32, True, torch.float32, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, 3.0, torch.float32, True, torch.float32, False)
 getitem = graph_linear_cross_entropy[0]
 getitem_1 = graph_linear_cross_entropy[1]
 return (getitem, getitem_1)""")
@@ -568,7 +569,7 @@ l_h_ = L_h_
 l_w_ = L_W_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.4285714285714286, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.4285714285714286, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
         self.assertIn("scale=1.42857", r.site.detail)
@@ -583,7 +584,7 @@ l_m_ = L_M_
 l_y_ = L_y_
 view = l_h_.view(-1, 8)
 view_3 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(view, l_m_, l_b_, view_3, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, True)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(view, l_m_, l_b_, view_3, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, True)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -595,7 +596,7 @@ l_w_ = L_W_
 l_h_ = L_h_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -607,7 +608,7 @@ l_h_ = L_h_
 l_m_ = L_M_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_m_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, True)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_m_, None, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, True)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -620,7 +621,7 @@ l_w_ = L_W_
 l_b_ = L_b_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, l_b_, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, l_b_, view_1, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -633,7 +634,7 @@ l_w_ = L_W_
 l_y_ = L_y_
 l_cw_ = L_cw_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, l_cw_, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, l_cw_, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
         self.assertIn("class weights", r.site.detail)
@@ -647,7 +648,7 @@ l_w_ = L_W_
 l_b_ = L_b_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, l_b_, view_1, None, -100, 'mean', 0.1, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, l_b_, view_1, None, -100, 'mean', 0.1, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -659,7 +660,7 @@ l_h_ = L_h_
 l_w_ = L_W_
 l_y_ = L_y_
 view_1 = l_y_.view(-1)
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'none', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, view_1, None, -100, 'none', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -670,7 +671,7 @@ def forward(self, L_h_ : torch.Tensor, L_W_ : torch.Tensor, L_p_ : torch.Tensor)
 l_h_ = L_h_
 l_w_ = L_W_
 l_p_ = L_p_
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, l_p_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, l_p_, None, -100, 'mean', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
 
@@ -681,7 +682,7 @@ def forward(self, L_h_ : torch.Tensor, L_W_ : torch.Tensor, L_y_ : torch.Tensor)
 l_h_ = L_h_
 l_w_ = L_W_
 l_y_ = L_y_
-graph_linear_cross_entropy = smxcompile_passes_cross_entropy_graph_linear_cross_entropy(l_h_, l_w_, None, l_y_, None, -100, 'none', 0.0, 1.0, None, torch.float32, False, None, False)
+graph_linear_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_linear_cross_entropy(l_h_, l_w_, None, l_y_, None, -100, 'none', 0.0, 1.0, None, torch.float32, False, None, False)
 getitem = graph_linear_cross_entropy[0]
 return (getitem,)""")
         self.assertIn("classes moved to dim 1 by 'transpose'", r.site.detail)
@@ -705,7 +706,7 @@ return (getitem,)""")
 def forward(self, L_x_ : torch.Tensor, L_y2_ : torch.Tensor):
 l_x_ = L_x_
 l_y2_ = L_y2_
-graph_cross_entropy = smxcompile_passes_cross_entropy_graph_cross_entropy(l_x_, l_y2_, None, -100, 'mean', 0.0, torch.float32)
+graph_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_cross_entropy(l_x_, l_y2_, None, -100, 'mean', 0.0, torch.float32)
 return (graph_cross_entropy,)""")
         # the logits are a graph input (a loss compiled alone, or a graph break before the loss)
         self.assertIn("not cut: logits come from 'l_x_' (placeholder), not a linear layer", r.site.detail)
@@ -737,7 +738,7 @@ l_y_ = L_y_
 logits = torch._C._nn.linear(l_h_, l_w_)
 view = logits.view(-1, 11)
 view_1 = l_y_.view(-1)
-graph_cross_entropy = smxcompile_passes_cross_entropy_graph_cross_entropy(view, view_1, None, -100, 'mean', 0.0, torch.float32)
+graph_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_cross_entropy(view, view_1, None, -100, 'mean', 0.0, torch.float32)
 square = logits.square()
 mean = square.mean()
 add = graph_cross_entropy + mean
@@ -808,7 +809,7 @@ logits = torch._C._nn.linear(l_h_, l_w_)
 truediv = logits / 0.7
 view = truediv.view(-1, 11)
 view_1 = l_y_.view(-1)
-graph_cross_entropy = smxcompile_passes_cross_entropy_graph_cross_entropy(view, view_1, None, -100, 'mean', 0.0, torch.float32)
+graph_cross_entropy = smxcompile_passes_cross_entropy_replacement_graph_cross_entropy(view, view_1, None, -100, 'mean', 0.0, torch.float32)
 return (graph_cross_entropy, logits)""")
 
     def test_logits_returned_before_a_row_slice_with_probability_targets(self):

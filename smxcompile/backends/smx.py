@@ -59,7 +59,7 @@ def plan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: SmxOptio
     skip: frozenset[str] = frozenset()
     planned = analyze(gm.graph, opts, tag)
     if opts.check and planned.count(action="rewritten"):
-        from ..check import check_sites
+        from ..passes.check import check_sites
 
         skip = check_sites(gm, example_inputs, opts)
         if skip:

@@ -38,10 +38,10 @@ from torch.fx import Graph, Node
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
 
 from ..kernels.quant_softmax import QUANT_RANGES
-from ..options import SmxOptions
-from ..report import Site, user_location
-from .graph_utils import cast_dtype, erase_dead, replace_anchor, stack_trace, tensor_val
-from .softmax import _call_softmax
+from .patterns.graph import cast_dtype, dtype_name, erase_dead, replace_anchor, tensor_val
+from .patterns.softmax_call import softmax_call
+from .policy import Ladder, decide
+from .protocol import Match, PassContext, RewritePass
 
 _QD = torch.ops.quantized_decomposed
 _QUANTIZE = {_QD.quantize_per_tensor, _QD.quantize_per_tensor.default}
@@ -53,7 +53,8 @@ _NARROW = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass
-class QuantMatch:
+class QuantMatch(Match):
+    kind = "quant_softmax"
     anchor: Node                      # the quantize / fake_quantize node (the report's node)
     softmax: Node | None = None
     x: Node | None = None             # the softmax input
@@ -68,31 +69,22 @@ class QuantMatch:
     spelling: str = ""
     dequant_users: list[Node] = dataclasses.field(default_factory=list)   # torch.quantize_per_tensor's .dequantize()
     dead: list[Node] = dataclasses.field(default_factory=list)
-    action: str = "rewritten"
-    reason: str = ""
-    device: str = "?"
-    prefix: str = ""
-    keep_whole: bool = False
-
-    @property
-    def key(self) -> str:
-        return self.prefix + self.anchor.name
 
     def detail(self) -> str:
         parts = [self.spelling, f"dim={self.dim}", f"scale={self.scale:.6g}", f"zero_point={self.zero_point}",
-                 f"[{self.quant_min}, {self.quant_max}] {str(self.dtype).replace('torch.', '')}"]
+                 f"[{self.quant_min}, {self.quant_max}] {dtype_name(self.dtype)}"]
         if self.prob_dtype is not None:
-            parts.append(f"probabilities rounded to {str(self.prob_dtype).replace('torch.', '')}")
+            parts.append(f"probabilities rounded to {dtype_name(self.prob_dtype)}")
         if self.spelling == "torch.quantize_per_tensor" and self.action == "rewritten":
             # ATen casts NaN to an integer there (x86: the top code); the op writes zero_point
             parts.append("NaN probabilities (all -inf or NaN rows) -> zero_point, where eager gives a platform-dependent code")
         return ", ".join(parts)
 
-    def to_site(self, graph_tag: str) -> Site:
-        return Site(kind="quant_softmax", action=self.action, reason=self.reason,
-                    location=user_location(stack_trace(self.softmax or self.anchor)),
-                    op="smx::quant_softmax" if self.action == "rewritten" else "", detail=self.detail(),
-                    graph=graph_tag, node=self.key)
+    def op_name(self) -> str:
+        return "smx::quant_softmax"
+
+    def site_node(self) -> Node:
+        return self.softmax or self.anchor
 
 
 def _set(m: QuantMatch, action: str, reason: str) -> None:
@@ -141,13 +133,13 @@ def _match(node: Node) -> QuantMatch | None:
         cur = cur.args[0]
     if not isinstance(cur, Node):
         return None
-    sm = _call_softmax(cur)
+    sm = softmax_call(cur)
     if sm is None or sm.kind != "softmax":
         return None
     m.softmax, m.x = cur, sm.x
     m.dead.append(cur)
-    if sm.action != "rewritten":
-        _set(m, "skipped", sm.reason)
+    if sm.problem:
+        _set(m, "skipped", sm.problem)
         return m
     m.dim, m.pre_cast = sm.dim, sm.pre_cast
     yv = tensor_val(cur)
@@ -182,54 +174,35 @@ def _validate(m: QuantMatch) -> None:
         return _set(m, "skipped", f"zero_point {m.zero_point} outside [{m.quant_min}, {m.quant_max}]")
 
 
-def find_quant_softmax_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(), prefix: str = "",
-                             exclude: set | frozenset = frozenset()) -> list[QuantMatch]:
-    """Every softmax -> quantizer site of ``graph`` with the action the backend will take (pure analysis)."""
-    out: list[QuantMatch] = []
-    for node in graph.nodes:
-        if node in exclude:
-            continue
-        m = _match(node)
-        if m is None or any(n in exclude for n in m.dead):
-            continue
-        m.prefix = prefix
-        _validate(m)
-        if m.action == "rewritten":
-            _decide(m, options, skip)
-        out.append(m)
-    return out
-
-
-def _decide(m: QuantMatch, options: SmxOptions, skip: frozenset[str]) -> None:
+def _checks(m: QuantMatch, ctx: PassContext) -> str:
     xv = tensor_val(m.x)
     if xv is None:
-        return _set(m, "skipped", "the softmax input has no recorded value")
+        return "the softmax input has no recorded value"
     m.device = xv.device.type
     # every intermediate must feed only the next step: the op replaces the whole chain
     for n in m.dead:
         if len(n.users) != 1:
-            return _set(m, "skipped", f"'{n.name}' (the probabilities) is also used elsewhere; the fused op does not "
-                                      "write them")
+            return f"'{n.name}' (the probabilities) is also used elsewhere; the fused op does not write them"
     if m.spelling == "torch.quantize_per_tensor":
         users = list(m.anchor.users)
         if not users or not all(_is_dequantize(u) for u in users):
-            return _set(m, "skipped", "the quantized tensor is used other than by .dequantize()")
+            return "the quantized tensor is used other than by .dequantize()"
         m.dequant_users = users
     if m.spelling == "fake_quantize_per_tensor_affine" and xv.requires_grad:
-        return _set(m, "skipped", "fake quantization with a gradient (QAT, straight-through estimator); "
-                                  "smx::quant_softmax is inference-only")
-    if not options.enabled("quant_softmax"):
-        m.keep_whole = True
-        return _set(m, "kept", "rewrite kind 'quant_softmax' disabled by options")
-    if m.key in skip:
-        m.keep_whole = True
-        return _set(m, "kept", "check failed: the rewrite disagreed with eager on the example inputs")
-    if m.device == "cpu" and options.cpu != "rewrite":
-        m.keep_whole = True
-        why = "options cpu='keep'" if options.cpu == "keep" else (
-            "CPU: Inductor fuses softmax, quantize and dequantize into one C++ loop; smx::quant_softmax's CPU path "
+        return ("fake quantization with a gradient (QAT, straight-through estimator); "
+                "smx::quant_softmax is inference-only")
+    return ""
+
+
+def _cpu_keep(m: QuantMatch, ctx: PassContext) -> str:
+    """Rule ``quant_softmax`` of ``CPU_RULES``: always kept under ``cpu="auto"``."""
+    return ("CPU: Inductor fuses softmax, quantize and dequantize into one C++ loop; smx::quant_softmax's CPU path "
             "is the same math as an opaque call (options cpu='rewrite' lowers it anyway)")
-        return _set(m, "kept", why)
+
+
+# a kept site stays whole: a softmax rewritten by the softmax pass could flip a probability at a rounding tie
+# of the quantizer
+_LADDER = Ladder(checks=_checks, cpu_keep=_cpu_keep, keep_whole=frozenset({"disabled", "check", "cpu"}))
 
 
 def _is_dequantize(n: Node) -> bool:
@@ -237,40 +210,82 @@ def _is_dequantize(n: Node) -> bool:
         n.op == "call_function" and n.target is torch.dequantize and len(n.args) == 1 and not n.kwargs)
 
 
-def claimed_nodes(matches: list[QuantMatch]) -> set[Node]:
-    """Nodes of rewritten sites and of sites kept whole: the other passes leave them alone (a softmax
-    rewritten by the softmax pass could flip a probability at a rounding tie of the quantizer)."""
-    out: set[Node] = set()
-    for m in matches:
-        if m.action == "rewritten" or m.keep_whole:
-            out.update(m.dead)
-            out.add(m.anchor)
-    return out
+def _out_dtype(m: QuantMatch) -> torch.dtype | None:
+    ov = tensor_val(m.dequant_users[0] if m.dequant_users else m.anchor)
+    return ov.dtype if ov is not None and ov.dtype != torch.float32 else None
 
 
-def rewrite_quant_softmax(graph: Graph, m: QuantMatch) -> None:
-    """Replace softmax -> (casts) -> quantize by one ``smx::quant_softmax`` call."""
-    op = torch.ops.smx.quant_softmax.default
-    with graph.inserting_before(m.anchor):
-        x = m.x
+class QuantSoftmaxPass(RewritePass):
+    """Softmax -> (casts) -> quantize -> one ``smx::quant_softmax`` call (see the module docstring)."""
+
+    name = "quant_softmax"
+
+    def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[QuantMatch]:
+        out: list[QuantMatch] = []
+        for node in graph.nodes:
+            if node in exclude:
+                continue
+            m = _match(node)
+            if m is None or any(n in exclude for n in m.dead):
+                continue
+            m.prefix = ctx.prefix
+            _validate(m)
+            decide(m, ctx, _LADDER)
+            out.append(m)
+        return out
+
+    def rewrite(self, graph: Graph, m: QuantMatch, ctx: PassContext) -> None:
+        """Replace softmax -> (casts) -> quantize by one ``smx::quant_softmax`` call."""
+        op = torch.ops.smx.quant_softmax.default
+        with graph.inserting_before(m.anchor):
+            x = m.x
+            if m.pre_cast is not None:
+                x = graph.call_method("to", (x, m.pre_cast))
+            call = graph.call_function(op, (x, m.dim, 1.0, float(m.scale), int(m.zero_point), int(m.quant_min),
+                                            int(m.quant_max), m.dtype, m.prob_dtype))
+            out = call
+            if m.spelling != "quantized_decomposed.quantize_per_tensor":
+                out_dtype = _out_dtype(m)
+                kw = {"out_dtype": out_dtype} if out_dtype is not None else {}
+                out = graph.call_function(_QD.dequantize_per_tensor.default,
+                                          (call, float(m.scale), int(m.zero_point), int(m.quant_min),
+                                           int(m.quant_max), m.dtype), kw)
+        xv = tensor_val(m.x)
+        if xv is not None and out is not call:   # replace_anchor records the value of ``out`` only
+            call.meta["example_value"] = torch.empty_like(xv, dtype=m.dtype, memory_format=torch.contiguous_format)
+        for target in m.dequant_users or [m.anchor]:   # torch.quantize_per_tensor: its .dequantize() calls
+            replace_anchor(graph, target, call, out, [])
+        erase_dead(graph, [m.anchor, *m.dead])
+
+    def check_inputs(self, m: QuantMatch) -> list[Node]:
+        return [m.x]
+
+    def check_nodes(self, m: QuantMatch) -> list[Node]:
+        return [m.dequant_users[0] if m.dequant_users else m.anchor]
+
+    def run_site(self, m: QuantMatch, values: dict[str, Any]) -> torch.Tensor:
+        """The codes (``quantized_decomposed`` spelling) or the dequantized values the rewrite computes."""
+        x = values[m.x.name]
         if m.pre_cast is not None:
-            x = graph.call_method("to", (x, m.pre_cast))
-        call = graph.call_function(op, (x, m.dim, 1.0, float(m.scale), int(m.zero_point), int(m.quant_min),
-                                        int(m.quant_max), m.dtype, m.prob_dtype))
-        out = call
-        if m.spelling != "quantized_decomposed.quantize_per_tensor":
-            ov = tensor_val(m.dequant_users[0] if m.dequant_users else m.anchor)
-            out_dtype = ov.dtype if ov is not None and ov.dtype != torch.float32 else None
-            kw = {"out_dtype": out_dtype} if out_dtype is not None else {}
-            out = graph.call_function(_QD.dequantize_per_tensor.default,
-                                      (call, float(m.scale), int(m.zero_point), int(m.quant_min), int(m.quant_max), m.dtype),
-                                      kw)
-    xv = tensor_val(m.x)
-    if xv is not None and out is not call:   # replace_anchor records the value of ``out`` only
-        call.meta["example_value"] = torch.empty_like(xv, dtype=m.dtype, memory_format=torch.contiguous_format)
-    for target in m.dequant_users or [m.anchor]:   # torch.quantize_per_tensor: its .dequantize() calls
-        replace_anchor(graph, target, call, out, [])
-    erase_dead(graph, [m.anchor, *m.dead])
+            x = x.to(m.pre_cast)
+        q = torch.ops.smx.quant_softmax.default(x, m.dim, 1.0, float(m.scale), int(m.zero_point), int(m.quant_min),
+                                                int(m.quant_max), m.dtype, m.prob_dtype)
+        if m.spelling == "quantized_decomposed.quantize_per_tensor":
+            return q
+        out_dtype = _out_dtype(m)
+        return _QD.dequantize_per_tensor.default(q, float(m.scale), int(m.zero_point), int(m.quant_min),
+                                                 int(m.quant_max), m.dtype,
+                                                 **({"out_dtype": out_dtype} if out_dtype is not None else {}))
+
+    def agrees(self, m: QuantMatch, ours, values: dict[str, Any], close) -> bool:
+        # one quantization level apart at a rounding tie is the op's documented tie behaviour, not a disagreement
+        ref = values[self.check_nodes(m)[0].name]
+        if ours.shape != ref.shape:
+            return False
+        if m.spelling == "quantized_decomposed.quantize_per_tensor":
+            return bool(((ours.int() - ref.int()).abs() <= 1).all())
+        diff = (ours.float() - ref.float()).abs().nan_to_num(0.0)
+        return bool(torch.equal(ours.isnan(), ref.isnan())) and bool((diff <= float(m.scale) * 1.0001).all())
 
 
-__all__ = ["QuantMatch", "find_quant_softmax_sites", "rewrite_quant_softmax", "claimed_nodes"]
+__all__ = ["QuantMatch", "QuantSoftmaxPass"]

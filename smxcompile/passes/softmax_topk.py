@@ -29,31 +29,25 @@ Source: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018)
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any
 
 import torch
 from torch.fx import Graph, Node
 
-from ..options import SmxOptions
-from ..report import Site, user_location
-from .graph_utils import (
-    canon,
-    cast_dtype,
-    depends_on_random,
-    is_number,
-    mutation_inside,
-    norm_dim,
-    replace_anchor,
-    stack_trace,
-    tensor_val,
-)
-from .softmax import _call_softmax, _functorch_op, _holds
+from .patterns.arith import scalar_factor
+from .patterns.casts import widening_cast
+from .patterns.graph import (FLOAT_DTYPES, canon, depends_on_random, dtype_name, erase_dead, mutation_inside,
+                             norm_dim, replace_anchor, tensor_val)
+from .patterns.softmax_call import SoftmaxCall, softmax_call
+from .policy import FORCE_HINT, Ladder, decide
+from .protocol import Match, PassContext, RewritePass
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclasses.dataclass
-class TopkMatch:
+class TopkMatch(Match):
+    kind = "softmax_topk"
     form: str                       # "topk(softmax)" | "softmax(topk)" | "topk(softmax).indices" | "argmax(softmax)"
     anchor: Node                    # the topk / argmax / max node (the report's node)
     x: Node                         # the op's input (after absorbed scale and casts)
@@ -69,15 +63,6 @@ class TopkMatch:
     topk: Node | None = None        # the topk node (the fused call is inserted before it)
     dead: list[Node] = dataclasses.field(default_factory=list)
     absorbed: list[str] = dataclasses.field(default_factory=list)
-    action: str = "rewritten"
-    reason: str = ""
-    device: str = "?"
-    prefix: str = ""
-    keep_whole: bool = False        # kept by the CPU policy: its softmax is not offered to the softmax pass
-
-    @property
-    def key(self) -> str:
-        return self.prefix + self.anchor.name
 
     @property
     def deletes_softmax(self) -> bool:
@@ -92,14 +77,10 @@ class TopkMatch:
             parts.append("renormalized")
         return ", ".join(parts + self.absorbed)
 
-    def to_site(self, graph_tag: str) -> Site:
-        op = ""
-        if self.action == "rewritten":
-            op = "softmax deleted" if self.deletes_softmax else (
-                "smx::softmax_topk" if self.device == "cuda" else "smx softmax_topk (CPU two-pass)")
-        return Site(kind="softmax_topk", action=self.action, reason=self.reason,
-                    location=user_location(stack_trace(self.anchor)), op=op, detail=self.detail(),
-                    graph=graph_tag, node=self.key)
+    def op_name(self) -> str:
+        if self.deletes_softmax:
+            return "softmax deleted"
+        return "smx::softmax_topk" if self.device == "cuda" else "smx softmax_topk (CPU two-pass)"
 
 
 # --------------------------------------------------------------------------- matching
@@ -154,58 +135,48 @@ def _absorb_input(m: TopkMatch) -> None:
         x = m.x
         if len(x.users) != 1:
             return
-        c = canon(x)
-        if c is not None and c[0] in ("mul", "div"):
+        s = scalar_factor(x)
+        if s is not None:
             if widened:
                 return   # the scale ran in the narrow dtype before the up-cast: keep its rounding (as the softmax pass)
-            a, b = c[1].get("input"), c[1].get("other")
-            if c[0] == "mul" and is_number(a) and isinstance(b, Node):
-                a, b = b, a
-            if not isinstance(a, Node) or not is_number(b) or not b > 0 or b == float("inf"):
+            a, factor = s
+            if not factor > 0 or not math.isfinite(factor):
                 return
             av = tensor_val(a)
-            if av is None or av.dtype not in _FLOAT or av.dtype != tensor_val(x).dtype:
+            if av is None or av.dtype not in FLOAT_DTYPES or av.dtype != tensor_val(x).dtype:
                 return
-            m.scale = m.scale * float(b) if c[0] == "mul" else m.scale / float(b)
+            m.scale = m.scale * factor
             m.dead.append(x)
             m.x = a
             continue
-        dt = cast_dtype(x)
-        if dt is not None:
-            src = tensor_val(x.args[0])
-            if src is None or src.dtype not in _FLOAT or dt not in _FLOAT or not _holds(dt, src.dtype):
-                return   # a narrowing cast rounds the logits: leave it in the graph
-            if dt == torch.float64 and src.dtype != torch.float64:
-                return   # eager computes in fp64; the op computes in fp32 unless its input is fp64: keep the cast
-            if m.scale != 1.0 and dt != src.dtype:
+        up = widening_cast(x)
+        if up is not None:
+            src, src_dtype, dt = up
+            if m.scale != 1.0 and dt != src_dtype:
                 return   # the scale ran in the wide dtype: computing it on the narrow input would round differently
             if m.out_dtype is None:
                 m.out_dtype = dt
-            if src.dtype != dt:
+            if src_dtype != dt:
                 widened = True
-                m.absorbed.append(f"cast {_dt(src.dtype)}->{_dt(dt)}")
+                m.absorbed.append(f"cast {dtype_name(src_dtype)}->{dtype_name(dt)}")
             m.dead.append(x)
-            m.x = x.args[0]
+            m.x = src
             continue
-        return
+        return   # a narrowing cast rounds the logits (it stays in the graph), or nothing to take in
 
 
-def _dt(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _softmax_of(node: Any, dim_expected: int | None = None):
-    """The softmax match (from the softmax pass) of ``node`` if it is a softmax call, else None."""
+def _softmax_of(node: Any) -> SoftmaxCall | None:
+    """``node`` as a softmax call (not log-softmax), else None."""
     if not isinstance(node, Node):
         return None
-    sm = _call_softmax(node)
+    sm = softmax_call(node)
     if sm is None or sm.kind != "softmax":
         return None
     return sm
 
 
 def _skip(m: TopkMatch, reason: str) -> TopkMatch:
-    m.action, m.reason = "skipped", reason
+    m.skip(reason)
     return m
 
 
@@ -214,8 +185,8 @@ def _topk_softmax_mismatch(m: TopkMatch, sm, k: Any, dim: Any, largest: Any, ndi
     user's k on skipped sites too)."""
     if isinstance(k, int) and not isinstance(k, bool):
         m.k = k
-    if sm.action != "rewritten":
-        return f"softmax: {sm.reason}"
+    if sm.problem:
+        return f"softmax: {sm.problem}"
     if norm_dim(dim, ndim) != sm.dim:
         return f"top-k over dim {dim!r}, softmax over dim {sm.dim}: not the same row"
     if largest is not True:
@@ -223,7 +194,7 @@ def _topk_softmax_mismatch(m: TopkMatch, sm, k: Any, dim: Any, largest: Any, ndi
     if isinstance(k, bool) or not isinstance(k, int):
         return f"k={k!r} is not a constant int"
     if sm.pre_cast is not None:
-        return (f"softmax dtype={_dt(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, "
+        return (f"softmax dtype={dtype_name(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, "
                 "or fp64 math)")
     return ""
 
@@ -320,114 +291,65 @@ def _match_argmax_of_softmax(node: Node) -> TopkMatch | None:
         indices_out, form_dead = [node], []
     m = TopkMatch(form="argmax(softmax)", anchor=node, x=sm.x, dim=sm.dim, softmax=inp,
                   keepdim=bool(a.get("keepdim", False)), indices_out=indices_out)
-    if sm.action != "rewritten":
-        return _skip(m, f"softmax: {sm.reason}")
+    if sm.problem:
+        return _skip(m, f"softmax: {sm.problem}")
     if a.get("dim") is None:
         return _skip(m, "argmax without dim runs over the flattened tensor, not over the softmax rows")
     if norm_dim(a.get("dim"), tensor_val(inp).dim()) != sm.dim:
         return _skip(m, f"argmax over dim {a.get('dim')!r}, softmax over dim {sm.dim}: not the same row")
     if sm.pre_cast is not None:
-        return _skip(m, f"softmax dtype={_dt(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, or fp64 math)")
+        return _skip(m, f"softmax dtype={dtype_name(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, or fp64 math)")
     if len(inp.users) != 1:
         return _skip(m, "the softmax output is also used elsewhere: it is computed anyway")
     m.dead = [inp, node, *form_dead]
     return m
 
 
-def find_softmax_topk_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(), prefix: str = "",
-                            exclude: set | frozenset = frozenset()) -> list[TopkMatch]:
-    """Every softmax + top-k / argmax site of ``graph``, each with the action the backend will take (pure analysis)."""
-    functorch = _functorch_op(graph)
-    matches: list[TopkMatch] = []
-    claimed: set[Node] = set()
-    for node in graph.nodes:
-        if node in claimed or node in exclude or node.op not in ("call_function", "call_method"):
-            continue
-        m = _match_topk_of_softmax(node) or _match_softmax_of_topk(node) or _match_argmax_of_softmax(node)
-        if m is None or any(n in claimed or n in exclude for n in (*m.dead, m.softmax)):
-            continue
-        m.prefix = prefix
-        if m.action == "rewritten":
-            claimed.update(m.dead)
-            if functorch is not None:
-                _skip(m, f"the graph runs a torch.func transform ('{functorch}'); smx ops have no functorch rules yet")
-            else:
-                _decide(m, options, skip)
-        matches.append(m)
-    return matches
-
-
-def claimed_nodes(matches: list[TopkMatch], kept: bool = False) -> set[Node]:
-    """Nodes owned by rewritten sites (and, with ``kept``, by sites the CPU policy keeps whole): the
-    softmax pass leaves them alone. A site kept because the kind is disabled leaves its softmax to it."""
-    out: set[Node] = set()
-    for m in matches:
-        if m.action == "rewritten" or (kept and m.keep_whole):
-            out.update(m.dead)
-            out.add(m.anchor)
-    return out
-
-
-def _decide(m: TopkMatch, options: SmxOptions, skip: frozenset[str]) -> None:
+def _checks(m: TopkMatch, ctx: PassContext) -> str:
     xv = tensor_val(m.x)
     m.device = xv.device.type
-    if xv.dtype not in _FLOAT:
-        return _set(m, "skipped", f"input dtype {xv.dtype} is not floating point")
+    if xv.dtype not in FLOAT_DTYPES:
+        return f"input dtype {xv.dtype} is not floating point"
     if depends_on_random(m.x):
-        return _set(m, "skipped", "input is built from random noise (Gumbel): not a deterministic softmax")
+        return "input is built from random noise (Gumbel): not a deterministic softmax"
     if not m.deletes_softmax:
         _absorb_input(m)
         if m.scale != 1.0:
             m.absorbed.append(f"scale={m.scale:.6g}")
     mutated = mutation_inside(m.anchor, m.dead)
     if mutated is not None:
-        return _set(m, "skipped", f"in-place op '{mutated.name}' runs inside the pattern; the fused op reads its "
-                                  "input once")
-    if not options.enabled("softmax_topk"):
-        return _set(m, "kept", "rewrite kind 'softmax_topk' disabled by options")
-    if m.key in skip:
-        return _set(m, "kept", "check failed: the rewrite disagreed with eager on the example inputs, or they "
-                               "could not be run (the log says which)")
-    if m.deletes_softmax:
-        return   # deleting work is faster everywhere
-    if m.device == "cpu":
-        if options.cpu == "keep":
-            m.keep_whole = True
-            return _set(m, "kept", "options cpu='keep'")
-        if options.cpu == "auto":
-            why = _cpu_keep_reason(m, xv)
-            if why:
-                m.keep_whole = True
-                return _set(m, "kept", why)
-        return
-    if m.device != "cuda":
-        return _set(m, "kept", f"device '{m.device}' has no smx kernel")
+        return f"in-place op '{mutated.name}' runs inside the pattern; the fused op reads its input once"
+    return ""
 
 
-def _set(m: TopkMatch, action: str, reason: str) -> None:
-    m.action, m.reason = action, reason
-
-
-def _cpu_keep_reason(m: TopkMatch, xv: torch.Tensor) -> str:
-    """Why the CPU policy keeps a site (empty: rewrite). Measured in benchmarks/bench_softmax_topk.py."""
-    n = xv.shape[m.dim]
+def _cpu_keep(m: TopkMatch, ctx: PassContext) -> str:
+    """Why the CPU policy keeps a site (empty: rewrite); rule ``softmax_topk`` of ``CPU_RULES``."""
+    n = tensor_val(m.x).shape[m.dim]
     if not isinstance(n, int):
-        return ("CPU: row length is symbolic (dynamic shapes); Inductor's softmax + top-k is kept "
-                "(options cpu='rewrite' forces it)")
+        return f"CPU: row length is symbolic (dynamic shapes); Inductor's softmax + top-k is kept ({FORCE_HINT})"
     return ""   # every static shape measured faster: 8-128 experts and 32K-256K vocab (docs/PERFORMANCE.md)
+
+
+# deleting the softmax is faster everywhere; a site kept by the CPU policy keeps its softmax too
+_LADDER = Ladder(checks=_checks, device_free=lambda m: m.deletes_softmax, cpu_keep=_cpu_keep,
+                 keep_whole=frozenset({"cpu"}))
 
 
 # --------------------------------------------------------------------------- rewriting
 
 
 def graph_softmax_topk(x: torch.Tensor, k: int, dim: int, scale: float, renormalize: bool,
-                       dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a rewritten site calls (traced by AOTAutograd): the op on CUDA, its decomposition elsewhere."""
-    from ..kernels import config
-    from ..kernels.softmax_topk import _softmax_topk_op, softmax_topk_decomposed
+                       dtype: torch.dtype | None, export: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rewritten site calls (traced by AOTAutograd): ``(values, indices)`` of the top ``k`` probabilities.
 
-    if x.is_cuda or config.use_triton(x) or config.export_ops:   # CUDA, the Triton interpreter in tests, an export
-        v, i, _ = _softmax_topk_op(x, k, dim, scale, renormalize, dtype)
+    The op ``smx::softmax_topk`` on CUDA, under the Triton interpreter (tests) and in an export (``export``: the
+    exporters translate the op); elsewhere its two-pass decomposition, which Inductor compiles into loops that
+    never write the probabilities."""
+    from ..kernels import config
+    from ..kernels.softmax_topk import softmax_topk_decomposed
+
+    if x.is_cuda or config.use_triton(x) or export:
+        v, i, _ = torch.ops.smx.softmax_topk.default(x, k, dim, scale, renormalize, dtype)
     else:
         v, i, _ = softmax_topk_decomposed(x, k, dim, scale, renormalize, dtype)
     return v, i
@@ -442,43 +364,82 @@ def graph_argmax(x: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
     return i if keepdim else i.squeeze(dim)
 
 
-def rewrite_softmax_topk(graph: Graph, m: TopkMatch) -> None:
-    """Replace the site's values / indices by the fused op's (or delete the softmax) and erase the pattern."""
-    if m.form == "argmax(softmax)":
-        with graph.inserting_before(m.anchor):
-            call = graph.call_function(graph_argmax, (m.x, m.dim, m.keepdim))
-        replace_anchor(graph, m.indices_out[0], call, call, m.dead)
-        return
-    if m.form == "topk(softmax).indices":
-        # top-k of the logits: same indices (softmax is monotone), no probabilities
-        m.anchor.replace_input_with(m.softmax, m.x)
-        from .graph_utils import erase_dead
+class SoftmaxTopkPass(RewritePass):
+    """Softmax followed by top-k / argmax -> the fused ``smx::softmax_topk`` (or no softmax at all), see the
+    module docstring."""
 
-        erase_dead(graph, [m.softmax])
-        return
-    with graph.inserting_before(m.topk):
-        call = graph.call_function(graph_softmax_topk, (m.x, m.k, m.dim, float(m.scale), m.renormalize, m.out_dtype))
-        vals = graph.call_function(operator.getitem, (call, 0))
-        idx = graph.call_function(operator.getitem, (call, 1))
-    for i in m.indices_out:
-        for key in ("example_value", "val", "stack_trace"):
-            if key in i.meta:
-                idx.meta[key] = i.meta[key]
-        i.replace_all_uses_with(idx)
-    replace_anchor(graph, m.values_out, call, vals, [*m.dead, *m.indices_out])
-    if not idx.users:
-        graph.erase_node(idx)
+    name = "softmax_topk"
+
+    def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[TopkMatch]:
+        matches: list[TopkMatch] = []
+        claimed: set[Node] = set()
+        for node in graph.nodes:
+            if node in claimed or node in exclude or node.op not in ("call_function", "call_method"):
+                continue
+            m = _match_topk_of_softmax(node) or _match_softmax_of_topk(node) or _match_argmax_of_softmax(node)
+            if m is None or any(n in claimed or n in exclude for n in (*m.dead, m.softmax)):
+                continue
+            m.prefix = ctx.prefix
+            if m.action == "rewritten":
+                claimed.update(m.dead)
+                decide(m, ctx, _LADDER)
+            matches.append(m)
+        return matches
+
+    def rewrite(self, graph: Graph, m: TopkMatch, ctx: PassContext) -> None:
+        """Replace the site's values / indices by the fused op's (or delete the softmax) and erase the pattern."""
+        if m.form == "argmax(softmax)":
+            with graph.inserting_before(m.anchor):
+                call = graph.call_function(graph_argmax, (m.x, m.dim, m.keepdim))
+            replace_anchor(graph, m.indices_out[0], call, call, m.dead)
+            return
+        if m.form == "topk(softmax).indices":
+            # top-k of the logits: same indices (softmax is monotone), no probabilities
+            m.anchor.replace_input_with(m.softmax, m.x)
+            erase_dead(graph, [m.softmax])
+            return
+        with graph.inserting_before(m.topk):
+            call = graph.call_function(graph_softmax_topk, (m.x, m.k, m.dim, float(m.scale), m.renormalize,
+                                                            m.out_dtype), {"export": True} if ctx.export else {})
+            vals = graph.call_function(operator.getitem, (call, 0))
+            idx = graph.call_function(operator.getitem, (call, 1))
+        for i in m.indices_out:
+            for key in ("example_value", "val", "stack_trace"):
+                if key in i.meta:
+                    idx.meta[key] = i.meta[key]
+            i.replace_all_uses_with(idx)
+        replace_anchor(graph, m.values_out, call, vals, [*m.dead, *m.indices_out])
+        if not idx.users:
+            graph.erase_node(idx)
+
+    def check_inputs(self, m: TopkMatch) -> list[Node]:
+        return [m.x]
+
+    def check_nodes(self, m: TopkMatch) -> list[Node]:
+        return [n for n in (m.values_out, *m.indices_out) if n is not None]
+
+    def run_site(self, m: TopkMatch, values: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rewritten site's (values, indices) on captured input values."""
+        x = values[m.x.name]
+        if m.form == "argmax(softmax)":
+            return None, graph_argmax(x, m.dim, m.keepdim)
+        if m.form == "topk(softmax).indices":
+            return None, torch.topk(x, m.k, m.dim).indices
+        return graph_softmax_topk(x, m.k, m.dim, float(m.scale), m.renormalize, m.out_dtype)
+
+    def agrees(self, m: TopkMatch, ours, values: dict[str, Any], close) -> bool:
+        vals, idx = ours
+        ok = True
+        if m.values_out is not None and vals is not None:
+            ok = close(vals, values[m.values_out.name])
+        if ok and m.indices_out:
+            # ties may pick other columns: compare the logits the indices point at
+            p = values[m.x.name]
+            ref_idx = values[m.indices_out[0].name]
+            if m.form == "argmax(softmax)" and not m.keepdim:
+                idx, ref_idx = idx.unsqueeze(m.dim), ref_idx.unsqueeze(m.dim)
+            ok = idx.shape == ref_idx.shape and close(p.gather(m.dim, idx), p.gather(m.dim, ref_idx))
+        return ok
 
 
-def run_site(m: TopkMatch, values: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The rewritten site's (values, indices) on captured input values (``check``)."""
-    x = values[m.x.name]
-    if m.form == "argmax(softmax)":
-        return None, graph_argmax(x, m.dim, m.keepdim)
-    if m.form == "topk(softmax).indices":
-        return None, torch.topk(x, m.k, m.dim).indices
-    return graph_softmax_topk(x, m.k, m.dim, float(m.scale), m.renormalize, m.out_dtype)
-
-
-__all__ = ["TopkMatch", "find_softmax_topk_sites", "rewrite_softmax_topk", "claimed_nodes", "graph_softmax_topk",
-           "graph_argmax", "run_site"]
+__all__ = ["TopkMatch", "SoftmaxTopkPass", "graph_softmax_topk", "graph_argmax"]

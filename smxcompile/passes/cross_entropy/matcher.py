@@ -1,4 +1,4 @@
-"""Cross-entropy sites: ``linear -> ... -> cross_entropy`` becomes cut cross-entropy.
+"""Matching cross-entropy sites: ``linear -> ... -> cross_entropy`` becomes cut cross-entropy.
 
 Matched in the Dynamo (pre-grad) graph, where the loss is still one call:
 
@@ -34,19 +34,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx import Node
 
-from ..options import SmxOptions
-from ..report import Site, user_location
-from .graph_utils import (canon, cast_dtype, is_mutation, is_number, mutation_inside, replace_anchor, stack_trace,
-                          tensor_val)
-
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-#: Smallest vocabulary from which a CPU linear -> cross-entropy is rewritten by default: below it the
-#: logits are small and Inductor's fused code is as fast (benchmarks/bench_linear_ce.py).
-CPU_MIN_VOCAB = 4096
+from ..patterns.arith import scalar_factor, softcap
+from ..patterns.graph import canon, cast_dtype, dtype_of, is_mutation, same_shape, same_size, tensor_val
+from ..protocol import Match
 
 _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 _NLL_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
@@ -56,7 +48,7 @@ _VIEW_FNS = {torch.reshape, torch.flatten}
 
 
 @dataclasses.dataclass
-class CEMatch:
+class CEMatch(Match):
     kind: str                           # "linear_cross_entropy" | "cross_entropy"
     anchor: Node                        # the loss call
     logits: Node                        # the CE's input
@@ -84,18 +76,9 @@ class CEMatch:
     dead: list[Node] = dataclasses.field(default_factory=list)
     loss_nodes: list[Node] = dataclasses.field(default_factory=list)   # the loss call (+ its log_softmax)
     absorbed: list[str] = dataclasses.field(default_factory=list)
-    action: str = "rewritten"
-    reason: str = ""
-    device: str = "?"
-    prefix: str = ""
     note: str = ""
 
-    @property
-    def key(self) -> str:
-        return self.prefix + self.anchor.name
-
-    @property
-    def op(self) -> str:
+    def op_name(self) -> str:
         return "smx::linear_cross_entropy" if self.kind == "linear_cross_entropy" else "smx::cross_entropy"
 
     def detail(self) -> str:
@@ -109,12 +92,6 @@ class CEMatch:
             parts.append(self.note)  # the returned-logits note describes the rewrite: only when it happened
         return ", ".join(p for p in parts if p)
 
-    def to_site(self, graph_tag: str) -> Site:
-        return Site(kind=self.kind, action=self.action, reason=self.reason,
-                    location=user_location(stack_trace(self.anchor)),
-                    op=self.op if self.action == "rewritten" else "", detail=self.detail(), graph=graph_tag,
-                    node=self.key)
-
 
 def _bind(node: Node, params: tuple[str, ...]) -> dict[str, Any] | None:
     if len(node.args) > len(params):
@@ -127,12 +104,7 @@ def _bind(node: Node, params: tuple[str, ...]) -> dict[str, Any] | None:
     return b
 
 
-def _dtype(n: Any) -> torch.dtype | None:
-    v = tensor_val(n)
-    return v.dtype if v is not None else None
-
-
-def _loss_call(node: Node) -> CEMatch | None:
+def loss_call(node: Node) -> CEMatch | None:
     """A cross-entropy call (any spelling) -> a match with the loss arguments filled in, else None."""
     if node.op != "call_function":
         return None
@@ -221,18 +193,7 @@ def _keeps_last_dim(n: Node) -> bool:
     if not n.args or not isinstance(n.args[0], Node) or (n.target in ("contiguous", "clone") and n.kwargs):
         return False
     sv, nv = tensor_val(n.args[0]), tensor_val(n)
-    return sv is not None and nv is not None and sv.dim() >= 1 and nv.dim() >= 1 and _same(sv.shape[-1], nv.shape[-1])
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Sizes (ints or SymInts) known to be equal, without adding a guard."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
-
-
-def _same_shape(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return sv is not None and nv is not None and sv.dim() >= 1 and nv.dim() >= 1 and same_size(sv.shape[-1], nv.shape[-1])
 
 
 def _classes_moved_to_dim1(n: Any) -> Node | None:
@@ -334,45 +295,7 @@ def _leading_slice(n: Node, ndim: int) -> tuple | None:
     return tuple(idx)
 
 
-def _scalar_of(n: Node) -> tuple[Node, float] | None:
-    """``x * s``, ``s * x``, ``x / s`` with a python number -> (x, factor)."""
-    c = canon(n)
-    if c is None or c[0] not in ("mul", "div"):
-        return None
-    a, b = c[1].get("input"), c[1].get("other")
-    if c[0] == "div":
-        if isinstance(a, Node) and is_number(b) and b != 0:
-            return a, 1.0 / float(b)
-        return None
-    if isinstance(a, Node) and is_number(b):
-        return a, float(b)
-    if isinstance(b, Node) and is_number(a):
-        return b, float(a)
-    return None
-
-
-def _softcap_at(n: Node) -> tuple[Node, float, list[Node]] | None:
-    """``c * tanh(y / c)`` ending at ``n`` -> (y, c, interior nodes [tanh, div]); ``n`` may have several users."""
-    s = _scalar_of(n)
-    if s is None:
-        return None
-    t, cap = s
-    if cap <= 0 or len(t.users) != 1:
-        return None
-    ct = canon(t)
-    if ct is None or ct[0] != "tanh" or not isinstance(ct[1].get("input"), Node):
-        return None
-    d = ct[1]["input"]
-    inner = _scalar_of(d)
-    if inner is None or len(d.users) != 1:
-        return None
-    y, k = inner
-    if abs(k * cap - 1.0) > 1e-6:
-        return None
-    return y, cap, [t, d]
-
-
-def _walk_to_linear(m: CEMatch) -> str:
+def walk_to_linear(m: CEMatch) -> str:
     """Fill the linear part of ``m`` by walking up from the CE input; returns why it is not cut CE ('' if it is)."""
     n = m.logits
     lv = tensor_val(n)
@@ -383,7 +306,7 @@ def _walk_to_linear(m: CEMatch) -> str:
     v = lv.shape[-1]
     chain: list[Node] = []
     slices: list = []   # (index, lead shape of the sliced tensor, lead shape of the result), bottom-up
-    scale, softcap = 1.0, None
+    scale, cap = 1.0, None
     seen_softcap = False
     absorbed: list[str] = []
     for _ in range(64):
@@ -391,7 +314,7 @@ def _walk_to_linear(m: CEMatch) -> str:
         if lin is not None:
             hv = tensor_val(lin[0])
             ov = tensor_val(n)
-            if hv is None or ov is None or not _same(ov.shape[-1], v):
+            if hv is None or ov is None or not same_size(ov.shape[-1], v):
                 return "the linear layer's output does not keep the class dim last"
             m.linear, (m.h, m.weight, m.weight_t, m.bias) = n, lin
             # ``x @ W.T``: the transpose of W goes with the matmul (unless something else reads it)
@@ -410,7 +333,7 @@ def _walk_to_linear(m: CEMatch) -> str:
             return f"'{n.name}' has no recorded value"
         nxt = None
         if cast_dtype(n) is not None:
-            src = _dtype(n.args[0])
+            src = dtype_of(n.args[0])
             if src is not None and torch.finfo(cast_dtype(n)).bits < torch.finfo(src).bits:
                 return f"'{n.name}' casts the logits down ({src} -> {cast_dtype(n)})"
             nxt = n.args[0]
@@ -418,7 +341,7 @@ def _walk_to_linear(m: CEMatch) -> str:
         elif (n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS):
             src = n.args[0]
             sv = tensor_val(src)
-            if sv is None or sv.dim() == 0 or nv.dim() == 0 or not _same(sv.shape[-1], v) or not _same(nv.shape[-1], v):
+            if sv is None or sv.dim() == 0 or nv.dim() == 0 or not same_size(sv.shape[-1], v) or not same_size(nv.shape[-1], v):
                 return f"'{n.name}' reshapes across the class dim"
             if n.target == "contiguous" or n.target == "clone":
                 if n.kwargs:
@@ -429,17 +352,17 @@ def _walk_to_linear(m: CEMatch) -> str:
             slices.append((sl, tuple(tensor_val(n.args[0]).shape[:-1]), tuple(nv.shape[:-1])))
             nxt = n.args[0]
             absorbed.append("row slice " + _fmt_index(n.args[1]))
-        elif (sc := _softcap_at(n)) is not None:
+        elif (sc := softcap(n)) is not None:
             if seen_softcap:
                 return "two soft-caps"
             if scale != 1.0:
                 return "a scale after the soft-cap (the op scales before capping)"
             seen_softcap = True
-            softcap = sc[1]
-            chain.extend(sc[2])
+            cap = sc[1]
+            chain.extend(sc[2][1:])   # n itself joins the chain below
             nxt = sc[0]
             absorbed.append(f"softcap={sc[1]:g}")
-        elif (s := _scalar_of(n)) is not None:
+        elif (s := scalar_factor(n)) is not None:
             scale *= s[1]
             nxt = s[0]
             absorbed.append(f"scale={s[1]:g}")
@@ -457,7 +380,7 @@ def _walk_to_linear(m: CEMatch) -> str:
     cur = tuple(tensor_val(m.linear).shape[:-1])
     row_ops: list = []
     for idx, lead_in, lead_out in reversed(slices):
-        if not _same_shape(lead_in, cur):
+        if not same_shape(lead_in, cur):
             if len(lead_in) == 1:
                 row_ops.append(("flatten", None))   # the usual case: ``.view(-1, V)`` then slice; any shapes
             elif all(isinstance(d, int) for d in lead_in):
@@ -466,7 +389,7 @@ def _walk_to_linear(m: CEMatch) -> str:
                 return "a row slice of reshaped logits with symbolic shapes"
         row_ops.append(("slice", idx))
         cur = lead_out
-    m.scale, m.softcap = scale, softcap
+    m.scale, m.softcap = scale, cap
     m.row_ops = row_ops
     m.absorbed = m.absorbed + absorbed
     lin_v, h_v = tensor_val(m.linear), tensor_val(m.h)
@@ -496,7 +419,7 @@ def _is_reshape(k: Node) -> bool:
         k.op == "call_function" and k.target in (_VIEW_FNS | {operator.getitem}))
 
 
-def _check_escapes(m: CEMatch) -> str:
+def check_escapes(m: CEMatch) -> str:
     """Interior nodes used outside the pattern: allowed once, as a graph output after all transforms."""
     interior = set(m.dead)
     escapes = []
@@ -532,7 +455,7 @@ def _check_escapes(m: CEMatch) -> str:
         return (f"the returned logits ('{n.name}') are a reshaped/sliced view; cut CE can only return "
                 "the linear layer's (transformed) output")
     below = interior - between - set(m.loss_nodes)
-    if any(_scalar_of(k) is not None or (canon(k) is not None and canon(k)[0] == "tanh") for k in below):
+    if any(scalar_factor(k) is not None or (canon(k) is not None and canon(k)[0] == "tanh") for k in below):
         return "the returned logits are taken before the temperature/soft-cap that the loss applies"
     if any(op == "slice" for op, _ in m.row_ops):
         # the loss reads fewer rows than are returned (``logits[..., :-1, :]`` for the next-token shift):
@@ -553,279 +476,6 @@ def _check_escapes(m: CEMatch) -> str:
     return ""
 
 
-def _decide(m: CEMatch, options: SmxOptions, skip: frozenset[str]) -> None:
-    if m.action != "rewritten":
-        return
-    if not isinstance(m.reduction, str) or m.reduction not in ("none", "mean", "sum"):
-        m.action, m.reason = "skipped", f"reduction {m.reduction!r} is not a constant none/mean/sum"
-        return
-    if not isinstance(m.ignore_index, int) or isinstance(m.ignore_index, bool):
-        m.action, m.reason = "skipped", "ignore_index is not a constant int"
-        return
-    if not is_number(m.label_smoothing):
-        m.action, m.reason = "skipped", "label_smoothing is not a constant"
-        return
-    if m.class_weight is not None and not isinstance(m.class_weight, Node):
-        m.action, m.reason = "skipped", "class weight is not a tensor"
-        return
-    tv = tensor_val(m.target)
-    if tv is None:
-        m.action, m.reason = "skipped", "target has no recorded value"
-        return
-    if m.kind == "cross_entropy" and m.linear is None:
-        absorbed = list(m.absorbed)
-        why = _walk_to_linear(m) or _check_escapes(m)
-        if why:
-            # not cut: the plain CE on the same logits (the walk's partial results are dropped)
-            m.note = f"not cut: {why}"
-            m.linear = m.h = m.weight = m.bias = m.escape = m.compute_dtype = None
-            m.weight_t, m.pad_rows = False, False
-            m.dead = list(m.loss_nodes)
-            m.absorbed = absorbed
-            m.scale, m.softcap, m.row_ops = 1.0, None, []
-        else:
-            m.kind = "linear_cross_entropy"
-    if m.kind == "linear_cross_entropy" and m.linear is not None and m.linear is not m.anchor:
-        m.dead = _dedupe(m.dead)
-    lv = tensor_val(m.h if m.kind == "linear_cross_entropy" else m.logits)
-    if lv is None:
-        m.action, m.reason = "skipped", "input has no recorded value"
-        return
-    m.device = lv.device.type
-    if lv.dtype not in _FLOAT:
-        m.action, m.reason = "skipped", f"dtype {lv.dtype} is not floating point"
-        return
-    if m.kind == "cross_entropy":
-        xv = tensor_val(m.logits)
-        if xv is None or xv.dim() == 0:
-            m.action, m.reason = "skipped", "logits have no class dim"
-            return
-        if xv.dim() > 2 and not m.classes_last:
-            m.action, m.reason = "skipped", (f"logits of rank {xv.dim()} (classes on dim 1): the fused CE "
-                                             "would copy them to put the classes last")
-            return
-    if m.kind == "linear_cross_entropy":
-        wv = tensor_val(m.weight)
-        hv = tensor_val(m.h)
-        if wv is None or hv is None or wv.dtype != hv.dtype and not _autocast_in(m):
-            m.action, m.reason = "skipped", "input and weight dtypes differ"
-            return
-    if tv.dtype.is_floating_point and tv.requires_grad:
-        m.action, m.reason = "skipped", "probability targets that require grad (distillation): not supported"
-        return
-    # a mutation between the first pattern node and the loss could change what the op reads
-    mut = mutation_inside(m.anchor, m.dead)
-    if mut is not None:
-        m.action, m.reason = "skipped", f"in-place op '{mut.name}' runs inside the pattern"
-        return
-    if not options.enabled(m.kind):
-        m.action, m.reason = "kept", f"rewrite kind '{m.kind}' disabled by options"
-        return
-    if m.key in skip:
-        m.action, m.reason = "kept", (
-            "check failed: the rewrite disagreed with eager on the example inputs, or they could not be run "
-            "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)")
-        return
-    if m.device == "cpu":
-        if options.cpu == "keep":
-            m.action, m.reason = "kept", "options cpu='keep'"
-        elif options.cpu == "auto":
-            if m.kind == "cross_entropy":
-                m.action, m.reason = "kept", (
-                    "CPU: Inductor's fused C++ cross-entropy is faster on given logits (the online CE op "
-                    "measured 2.4-3x slower, docs/PERFORMANCE.md; options cpu='rewrite' forces it)")
-            else:
-                v = tensor_val(m.weight).shape[1 if m.weight_t else 0]
-                if not isinstance(v, int):
-                    # symbolic vocabulary (dynamic=True): decide on the example's size (a speed choice only)
-                    v = optimization_hint(v, fallback=0)
-                if v < CPU_MIN_VOCAB:
-                    m.action, m.reason = "kept", (
-                        f"CPU: {v} classes; below {CPU_MIN_VOCAB} the logits are small and Inductor's fused code "
-                        "is as fast (options cpu='rewrite' forces it)")
-        return
-    if m.device != "cuda":
-        m.action, m.reason = "kept", f"device '{m.device}' has no smx kernel"
 
 
-def _autocast_in(m: CEMatch) -> bool:
-    lv = tensor_val(m.linear)
-    hv = tensor_val(m.h)
-    return lv is not None and hv is not None and lv.dtype != hv.dtype
-
-
-def _dedupe(nodes: list[Node]) -> list[Node]:
-    seen, out = set(), []
-    for n in nodes:
-        if n not in seen:
-            seen.add(n)
-            out.append(n)
-    return out
-
-
-def find_ce_sites(graph: Graph, options: SmxOptions, skip: frozenset[str] = frozenset(),
-                  prefix: str = "") -> list[CEMatch]:
-    """Every cross-entropy site of ``graph`` with the action the backend will take (pure analysis)."""
-    from .softmax import _functorch_op
-
-    functorch = _functorch_op(graph)
-    out = []
-    for node in graph.nodes:
-        m = _loss_call(node)
-        if m is None:
-            continue
-        m.prefix = prefix
-        if m.action == "rewritten" and functorch is not None:
-            m.action, m.reason = "skipped", f"the graph runs a torch.func transform ('{functorch}')"
-        _decide(m, options, skip)
-        out.append(m)
-    return out
-
-
-def claimed_nodes(matches: list[CEMatch]) -> set[Node]:
-    """Nodes that rewritten CE sites own (the softmax pass must leave them alone)."""
-    return {n for m in matches if m.action == "rewritten" for n in m.dead}
-
-
-# --------------------------------------------------------------------------- rewriting
-
-
-def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_index: int, reduction: str,
-                               label_smoothing: float, scale: float, softcap, loss_dtype, return_logits: bool,
-                               logits_dtype, weight_t: bool, compute_dtype=None, row_ops=None):
-    """What a rewritten ``linear -> cross_entropy`` site calls: -> (loss, logits or None).
-
-    ``compute_dtype``: the dtype the linear layer ran in (autocast), applied explicitly so the result does
-    not depend on whether the loss itself sits inside the autocast region. ``row_ops``: the row slices
-    (and reshapes) the loss applied to the returned logits; every row of ``h`` is computed (the logits are
-    returned whole) and the rows the loss dropped get ``ignore_index`` targets.
-    """
-    from ..kernels.cross_entropy import _autocast, _linear_ce_core
-
-    if weight_t:
-        weight = weight.t()   # a (D, V) classifier (Conv1D / ``x @ M``): made row-major (V, D) below
-    if compute_dtype is not None:
-        h, weight, bias = (None if t is None else t.to(compute_dtype) for t in (h, weight, bias))
-    else:
-        h, weight, bias = _autocast(h, weight, bias)
-    d = h.shape[-1]
-    lead = tuple(h.shape[:-1])
-    # row-major operands: the ops' fake implementations give the gradients the strides of input / weight,
-    # the real ones contiguous tensors (``F.linear(x.t(), W)``, ``F.linear(h, M.t())``); no copy otherwise
-    x2 = h.reshape(-1, d).contiguous()
-    weight = weight.contiguous()
-    sel = None
-    if target.dtype.is_floating_point:
-        tgt, probs = None, target.reshape(-1, weight.shape[0])
-    else:
-        tgt, probs = target.reshape(-1).long(), None
-        if row_ops:
-            sel = _row_ops(torch.arange(x2.shape[0], device=target.device).reshape(*lead, 1), row_ops).reshape(-1)
-            tgt = torch.full((x2.shape[0],), ignore_index, dtype=torch.long, device=target.device).index_put(
-                (sel,), tgt)
-    if bias is not None and bias.dtype != x2.dtype:
-        bias = bias.to(x2.dtype)
-    loss, zl, lse, logits = _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
-                                            float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
-                                            0)  # 0: the default chunk policy
-    if reduction == "none":
-        if sel is not None:
-            loss = loss[sel]
-        loss = loss.reshape(tuple(target.shape) if probs is None else tuple(target.shape[:-1]))
-    loss = loss.to(loss_dtype)
-    if return_logits:
-        logits = logits.reshape(*lead, weight.shape[0])
-    return loss, logits
-
-
-def _row_ops(x, row_ops):
-    """Apply the logits chain's row reshapes / slices to ``x`` (``h``, or a row-index tensor with a trailing dim)."""
-    for op, a in row_ops:
-        if op == "flatten":
-            x = x.flatten(0, -2)
-        elif op == "reshape":
-            x = x.reshape(*a, x.shape[-1])
-        else:
-            x = x[a]
-    return x
-
-
-def graph_cross_entropy(logits, target, class_weight, ignore_index: int, reduction: str, label_smoothing: float,
-                        loss_dtype, classes_last: bool = False):
-    """What a rewritten plain cross-entropy site calls (``F.cross_entropy`` semantics, online).
-
-    ``classes_last``: ``logits`` (any rank) have the classes on their last dim and ``target`` holds class
-    indices for its rows in order (``nll_loss(log_softmax(x, -1).view(-1, V), y)``,
-    ``cross_entropy(x.transpose(1, 2), y)``); the loss has ``target``'s shape."""
-    from ..kernels.cross_entropy import cross_entropy
-
-    if classes_last:
-        loss = cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), class_weight, ignore_index,
-                             reduction, label_smoothing, dim=1, dtype=loss_dtype)
-        return loss.reshape(target.shape) if reduction == "none" else loss
-    return cross_entropy(logits, target, class_weight, ignore_index, reduction, label_smoothing,
-                         dim=1 if logits.dim() >= 2 else 0, dtype=loss_dtype)
-
-
-def rewrite_ce(graph: Graph, m: CEMatch) -> None:
-    """Replace the loss call (and the logits chain) by the cut / online cross-entropy."""
-    loss_dtype = _dtype(m.anchor)
-    with graph.inserting_before(m.anchor):
-        if m.kind == "linear_cross_entropy":
-            h = m.h
-            kwargs: dict[str, Any] = {}
-            if m.compute_dtype is not None:
-                kwargs["compute_dtype"] = m.compute_dtype
-            if m.pad_rows:
-                kwargs["row_ops"] = tuple(m.row_ops)
-            else:
-                for op, a in m.row_ops:
-                    if op == "flatten":
-                        h = graph.call_method("flatten", (h, 0, -2))
-                    elif op == "reshape":
-                        h = graph.call_method("reshape", (h, (*a, -1)))
-                    else:
-                        h = graph.call_function(operator.getitem, (h, a))
-            logits_dtype = _dtype(m.escape) if m.escape is not None else None
-            call = graph.call_function(graph_linear_cross_entropy, (
-                h, m.weight, m.bias, m.target, m.class_weight, int(m.ignore_index), m.reduction,
-                float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, m.escape is not None, logits_dtype,
-                m.weight_t), kwargs)
-            out = graph.call_function(operator.getitem, (call, 0))
-            if m.escape is not None:
-                lg = graph.call_function(operator.getitem, (call, 1))
-                for k in ("example_value", "val"):
-                    if k in m.escape.meta:
-                        lg.meta[k] = m.escape.meta[k]
-                interior = set(m.dead)
-                for u in list(m.escape.users):
-                    if u not in interior:
-                        u.replace_input_with(m.escape, lg)
-        else:
-            out = graph.call_function(graph_cross_entropy, (
-                m.logits, m.target, m.class_weight, int(m.ignore_index), m.reduction, float(m.label_smoothing),
-                loss_dtype), {"classes_last": True} if m.classes_last else {})
-            call = out
-    replace_anchor(graph, m.anchor, call, out, m.dead)
-
-
-def run_site(m: CEMatch, values: dict[str, Any]):
-    """The rewritten site's loss on captured values (for the ``check`` option)."""
-    def get(a):
-        return values[a.name] if isinstance(a, Node) else a
-
-    loss_dtype = _dtype(m.anchor)
-    if m.kind == "linear_cross_entropy":
-        return graph_linear_cross_entropy(_row_ops(get(m.h), m.row_ops), get(m.weight), get(m.bias), get(m.target),
-                                          get(m.class_weight), int(m.ignore_index), m.reduction,
-                                          float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, False, None,
-                                          m.weight_t, compute_dtype=m.compute_dtype)[0]
-    return graph_cross_entropy(get(m.logits), get(m.target), get(m.class_weight), int(m.ignore_index), m.reduction,
-                               float(m.label_smoothing), loss_dtype, classes_last=m.classes_last)
-
-
-def input_nodes(m: CEMatch) -> list[Node]:
-    """Nodes whose values :func:`run_site` reads."""
-    ns = [m.h, m.weight, m.bias, m.target, m.class_weight] if m.kind == "linear_cross_entropy" else [
-        m.logits, m.target, m.class_weight]
-    return [n for n in ns if isinstance(n, Node)]
+__all__ = ["CEMatch", "loss_call", "walk_to_linear", "check_escapes"]

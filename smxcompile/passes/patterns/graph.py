@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Node
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+#: The floating-point dtypes a fused op accepts.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _MISSING = object()
 
@@ -115,8 +119,59 @@ def val(node: Any) -> Any:
 
 
 def tensor_val(node: Any) -> torch.Tensor | None:
+    """The recorded fake tensor of ``node``, or None (not a node, no value, not a tensor)."""
     v = val(node)
     return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    """The dtype of ``node``'s recorded tensor, or None."""
+    v = tensor_val(node)
+    return v.dtype if v is not None else None
+
+
+def dtype_name(d: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (report details)."""
+    return str(d).replace("torch.", "")
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Sizes (ints or SymInts) known to be equal, without adding a guard (False when unknown)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """Two shapes known to be equal, size by size (see :func:`same_size`)."""
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def broadcasts_to(small: tuple | None, big: tuple | None) -> bool:
+    """``small`` broadcasts to ``big`` without changing it (each size 1 or equal, known without a guard)."""
+    if small is None or big is None or len(small) > len(big):
+        return False
+    return all(same_size(s, 1) or same_size(s, b) for s, b in zip(reversed(small), reversed(big)))
+
+
+def static_shape(v: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The shape as plain ints, or None when any size is symbolic (dynamic shapes) or there is no tensor."""
+    if v is None or any(not isinstance(s, int) for s in v.shape):
+        return None
+    return tuple(v.shape)
+
+
+def dedupe(nodes) -> list[Node]:
+    """The nodes of ``nodes`` in order, each once (non-nodes dropped)."""
+    out, seen = [], set()
+    for n in nodes:
+        if isinstance(n, Node) and n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
 
 
 def norm_dim(dim: Any, ndim: int) -> int | None:
@@ -134,14 +189,17 @@ def norm_dim(dim: Any, ndim: int) -> int | None:
 
 
 def is_number(x: Any) -> bool:
+    """A Python int or float (not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def single_user(node: Node) -> bool:
+    """``node`` is used exactly once."""
     return len(node.users) == 1
 
 
 def is_random(node: Node) -> bool:
+    """``node`` draws random numbers (``rand*``, ``bernoulli``, ``exponential_``, ``gumbel_softmax``...)."""
     if node.op == "call_method" and node.target in _RANDOM_METHODS:
         return True
     return node.op == "call_function" and node.target in _RANDOM_FNS
@@ -229,12 +287,25 @@ def mutation_inside(anchor: Node, pattern) -> Node | None:
 
 
 def stack_trace(node: Node) -> str | None:
+    """The user's stack trace Dynamo recorded on ``node``."""
     return node.meta.get("stack_trace")
+
+
+def functorch_op(graph: Graph) -> str | None:
+    """The first torch.func (functorch) transform op of ``graph`` (grad / vmap / jvp nesting), if any:
+    the smx ops have no functorch rules, so a pass rewrites nothing in such a graph."""
+    for n in graph.nodes:
+        if n.op == "call_function":
+            mod = getattr(n.target, "__module__", "") or ""
+            name = getattr(n.target, "__name__", "")
+            if "functorch" in mod or name.endswith("_increment_nesting") or name in ("_wrap_for_grad", "_add_batch_dim"):
+                return name or str(n.target)
+    return None
 
 
 def erase_dead(graph, nodes) -> None:
     """Erase the nodes of ``nodes`` that end up unused, users before the nodes they use (any order given)."""
-    pending = list(dict.fromkeys(nodes))
+    pending = [n for n in dict.fromkeys(nodes) if not getattr(n, "_erased", False)]
     while pending:
         dead_now = [n for n in pending if not n.users]
         if not dead_now:
@@ -256,3 +327,18 @@ def replace_anchor(graph, anchor: Node, call: Node, out: Node, dead) -> None:
             out.meta[k] = anchor.meta[k]
     anchor.replace_all_uses_with(out)
     erase_dead(graph, [anchor, *dead])
+
+
+def erase_unused_pure(graph: Graph, nodes) -> None:
+    """Erase ``nodes`` and their ancestors once nothing uses them (pure ops only: no placeholder, no mutation,
+    no random draw)."""
+    stack = [n for n in nodes if isinstance(n, Node)]
+    while stack:
+        n = stack.pop()
+        # a node reached twice (an input of two erased nodes) is erased only once
+        if getattr(n, "_erased", False) or n.graph is not graph or n.users \
+                or n.op not in ("call_function", "call_method") or is_mutation(n) or is_random(n):
+            continue
+        ins = n.all_input_nodes
+        graph.erase_node(n)
+        stack.extend(ins)

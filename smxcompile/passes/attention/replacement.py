@@ -1,0 +1,112 @@
+"""What rewritten attention sites call at run time (traced by AOTAutograd, so torch's and smx's ops end up in
+the graph): ``F.scaled_dot_product_attention`` (torch's fused flash kernels, CPU and CUDA; FlashAttention: Dao et
+al., 2022) for softmax, :func:`smxcompile.attention` (the ``smx::attention`` op) for the other normalizers and
+soft-capping, with eager's values restored on fully masked rows and for NaN inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..patterns.masks import is_masking_value
+
+
+def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
+                    dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, sdpa_scale_default: bool = False,
+                    export: bool = False):
+    """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
+
+    ``add_masks``: additive float masks (summed); ``masked``: ``[(bool, True-means-masked, value)]`` from
+    ``masked_fill`` / ``where``; ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
+    scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
+    (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
+    export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
+    fix-up."""
+    for t, op in scale_tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to(q.dtype)
+        q = q * t if op == "mul" else q / t
+    squeeze = 0
+    while q.dim() < 4:   # fused kernels want (B, H, L, E)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        add_masks = [mk.unsqueeze(0) if mk.dim() >= q.dim() else mk for mk in add_masks]
+        masked = [(c.unsqueeze(0) if c.dim() >= q.dim() else c, t, val) for c, t, val in masked]
+        squeeze += 1
+    bq = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    if tuple(q.shape[:-3]) != tuple(bq):
+        q = q.expand(*bq, *q.shape[-3:])
+    if n_rep == 1 and (k.shape[-3] != q.shape[-3] or tuple(k.shape[:-3]) != tuple(bq)):
+        k = k.expand(*bq, q.shape[-3], *k.shape[-2:])
+        v = v.expand(*bq, q.shape[-3], *v.shape[-2:])
+    elif tuple(k.shape[:-3]) != tuple(bq):
+        k = k.expand(*bq, *k.shape[-3:])
+        v = v.expand(*bq, *v.shape[-3:])
+    mask = None
+    for mk in add_masks:
+        mask = mk if mask is None else mask + mk
+    all_masked = None
+    if masked:
+        m_any = None
+        for c, true_masks, _ in masked:
+            mc = c if true_masks else ~c
+            m_any = mc if m_any is None else (m_any | mc)
+        if mask is None:
+            mask = ~m_any
+        else:
+            mask = mask.to(q.dtype if q.dtype != torch.float64 else mask.dtype).masked_fill(m_any, float("-inf"))
+        if fixup:
+            all_masked = m_any.all(-1, keepdim=True)
+    if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    if mask is not None and mask.dtype.is_floating_point and normalizer != "softmax":
+        # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
+        # softpick leaves them out of its denominator, n counts only the keys left
+        mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
+    if normalizer == "softmax" and softcap is None:
+        # torch's fused flash kernels (CPU and CUDA); Inductor lowers the call to them
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                             scale=scale, enable_gqa=n_rep > 1)
+    else:
+        from ...kernels.attention import attention
+
+        out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
+    # NaN in q or k: eager attention gives NaN rows (every row, for k); fused kernels can return 0
+    # for a NaN query row. Two cheap reductions (O(L*E) and O(S*E)) keep eager's NaNs.
+    if not export:
+        bad = q.isnan().any(-1, keepdim=True)
+        kbad = k.isnan().any(-1).any(-1)
+        if n_rep > 1:
+            kbad = kbad.repeat_interleave(n_rep, dim=-1)
+        bad = bad | kbad[..., None, None]
+        out = out.masked_fill(bad, float("nan"))
+    if fixup and normalizer == "softmax":
+        if all_masked is not None:
+            values = [val for _, _, val in masked]
+            if all(math.isinf(val) for val in values):
+                fill = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+            else:
+                vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
+                fill = vv.mean(-2, keepdim=True).to(out.dtype)
+            out = torch.where(all_masked, fill, out)
+        if add_masks and not masked:
+            neg = None
+            for mk in add_masks:
+                r = (mk == float("-inf")).all(-1, keepdim=True)
+                neg = r if neg is None else neg | r
+            out = out.masked_fill(neg, float("nan"))
+    for _ in range(squeeze):
+        out = out.squeeze(0)
+    return out
+
+
+def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
+    """A rewritten ``F.scaled_dot_product_attention`` site with a requested normalizer."""
+    from ...kernels.attention import attention
+
+    return attention(q, k, v, **sdpa_kwargs, normalizer=normalizer, norm_param=norm_param)
+
+
+__all__ = ["graph_attention", "graph_sdpa"]

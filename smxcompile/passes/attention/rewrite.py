@@ -1,0 +1,270 @@
+"""The attention pass: what a matched block needs before it can be fused (shapes, GQA, a causal or constant mask,
+eager's values on fully masked rows), its policy, and its rewrite. Matching is in :mod:`.matcher`, the run-time
+code in :mod:`.replacement`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
+from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, mutation_inside, replace_anchor, same_shape, same_size, \
+    tensor_val
+from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide
+from ..protocol import PassContext, RewritePass
+from .matcher import AttentionMatch, is_matmul, match_from_pv, match_sdpa, ungqa
+from .replacement import graph_attention, graph_sdpa
+
+
+def _check_shapes(m: AttentionMatch) -> str:
+    qv, kv, vv = tensor_val(m.q), tensor_val(m.k), tensor_val(m.v)
+    if qv is None or kv is None or vv is None:
+        return "q, k or v has no shape information"
+    if qv.dim() < 2 or kv.dim() != qv.dim() or vv.dim() != qv.dim():
+        return f"q, k, v ranks {qv.dim()}, {kv.dim()}, {vv.dim()} differ"
+    if not (qv.dtype == kv.dtype == vv.dtype) or qv.dtype not in FLOAT_DTYPES:
+        return f"mixed or non-float q/k/v dtypes ({qv.dtype}, {kv.dtype}, {vv.dtype})"
+    out = tensor_val(m.anchor)
+    if out is None or out.dtype != qv.dtype:
+        return f"the attention output dtype {getattr(out, 'dtype', None)} differs from q's {qv.dtype}"
+    if not same_size(kv.shape[-2], vv.shape[-2]) or not same_size(qv.shape[-1], kv.shape[-1]):
+        return "q/k/v sizes do not line up"
+    return ""
+
+
+def _gqa(m: AttentionMatch) -> None:
+    """Take K and V un-repeated when both were repeated per query head the same way."""
+    gk, gv = ungqa(m.k), ungqa(m.v)
+    if gk is None or gv is None or gk[1] != gv[1] or gk[1] < 2:
+        return
+    qv, kvv = tensor_val(m.q), tensor_val(gk[0])
+    if qv.dim() < 3 or not same_shape(tuple(qv.shape[:-3]), tuple(kvv.shape[:-3])):
+        return
+    m.dead += _repeat_nodes(m.k) + _repeat_nodes(m.v)
+    m.k, m.v, m.n_rep = gk[0], gv[0], gk[1]
+
+
+def _repeat_nodes(n: Node) -> list[Node]:
+    if n.op == "call_method" and n.target == "repeat_interleave" or n.target is torch.repeat_interleave:
+        return [n]
+    e = n.args[0]
+    return [n, e, e.args[0]]
+
+
+def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
+    """A constant mask that is exactly the causal lower triangle becomes ``is_causal``; an all-zero one goes."""
+    if len(m.add_masks) + len(m.masked) != 1:
+        return
+    qv, kv = tensor_val(m.q), tensor_val(m.k)
+    L, S = qv.shape[-2], kv.shape[-2]
+    if not isinstance(L, int) or not isinstance(S, int):
+        return
+    if m.add_masks:
+        c = consts.value(m.add_masks[0])
+        if not isinstance(c, torch.Tensor):
+            return
+        if bool((c == 0).all()):
+            m.dropped += m.add_masks
+            m.add_masks = []
+            m.absorbed = [a for a in m.absorbed if a != "mask"] + ["zero mask dropped"]
+            return
+        keep = additive_keep(c)
+        if keep is None:
+            return
+    else:
+        cond, true_masks, _ = m.masked[0]
+        c = consts.value(cond)
+        if not isinstance(c, torch.Tensor):
+            return
+        keep = ~c if true_masks else c
+    if is_causal_keep(keep, L, S):
+        m.is_causal = True
+        m.dropped += list(m.add_masks) + [c for c, _, _ in m.masked]
+        m.add_masks, m.masked = [], []
+        m.absorbed = [a for a in m.absorbed if a not in ("mask", "masks")]
+
+
+def _finite_mask(mask: Node, consts: ConstEvaluator) -> bool:
+    """The additive mask provably holds no -inf (so no row can be fully -inf)."""
+    c = consts.known(mask)
+    if isinstance(c, torch.Tensor):
+        return bool(torch.isfinite(c).all())
+    n = mask
+    for _ in range(8):
+        if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
+                or n.op == "call_function" and n.target is operator.getitem:
+            n = n.args[0]
+            if not isinstance(n, Node):
+                return False
+            continue
+        break
+    if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
+        vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
+                else None for a in n.args[1:]]
+        return all(v is not None and math.isfinite(v) for v in vals)
+    return False
+
+
+def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
+    if m.is_causal:
+        return False
+    if m.masked:
+        if m.add_masks:
+            return True
+        # constant conditions (a sliding window built from aranges): a fix-up only if some row is fully masked
+        masked_any = None
+        for cond, true_masks, _ in m.masked:
+            c = consts.value(cond)
+            if not isinstance(c, torch.Tensor):
+                return True
+            c = c if true_masks else ~c
+            masked_any = c if masked_any is None else masked_any | c
+        return bool(masked_any.all(-1).any())
+    return any(not _finite_mask(a, consts) for a in m.add_masks)
+
+
+def _interior_escapes(m: AttentionMatch) -> str:
+    interior = set(m.dead)
+    for n in m.dead:
+        if n is m.anchor:
+            continue
+        out = [u for u in n.users if u not in interior]
+        if out:
+            weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
+            what = "the attention weights" if weights else f"'{n.name}'"
+            return f"{what} are also used outside the attention (e.g. output_attentions): kept"
+    return ""
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator) -> str:
+    why = _check_shapes(m)
+    if why:
+        return why
+    m.device = tensor_val(m.q).device.type
+    if not m.is_sdpa:
+        why = _interior_escapes(m)
+        if why:
+            return why
+        mut = mutation_inside(m.anchor, m.dead)
+        if mut is not None:
+            return f"in-place op '{mut.name}' runs inside the attention pattern"
+        _gqa(m)
+        _causal_or_const(m, consts)
+        if _needs_fixup(m, consts):
+            m.fixup = "auto"
+    m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
+    return ""
+
+
+def _keep(m: AttentionMatch, ctx: PassContext) -> str:
+    if m.is_sdpa and m.normalizer == "softmax":
+        return "already torch's fused scaled_dot_product_attention (no normalizer requested)"
+    return ""
+
+
+def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
+    """Rule ``attention_min_keys`` of ``CPU_RULES`` (softmax without soft-cap only)."""
+    if m.normalizer != "softmax" or m.softcap is not None:
+        return ""
+    need = cpu_threshold("attention_min_keys")
+    S = tensor_val(m.k).shape[-2]
+    if not isinstance(S, int):
+        S = optimization_hint(S, fallback=need)
+    if S < need:
+        return (f"CPU: {S} keys; below {need} torch's fused attention kernel was measured no faster than "
+                f"Inductor's code (benchmarks/bench_attention.py; {FORCE_HINT})")
+    return ""
+
+
+def _last_checks(m: AttentionMatch, ctx: PassContext) -> str:
+    op_route = m.normalizer != "softmax" or m.softcap is not None
+    masks = list(m.add_masks) + ([m.sdpa_kwargs.get("attn_mask")] if m.sdpa_kwargs else [])
+    if op_route and any(tensor_val(a) is not None and tensor_val(a).requires_grad for a in masks):
+        return ("the additive mask (e.g. a learned position bias) needs a gradient, which smx::attention "
+                "(normalizer or softcap) does not compute yet")
+    return ""
+
+
+# a block the CPU policy keeps is left to Inductor whole: the softmax pass does not take its softmax
+_LADDER = Ladder(keep=_keep, cpu_keep=_cpu_keep, last_checks=_last_checks, keep_whole=frozenset({"cpu"}))
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+class AttentionPass(RewritePass):
+    """``softmax(q @ k^T * scale + mask) @ v`` in every spelling (see :mod:`.matcher`) -> one fused attention call."""
+
+    name = "attention"
+
+    def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[AttentionMatch]:
+        consts = ConstEvaluator()   # dropped with this analysis: no evaluated mask outlives it
+        ladder = dataclasses.replace(_LADDER, checks=lambda m, c: _checks(m, c, consts))
+        out: list[AttentionMatch] = []
+        claimed: set[Node] = set()
+        for n in graph.nodes:
+            if n in exclude or n in claimed:
+                continue
+            m = None
+            if is_matmul(n):
+                m = match_from_pv(n, consts)
+            elif n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention:
+                m = match_sdpa(n)
+            if m is None or any(d in exclude for d in m.dead):
+                continue
+            m.prefix = ctx.prefix
+            decide(m, ctx, ladder)
+            if m.action == "rewritten":
+                claimed.update(m.dead)
+            out.append(m)
+        return out
+
+    def rewrite(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
+        """Replace the site by a :func:`graph_attention` / :func:`graph_sdpa` call and delete the dead pattern."""
+        export = {"export": True} if ctx.export else {}
+        with graph.inserting_before(m.anchor):
+            if m.is_sdpa:
+                call = graph.call_function(graph_sdpa, (m.q, m.k, m.v, dict(m.sdpa_kwargs)),
+                                           {"normalizer": m.normalizer, "norm_param": m.norm_param})
+            else:
+                call = graph.call_function(graph_attention, (
+                    m.q, m.k, m.v, list(m.add_masks), [tuple(t) for t in m.masked],
+                    [tuple(t) for t in m.scale_tensors]), {
+                    "scale": float(m.scale), "softcap": m.softcap, "is_causal": m.is_causal, "dropout_p": m.dropout_p,
+                    "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param,
+                    **export})
+        replace_anchor(graph, m.anchor, call, call, [n for n in m.dead if n is not m.anchor])
+        erase_unused_pure(graph, m.dropped)
+
+    def checkable(self, m: AttentionMatch) -> bool:
+        # a requested normalizer changes the math on purpose: only softmax sites can be checked against eager
+        return m.action == "rewritten" and m.normalizer == "softmax"
+
+    def check_inputs(self, m: AttentionMatch) -> list[Node]:
+        ins = [m.q, m.k, m.v, *m.add_masks, *(c for c, _, _ in m.masked), *(t for t, _ in m.scale_tensors)]
+        if m.is_sdpa:
+            ins += [a for a in m.sdpa_kwargs.values() if isinstance(a, Node)]
+        return [n for n in ins if isinstance(n, Node)]
+
+    def run_site(self, m: AttentionMatch, values: dict[str, Any]):
+        """The rewritten site's output on captured values."""
+        g = lambda n: values[n.name] if isinstance(n, Node) else n  # noqa: E731
+        if m.is_sdpa:
+            kw = {k: g(v) for k, v in m.sdpa_kwargs.items()}
+            return graph_sdpa(g(m.q), g(m.k), g(m.v), kw, normalizer=m.normalizer, norm_param=m.norm_param)
+        return graph_attention(g(m.q), g(m.k), g(m.v), [g(a) for a in m.add_masks],
+                               [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
+                               scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,
+                               n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param)
+
+
+__all__ = ["AttentionPass"]

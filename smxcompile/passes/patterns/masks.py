@@ -1,0 +1,83 @@
+"""Masks in front of a softmax: an additive float mask ``scores + mask`` and a boolean mask applied with
+``scores.masked_fill(mask, value)`` / ``torch.where(keep, scores, value)``.
+
+Which operand of an addition is the mask is the caller's rule (a standalone softmax: the operand with the
+output's full shape is the scores; attention: the operand computed from the score matmul).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from .graph import broadcasts_to, canon, same_shape, single_user, static_shape, tensor_val
+
+#: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
+#: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
+MASK_VALUE = -1e4
+
+
+def add_operands(n: Node) -> tuple[Node, Node] | None:
+    """``(a, b)`` of ``a + b`` with both operands tensors (nodes), else None."""
+    c = canon(n)
+    if c is None or c[0] != "add":
+        return None
+    a, b = c[1].get("input"), c[1].get("other")
+    if isinstance(a, Node) and isinstance(b, Node):
+        return a, b
+    return None
+
+
+def static_additive_mask(x: Node) -> tuple[Node, Node] | None:
+    """``(scores, mask)`` when ``x = scores + mask`` can be taken into a fused softmax: static shapes, the
+    scores with ``x``'s full shape and dtype, a floating mask that broadcasts to them, needs no gradient
+    and does not promote the scores' dtype (bf16 scores + an fp32 mask is an fp32 softmax); ``x`` used once."""
+    pair = add_operands(x)
+    out_shape = static_shape(tensor_val(x))
+    if pair is None or not single_user(x) or out_shape is None:
+        return None
+    a, b = pair
+    av, bv = tensor_val(a), tensor_val(b)
+    if (av is None or bv is None or not av.dtype.is_floating_point or not bv.dtype.is_floating_point
+            or static_shape(av) is None or static_shape(bv) is None):
+        return None
+    scores, mask = (a, b) if static_shape(av) == out_shape else (b, a)
+    sv, mv = tensor_val(scores), tensor_val(mask)
+    if (static_shape(sv) == out_shape and broadcasts_to(static_shape(mv), out_shape)
+            and not mv.requires_grad and sv.dtype == tensor_val(x).dtype):
+        return scores, mask
+    return None
+
+
+def fill_mask(n: Node) -> tuple[tuple[Any, bool, Any], Node] | None:
+    """A boolean mask applied by filling: ``((cond, True if True means masked, value), scores)``, else None.
+
+    ``s.masked_fill(b, v)`` -> ``((b, True, v), s)``; ``where(keep, s, v)`` -> ``((keep, False, v), s)``;
+    ``where(b, v, s)`` -> ``((b, True, v), s)`` (the scores are the operand with the result's full shape)."""
+    if (n.op == "call_method" and n.target == "masked_fill") or (n.op == "call_function" and n.target is torch.masked_fill):
+        if len(n.args) == 3 and not n.kwargs:
+            return (n.args[1], True, n.args[2]), n.args[0]
+        return None
+    if n.op == "call_function" and n.target is torch.where and len(n.args) == 3 and not n.kwargs:
+        cond, a, b = n.args
+        av, bv = tensor_val(a), tensor_val(b)
+        shape = tensor_val(n)
+        shape = None if shape is None else tuple(shape.shape)
+        a_full = av is not None and av.dim() > 0 and same_shape(tuple(av.shape), shape)
+        b_full = bv is not None and bv.dim() > 0 and same_shape(tuple(bv.shape), shape)
+        if a_full and not b_full:
+            return (cond, False, b), a
+        if b_full and not a_full:
+            return (cond, True, a), b
+    return None
+
+
+def is_masking_value(v):
+    """Whether a fill value masks a score (``-inf`` or any number <= :data:`MASK_VALUE`, e.g. ``finfo.min``);
+    elementwise (a bool tensor) for a tensor."""
+    return v <= MASK_VALUE
+
+
+__all__ = ["MASK_VALUE", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value"]

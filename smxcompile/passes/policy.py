@@ -1,0 +1,167 @@
+"""The policy: what happens to a site once it matched, written once for every rewrite kind.
+
+The ladder (:func:`decide`), in order, for a site still marked ``rewritten`` by its matcher:
+
+1. the graph runs a torch.func transform -> ``skipped`` (the smx ops have no functorch rules);
+2. the pass's own checks (dtype, interior nodes used elsewhere, in-place ops...) -> ``skipped``;
+3. the kind is disabled by the options -> ``kept``;
+4. the site's ``check`` failed -> ``kept``;
+5. the pass's own reasons to keep a site whatever the device (e.g. already torch's fused SDPA);
+6. the device: on CPU, ``cpu="keep"`` keeps, ``cpu="auto"`` keeps where :data:`CPU_RULES` measured
+   Inductor's own code as fast, ``cpu="rewrite"`` rewrites; CUDA rewrites; other devices keep;
+7. the pass's last checks (those that only matter for a rewrite that would happen).
+
+A pass supplies only what is its own through the hooks of :class:`Ladder`: its checks, its keep reasons, its
+CPU rule (a row of :data:`CPU_RULES`, with the benchmark command that set it; figures in docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .protocol import Match, PassContext
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuRule:
+    """One measured CPU decision of the ``cpu="auto"`` policy.
+
+    Attributes:
+        kind: the rewrite kind it governs.
+        rule: what it decides.
+        threshold: the measured bound (columns, keys, classes), or None for a rule without one.
+        benchmark: the command whose figures set it (docs/PERFORMANCE.md records them).
+        measured: the figures, in short.
+    """
+
+    kind: str
+    rule: str
+    threshold: int | None
+    benchmark: str
+    measured: str
+
+
+#: Every CPU threshold and keep rule, one row each.
+CPU_RULES: dict[str, CpuRule] = {
+    "softmax_min_columns_inference": CpuRule(
+        "softmax", "an inference softmax (no gradient) of a plain input is rewritten from this many columns",
+        16384, "python benchmarks/bench_softmax.py --rounds 3",
+        "ATen's softmax through the op 0.78x Inductor at 256x16384, 0.87x at 64x32000; the op's ~10 us dispatch "
+        "cost makes shorter rows as slow or slower"),
+    "softmax_min_columns": CpuRule(
+        "softmax, log_softmax", "a training softmax (forward + backward) and a log-softmax are rewritten from this "
+        "many columns", 131072, "python benchmarks/bench_softmax.py --rounds 3",
+        "0.58-0.88x Inductor at 16x131072 and 8x262144; 1.1-1.2x below (unfused backward)"),
+    "softmax_neighbours": CpuRule(
+        "softmax, log_softmax", "a site with absorbed neighbours (scale, mask, soft-cap, casts) or fed by a "
+        "pointwise op is kept: Inductor fuses them into its C++ softmax loop", None,
+        "python benchmarks/bench_softmax.py --rounds 3", "cpu='rewrite' up to 2.3x Inductor; kept: 1.00x"),
+    "attention_min_keys": CpuRule(
+        "attention", "a softmax attention without soft-cap is rewritten from this many keys", 512,
+        "python benchmarks/bench_attention.py --models gpt2,llama --seq 128,256,512 --modes train,infer "
+        "--variants inductor,smx --rounds 5 --batch 8 --layers 4",
+        "0.99-1.07x Inductor at 128 and 256 keys, 0.90-0.99x at 512, 0.46-0.80x at 1024-4096"),
+    "cross_entropy": CpuRule(
+        "cross_entropy", "cross-entropy on given logits is kept", None, "python benchmarks/bench_plain_ce.py",
+        "the online CE op 2.5-3.1x Inductor's fused C++ cross-entropy"),
+    "linear_cross_entropy_min_vocab": CpuRule(
+        "linear_cross_entropy", "linear -> cross-entropy is rewritten from this many classes", 4096,
+        "python benchmarks/bench_linear_ce.py; python benchmarks/bench_hf_head.py",
+        "0.93-1.06x Inductor at 32000-128256 classes, 0.97x at 16384 (HF head); below 4096 the logits are small "
+        "and Inductor's fused code is as fast"),
+    "softmax_topk": CpuRule(
+        "softmax_topk", "every static shape is rewritten (to the two-pass decomposition); symbolic row lengths "
+        "are kept", None, "python benchmarks/bench_softmax_topk.py --threads 1 --stat min --retry-noisy 1",
+        "0.18-0.82x Inductor for 8-128 experts, 0.26-0.48x at 128K-256K vocabulary"),
+    "quant_softmax": CpuRule(
+        "quant_softmax", "softmax -> quantize is kept: Inductor fuses softmax, quantize and dequantize into one "
+        "C++ loop", None, "python benchmarks/bench_quant_softmax.py --threads 1 --stat min --retry-noisy 1",
+        "cpu='rewrite' 1.5-2.1x Inductor; kept: 1.00-1.03x"),
+}
+
+
+def cpu_threshold(name: str) -> int:
+    """The threshold of CPU rule ``name`` (a key of :data:`CPU_RULES`)."""
+    t = CPU_RULES[name].threshold
+    assert t is not None, name
+    return t
+
+
+#: The reasons every pass gives for the same decision.
+FUNCTORCH_REASON = "the graph runs a torch.func transform ('{op}'); smx ops have no functorch rules yet"
+DISABLED_REASON = "rewrite kind '{kind}' disabled by options"
+CHECK_FAILED_REASON = ("check failed: the rewrite disagreed with eager on the example inputs, or they could not be run "
+                       "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)")
+CPU_KEEP_REASON = "options cpu='keep'"
+DEVICE_REASON = "device '{device}' has no smx kernel"
+FORCE_HINT = "options cpu='rewrite' forces it"
+
+
+@dataclasses.dataclass
+class Ladder:
+    """A pass's part of the policy (every hook optional).
+
+    Attributes:
+        kind: the rewrite kind the options enable / disable (default: the match's ``kind``).
+        checks: why the site cannot be rewritten safely (``""``: it can); may fill analysis fields of the match.
+        keep: a reason to keep the site on any device (``""``: none).
+        device_free: the rewrite is right on every device (it deletes work): no device rule applies.
+        cpu_keep: under ``cpu="auto"``, why a CPU site is kept (``""``: rewrite it); see :data:`CPU_RULES`.
+        last_checks: checks that only matter for a rewrite that will happen.
+        keep_whole: which keeps claim the site's nodes (later passes leave them alone): any of
+            ``"disabled"``, ``"check"``, ``"cpu"``.
+    """
+
+    kind: str | None = None
+    checks: Callable[[Match, PassContext], str] | None = None
+    keep: Callable[[Match, PassContext], str] | None = None
+    device_free: Callable[[Match], bool] | None = None
+    cpu_keep: Callable[[Match, PassContext], str] | None = None
+    last_checks: Callable[[Match, PassContext], str] | None = None
+    keep_whole: frozenset[str] = frozenset()
+
+
+def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
+    """Set ``m.action`` / ``m.reason`` by the ladder of the module docstring (a no-op on a site the matcher
+    already skipped)."""
+    if m.action != "rewritten":
+        return
+    if ctx.functorch is not None:
+        m.skip(FUNCTORCH_REASON.format(op=ctx.functorch))
+        return
+    why = ladder.checks(m, ctx) if ladder.checks else ""
+    if why:
+        m.skip(why)
+        return
+    kind = ladder.kind or m.kind
+    if not ctx.options.enabled(kind):
+        m.keep(DISABLED_REASON.format(kind=kind), whole="disabled" in ladder.keep_whole)
+        return
+    if m.key in ctx.skip:
+        m.keep(CHECK_FAILED_REASON, whole="check" in ladder.keep_whole)
+        return
+    why = ladder.keep(m, ctx) if ladder.keep else ""
+    if why:
+        m.keep(why)
+        return
+    if not (ladder.device_free and ladder.device_free(m)):
+        whole = "cpu" in ladder.keep_whole
+        if m.device == "cpu":
+            if ctx.options.cpu == "keep":
+                m.keep(CPU_KEEP_REASON, whole=whole)
+                return
+            why = ladder.cpu_keep(m, ctx) if ladder.cpu_keep and ctx.options.cpu == "auto" else ""
+            if why:
+                m.keep(why, whole=whole)
+                return
+        elif m.device != "cuda":
+            m.keep(DEVICE_REASON.format(device=m.device))
+            return
+    why = ladder.last_checks(m, ctx) if ladder.last_checks else ""
+    if why:
+        m.skip(why)
+
+
+__all__ = ["CpuRule", "CPU_RULES", "cpu_threshold", "Ladder", "decide", "FUNCTORCH_REASON", "DISABLED_REASON",
+           "CHECK_FAILED_REASON", "CPU_KEEP_REASON", "DEVICE_REASON", "FORCE_HINT"]
