@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import smxcompile
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass
-from test_softmax_pass import Rewrite, dynamo_graph, graph_text, rewrite
+from pass_helpers import Rewrite, dynamo_graph, graph_text, rewrite
 
 REWRITE = {"cpu": "rewrite"}
 # the module (``smxcompile.kernels.softmax_topk`` as an attribute is the function of the same name)

@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import inspect
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -32,12 +31,13 @@ from smxcompile.passes import SmxPass, analyze
 from smxcompile.passes.policy import cpu_threshold
 from smxcompile.report import Report
 
+import pass_helpers
+from pass_helpers import REWRITE, Rewrite, dynamo_graph
+
 # the module (``smxcompile.kernels.cross_entropy`` as an attribute is the function of that name)
 ce_kernels = importlib.import_module("smxcompile.kernels.cross_entropy")
 CPU_MIN_VOCAB = cpu_threshold("linear_cross_entropy_min_vocab")
-
 HERE = os.path.abspath(__file__)
-REWRITE = {"cpu": "rewrite"}
 
 B, T, D, V = 2, 5, 8, 11
 N = B * T
@@ -46,70 +46,11 @@ N = B * T
 # --------------------------------------------------------------------------- helpers
 
 
-def dynamo_graph(fn, *args, with_inputs: bool = False):
-    """The Dynamo (torch-level) FX graph of ``fn(*args)``: what the ``smx`` backend receives."""
-    captured: list = []
-
-    def capture(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
-    assert len(captured) == 1
-    return captured[0] if with_inputs else captured[0][0]
-
-
-def graph_text(gm: torch.fx.GraphModule) -> str:
-    """``gm.code`` without blank lines and without the ``; x = None`` liveness clean-ups."""
-    lines = []
-    for line in gm.code.splitlines():
-        line = line.split(";  ")[0].rstrip()
-        if line.strip():
-            lines.append(line.strip())
-    return "\n".join(lines)
-
-
-@dataclass
-class Rewrite:
-    before: str
-    after: str
-    report: Report
-
-    @property
-    def site(self):
-        assert len(self.report) == 1, str(self.report)
-        return self.report.sites[0]
-
-
-def _source_lines(fn) -> range:
-    lines, first = inspect.getsourcelines(type(fn) if isinstance(fn, nn.Module) else fn)
-    return range(first, first + len(lines))
-
-
 def rewrite(fn, *args, options=REWRITE, check_values: bool = True) -> Rewrite:
-    """Trace ``fn``, run SmxPass with ``options`` on its graph, check the result still computes ``fn``."""
-    gm, example_inputs = dynamo_graph(fn, *args, with_inputs=True)
-    before = graph_text(gm)
-    smx_pass = SmxPass(SmxOptions.from_mapping(options))
-    smx_pass(gm.graph)
-    gm.recompile()
-    after = graph_text(gm)
-    for s in smx_pass.report:
-        if s.kind in ("cross_entropy", "linear_cross_entropy"):
-            # torch's own F.linear_cross_entropy / nn.CrossEntropyLoss are inlined: the site is the user's line
-            path, _, line = s.location.rpartition(":")
-            assert os.path.abspath(path) == HERE and int(line) in _source_lines(fn), s.location
-    if check_values:
-        with torch.no_grad():
-            want = fn(*args)
-            got = gm(*example_inputs)
-        want = want if isinstance(want, tuple) else (want,)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape, (g.shape, w.shape)
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, equal_nan=True)
-    return Rewrite(before, after, smx_pass.report)
+    """:func:`pass_helpers.rewrite` with the loss sites located in ``fn`` (torch's own F.linear_cross_entropy /
+    nn.CrossEntropyLoss are inlined: the site is the user's line) and values within 1e-5."""
+    return pass_helpers.rewrite(fn, *args, options=options, check_values=check_values, atol=1e-5, rtol=1e-5,
+                                located=("cross_entropy", "linear_cross_entropy"))
 
 
 _FLOAT_INPUTS = ("h", "h2", "hT", "W", "M", "b", "x")

@@ -18,7 +18,7 @@ from expecttest import TestCase
 
 import smxcompile
 from smxcompile.options import SmxOptions
-from test_softmax_pass import rewrite
+from pass_helpers import rewrite
 
 QD = torch.ops.quantized_decomposed
 REWRITE = {"cpu": "rewrite"}
@@ -138,7 +138,7 @@ return (dequantize_per_tensor_default,)""")
                 return self.a(x)
 
         from smxcompile.passes import analyze
-        from test_softmax_pass import dynamo_graph
+        from pass_helpers import dynamo_graph
 
         gm = dynamo_graph(M(), x4())
         (s,) = [s for s in analyze(gm.graph, SmxOptions.from_mapping(REWRITE)) if s.kind == "quant_softmax"]

@@ -20,7 +20,7 @@ import smxcompile  # noqa: F401
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass
 from smxcompile.passes.attention import graph_attention
-from test_softmax_pass import dynamo_graph, rewrite
+from pass_helpers import dynamo_graph, rewrite
 
 # These inputs are short (8 keys): on CPU the default policy keeps such sites (see TestCpuPolicy),
 # so the spelling tests force the rewrite.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -25,88 +24,9 @@ from expecttest import TestCase
 import smxcompile  # noqa: F401  (registers the smx:: ops)
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass, analyze
-from smxcompile.report import Report
+from pass_helpers import REWRITE, Rewrite, dynamo_graph, graph_text, rewrite
 
 HERE = os.path.abspath(__file__)
-REWRITE = {"cpu": "rewrite"}
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def dynamo_graph(fn, *args, with_inputs: bool = False):
-    """The Dynamo (torch-level) FX graph of ``fn(*args)``: what the ``smx`` backend receives.
-
-    With ``with_inputs``, also the graph's example inputs (lifted parameters included)."""
-    captured: list = []
-
-    def capture(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
-    assert len(captured) == 1
-    return captured[0] if with_inputs else captured[0][0]
-
-
-def graph_text(gm: torch.fx.GraphModule) -> str:
-    """``gm.code`` without blank lines and without the ``; x = None`` liveness clean-ups."""
-    lines = []
-    for line in gm.code.splitlines():
-        line = line.split(";  ")[0].rstrip()
-        if line.strip():
-            lines.append(line.strip())
-    return "\n".join(lines)
-
-
-@dataclass
-class Rewrite:
-    before: str
-    after: str
-    report: Report
-    gm: torch.fx.GraphModule
-    inputs: list | None = None     # the graph's example inputs, in its placeholder order
-
-    @property
-    def changed(self) -> bool:
-        return self.before != self.after
-
-    @property
-    def site(self):
-        assert len(self.report) == 1, str(self.report)
-        return self.report.sites[0]
-
-
-def _source_lines(fn) -> range:
-    lines, first = inspect.getsourcelines(type(fn) if isinstance(fn, nn.Module) else fn)
-    return range(first, first + len(lines))
-
-
-def rewrite(fn, *args, options=REWRITE, check_values: bool = True, atol: float = 1e-6) -> Rewrite:
-    """Trace ``fn``, run SmxPass with ``options`` on its graph, check the result still computes ``fn``."""
-    gm, example_inputs = dynamo_graph(fn, *args, with_inputs=True)
-    before = graph_text(gm)
-    smx_pass = SmxPass(SmxOptions.from_mapping(options))
-    smx_pass(gm.graph)
-    gm.recompile()
-    after = graph_text(gm)
-    # every site points at the user's line, inside ``fn`` in this file
-    for s in smx_pass.report:
-        path, _, line = s.location.rpartition(":")
-        assert os.path.abspath(path) == os.path.abspath(inspect.getsourcefile(
-            type(fn) if isinstance(fn, nn.Module) else fn)), s.location
-        assert int(line) in _source_lines(fn), (s.location, _source_lines(fn))
-    if check_values:
-        torch.manual_seed(0)
-        want = fn(*args)
-        got = gm(*example_inputs)
-        want = want if isinstance(want, tuple) else (want,)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape
-            torch.testing.assert_close(g, w, atol=atol, rtol=1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5)
-    return Rewrite(before, after, smx_pass.report, gm, example_inputs)
 
 
 def x3(dtype=torch.float32, *shape):
