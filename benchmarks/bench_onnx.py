@@ -12,7 +12,7 @@ For each model, files of the same weights:
   portable  smxcompile.export_onnx(model, target="portable"): standard ONNX ops only.
 
 All run in one onnxruntime CPU session each (graph optimizations ORT_ENABLE_ALL, --threads intra-op
-threads) on the same inputs, timed in turn (smxcompile.backends.onnx.time_sessions: --rounds rounds,
+threads) on the same inputs, timed in turn (smxcompile.export.onnx.runtime.time_sessions: --rounds rounds,
 order alternating, each round about 0.2 s of calls); reported: the median per-call milliseconds and
 the ratio to plain (below 1 is faster). Also the node count of each file, the rewrites and the largest
 |smx - eager| of the check.
@@ -106,7 +106,9 @@ def run(names: list[str], seq: int, threads: int, rounds: int) -> list[dict]:
     import onnx
 
     import smxcompile
-    from smxcompile.backends.onnx import _feeds, _session, input_leaves, plain_export, time_sessions
+    from smxcompile.export.inputs import input_leaves
+    from smxcompile.export.onnx.baseline import plain_export
+    from smxcompile.export.onnx.runtime import ort_feeds, ort_session, time_sessions
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,8 +137,8 @@ def run(names: list[str], seq: int, threads: int, rounds: int) -> list[dict]:
             leaves, names_ = input_leaves(model, (), kwargs)
             runs = {}
             for form, path in files.items():
-                sess = _session(path, threads)
-                runs[form] = (sess, _feeds(sess, leaves, names_))
+                sess = ort_session(path, threads)
+                runs[form] = (sess, ort_feeds(sess, leaves, names_))
             ms = time_sessions(runs, rounds=rounds)
             for form, v in ms.items():
                 row[form]["ms"] = v

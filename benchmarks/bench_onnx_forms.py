@@ -3,7 +3,7 @@
 
 Each case is a small module with one rewritable site, exported several ways; all files of a case run
 on the same input in onnxruntime (1 intra-op thread by default, ORT_ENABLE_ALL), timed in turn
-(order alternating) with ``smxcompile.backends.onnx.time_sessions``: the median ms per call, and
+(order alternating) with ``smxcompile.export.onnx.runtime.time_sessions``: the median ms per call, and
 each form's ratio to the plain ``torch.onnx.export`` of the module (below 1 is faster). This is how
 ``export_onnx`` chooses its default form per target.
 
@@ -83,7 +83,9 @@ def _modules(case: str, seqs: list[int]):
 
 def run(cases: list[str], seqs: list[int], threads: int) -> list[dict]:
     import smxcompile
-    from smxcompile.backends.onnx import _feeds, _session, input_leaves, plain_export, time_sessions
+    from smxcompile.export.inputs import input_leaves
+    from smxcompile.export.onnx.baseline import plain_export
+    from smxcompile.export.onnx.runtime import ort_feeds, ort_session, time_sessions
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,8 +107,8 @@ def run(cases: list[str], seqs: list[int], threads: int) -> list[dict]:
                 leaves, names = input_leaves(module, args, {})
                 runs = {}
                 for name, path in files.items():
-                    s = _session(path, threads)
-                    runs[name] = (s, _feeds(s, leaves, names))
+                    s = ort_session(path, threads)
+                    runs[name] = (s, ort_feeds(s, leaves, names))
                 row["ms"] = time_sessions(runs)
                 row["ratio"] = {k: v / row["ms"]["plain"] for k, v in row["ms"].items()}
                 rows.append(row)

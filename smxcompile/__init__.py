@@ -21,8 +21,10 @@ from . import distributed  # noqa: E402  (vocabulary-parallel cut cross-entropy,
 from . import variants  # noqa: E402  (the registry of normalization variants: smxcompile.variants.names())
 from .swapping import from_pretrained, load, save, swap  # noqa: E402
 from .backends.smx import smx_backend  # noqa: E402
-from .backends.onnx import OnnxExportError, export_onnx  # noqa: E402  (onnx itself is imported on use)
-from .backends.mlir import MlirExportError, export_mlir  # noqa: E402  (torch-mlir itself is imported on use)
+from .export.onnx.export import export_onnx  # noqa: E402  (onnx itself is imported on use)
+from .export.onnx.result import OnnxExportError  # noqa: E402
+from .export.mlir.export import export_mlir  # noqa: E402  (torch-mlir itself is imported on use)
+from .export.mlir.result import MlirExportError  # noqa: E402
 
 
 def last_report() -> Report | None:

@@ -124,7 +124,7 @@ def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewr
     import torch
 
     import smxcompile
-    from smxcompile.backends.onnx import _export_options
+    from smxcompile.export.capture import export_options
 
     output_type = args.output_type or "linalg-on-tensors"
     if args.keep_ops and output_type != "torch":
@@ -135,7 +135,7 @@ def _export_mlir(args: argparse.Namespace, model, ids, vocab: int, options, rewr
     ids2 = torch.randint(0, vocab, (ids.shape[0], max(2, ids.shape[1] // 2 + 1)), generator=torch.Generator().manual_seed(1))
     try:
         out = smxcompile.export_mlir(model, (), kwargs={"input_ids": ids}, output_type=output_type,
-                                     options=_export_options(options, rewrites), decompose=not args.keep_ops,
+                                     options=export_options(options, rewrites), decompose=not args.keep_ops,
                                      dynamic_shapes=None if static else {"input_ids": {1: "sequence"}}, path=args.out,
                                      check_inputs=[] if static else [((), {"input_ids": ids2})])
     except ImportError as e:

@@ -1,1 +1,1 @@
-"""Backends: the ``smx`` torch.compile backend (and, later, ONNX / MLIR export)."""
+"""Backends: the ``smx`` torch.compile backend (ONNX / MLIR export is :mod:`smxcompile.export`)."""

@@ -5,7 +5,7 @@ arguments into an :class:`OnnxTarget`, which every translation module receives:
 
 - ``"onnxruntime"`` (default): the installed onnxruntime's fastest exact ops. Fused attention sites become
   the ONNX ``Attention`` op (opset 23; causal, grouped-query heads, soft-capping and masks as attributes /
-  inputs, with fix-ups where onnxruntime's semantics differ from torch's: :mod:`.onnx_attention`) when
+  inputs, with fix-ups where onnxruntime's semantics differ from torch's: :mod:`.attention`) when
   onnxruntime has a kernel for it (the opset is then 23), else the MatMul / Softmax / MatMul
   decomposition at the exporter's default opset. com.microsoft ``MultiHeadAttention`` is exact too but
   was measured 13-22% slower at 128 tokens (``attention_op="MultiHeadAttention"`` asks for it).
@@ -131,7 +131,7 @@ def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op:
                               "use target='portable' to export for another runtime")
     has_attention = ort_loads("Attention", ATTENTION_OPSET, n_inputs=3)
     if opset is None:
-        # the Attention op's opset when onnxruntime has its kernel: backends/onnx_attention.py writes Attention /
+        # the Attention op's opset when onnxruntime has its kernel: export/onnx/attention.py writes Attention /
         # MultiHeadAttention with torch's semantics (fully masked rows, finfo.min masks, NaN), else the default
         opset = ATTENTION_OPSET if has_attention else DEFAULT_OPSET
     elif not ort_loads("Softmax", opset):

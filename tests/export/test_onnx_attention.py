@@ -1,4 +1,4 @@
-"""Attention in ONNX, per form (backends/onnx_attention.py): ``aten::scaled_dot_product_attention`` as the ONNX
+"""Attention in ONNX, per form (export/onnx/attention.py): ``aten::scaled_dot_product_attention`` as the ONNX
 ``Attention`` op, com.microsoft ``MultiHeadAttention`` or MatMul / Softmax / MatMul, and ``smx::attention``
 with every normalizer, checked in onnxruntime against the eager model as written (every spelling the attention
 pass rewrites, NaN and inf in q / k / v included), against torch for direct ``F.scaled_dot_product_attention``
@@ -20,7 +20,7 @@ pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
 
 from smxcompile import NORMALIZERS, OnnxExportError, export_onnx  # noqa: E402
-from smxcompile.backends import onnx_target  # noqa: E402
+from smxcompile.export.onnx import target as onnx_target  # noqa: E402
 from smxcompile.kernels.attention import attention_reference  # noqa: E402
 
 FORMS = ["Attention", "MultiHeadAttention", "decompose"]
@@ -64,10 +64,11 @@ def _math(q, k, v, mask=None, causal=False, gqa=False):
 
 
 def _sdpa_ref(q, k, v, mask=None, causal=False, gqa=False):
-    """What the file computes for ``F.scaled_dot_product_attention`` (onnx_attention's module docstring): a bool
-    mask and the causal triangle select keys (a masked score is never read, as ``masked_fill``), a float mask is
-    added; a row with no key ``0 @ V`` (NaN for a float mask where ``s + (-inf)`` is NaN there); any other row
-    softmax as written. Equal to torch's MATH backend on finite inputs."""
+    """What the file computes for ``F.scaled_dot_product_attention`` (export/onnx/attention.py's module
+    docstring): a bool mask and the causal triangle select keys (a masked score is never read, as
+    ``masked_fill``), a float mask is added; a row with no key ``0 @ V`` (NaN for a float mask where
+    ``s + (-inf)`` is NaN there); any other row softmax as written. Equal to torch's MATH backend on finite
+    inputs."""
     if gqa:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -238,7 +239,7 @@ def _repeat_kv(x, n):
 
 
 #: The spellings the attention pass rewrites (one site each), and what each becomes: bool mask, float mask or
-#: is_causal. The last two are what the SDPA node cannot carry (onnx_attention's module docstring): their
+#: is_causal. The last two are what the SDPA node cannot carry (export/onnx/attention.py's module docstring): their
 #: reference is not the site itself but the spelling whose semantics the file has.
 SPELLINGS = {
     "masked_fill -inf, padding": lambda s, pad, keep, tri: s.masked_fill(~pad, NEG),
@@ -534,7 +535,7 @@ def test_dropout_is_refused(tmp_path):
 
 
 def test_onnxruntime_behaviour_the_fixups_are_for():
-    """Pins what onnxruntime does that torch does not (the reason for each fix-up in onnx_attention.py), and what
+    """Pins what onnxruntime does that torch does not (the reason for each fix-up in export/onnx/attention.py), and what
     the fused forms rely on; if one of these starts failing, onnxruntime changed and the fix-up may no longer be
     needed (or be wrong)."""
     from onnx import TensorProto as TP

@@ -1,4 +1,4 @@
-"""ONNX export of smxcompile's cross-entropy ops (``smx::ce_stats``, ``smx::linear_ce_stats``; onnx_ce.py).
+"""ONNX export of smxcompile's cross-entropy ops (``smx::ce_stats``, ``smx::linear_ce_stats``; export/onnx/cross_entropy.py).
 
 Method of the ops: cut cross-entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
 Models": per row only ``lse_i = log sum_j exp(z_ij)`` and the target logit ``z_{i,y_i}`` are needed; every
@@ -22,7 +22,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import smxcompile  # noqa: E402
 from smxcompile import OnnxExportError, export_onnx  # noqa: E402
-from smxcompile.backends import onnx_ce  # noqa: E402
+from smxcompile.export.onnx import cross_entropy as onnx_ce  # noqa: E402
 
 #: ONNX ops that would mean the log-probabilities (or torch's own loss translation) are in the file.
 LOGPROB_OPS = ("LogSoftmax", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
@@ -432,8 +432,8 @@ def test_a_bf16_classifier_is_refused_with_the_reason(tmp_path):
 
 
 def test_the_way_out_names_the_kind_of_each_op():
-    from smxcompile.backends.onnx import _kind_of
+    from smxcompile.export.capture import rewrite_kind
 
-    assert _kind_of("linear_ce_stats") == _kind_of("linear_ce_loss") == "linear_cross_entropy"
-    assert _kind_of("ce_stats") == "cross_entropy"
-    assert _kind_of("softmax_topk_backward") == "softmax_topk"
+    assert rewrite_kind("linear_ce_stats") == rewrite_kind("linear_ce_loss") == "linear_cross_entropy"
+    assert rewrite_kind("ce_stats") == "cross_entropy"
+    assert rewrite_kind("softmax_topk_backward") == "softmax_topk"

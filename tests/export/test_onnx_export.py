@@ -58,7 +58,7 @@ def test_keyword_inputs_and_a_transformers_model(tmp_path):
 
 
 def test_an_op_without_translation_names_it_and_the_way_out(tmp_path, monkeypatch):
-    from smxcompile.backends import onnx as onnx_backend
+    from smxcompile.export.onnx import translate
 
     class Attn(nn.Module):
         def forward(self, q, k, v):
@@ -67,12 +67,12 @@ def test_an_op_without_translation_names_it_and_the_way_out(tmp_path, monkeypatc
 
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     opts = {"cpu": "rewrite", "attention_normalizer": "sigmoid"}    # the attention op with a variant normalizer
-    # smx::attention is translated (backends/onnx_attention.py): it exports as standard ops
+    # smx::attention is translated (export/onnx/attention.py): it exports as standard ops
     out = export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options=opts, check=False)  # the model changed: no eager check
     assert out.report.count(kind="attention", action="rewritten") == 1 and out.op_types.get("Sigmoid") == 1
     # an op whose translation module is missing: the error names the op and the option that exports it unrewritten
-    monkeypatch.setattr(onnx_backend, "TRANSLATION_MODULES",
-                        tuple(m for m in onnx_backend.TRANSLATION_MODULES if m != "onnx_attention"))
+    monkeypatch.setattr(translate, "TRANSLATION_MODULES",
+                        tuple(m for m in translate.TRANSLATION_MODULES if m != "attention"))
     with pytest.raises(OnnxExportError, match=r"smx::attention .*has no ONNX translation.*'disable': \['attention'\]"):
         export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options=opts)
     out = export_onnx(Attn(), (q, k, v), tmp_path / "a.onnx", options={**opts, "disable": ["attention"]})
@@ -117,9 +117,9 @@ def test_a_graph_break_is_a_clear_error(tmp_path):
 
 
 def test_the_check_catches_a_wrong_translation(tmp_path, monkeypatch):
-    from smxcompile.backends import onnx as onnx_backend
+    from smxcompile.export.onnx import export as onnx_export
 
-    real = onnx_backend._translations
+    real = onnx_export.translation_table
 
     def wrong(target=None):
         from onnxscript import opset18 as op
@@ -132,7 +132,7 @@ def test_the_check_catches_a_wrong_translation(tmp_path, monkeypatch):
         table[torch.ops.smx.softmax.default] = bad_softmax
         return table
 
-    monkeypatch.setattr(onnx_backend, "_translations", wrong)
+    monkeypatch.setattr(onnx_export, "translation_table", wrong)
     with pytest.raises(OnnxExportError, match="output 0: onnxruntime differs from eager"):
         export_onnx(Heads().eval(), (torch.randn(4, 8),), tmp_path / "w.onnx")
 
@@ -346,14 +346,14 @@ def test_bad_target_and_opset_are_clear_errors(tmp_path):
 def test_a_file_onnxruntime_cannot_load_names_its_versions(tmp_path, monkeypatch):
     import onnx
 
-    from smxcompile.backends import onnx as onnx_backend
+    from smxcompile.export.onnx.runtime import ort_session
 
     out = export_onnx(Heads().eval(), (torch.randn(4, 8),), tmp_path / "h.onnx", check=False)
     proto = onnx.load(str(out.path))
     proto.ir_version = 99                                          # a file from a newer exporter
     onnx.save(proto, str(tmp_path / "future.onnx"))
     with pytest.raises(OnnxExportError, match=r"cannot load future.onnx \(IR version 99"):
-        onnx_backend._session(tmp_path / "future.onnx")
+        ort_session(tmp_path / "future.onnx")
 
 
 def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, capsys):

@@ -18,8 +18,8 @@ pytest.importorskip("torch_mlir", reason="torch-mlir not installed: pip install 
 
 import smxcompile  # noqa: E402
 from smxcompile import MlirExportError, export_mlir  # noqa: E402
-from smxcompile.backends import mlir as M  # noqa: E402
-from smxcompile.backends.mlir_run import LinalgModule, RunError  # noqa: E402
+from smxcompile.export.mlir import export as M  # noqa: E402
+from smxcompile.export.mlir.run import LinalgModule, RunError  # noqa: E402
 from smxcompile.kernels import decompositions as D  # noqa: E402
 
 TYPES = ["torch", "linalg-on-tensors", "stablehlo"]
@@ -356,7 +356,7 @@ def test_non_persistent_buffers_export_and_the_model_is_left_as_it_was(monkeypat
     assert out.checked == "run" and out.max_abs_diff < 1e-6
     assert m._non_persistent_buffers_set == {"w"} and "w" not in m.state_dict()
     # without the fix, torch-mlir's importer asserts; that (any importer failure) is an MlirExportError
-    monkeypatch.setattr(M, "_persistent_buffers", lambda module: contextlib.nullcontext())
+    monkeypatch.setattr(M, "persistent_buffers", lambda module: contextlib.nullcontext())
     with pytest.raises(MlirExportError, match="FX importer failed .*Could not find state mapping for buffer"):
         export_mlir(m, (x,), output_type="torch")
 

@@ -1,7 +1,7 @@
 """ONNX translations of the softmax family: ``smx::softmax``, ``smx::log_softmax``, ``smx::softmax_topk``,
 ``smx::quant_softmax`` (onnxscript functions for ``torch.onnx.export``'s ``custom_translation_table``).
 
-Each translation module of :mod:`smxcompile.backends.onnx` has the same two functions:
+Each translation module of :mod:`smxcompile.export.onnx` has the same two functions:
 ``translations(target) -> {OpOverload: onnxscript function}`` and ``refuse(name, args, node) -> str | None``
 (why one call of ``smx::<name>`` cannot be translated, None when it can; ``args`` maps the op's schema
 argument names to the node's arguments).
