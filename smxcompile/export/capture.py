@@ -3,18 +3,18 @@
 :func:`capture` traces the model as one graph (``fullgraph=True``; static, or with the requested dims
 dynamic), rewrites it with smxcompile's passes exactly as the ``smx`` backend does (so the exported graph
 keeps the fusions), and wraps the rewritten ``GraphModule`` so that the model's parameters and buffers are
-attributes again, not graph inputs: an ``nn.Module`` that ``torch.export`` takes. :func:`export_mode` is the
-one switch that makes the rewritten sites call the smx ops themselves (what the exporters translate) rather
-than their CPU decompositions; :func:`export_options` the backend options of an export.
+attributes again, not graph inputs: an ``nn.Module`` that ``torch.export`` takes. The passes run in export
+mode (``SmxPass(..., export=True)``): the rewritten sites call the smx ops themselves (what the exporters
+translate) rather than their CPU decompositions, whoever runs or re-traces the graph later.
+:func:`export_options` gives the backend options of an export.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -74,24 +74,6 @@ def rewrite_kind(opname: str) -> str:
         return "linear_cross_entropy"
     base = opname.removesuffix("_backward")
     return base if base in REWRITE_KINDS else "cross_entropy"
-
-
-@contextlib.contextmanager
-def export_mode() -> Iterator[None]:
-    """Rewritten sites call the smx ops (not their CPU decompositions) while the block runs.
-
-    The capture, both exports' ``torch.export`` and their reference runs of the rewritten graph run under it, so
-    that the graph they trace holds ``torch.ops.smx.*`` calls, which the ONNX translations and the MLIR
-    decompositions take. Raises nothing of its own; the previous mode is restored on exit."""
-    from ..kernels import config
-
-    # the export-mode switch: the one place an export turns it on (read by the passes' replacement code)
-    old = config.export_ops
-    config.export_ops = True
-    try:
-        yield
-    finally:
-        config.export_ops = old
 
 
 class _Rewritten(nn.Module):
@@ -156,8 +138,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
 
     Returns:
         ``(module, report)``: ``module(*leaves)``, with ``leaves`` the tensors of ``(args, kwargs)`` in pytree
-        order (:func:`~smxcompile.export.inputs.input_leaves`), computes the rewritten graph (run it under
-        :func:`export_mode`); ``report`` is the rewrite report.
+        order (:func:`~smxcompile.export.inputs.input_leaves`), computes the rewritten graph; ``report`` is
+        the rewrite report.
 
     Raises:
         ExportError: Dynamo splits the model at a graph break (the message gives Dynamo's reason),
@@ -188,7 +170,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
                             r = shape_env.var_to_range.get(size.node.expr)
                             if r is not None:
                                 ranges[(id(ex), d)] = (range_bound(r.lower), range_bound(r.upper))
-        smx_pass = SmxPass(opts, "g0")
+        smx_pass = SmxPass(opts, "g0", export=True)
         smx_pass(gm.graph)
         gm.recompile()
         store.update(gm=gm, report=smx_pass.report, sources=sources, ranges=ranges)
@@ -199,7 +181,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     try:
         if dynamic_shapes is not None:
             mark_dynamic(model, args, kwargs, dynamic_shapes, marked)
-        with torch.no_grad(), export_mode(), torch._dynamo.config.patch(ignore_logging_functions=logging_functions()):
+        with torch.no_grad(), torch._dynamo.config.patch(ignore_logging_functions=logging_functions()):
             torch.compile(model, backend=backend, fullgraph=True,
                           dynamic=None if dynamic_shapes is not None else False)(*args, **kwargs)
     except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:
@@ -243,4 +225,4 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     return _Rewritten(model, store["gm"], slots), store["report"]
 
 
-__all__ = ["DEFAULT_OPTIONS", "capture", "export_mode", "export_options", "logging_functions", "rewrite_kind"]
+__all__ = ["DEFAULT_OPTIONS", "capture", "export_options", "logging_functions", "rewrite_kind"]

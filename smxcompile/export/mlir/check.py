@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..capture import export_mode
 from ..compare import compare_arrays
 from ..inputs import input_leaves, range_bound
 from .result import MlirExportError, one_line
@@ -193,7 +192,7 @@ def reference_outputs(module: nn.Module, leaves: list[torch.Tensor], which: str)
         MlirExportError: the graph fails on ``leaves`` in PyTorch (``which`` names the input).
     """
     try:
-        with torch.no_grad(), export_mode():
+        with torch.no_grad():
             ref = module(*leaves)
     except Exception as e:  # noqa: BLE001 - the model's own error on these inputs
         raise MlirExportError(f"{which}: the model itself fails on it in PyTorch ({one_line(e)}), so the module "

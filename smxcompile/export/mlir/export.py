@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .. import ExportError
-from ..capture import capture, export_mode, rewrite_kind
+from ..capture import capture, rewrite_kind
 from ..inputs import input_leaves, leaf_shapes
 from .check import (check_input_leaves, check_leaves, input_specs, op_counts, reference_outputs, reparse,
                     run_and_compare, runnable)
@@ -178,7 +178,7 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
     leaves, names = input_leaves(model, args, kwargs)
     shapes = leaf_shapes(model, args, kwargs, dynamic_shapes)
     try:
-        with torch.no_grad(), export_mode(), persistent_buffers(module):
+        with torch.no_grad(), persistent_buffers(module):
             ep = torch.export.export(module, tuple(leaves), strict=False,
                                      dynamic_shapes=None if shapes is None else (shapes,))
     except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as e:

@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 
 from ...options import SmxOptions
 from .. import ExportError
-from ..capture import capture, export_mode, export_options
+from ..capture import capture, export_options
 from ..inputs import input_leaves, leaf_shapes
 from .baseline import compare_with_plain
 from .result import OnnxExport, OnnxExportError, count_op_types, exported_ops
@@ -131,7 +131,7 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     else:
         reference = model
     shapes = None
-    with torch.no_grad(), export_mode():
+    with torch.no_grad():
         # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
         # program holds the ops themselves, which is what the translation table and the check see
         leaves, names = input_leaves(model, args, kwargs)

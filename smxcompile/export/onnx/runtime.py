@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..capture import export_mode
 from ..compare import compare_arrays
 from ..inputs import input_leaves
 from .result import OnnxExportError
@@ -127,15 +126,14 @@ def narrowed_inputs(args: tuple, kwargs: dict, leaves: list, shapes: tuple | Non
 
 class RewrittenCall:
     """Calls the captured, rewritten graph with a model's ``(args, kwargs)`` (the check's reference when the
-    options change the model's math), in export mode; ``module`` is :func:`~smxcompile.export.capture.capture`'s.
+    options change the model's math); ``module`` is :func:`~smxcompile.export.capture.capture`'s.
     Raises what the graph raises on the inputs."""
 
     def __init__(self, module: nn.Module, model: nn.Module):
         self.module, self.model = module, model
 
     def __call__(self, *args, **kwargs):
-        with export_mode():
-            return self.module(*input_leaves(self.model, args, kwargs)[0])
+        return self.module(*input_leaves(self.model, args, kwargs)[0])
 
 
 def run_and_compare(sess, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
@@ -150,8 +148,6 @@ def run_and_compare(sess, model: nn.Module, args: tuple, kwargs: dict, rtol: flo
         OnnxExportError: onnxruntime fails on it; a different number of outputs, or a shape or value mismatch
             (which output, by how much).
     """
-    import numpy as np
-
     leaves, names = input_leaves(model, args, kwargs)
     try:
         with torch.no_grad():
