@@ -126,7 +126,7 @@ def test_divergence_is_recorded_and_the_run_goes_on(ckpt, tmp_path, monkeypatch)
             raise FloatingPointError("the training loss is nan at step 1 of 1 (lr 0.0001); try a smaller learning rate")
         return real(model, windows, **kw)
 
-    monkeypatch.setattr(tune, "train_steps", train_steps)
+    monkeypatch.setattr(lm, "train_steps", train_steps)
     js = tmp_path / "d.json"
     rc = ev.main(["--checkpoint", str(ckpt), "--variants", "softpick,temperature", "--calibrate", "1", "--finetune", "1",
                   *ARGS, "--json", str(js)])

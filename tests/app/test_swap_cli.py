@@ -82,7 +82,7 @@ def test_checkpoint_dir_and_lm_data(ckpt, tmp_path, monkeypatch):
     # without the demo's results.json: guesses, warned (the guessed corpus, topics+docstrings, stands in for
     # the topics here: parsing the standard library's docstrings takes seconds)
     monkeypatch.setitem(lm._CORPUS_CACHE, "topics+docstrings", demo.load_corpus("topics"))
-    monkeypatch.setattr(tune, "_WINDOW_CACHE", {})
+    monkeypatch.setattr(lm, "_WINDOW_CACHE", {})
     bare = tmp_path / "bare"
     shutil.copytree(ckpt / "checkpoint", bare)
     with pytest.warns(UserWarning, match="guess"):
