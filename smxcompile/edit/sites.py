@@ -74,8 +74,7 @@ class _PushHook:
     of the model binds the copy's hooks to the copy's interceptor)."""
 
     def __init__(self, owner: "SiteInterceptor", name: str):
-        # ``quantizer``: the name of issue 6, when only quantize_softmax intercepted sites (kept: the object
-        # is the interceptor of either edit)
+        # named ``quantizer`` since issue 6, when quantize_softmax was the only interceptor; it is either's
         self.quantizer, self.name = owner, name
 
     def __call__(self, mod, args):
