@@ -236,7 +236,7 @@ def run_worker(spec_path: str) -> int:
             # CPU of other processes during the timed steps only (not the compilation, whose worker pool
             # processes are not this process)
             out["other_load_timed"] = max(0.0, busy - own) / wall
-        out["max_rss_bytes"] = blc._rss_bytes("VmRSS")
+        out["max_rss_bytes"] = blc.rss_bytes("VmRSS")
         if variant == "smx":
             rep = blc.smx_report_summary()
             out["smx_report"] = rep

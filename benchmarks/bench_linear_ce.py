@@ -88,7 +88,7 @@ import threading
 import time
 from typing import Any
 
-from smxcompile.demo import _rss_bytes  # /proc/self/status fields, in bytes
+from smxcompile.app.demo import rss_bytes  # /proc/self/status fields, in bytes
 
 VARIANTS = ("eager", "inductor", "native", "cce", "smx-op", "smx")
 #: variants whose step holds the whole N x V logits (at least once)
@@ -124,7 +124,7 @@ class StepPeak:
     def __enter__(self):
         gc.collect()
         trimmed = _malloc_trim()
-        self.base = _rss_bytes("VmRSS") or 0
+        self.base = rss_bytes("VmRSS") or 0
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM (peak RSS) to the current RSS
@@ -138,7 +138,7 @@ class StepPeak:
 
     def _sample(self):
         while not self._stop.wait(0.001):
-            self._sampled = max(self._sampled, _rss_bytes("VmRSS") or 0)
+            self._sampled = max(self._sampled, rss_bytes("VmRSS") or 0)
 
     def __exit__(self, *exc):
         if self._thread is not None:
@@ -146,7 +146,7 @@ class StepPeak:
             self._thread.join()
             self.peak = max(0, self._sampled - self.base)
         else:
-            self.peak = max(0, (_rss_bytes("VmHWM") or 0) - self.base)
+            self.peak = max(0, (rss_bytes("VmHWM") or 0) - self.base)
 
 
 def smxcompile_source_hash() -> str | None:
@@ -338,7 +338,7 @@ def run_worker(spec_path: str) -> int:
             out["base_rss_bytes"].append(m.base)
             out["mem_method"] = m.method
             say(f"round {r + 1}/{spec['rounds']}: {dt:.3f} s, peak {m.peak / GB:.3f} GB above {m.base / GB:.2f} GB RSS")
-        out["max_rss_bytes"] = _rss_bytes("VmRSS")
+        out["max_rss_bytes"] = rss_bytes("VmRSS")
         if spec["variant"] == "smx":
             rep = smx_report_summary()
             out["smx_report"] = rep

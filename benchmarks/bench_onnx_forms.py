@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from smxcompile.argtypes import positive_int
+from smxcompile.app.argtypes import positive_int
 
 CASES = ("topk", "router", "attention")
 

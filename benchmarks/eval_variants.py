@@ -31,13 +31,13 @@ What is measured
   their sum; softmax over n keys has at most log n), sink mass (mean weight on the first key: the
   "attention sink"), after the swap and after the fine-tune; row sum (1 for softmax, below 1 for
   softpick / softmax1 / sigmoid / relu ...) and zero fraction (unmasked weights exactly 0: the
-  sparse variants) after the fine-tune. The baseline row shows softmax's own figures (original /
+  sparse variants) after the fine-lm. The baseline row shows softmax's own figures (original /
   fine-tuned). Wall time per row.
 
 How
   The checkpoint (``smx demo --out DIR`` or its ``checkpoint/`` folder) is loaded once
-  (``smxcompile.tune.load_lm``, eager attention) and every row works on a deep copy. Data:
-  ``smxcompile.tune.lm_data`` rebuilds the demo's windows with the checkpoint's own tokenizer.
+  (``smxcompile.app.lm.load_lm``, eager attention) and every row works on a deep copy. Data:
+  ``smxcompile.app.lm.lm_data`` rebuilds the demo's windows with the checkpoint's own tokenizer.
   Calibration draws its batches with seed --seed, every fine-tune (the baseline's included) with
   --seed + 1, as ``smx swap`` does: identical batches for everyone. A NaN / infinite training loss
   stops that variant (recorded as "diverged" with the stage and step) and the run goes on with
@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smxcompile.argtypes import nonneg_int, positive_float, positive_int
+from smxcompile.app.argtypes import nonneg_int, positive_float, positive_int
 
 BASELINE = "softmax (baseline)"
 
@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-batches", type=positive_int, default=2, metavar="N",
                    help="held-out batches for the attention statistics (default: 2)")
     p.add_argument("--lr", type=positive_float, default=None, metavar="LR",
-                   help="fine-tuning learning rate (default: smxcompile.tune.FINETUNE_LR, 1e-4)")
+                   help="fine-tuning learning rate (default: smxcompile.app.lm.FINETUNE_LR, 1e-4)")
     p.add_argument("--calib-lr", type=positive_float, default=None, metavar="LR",
-                   help="calibration learning rate (default: smxcompile.tune.CALIBRATE_LR, 1e-2)")
+                   help="calibration learning rate (default: smxcompile.app.lm.CALIBRATE_LR, 1e-2)")
     p.add_argument("--seed", type=int, default=0,
                    help="batch order: calibration uses SEED, every fine-tune SEED + 1 (default: 0)")
     p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="window length (default: the demo's)")
@@ -151,7 +151,8 @@ class Config:
 def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
     import torch
 
-    from smxcompile import tune, variants
+    from smxcompile import variants
+    from smxcompile.app import lm
 
     known = variants.names()
     if args.variants.strip() in ("", "all"):
@@ -165,7 +166,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     torch.set_num_threads(args.threads)
     return Config(checkpoint=str(args.checkpoint), variants=names, calibrate=args.calibrate, finetune=args.finetune,
                   batch_size=args.batch_size, eval_batches=args.eval_batches, stats_batches=args.stats_batches,
-                  lr=args.lr or tune.FINETUNE_LR, calib_lr=args.calib_lr or tune.CALIBRATE_LR, seed=args.seed,
+                  lr=args.lr or lm.FINETUNE_LR, calib_lr=args.calib_lr or lm.CALIBRATE_LR, seed=args.seed,
                   seq_len=args.seq_len, corpus=args.corpus, threads=torch.get_num_threads())
 
 
@@ -196,7 +197,7 @@ def _learned(model) -> dict[str, dict[str, float]]:
     """Per parameter name, over every site and head: mean, min, max and the values (site by site, head by head)."""
     import torch
 
-    from smxcompile.swapping import swapped_sites
+    from smxcompile.edit.swap import swapped_sites
 
     vals: dict[str, list[torch.Tensor]] = {}
     for s in swapped_sites(model).values():
@@ -217,14 +218,14 @@ def _stats(d: dict[str, float]) -> dict[str, float]:
 def run_baseline(base, data, held, stats_w, cfg: Config, progress: bool, original: dict[str, Any]) -> dict[str, Any]:
     """The softmax model fine-tuned like every variant; its statistics measured at the same sites."""
     import smxcompile
-    from smxcompile import tune
+    from smxcompile.app import lm
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     ex = {"input_ids": held[:1]}
     # the original softmax's statistics: any swap, run with .disabled() (attention_stats(baseline=True))
     probe = smxcompile.swap(base, "temperature", example_inputs=ex, n_train=data.seq_len)
-    st_orig = _stats(tune.attention_stats(probe, stats_w, batch_size=cfg.batch_size, baseline=True))
+    st_orig = _stats(lm.attention_stats(probe, stats_w, batch_size=cfg.batch_size, baseline=True))
     del probe
     model = copy.deepcopy(base)
     row: dict[str, Any] = {"variant": BASELINE, "learnable": [], "n_variant_params": 0,
@@ -233,15 +234,15 @@ def run_baseline(base, data, held, stats_w, cfg: Config, progress: bool, origina
                            "stats_swap": st_orig, "status": "ok", "timings_s": timings}
     try:
         t = time.perf_counter()
-        losses = tune.train_steps(model, data.train, steps=cfg.finetune, batch_size=cfg.batch_size, lr=cfg.lr,
+        losses = lm.train_steps(model, data.train, steps=cfg.finetune, batch_size=cfg.batch_size, lr=cfg.lr,
                                   which="all", seed=cfg.seed + 1, progress=progress, desc="softmax: fine-tune")
         timings["finetune"] = time.perf_counter() - t
     except FloatingPointError as e:
         row.update(status="diverged", diverged=f"fine-tune: {e}", wall_s=time.perf_counter() - t0)
         return row
-    r = tune.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc="softmax: perplexity")
+    r = lm.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc="softmax: perplexity")
     probe = smxcompile.swap(model, "temperature", example_inputs=ex, n_train=data.seq_len)
-    st = _stats(tune.attention_stats(probe, stats_w, batch_size=cfg.batch_size, baseline=True))
+    st = _stats(lm.attention_stats(probe, stats_w, batch_size=cfg.batch_size, baseline=True))
     row.update(ppl_finetuned=r["ppl"], loss_finetuned=r["loss"], stats_finetuned=st,
                finetune_loss_first_last=[losses[0], losses[-1]] if losses else None,
                wall_s=time.perf_counter() - t0)
@@ -254,7 +255,8 @@ def run_variant(name: str, base, data, held, stats_w, cfg: Config, progress: boo
     import torch
 
     import smxcompile
-    from smxcompile import tune, variants
+    from smxcompile import variants
+    from smxcompile.app import lm
 
     t0 = time.perf_counter()
     v = variants.get(name)
@@ -264,18 +266,18 @@ def run_variant(name: str, base, data, held, stats_w, cfg: Config, progress: boo
         same = torch.equal(model(input_ids=held[:cfg.batch_size]).logits, ref_logits)
     if not same:
         raise SanityError(f"{name}: the swapped model with .disabled() does not reproduce the original logits")
-    nvp = sum(p.numel() for p in tune.variant_parameters(model))
+    nvp = sum(p.numel() for p in lm.variant_parameters(model))
     row: dict[str, Any] = {"variant": name, "learnable": learnable, "n_variant_params": nvp,
                            "sites": len(model.smx_swap.sites), "ppl_original": original["ppl"],
                            "loss_original": original["loss"], "status": "ok", "params_start": _learned(model)}
     timings: dict[str, float] = {}
     row["timings_s"] = timings
     t = time.perf_counter()
-    r = tune.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc=f"{name}: perplexity (swap)")
+    r = lm.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc=f"{name}: perplexity (swap)")
     row.update(ppl_swap=r["ppl"], loss_swap=r["loss"])
     timings["perplexity_swap"] = time.perf_counter() - t
     t = time.perf_counter()
-    row["stats_swap"] = _stats(tune.attention_stats(model, stats_w, batch_size=cfg.batch_size))
+    row["stats_swap"] = _stats(lm.attention_stats(model, stats_w, batch_size=cfg.batch_size))
     timings["stats_swap"] = time.perf_counter() - t
     row["ppl_calibrated"] = None
     row["finetune_from"] = "swapped"
@@ -283,25 +285,25 @@ def run_variant(name: str, base, data, held, stats_w, cfg: Config, progress: boo
     try:
         if nvp and cfg.calibrate:
             t = time.perf_counter()
-            losses = tune.train_steps(model, data.train, steps=cfg.calibrate, batch_size=cfg.batch_size,
+            losses = lm.train_steps(model, data.train, steps=cfg.calibrate, batch_size=cfg.batch_size,
                                       lr=cfg.calib_lr, which="variant", seed=cfg.seed, progress=progress,
                                       desc=f"{name}: calibrate")
             timings["calibrate"] = time.perf_counter() - t
-            r = tune.perplexity(model, held, batch_size=cfg.batch_size, progress=progress,
+            r = lm.perplexity(model, held, batch_size=cfg.batch_size, progress=progress,
                                 desc=f"{name}: perplexity (calibrated)")
             row.update(ppl_calibrated=r["ppl"], loss_calibrated=r["loss"], params_calibrated=_learned(model),
                        calibrate_loss_first_last=[losses[0], losses[-1]], finetune_from="calibrated")
         stage = "fine-tune"
         t = time.perf_counter()
-        losses = tune.train_steps(model, data.train, steps=cfg.finetune, batch_size=cfg.batch_size, lr=cfg.lr,
+        losses = lm.train_steps(model, data.train, steps=cfg.finetune, batch_size=cfg.batch_size, lr=cfg.lr,
                                   which="all", seed=cfg.seed + 1, progress=progress, desc=f"{name}: fine-tune")
         timings["finetune"] = time.perf_counter() - t
     except FloatingPointError as e:
         row.update(status="diverged", diverged=f"{stage}: {e}", wall_s=time.perf_counter() - t0)
         return row
-    r = tune.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc=f"{name}: perplexity (fine-tuned)")
+    r = lm.perplexity(model, held, batch_size=cfg.batch_size, progress=progress, desc=f"{name}: perplexity (fine-tuned)")
     row.update(ppl_finetuned=r["ppl"], loss_finetuned=r["loss"],
-               stats_finetuned=_stats(tune.attention_stats(model, stats_w, batch_size=cfg.batch_size)),
+               stats_finetuned=_stats(lm.attention_stats(model, stats_w, batch_size=cfg.batch_size)),
                finetune_loss_first_last=[losses[0], losses[-1]] if losses else None,
                wall_s=time.perf_counter() - t0)
     if nvp:
@@ -521,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     from rich.console import Console
 
-    from smxcompile import tune
+    from smxcompile.app import lm
 
     cfg = resolve(args, parser)
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -530,15 +532,15 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"command: {command}", markup=False)
     progress = not args.no_progress
     try:
-        ck = tune.checkpoint_dir(args.checkpoint)
+        ck = lm.checkpoint_dir(args.checkpoint)
     except FileNotFoundError as e:
         raise SystemExit(f"{e}\n(train one with: smx demo --backends eager --seed 0 --out DIR)") from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        data = tune.lm_data(ck, seq_len=cfg.seq_len, corpus=cfg.corpus)
+        data = lm.lm_data(ck, seq_len=cfg.seq_len, corpus=cfg.corpus)
     for w in caught:
         console.print(f"[yellow]warning:[/] {w.message}", markup=True)
-    base = tune.load_lm(ck)
+    base = lm.load_lm(ck)
     bs = cfg.batch_size
     held = data.heldout if cfg.eval_batches == 0 else data.heldout[: cfg.eval_batches * bs]
     stats_w = held[: cfg.stats_batches * bs]
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"fine-tune {cfg.finetune} steps (lr {cfg.lr:g}), batch {bs}; {cfg.threads} threads", markup=False)
     t_start = time.perf_counter()
     checksum = _checksum(base)
-    original = tune.perplexity(base, held, batch_size=bs, progress=progress, desc="original: perplexity")
+    original = lm.perplexity(base, held, batch_size=bs, progress=progress, desc="original: perplexity")
     with torch.no_grad():
         ref_logits = base(input_ids=held[:bs]).logits
     console.print(f"original checkpoint: held-out perplexity {original['ppl']:.3f}")

@@ -16,10 +16,11 @@ from .kernels import quant_softmax  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
 from .explain import explain  # noqa: E402
-from .quantize import quantize_softmax  # noqa: E402
+from .edit.quantize import quantize_softmax  # noqa: E402
 from . import distributed  # noqa: E402  (vocabulary-parallel cut cross-entropy, CollectiveCounter)
-from . import variants  # noqa: E402  (the registry of normalization variants: smxcompile.variants.names())
-from .swapping import from_pretrained, load, save, swap  # noqa: E402
+from .edit import variants  # noqa: E402  (the registry of normalization variants: smxcompile.variants.names())
+from .edit.swap import swap  # noqa: E402
+from .edit.swap_io import from_pretrained, load, save  # noqa: E402
 from .backends.smx import smx_backend  # noqa: E402
 from .export.onnx.export import export_onnx  # noqa: E402  (onnx itself is imported on use)
 from .export.onnx.result import OnnxExportError  # noqa: E402

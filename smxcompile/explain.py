@@ -50,7 +50,7 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=collect, dynamic=False)
     try:
-        with torch.no_grad(), _restore_state(model):
+        with torch.no_grad(), restore_state(model):
             compiled(*args, **kwargs)
     finally:
         torch._dynamo.reset()  # explain's own cache entries must not count against the user's recompile limit
@@ -62,8 +62,10 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
 
 
 @contextlib.contextmanager
-def _restore_state(model: Any) -> Iterator[None]:
-    """Put back the module's buffers and every RNG state after the traced call."""
+def restore_state(model: Any) -> Iterator[None]:
+    """A context in which ``model`` may run once without leaving a trace: on exit its buffers (BatchNorm
+    statistics...) hold their values from before, and the CPU and CUDA random-number generators their states.
+    Buffers whose shape changed are left as they are. Raises nothing of its own."""
     buffers = []
     if isinstance(model, torch.nn.Module):
         buffers = [(b, b.detach().clone()) for b in model.buffers()]

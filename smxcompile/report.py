@@ -143,8 +143,7 @@ def user_location(stack_trace: str | None) -> str:
         p = path.replace("\\", "/")
         if "/torch/" in p and "/site-packages/torch/" in p:
             continue
-        if p.endswith(("/smxcompile/quantize.py", "/smxcompile/sites.py", "/smxcompile/swapping.py",
-                       "/smxcompile/variants.py")):   # smxcompile's run-time interception, not the user's call
+        if "/smxcompile/edit/" in p:   # smxcompile's run-time interception (the eager model edits), not the user's call
             continue
         return f"{path}:{line}"
     if frames:

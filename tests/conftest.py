@@ -23,7 +23,7 @@ def build_tiny_lm_checkpoint(out, seq_len: int = 32):
     Used by the tests of ``smx swap`` / ``smx eval`` and of benchmarks/eval_variants.py. Returns ``out``."""
     import json
 
-    from smxcompile import demo, tune
+    from smxcompile.app import demo, lm
 
     docs = demo.load_corpus("topics")
     tok = demo.train_tokenizer(docs[:15], 512)
@@ -32,7 +32,7 @@ def build_tiny_lm_checkpoint(out, seq_len: int = 32):
          "--batch-size", "8", "--corpus", "topics"]))
     model = demo.build_model(s, tok.token_to_id(demo.EOT))
     train, _ = demo.split_windows(demo.make_windows(tok, docs, seq_len))
-    tune.train_steps(model, train, steps=40, batch_size=8, lr=3e-3, progress=False)
+    lm.train_steps(model, train, steps=40, batch_size=8, lr=3e-3, progress=False)
     demo.save_checkpoint(model, tok, out / "checkpoint")
     (out / "results.json").write_text(json.dumps({"settings": {"seq_len": seq_len, "corpus": "topics",
                                                                "batch_size": 8}}))

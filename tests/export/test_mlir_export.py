@@ -568,7 +568,7 @@ def test_smx_export_cli_mlir(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     from conftest import build_tiny_lm_checkpoint
 
-    from smxcompile import cli
+    from smxcompile.app import cli
 
     run = build_tiny_lm_checkpoint(tmp_path / "run")
     out = tmp_path / "demo.mlir"

@@ -208,7 +208,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_smx_export_cli(demo_run, tmp_path, capsys):
-    from smxcompile import cli
+    from smxcompile.app import cli
 
     run = demo_run
     assert cli.main(["export", str(run), "--out", str(tmp_path / "tiny.onnx"), "--seq-len", "16"]) == 0
@@ -359,7 +359,7 @@ def test_a_file_onnxruntime_cannot_load_names_its_versions(tmp_path, monkeypatch
 def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, capsys):
     """The issue's end-to-end path: `smx swap` of the demo checkpoint, then `smx export` of its output; and the
     demo checkpoint with quantize_softmax through export_onnx; both checked in onnxruntime on two shapes."""
-    from smxcompile import cli, tune
+    from smxcompile.app import cli, lm
 
     swapped = tmp_path / "softpick-run"
     assert cli.main(["swap", str(demo_run), "--variant", "softpick", "--out", str(swapped), "--batches", "1", "--batch-size", "2", "--no-progress"]) == 0
@@ -367,7 +367,7 @@ def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, c
     assert cli.main(["export", str(swapped), "--out", str(tmp_path / "softpick.onnx"), "--seq-len", "16"]) == 0
     printed = capsys.readouterr().out
     assert "swapped" in printed and "variant:softpick" in printed, printed
-    model = tune.load_lm(tune.checkpoint_dir(demo_run), "cpu")
+    model = lm.load_lm(lm.checkpoint_dir(demo_run), "cpu")
     model.config.use_cache = False
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)

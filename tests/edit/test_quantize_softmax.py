@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import smxcompile
-from smxcompile.quantize import SoftmaxQuantizer, quant_range, quantize_softmax
+from smxcompile.edit.quant_site import quant_range
+from smxcompile.edit.quantize import SoftmaxQuantizer, quantize_softmax
 
 QD = torch.ops.quantized_decomposed
 

@@ -3,12 +3,12 @@
 ``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute SSMax instead,
 with SSMax's scale ``s`` as one learnable ``nn.Parameter`` per site and head, initialised so the
 swapped model starts as close to the original as the variant allows (``s = 1 / log(n_train)``).
-Any variant of :mod:`smxcompile.variants` (ALGORITHMS.md section 2: sparsemax, 1.5-entmax, alpha-entmax,
-softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid, ReLU, softplus, StableMax, adaptive
-temperature, temperature) or one the user registered.
+Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`; ALGORITHMS.md
+section 2: sparsemax, 1.5-entmax, alpha-entmax, softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid,
+ReLU, softplus, StableMax, adaptive temperature, temperature) or one the user registered.
 
 How. Sites are found and named as :func:`smxcompile.explain` names them (``module#index``, e.g.
-``transformer.h.0.attn#0``) and replaced at run time by :class:`smxcompile.sites.SiteInterceptor`
+``transformer.h.0.attn#0``) and replaced at run time by :class:`smxcompile.edit.sites.SiteInterceptor`
 (forward hooks + a ``TorchFunctionMode``; no monkey-patching of the model's code). The variant's
 torch code runs in place of the ``softmax`` call, eager or under ``torch.compile`` (Dynamo traces it;
 the ``smx`` backend reports those sites as ``action="swapped"`` and leaves their ops to Inductor).
@@ -21,36 +21,27 @@ other site (an output softmax's logits may legitimately be that low) only entrie
 the dtype's lowest value (``-inf``, ``finfo.min``) count as masked. NaN is never a mask: it
 propagates as the variant's ops propagate it.
 
-Persistence. :func:`save` writes ``model.safetensors`` (every weight, the variants' parameters
-included) and ``smx_swap.json`` (the manifest: which variant at which site, parameter shapes);
-:func:`load` re-applies the swaps to a freshly built base model from the manifest alone (no forward
-call) and loads the weights. ``transformers`` models also carry the manifest in ``config.smx_swap``,
-so ``model.save_pretrained(dir)`` saves a swapped model and :func:`from_pretrained` (``cls.from_pretrained`` +
-:func:`load`) restores it.
+Persistence (:func:`smxcompile.save` / ``load`` / ``from_pretrained``): :mod:`smxcompile.edit.swap_io`,
+from the manifest :meth:`Swapper.manifest` writes and :func:`apply_manifest` re-applies.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
 import math
-from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from . import variants as _variants
-from .sites import SiteInterceptor, call_model, module_key, select_sites, softmax_dim, softmax_dtype, softmax_input, \
-    traced_sites
+from .sites import QUANT_ATTR, SWAP_ATTR, SiteInterceptor, call_model, module_key, select_sites, softmax_dim, \
+    softmax_dtype, softmax_input, traced_sites
 
 log = logging.getLogger("smxcompile")
 
-ATTR = "smx_swap"
-MANIFEST = "smx_swap.json"
 FORMAT = "smxcompile.swap/1"
 #: At an attention site, a softmax input entry at or below this counts as masked (an additive mask: -inf,
 #: finfo.min, -1e9, -1e4).
@@ -211,7 +202,7 @@ class Swapper(SiteInterceptor):
         return out
 
     def manifest(self) -> dict[str, Any]:
-        """The JSON-ready description of the swaps (what :func:`save` writes to ``smx_swap.json``)."""
+        """The JSON-ready description of the swaps (what :func:`smxcompile.save` writes to ``smx_swap.json``)."""
         return {"format": FORMAT, "sites": [s.entry() for s in self._sites.values()]}
 
     def summary(self) -> str:
@@ -268,15 +259,15 @@ def _variant(variant: Any) -> _variants.Variant:
     return _variants.get(variant)
 
 
-def _swapper(model: nn.Module) -> Swapper | None:
-    s = getattr(model, ATTR, None)
+def swapper_of(model: nn.Module) -> Swapper | None:
+    """The :class:`Swapper` of a model returned by :func:`swap` (``model.smx_swap``), or None for any other
+    model. Raises nothing."""
+    s = getattr(model, SWAP_ATTR, None)
     return s if isinstance(s, Swapper) else None
 
 
 def _refuse_quantized(model: nn.Module) -> None:
-    from .quantize import ATTR as QATTR
-
-    if getattr(model, QATTR, None) is not None:
+    if getattr(model, QUANT_ATTR, None) is not None:
         raise ValueError("smxcompile.swap: the model is quantized (model.smx_softmax_quant); swap the unquantized "
                          "model (quantizing a swapped model is not supported)")
 
@@ -366,7 +357,7 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
     if not inplace:
         model = copy.deepcopy(model)
     _eager_attention(model)
-    swapper = _swapper(model)
+    swapper = swapper_of(model)
     new = swapper is None
     if new:
         swapper = Swapper()
@@ -383,11 +374,11 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
             call_model(model, example_inputs)
         seen = swapper.seen
         # the same names in training mode (a softmax that runs only in training would shift them)
-        from .explain import _restore_state
+        from ..explain import restore_state
 
         swapper.seen = {}
         model.train()
-        with torch.no_grad(), _restore_state(model):
+        with torch.no_grad(), restore_state(model):
             call_model(model, example_inputs)
         model.eval()
         train_seen, swapper.seen = swapper.seen, seen
@@ -442,7 +433,7 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
     finally:
         model.train(was_training)
     if new:
-        model.add_module(ATTR, swapper)
+        model.add_module(SWAP_ATTR, swapper)
     _sync_config(model, swapper)
     return model
 
@@ -459,7 +450,7 @@ def _eager_attention(model: nn.Module) -> None:
 
 def swapped_sites(model: nn.Module) -> dict[str, SwapSite]:
     """``{key: SwapSite}`` of a model returned by :func:`swap` (empty for any other model)."""
-    s = _swapper(model)
+    s = swapper_of(model)
     return s.sites if s is not None else {}
 
 
@@ -473,7 +464,7 @@ def apply_manifest(model: nn.Module, manifest: Mapping[str, Any]) -> nn.Module:
     """
     if not isinstance(manifest, Mapping) or manifest.get("format") != FORMAT:
         raise ValueError(f"not an smxcompile swap manifest (expected format {FORMAT!r})")
-    if _swapper(model) is not None:
+    if swapper_of(model) is not None:
         raise ValueError("the model is already swapped: load into a freshly built base model")
     _refuse_quantized(model)
     modules = dict(model.named_modules())
@@ -486,134 +477,9 @@ def apply_manifest(model: nn.Module, manifest: Mapping[str, Any]) -> nn.Module:
         swapper.add(SwapSite.from_entry(e))
     _eager_attention(model)
     swapper.attach(model)
-    model.add_module(ATTR, swapper)
+    model.add_module(SWAP_ATTR, swapper)
     _sync_config(model, swapper)
     return model
 
 
-def save(model: nn.Module, path: str | Path) -> Path:
-    """Write a swapped model to the folder ``path``: ``model.safetensors`` (every parameter and
-    persistent buffer, the variants' parameters included; tied weights stored once) and
-    ``smx_swap.json`` (the manifest). Returns the folder.
-
-    Raises:
-        ValueError: ``model`` was not swapped by :func:`swap`.
-    """
-    from safetensors.torch import save_model
-
-    swapper = _swapper(model)
-    if swapper is None:
-        raise ValueError("save: the model has no swapped site (smxcompile.swap returns a model that has)")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(folder / "model.safetensors"))
-    (folder / MANIFEST).write_text(json.dumps(swapper.manifest(), indent=2) + "\n")
-    return folder
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The swap manifest of a folder written by :func:`save` (``smx_swap.json``) or by a swapped
-    ``transformers`` model's ``save_pretrained`` (``config.json``'s ``smx_swap``).
-
-    Raises:
-        FileNotFoundError: neither is there.
-    """
-    folder = Path(path)
-    if (folder / MANIFEST).is_file():
-        return json.loads((folder / MANIFEST).read_text())
-    cfg = folder / "config.json"
-    if cfg.is_file():
-        m = json.loads(cfg.read_text()).get("smx_swap")
-        if m:
-            return m
-    raise FileNotFoundError(f"{folder}: no {MANIFEST} and no smx_swap entry in config.json (not a swapped model)")
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    raise FileNotFoundError(f"{folder}: no model.safetensors")
-
-
-def load(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
-    """Re-apply the swaps saved in ``path`` to a freshly built base ``model`` (in place) and load the weights.
-
-    Args:
-        model: the base architecture (e.g. the same class built from the same config), not swapped.
-        path: a folder written by :func:`save`, or by ``save_pretrained`` of a swapped ``transformers`` model.
-        strict: every parameter and buffer of the swapped model must be in the files, except tied
-            copies of one that is (``lm_head.weight`` tied to the embeddings), and every tensor in the
-            files must belong to the model.
-
-    Returns:
-        ``model``, swapped and loaded.
-
-    Raises:
-        FileNotFoundError: no manifest / weights in ``path``. ValueError: see :func:`apply_manifest`.
-        RuntimeError: missing or unexpected tensors (``strict``), or shape mismatches.
-    """
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    manifest = read_manifest(folder)
-    files = _weight_files(folder)
-    apply_manifest(model, manifest)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if strict:
-        own = model.state_dict(keep_vars=True)
-        loaded_ids = {id(own[k]) for k in state if k in own}
-        missing = [k for k in missing if id(own[k]) not in loaded_ids]
-        if missing or unexpected:
-            raise RuntimeError(f"smxcompile.load: {folder} does not match the model: missing {missing[:8]}"
-                               f"{'...' if len(missing) > 8 else ''}, unexpected {list(unexpected)[:8]}"
-                               f"{'...' if len(unexpected) > 8 else ''}")
-    return model
-
-
-def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Module:
-    """Load a swapped ``transformers`` model saved with ``save_pretrained`` (or :func:`save` next to its config).
-
-    ``model_class.from_pretrained(path, attn_implementation="eager", **kwargs)`` builds the base model
-    (``transformers`` leaves the variants' parameters out as unexpected keys), then :func:`load`
-    re-applies the swaps from ``config.smx_swap`` and loads every weight.
-
-    Args:
-        model_class: e.g. ``transformers.AutoModelForCausalLM`` or ``GPT2LMHeadModel``.
-        path: the saved folder. **kwargs: passed to ``from_pretrained`` (not ``attn_implementation``).
-
-    Raises:
-        FileNotFoundError: the folder is not a swapped model. See :func:`load`.
-    """
-    folder = Path(path)
-    read_manifest(folder)  # fail before building the model
-    kwargs.setdefault("attn_implementation", "eager")
-    with _quiet_transformers():
-        model = model_class.from_pretrained(str(folder), **kwargs)
-    return load(model, folder)
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers warns about the variants' parameters as unused checkpoint weights; they are loaded next."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)
-
-
-__all__ = ["swap", "save", "load", "from_pretrained", "apply_manifest", "read_manifest", "swapped_sites", "Swapper",
-           "SwapSite", "MASKED_BELOW"]
+__all__ = ["swap", "apply_manifest", "swapped_sites", "swapper_of", "Swapper", "SwapSite", "MASKED_BELOW", "FORMAT"]

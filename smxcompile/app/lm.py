@@ -1,4 +1,6 @@
-"""Evaluate, calibrate and fine-tune a (swapped) causal language model: the library behind ``smx swap`` / ``smx eval``.
+"""Language-model checkpoints: load / save, evaluation data, perplexity, calibration of variant parameters by
+short fine-tuning, attention statistics. What ``smx swap`` / ``smx eval`` (and benchmarks/eval_variants.py) run
+on a (swapped) causal language model.
 
 A checkpoint is a folder that ``transformers`` loads (``config.json`` + ``model.safetensors`` +
 ``tokenizer.json``), e.g. the ``checkpoint/`` folder ``smx demo`` saves, or the folder ``smx swap``
@@ -7,7 +9,7 @@ writes (a model swapped by :func:`smxcompile.swap`, saved with ``save_pretrained
 * :func:`checkpoint_dir` / :func:`load_lm` / :func:`save_lm`: find and load one (a swapped one is
   restored with :func:`smxcompile.from_pretrained`) in eval mode with eager attention; save one.
 * :func:`lm_data`: its training and held-out windows, rebuilt as ``smx demo`` built them
-  (:func:`smxcompile.demo.load_corpus`, ``make_windows``, ``split_windows``: every
+  (:func:`smxcompile.app.demo.load_corpus`, ``make_windows``, ``split_windows``: every
   ``demo.EVAL_EVERY``-th window held out) with the checkpoint's own tokenizer and the demo's
   ``results.json`` settings (window length, corpus).
 * :func:`perplexity`: held-out next-token loss and perplexity.
@@ -70,7 +72,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def is_swapped(folder: str | Path) -> bool:
     """Whether the checkpoint folder holds a swapped model (``smx_swap.json``, or ``config.json`` with ``smx_swap``)."""
-    from .swapping import read_manifest
+    from ..edit.swap_io import read_manifest
 
     try:
         read_manifest(folder)
@@ -99,11 +101,10 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    from .demo import _quiet_transformers
-    from .swapping import from_pretrained
+    from ..edit.swap_io import from_pretrained, quiet_transformers
 
     folder = checkpoint_dir(path)
-    with _quiet_transformers():   # no "Loading weights" bar, no warning about the variants' tensors
+    with quiet_transformers(progress_bars=False):   # no "Loading weights" bar, no warning about the variants' tensors
         if is_swapped(folder):
             model = from_pretrained(AutoModelForCausalLM, folder)
         else:
@@ -123,14 +124,14 @@ def save_lm(model: nn.Module, folder: str | Path, *, tokenizer_from: str | Path 
     Raises:
         FileNotFoundError: ``tokenizer_from`` is given but holds no ``tokenizer.json``.
     """
-    from .demo import _quiet_transformers
+    from ..edit.swap_io import quiet_transformers
 
     out = Path(folder)
     src = Path(tokenizer_from) if tokenizer_from is not None else None
     if src is not None and not (src / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{src / 'tokenizer.json'} not found")
     out.mkdir(parents=True, exist_ok=True)
-    with _quiet_transformers():
+    with quiet_transformers(progress_bars=False):
         model.save_pretrained(out, safe_serialization=True)
     if src is not None and src.resolve() != out.resolve():
         for name in TOKENIZER_FILES:
@@ -164,7 +165,7 @@ class LMData:
 
     Attributes:
         train: int64 ``[N, T]`` token ids, the training windows (``T = seq_len``).
-        heldout: int64 ``[M, T]``, every ``smxcompile.demo.EVAL_EVERY``-th window (never trained on).
+        heldout: int64 ``[M, T]``, every ``smxcompile.app.demo.EVAL_EVERY``-th window (never trained on).
         seq_len: ``T``. corpus: the demo corpus name (``"topics"`` or ``"topics+docstrings"``).
         tokenizer: the ``tokenizer.json`` used. vocab_size: its vocabulary size.
         settings: the demo's (or ``smx swap``'s) ``results.json`` settings, ``{}`` when there was none.
@@ -208,7 +209,7 @@ def lm_data(checkpoint: str | Path, *, seq_len: int | None = None, corpus: str |
         checkpoint: a checkpoint folder or the ``smx demo --out`` folder above it.
         seq_len: the window length; default: ``settings.seq_len`` of the ``results.json`` next to the
             checkpoint (:func:`demo_settings`), else the model's ``n_positions`` (a guess: warned).
-        corpus: a corpus of :func:`smxcompile.demo.load_corpus`; default: ``settings.corpus`` of that
+        corpus: a corpus of :func:`smxcompile.app.demo.load_corpus`; default: ``settings.corpus`` of that
             file, else the demo's default corpus (a guess: warned).
 
     Returns:
@@ -354,9 +355,9 @@ def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, 
 def variant_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The learnable parameters of the variants swapped into ``model`` (under ``model.smx_swap``;
     ``[]`` for a model that was not swapped or whose variants have none)."""
-    from .swapping import _swapper
+    from ..edit.swap import swapper_of
 
-    s = _swapper(model)
+    s = swapper_of(model)
     return list(s.parameters()) if s is not None else []
 
 
@@ -364,7 +365,7 @@ def train_steps(model: nn.Module, windows: torch.Tensor, *, steps: int, batch_si
                 which: str = "all", seed: int = 0, progress: bool = True, desc: str | None = None) -> list[float]:
     """Train ``model`` in place: ``steps`` AdamW steps of the causal-LM loss on batches of ``windows``.
 
-    Each step draws ``batch_size`` windows in the seeded order of :func:`smxcompile.demo.make_batches`
+    Each step draws ``batch_size`` windows in the seeded order of :func:`smxcompile.app.demo.make_batches`
     (each epoch reshuffled) and minimizes ``model(input_ids=b, labels=b).loss`` (mean next-token NLL,
     as ``smx demo`` trains), in train mode (restored afterwards), on the model's device.
 
@@ -483,7 +484,7 @@ def attention_stats(model: nn.Module, windows: torch.Tensor, *, batch_size: int 
         ``{"rows": number of weight rows (float), "entropy": mean entropy in nats of each row's weights
         divided by their sum, "sink_mass": mean weight on the first key, "rowsum": mean row sum (1 for
         softmax), "zero_fraction": share of unmasked weights that are exactly 0}`` (the ``"all"`` entry
-        of :meth:`smxcompile.swapping.Swapper.stats`).
+        of :meth:`smxcompile.edit.swap.Swapper.stats`).
 
     Raises:
         ValueError: ``model`` is not swapped; bad ``windows`` / ``batch_size``.
@@ -491,9 +492,9 @@ def attention_stats(model: nn.Module, windows: torch.Tensor, *, batch_size: int 
     """
     import contextlib
 
-    from .swapping import _swapper
+    from ..edit.swap import swapper_of
 
-    s = _swapper(model)
+    s = swapper_of(model)
     if s is None:
         raise ValueError("attention_stats: the model is not swapped (smxcompile.swap returns a model that is)")
     windows = _check_windows(windows)

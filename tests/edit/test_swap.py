@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import smxcompile
 from smxcompile import variants
-from smxcompile.swapping import MASKED_BELOW, Swapper, apply_manifest, read_manifest, swapped_sites
+from smxcompile.edit.swap import MASKED_BELOW, Swapper, apply_manifest, swapped_sites
+from smxcompile.edit.swap_io import read_manifest
 
 H, D, L = 4, 16, 12
 ALL = variants.names()

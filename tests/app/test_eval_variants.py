@@ -16,9 +16,9 @@ pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 from conftest import build_tiny_lm_checkpoint  # noqa: E402
 
-from smxcompile import tune  # noqa: E402
+from smxcompile.app import lm  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "eval_variants.py"
 SEQ_LEN = 32
 
@@ -119,14 +119,14 @@ def test_end_to_end(ckpt, tmp_path):
 
 def test_divergence_is_recorded_and_the_run_goes_on(ckpt, tmp_path, monkeypatch):
     ev = _load_script()
-    real = tune.train_steps
+    real = lm.train_steps
 
     def train_steps(model, windows, **kw):
         if (kw.get("desc") or "").startswith("softpick"):
             raise FloatingPointError("the training loss is nan at step 1 of 1 (lr 0.0001); try a smaller learning rate")
         return real(model, windows, **kw)
 
-    monkeypatch.setattr(tune, "train_steps", train_steps)
+    monkeypatch.setattr(lm, "train_steps", train_steps)
     js = tmp_path / "d.json"
     rc = ev.main(["--checkpoint", str(ckpt), "--variants", "softpick,temperature", "--calibrate", "1", "--finetune", "1",
                   *ARGS, "--json", str(js)])

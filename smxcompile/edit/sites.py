@@ -9,8 +9,10 @@ starts, left when it returns) sees each ``F.softmax`` / ``torch.softmax`` / ``to
 / ``Tensor.softmax`` call (``nn.Softmax`` calls ``F.softmax``). Dynamo traces the hooks and the
 mode, so ``torch.compile`` sees whatever the interceptor returns in place of the softmax.
 
-Used by :func:`smxcompile.quantize_softmax` (quantize the probabilities) and
-:func:`smxcompile.swap` (replace the normalization).
+Used by :func:`smxcompile.quantize_softmax` (quantize the probabilities: :mod:`smxcompile.edit.quantize`)
+and :func:`smxcompile.swap` (replace the normalization: :mod:`smxcompile.edit.swap`). The attributes under
+which each keeps its interceptor on the model (:data:`SWAP_ATTR`, :data:`QUANT_ATTR`) live here, so that
+each can refuse a model the other edited without importing it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from torch.overrides import TorchFunctionMode
 
 #: The softmax spellings the interceptor names (``nn.Softmax`` goes through ``F.softmax``).
 SOFTMAX_FNS = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
+#: The submodule of a model :func:`smxcompile.swap` edited: ``model.smx_swap``, a
+#: :class:`smxcompile.edit.swap.Swapper` (its parameters are saved under ``smx_swap.``).
+SWAP_ATTR = "smx_swap"
+#: The submodule of a model :func:`smxcompile.quantize_softmax` edited: ``model.smx_softmax_quant``, a
+#: :class:`smxcompile.edit.quantize.SoftmaxQuantizer`.
+QUANT_ATTR = "smx_softmax_quant"
 
 
 class _Frame:
@@ -66,7 +74,7 @@ class _PushHook:
     of the model binds the copy's hooks to the copy's interceptor)."""
 
     def __init__(self, owner: "SiteInterceptor", name: str):
-        # the attribute keeps the name ``quantizer`` that pickles of quantized models (issue 6) carry
+        # named ``quantizer`` since issue 6, when quantize_softmax was the only interceptor; it is either's
         self.quantizer, self.name = owner, name
 
     def __call__(self, mod, args):
@@ -184,7 +192,7 @@ def split_key(key: str) -> tuple[str, int]:
     return module, int(index)
 
 
-__all__ = ["SiteInterceptor", "SOFTMAX_FNS", "softmax_dim", "softmax_input", "softmax_dtype", "module_key", "split_key"]
+__all__ = ["SiteInterceptor", "SOFTMAX_FNS", "SWAP_ATTR", "QUANT_ATTR", "softmax_dim", "softmax_input", "softmax_dtype", "module_key", "split_key"]
 
 
 # --------------------------------------------------------------------------- choosing sites
@@ -221,7 +229,7 @@ def traced_sites(model: nn.Module, batch: Any) -> tuple[dict[str, Any], bool]:
     """
     from collections.abc import Mapping
 
-    from .explain import explain
+    from ..explain import explain
 
     rep = (explain(model, *batch) if isinstance(batch, (tuple, list))
            else explain(model, **batch) if isinstance(batch, Mapping) else explain(model, batch))
@@ -248,7 +256,7 @@ def select_sites(where: Any, seen: dict[str, Any], named: dict[str, Any],
     Raises:
         ValueError: a key in ``where`` that is not a site of the model.
     """
-    from .report import Site
+    from ..report import Site
 
     already = already or {}
     chosen: list[str] = []

@@ -1,4 +1,4 @@
-"""``smx swap`` / ``smx eval`` and the library under them (``smxcompile.tune``), on a tiny checkpoint.
+"""``smx swap`` / ``smx eval`` and the library under them (``smxcompile.app.lm``), on a tiny checkpoint.
 
 The checkpoint is built once per module, the way ``smx demo`` builds one but smaller (about 3 s on 2
 cores): a byte-level BPE tokenizer (vocabulary 512) trained on a slice of ``pydoc_data.topics``, a
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from conftest import build_tiny_lm_checkpoint  # noqa: E402
 
 import smxcompile  # noqa: E402
-from smxcompile import cli, demo, tune  # noqa: E402
+from smxcompile.app import cli, demo, lm  # noqa: E402
 
 SEQ_LEN = 32
 
@@ -67,13 +67,13 @@ def ssmax_run(ckpt, tmp_path_factory) -> tuple[Path, str, dict]:
 
 
 def test_checkpoint_dir_and_lm_data(ckpt, tmp_path, monkeypatch):
-    assert tune.checkpoint_dir(ckpt) == ckpt / "checkpoint"
-    assert tune.checkpoint_dir(ckpt / "checkpoint") == ckpt / "checkpoint"
+    assert lm.checkpoint_dir(ckpt) == ckpt / "checkpoint"
+    assert lm.checkpoint_dir(ckpt / "checkpoint") == ckpt / "checkpoint"
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        tune.checkpoint_dir(tmp_path / "nope")
+        lm.checkpoint_dir(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        tune.checkpoint_dir(tmp_path)
-    d = tune.lm_data(ckpt)
+        lm.checkpoint_dir(tmp_path)
+    d = lm.lm_data(ckpt)
     assert (d.seq_len, d.corpus, d.guessed) == (SEQ_LEN, "topics", [])
     assert d.train.dtype == d.heldout.dtype == torch.int64
     assert d.train.shape[1] == d.heldout.shape[1] == SEQ_LEN
@@ -81,45 +81,45 @@ def test_checkpoint_dir_and_lm_data(ckpt, tmp_path, monkeypatch):
     assert d.results == ckpt / "results.json" and d.tokenizer == ckpt / "checkpoint" / "tokenizer.json"
     # without the demo's results.json: guesses, warned (the guessed corpus, topics+docstrings, stands in for
     # the topics here: parsing the standard library's docstrings takes seconds)
-    monkeypatch.setitem(tune._CORPUS_CACHE, "topics+docstrings", demo.load_corpus("topics"))
-    monkeypatch.setattr(tune, "_WINDOW_CACHE", {})
+    monkeypatch.setitem(lm._CORPUS_CACHE, "topics+docstrings", demo.load_corpus("topics"))
+    monkeypatch.setattr(lm, "_WINDOW_CACHE", {})
     bare = tmp_path / "bare"
     shutil.copytree(ckpt / "checkpoint", bare)
     with pytest.warns(UserWarning, match="guess"):
-        g = tune.lm_data(bare)
+        g = lm.lm_data(bare)
     assert g.seq_len == 128 and g.corpus == demo.DEFAULTS["corpus"] and len(g.guessed) == 2
-    assert tune.lm_data(bare, seq_len=SEQ_LEN, corpus="topics").heldout.equal(d.heldout)
+    assert lm.lm_data(bare, seq_len=SEQ_LEN, corpus="topics").heldout.equal(d.heldout)
     with pytest.raises(ValueError, match="n_positions"):
-        tune.lm_data(bare, seq_len=129, corpus="topics")
+        lm.lm_data(bare, seq_len=129, corpus="topics")
     with pytest.raises(ValueError, match="unknown corpus"):
-        tune.lm_data(bare, seq_len=SEQ_LEN, corpus="nope")
+        lm.lm_data(bare, seq_len=SEQ_LEN, corpus="nope")
 
 
 def test_perplexity_matches_a_direct_computation(ckpt):
-    model = tune.load_lm(ckpt)
+    model = lm.load_lm(ckpt)
     assert not model.training and model.config._attn_implementation == "eager"
-    held = tune.lm_data(ckpt).heldout[:12]
-    r = tune.perplexity(model, held, batch_size=4, progress=False)
+    held = lm.lm_data(ckpt).heldout[:12]
+    r = lm.perplexity(model, held, batch_size=4, progress=False)
     assert r["tokens"] == 12 * (SEQ_LEN - 1) and r["windows"] == 12
     with torch.no_grad():   # transformers' own loss: the mean NLL of a batch (every batch has as many tokens)
         direct = sum(model(input_ids=b, labels=b).loss.item() for b in held.split(4)) / 3
     assert abs(r["loss"] - direct) <= 1e-6 * direct
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]), rel=1e-12)
-    other = tune.perplexity(model, held, batch_size=5, progress=True)
+    other = lm.perplexity(model, held, batch_size=5, progress=True)
     assert other["loss"] == pytest.approx(r["loss"], rel=1e-6)
     with pytest.raises(ValueError, match="int64"):
-        tune.perplexity(model, held.float(), progress=False)
+        lm.perplexity(model, held.float(), progress=False)
 
 
 def test_train_steps_variant_changes_only_variant_parameters(ckpt):
-    data = tune.lm_data(ckpt)
-    base = tune.load_lm(ckpt)
+    data = lm.lm_data(ckpt)
+    base = lm.load_lm(ckpt)
     with pytest.raises(ValueError, match="no learnable variant parameter"):
-        tune.train_steps(base, data.train, steps=1, which="variant", progress=False)
+        lm.train_steps(base, data.train, steps=1, which="variant", progress=False)
     model = smxcompile.swap(base, "ssmax", example_inputs={"input_ids": data.heldout[:1]}, n_train=SEQ_LEN)
     model.transformer.wte.weight.requires_grad_(False)   # a user's freeze survives the calibration
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = tune.train_steps(model, data.train, steps=3, batch_size=4, which="variant", progress=False)
+    losses = lm.train_steps(model, data.train, steps=3, batch_size=4, which="variant", progress=False)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     after = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -130,35 +130,35 @@ def test_train_steps_variant_changes_only_variant_parameters(ckpt):
     assert all(p.grad is None for p in model.parameters()) and not model.training
     sparse = smxcompile.swap(base, "sparsemax", example_inputs={"input_ids": data.heldout[:1]})
     with pytest.raises(ValueError, match="sparsemax"):
-        tune.train_steps(sparse, data.train, steps=1, which="variant", progress=False)
+        lm.train_steps(sparse, data.train, steps=1, which="variant", progress=False)
     with pytest.raises(ValueError, match="which"):
-        tune.train_steps(model, data.train, steps=1, which="some", progress=False)
+        lm.train_steps(model, data.train, steps=1, which="some", progress=False)
 
 
 def test_attention_stats_against_the_original_softmax(ckpt):
-    data = tune.lm_data(ckpt)
-    model = smxcompile.swap(tune.load_lm(ckpt), "sparsemax", example_inputs={"input_ids": data.heldout[:1]})
+    data = lm.lm_data(ckpt)
+    model = smxcompile.swap(lm.load_lm(ckpt), "sparsemax", example_inputs={"input_ids": data.heldout[:1]})
     w = data.heldout[:4]
-    sw = tune.attention_stats(model, w, batch_size=2)
-    base = tune.attention_stats(model, w, batch_size=2, baseline=True)
+    sw = lm.attention_stats(model, w, batch_size=2)
+    base = lm.attention_stats(model, w, batch_size=2, baseline=True)
     rows = 4 * 2 * 2 * SEQ_LEN   # windows x layers x heads x queries
     assert sw["rows"] == base["rows"] == rows
     assert base["zero_fraction"] == 0 and sw["zero_fraction"] > 0.05   # sparsemax: exact zeros
     assert sw["entropy"] < base["entropy"]
     assert sw["rowsum"] == pytest.approx(1, abs=1e-5) and base["rowsum"] == pytest.approx(1, abs=1e-5)
     with pytest.raises(ValueError, match="not swapped"):
-        tune.attention_stats(tune.load_lm(ckpt), w)
+        lm.attention_stats(lm.load_lm(ckpt), w)
 
 
 def test_save_and_load_round_trip(ckpt, tmp_path):
-    data = tune.lm_data(ckpt)
-    model = smxcompile.swap(tune.load_lm(ckpt), "ssmax", example_inputs={"input_ids": data.heldout[:1]})
-    tune.train_steps(model, data.train, steps=2, batch_size=4, which="variant", progress=False)
-    tune.train_steps(model, data.train, steps=1, batch_size=4, which="all", progress=False)
-    tune.save_lm(model, tmp_path / "m", tokenizer_from=ckpt / "checkpoint")
-    assert tune.is_swapped(tmp_path / "m") and not tune.is_swapped(ckpt / "checkpoint")
+    data = lm.lm_data(ckpt)
+    model = smxcompile.swap(lm.load_lm(ckpt), "ssmax", example_inputs={"input_ids": data.heldout[:1]})
+    lm.train_steps(model, data.train, steps=2, batch_size=4, which="variant", progress=False)
+    lm.train_steps(model, data.train, steps=1, batch_size=4, which="all", progress=False)
+    lm.save_lm(model, tmp_path / "m", tokenizer_from=ckpt / "checkpoint")
+    assert lm.is_swapped(tmp_path / "m") and not lm.is_swapped(ckpt / "checkpoint")
     assert (tmp_path / "m" / "tokenizer.json").is_file()
-    loaded = tune.load_lm(tmp_path / "m")
+    loaded = lm.load_lm(tmp_path / "m")
     assert loaded.smx_swap.manifest() == model.smx_swap.manifest()
     b = data.heldout[:3]
     model.eval()
@@ -190,7 +190,7 @@ def test_swap_calibrate_finetune(ckpt, ssmax_run):
         assert (out / f).is_file(), f
     assert json.loads((out / "config.json").read_text())["smx_swap"]["sites"][0]["variant"] == "ssmax"
     # the original's perplexity is the checkpoint's own
-    base = tune.perplexity(tune.load_lm(ckpt), tune.lm_data(ckpt).heldout[:16], progress=False)
+    base = lm.perplexity(lm.load_lm(ckpt), lm.lm_data(ckpt).heldout[:16], progress=False)
     assert res["perplexity"]["original"]["loss"] == pytest.approx(base["loss"], rel=1e-9)
 
 
@@ -229,7 +229,7 @@ def test_swap_parameter_free_variant(ckpt, tmp_path):
     assert list(res["perplexity"]) == ["original", "swapped"] and res["final"] == "swapped"
     assert "not applicable" in res["calibration_note"] and res["learned"] == {"transformer.h.0.attn#0": {},
                                                                               "transformer.h.1.attn#0": {}}
-    loaded = tune.load_lm(out)
+    loaded = lm.load_lm(out)
     assert {s.variant for s in loaded.smx_swap.sites.values()} == {"sparsemax"}
 
 

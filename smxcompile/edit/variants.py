@@ -33,7 +33,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import torch
 
-from .kernels.attention import NORMALIZERS
+from ..kernels.attention import NORMALIZERS
 
 __all__ = [
     "Variant",
