@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
-from conftest import build_tiny_lm_checkpoint  # noqa: E402
+from model_builders import build_tiny_lm_checkpoint  # noqa: E402
 
 from smxcompile.app import lm  # noqa: E402
 

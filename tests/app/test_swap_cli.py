@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
-from conftest import build_tiny_lm_checkpoint  # noqa: E402
+from model_builders import build_tiny_lm_checkpoint  # noqa: E402
 
 import smxcompile  # noqa: E402
 from smxcompile.app import cli, demo, lm  # noqa: E402

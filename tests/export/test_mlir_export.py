@@ -130,7 +130,7 @@ def test_cross_entropy_statistics_decompose():
 
 @pytest.fixture(scope="module")
 def gpt2():
-    from conftest import tiny_gpt2
+    from model_builders import tiny_gpt2
 
     return tiny_gpt2(seq_len=12)
 
@@ -566,7 +566,7 @@ def test_attention_reference_form_matches_the_op(normalizer):
 
 def test_smx_export_cli_mlir(tmp_path, capsys):
     pytest.importorskip("tokenizers")
-    from conftest import build_tiny_lm_checkpoint
+    from model_builders import build_tiny_lm_checkpoint
 
     from smxcompile.app import cli
 

@@ -600,7 +600,7 @@ def _tf():
 
 
 def _tiny_gpt2():
-    from conftest import tiny_gpt2
+    from model_builders import tiny_gpt2
 
     return tiny_gpt2()[0]
 

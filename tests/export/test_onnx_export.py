@@ -167,7 +167,7 @@ def test_a_dynamic_dim_of_size_one_is_refused(tmp_path):
 
 
 def _tiny_gpt2():
-    from conftest import tiny_gpt2
+    from model_builders import tiny_gpt2
 
     return tiny_gpt2()
 
@@ -202,7 +202,7 @@ def test_a_quantized_model_exports_quantize_dequantize_pairs(tmp_path, bits):
 def demo_run(tmp_path_factory):
     """A tiny ``smx demo``-style run folder (trained 40 steps on Python's docs)."""
     pytest.importorskip("tokenizers")
-    from conftest import build_tiny_lm_checkpoint
+    from model_builders import build_tiny_lm_checkpoint
 
     return build_tiny_lm_checkpoint(tmp_path_factory.mktemp("demo-run"))
 
@@ -404,7 +404,7 @@ def test_graph_break_messages_name_the_cause(tmp_path):
 
 
 def test_training_mode_attention_dropout_is_refused_up_front(tmp_path):
-    from conftest import tiny_gpt2
+    from model_builders import tiny_gpt2
 
     model = tiny_gpt2(n_layer=1, attn_pdrop=0.1)[0].train()
     with pytest.raises(OnnxExportError, match=r"dropout_p=0.1.*no exact ONNX form.*model.eval\(\)"):

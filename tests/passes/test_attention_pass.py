@@ -1,9 +1,9 @@
 """Expected-graph tests of the attention matcher/rewrite (smxcompile.passes.attention).
 
 Each spelling of attention from issue 4 is traced with Dynamo, rewritten by :class:`SmxPass` and
-compared with an inline expected graph (``EXPECTTEST_ACCEPT=1 pytest tests/test_attention_pass.py``
+compared with an inline expected graph (``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_attention_pass.py``
 regenerates them; read the diff). Every rewritten graph is also run against the original function
-(``rewrite`` in test_softmax_pass.py), forward here and forward + backward in ``TestGradients``, so an
+(``rewrite`` in pass_helpers.py), forward here and forward + backward in ``TestGradients``, so an
 expectation can never bless a wrong rewrite. Each spelling has a near-miss that must not match.
 """
 

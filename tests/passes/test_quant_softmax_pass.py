@@ -3,7 +3,7 @@
 softmax -> quantize (PyTorch 2 export QDQ ops, ``fake_quantize_per_tensor_affine``,
 ``torch.quantize_per_tensor`` + ``.dequantize()``) is traced with Dynamo, rewritten by
 :class:`SmxPass` with ``cpu="rewrite"`` and compared with an inline expected graph
-(``EXPECTTEST_ACCEPT=1 pytest tests/test_quant_softmax_pass.py`` regenerates them; read the diff).
+(``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_quant_softmax_pass.py`` regenerates them; read the diff).
 Every rewritten graph is run against the original function: the codes must be equal bit for bit
 (the op's CPU path is torch's softmax and the quantizer's formula). Near-misses must be left alone.
 """

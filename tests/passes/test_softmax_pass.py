@@ -912,7 +912,7 @@ class TestLocations(TestCase):
         got = [s.location for s in r.report]
         self.assertEqual(got, [f"{HERE}:{n}" for n in want])
         # the table shortens the path to its last two parts
-        self.assertIn(f"tests/test_softmax_pass.py:{want[0]}", str(r.report))
+        self.assertIn(f"passes/test_softmax_pass.py:{want[0]}", str(r.report))
 
     def test_location_through_a_module(self):
         class Block(nn.Module):

@@ -1,7 +1,7 @@
 """Expected-graph and numerical tests of the softmax + top-k / argmax pass (smxcompile.passes.softmax_topk).
 
 Each form is traced with Dynamo, rewritten by :class:`SmxPass` and compared with an inline expected
-graph (``EXPECTTEST_ACCEPT=1 pytest tests/test_softmax_topk_pass.py`` regenerates them; read the diff).
+graph (``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_softmax_topk_pass.py`` regenerates them; read the diff).
 Every rewritten graph is also run against the original function (:func:`assert_matches_eager`): its
 floating-point outputs must be as close to an fp64 gold as torch's own (``|ours - gold| <= |torch - gold|
 + tol``), its integer outputs (indices, samples) equal to torch's on tie-free inputs, and the gradients

@@ -79,7 +79,7 @@ def _default_scale(scale, E) -> bool:
 def _sdpa_linalg(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA for ``linalg-on-tensors``: kept whole (``NotImplemented``: torch.export's marker for "preserve
     this op") only where torch-mlir's lowering was found exact -- no mask, the default scale, fp32 (causal
-    or not, grouped-query heads or not; tests/test_mlir_export.py pins these) -- and :func:`_sdpa` for
+    or not, grouped-query heads or not; tests/export/test_mlir_export.py pins these) -- and :func:`_sdpa` for
     everything else: ``tm_tensor.attention`` (torch-mlir 20261001) scales by ``1/sqrt(E)`` whatever
     ``scale`` says, and with a mask gives rows whose entries are all ``finfo.min`` (left padding) other
     values than torch, and wrong ones under a bool mask with a fully masked row."""

@@ -1,6 +1,6 @@
 """The smx backend under torch.distributed: DDP and FSDP2 (``fully_shard``) on CPU, gloo, 2 spawned processes.
 
-Each test trains a tiny transformers GPT-2 (tests/dist_workers_backend.py) for a few SGD steps, every rank on its
+Each test trains a tiny transformers GPT-2 (tests/backends/dist_workers_backend.py) for a few SGD steps, every rank on its
 half of each global batch, compiled with ``backend="smx", options={"cpu": "rewrite"}`` (on CPU the default
 ``cpu="auto"`` keeps these small sites; ``rewrite`` makes them fire), and checks it against one process training
 the same model on the whole global batches: per-step global loss, final parameters, and that the rewrites fired
@@ -26,10 +26,10 @@ pytest.importorskip("transformers")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import dist_workers_backend as workers  # noqa: E402  (pytest puts tests/ on sys.path; spawned children inherit it)
+import dist_workers_backend as workers  # noqa: E402  (pytest puts this folder and tests/ on sys.path; spawned children inherit it)
 from dist_utils import run_distributed  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 # Tolerances, fp32. The distributed runs differ from the single-process reference only in rounding: each rank's

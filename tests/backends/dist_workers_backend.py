@@ -1,4 +1,4 @@
-"""Workers of tests/test_distributed_backend.py: the smx backend under DDP and FSDP2 (``fully_shard``).
+"""Workers of tests/backends/test_distributed_backend.py: the smx backend under DDP and FSDP2 (``fully_shard``).
 
 Each ``*_worker(rank, world_size, spec)`` runs in a process spawned by :func:`tests.dist_utils.run_distributed`
 (already in a gloo group, one intra-op thread) and returns plain tensors, floats and dicts. :func:`single_process`

@@ -25,7 +25,7 @@ from smxcompile.options import REWRITE_KINDS, SmxOptions
 from smxcompile.passes import SmxPass
 
 REWRITE = {"cpu": "rewrite"}
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, *, env: dict | None = None, cwd: str | None = None, timeout: int = 240):
@@ -466,7 +466,7 @@ def test_explain_function():
     assert d["summary"] == {"softmax": {"rewritten": 1}, "log_softmax": {"rewritten": 1}}
     assert all(s["location"].startswith(__file__) for s in d["sites"])
     text = str(rep)
-    assert "smx::softmax" in text and "tests/test_backend.py:" in text
+    assert "smx::softmax" in text and "backends/test_backend.py:" in text
 
 
 def test_explain_default_options():
