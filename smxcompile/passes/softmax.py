@@ -29,10 +29,10 @@ from torch.fx import Graph, Node
 
 from .patterns.arith import scalar_factor, softcap
 from .patterns.casts import widening_cast
-from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, depends_on_random, dtype_name, mutation_inside,
+from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, dtype_name, mutation_inside,
                              norm_dim, replace_anchor, single_user, tensor_val)
 from .patterns.masks import static_additive_mask
-from .patterns.softmax_call import softmax_call
+from .patterns.softmax_call import input_problem, softmax_call
 from .policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from .protocol import Match, PassContext, RewritePass
 
@@ -358,12 +358,10 @@ def _is_plain(m: SoftmaxMatch) -> bool:
 
 
 def _checks(m: SoftmaxMatch, ctx: PassContext) -> str:
-    xv = tensor_val(m.x)
-    m.device = xv.device.type
-    if xv.dtype not in FLOAT_DTYPES:
-        return f"input dtype {xv.dtype} is not floating point"
-    if depends_on_random(m.x):
-        return "input is built from random noise (Gumbel-softmax): not a deterministic softmax"
+    m.device = tensor_val(m.x).device.type
+    why = input_problem(m.x)
+    if why:
+        return why
     # every interior node must be used only inside the pattern
     interior = set(m.dead)
     for n in m.dead:

@@ -38,9 +38,9 @@ from torch.fx import Graph, Node
 
 from .patterns.arith import scalar_factor
 from .patterns.casts import widening_cast
-from .patterns.graph import (FLOAT_DTYPES, canon, depends_on_random, dtype_name, erase_dead, mutation_inside,
+from .patterns.graph import (FLOAT_DTYPES, canon, dtype_name, erase_dead, mutation_inside,
                              norm_dim, replace_anchor, tensor_val)
-from .patterns.softmax_call import SoftmaxCall, softmax_call
+from .patterns.softmax_call import SoftmaxCall, input_problem, softmax_call
 from .policy import FORCE_HINT, Ladder, decide
 from .protocol import Match, PassContext, RewritePass
 
@@ -306,12 +306,10 @@ def _match_argmax_of_softmax(node: Node) -> TopkMatch | None:
 
 
 def _checks(m: TopkMatch, ctx: PassContext) -> str:
-    xv = tensor_val(m.x)
-    m.device = xv.device.type
-    if xv.dtype not in FLOAT_DTYPES:
-        return f"input dtype {xv.dtype} is not floating point"
-    if depends_on_random(m.x):
-        return "input is built from random noise (Gumbel): not a deterministic softmax"
+    m.device = tensor_val(m.x).device.type
+    why = input_problem(m.x)
+    if why:
+        return why
     if not m.deletes_softmax:
         _absorb_input(m)
         if m.scale != 1.0:

@@ -724,7 +724,7 @@ return (getitem_2, getitem_1, mul)""")
         x = logits(6, 64)
         r = run_pass(gumbel_topk, x)
         self.assertFalse(r.changed)
-        self.assertIn("random noise (Gumbel)", self.skipped(r))
+        self.assertIn("random noise (Gumbel-softmax)", self.skipped(r))
         self.assertEqual(r.report.count(kind="softmax", action="rewritten"), 0)
         assert_matches_eager(r, gumbel_topk, x)
 

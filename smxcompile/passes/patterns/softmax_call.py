@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from .casts import holds
-from .graph import FLOAT_DTYPES, canon, dtype_name, norm_dim, tensor_val
+from .graph import FLOAT_DTYPES, canon, depends_on_random, dtype_name, norm_dim, tensor_val
 
 
 @dataclasses.dataclass
@@ -89,4 +89,15 @@ def softmax_call(node: Node) -> SoftmaxCall | None:
     return call
 
 
-__all__ = ["SoftmaxCall", "softmax_call", "spelling"]
+def input_problem(x: Node) -> str:
+    """Why a softmax of ``x`` cannot be fused whatever its spelling (empty: it can): a non-floating input, or
+    one built from random noise (Gumbel-softmax samples, not a deterministic softmax)."""
+    xv = tensor_val(x)
+    if xv.dtype not in FLOAT_DTYPES:
+        return f"input dtype {xv.dtype} is not floating point"
+    if depends_on_random(x):
+        return "input is built from random noise (Gumbel-softmax): not a deterministic softmax"
+    return ""
+
+
+__all__ = ["SoftmaxCall", "softmax_call", "spelling", "input_problem"]
