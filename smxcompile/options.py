@@ -27,9 +27,11 @@ class SmxOptions:
         check: when True, every rewritten site is run on the real example inputs at
             compile time and compared against the original subgraph; sites that
             disagree beyond ``check_rtol``/``check_atol`` are put back (report
-            action ``skipped``, reason ``check failed``).
+            action ``kept``, reason ``check failed``).
         check_rtol, check_atol: tolerances of ``check`` (applied as in
-            ``torch.allclose``, computed in fp32).
+            ``torch.allclose``, computed in fp32; the relative tolerance is never below
+            two units in the last place of the coarsest dtype the site's inputs have, e.g.
+            0.016 for a bf16 softmax: eager's own result is only that exact).
         cpu: what to do with sites on CPU tensors. ``"auto"`` (default) rewrites
             only where smxcompile's CPU path was measured faster than Inductor's
             own C++ code (see docs/PERFORMANCE.md) and keeps the rest;

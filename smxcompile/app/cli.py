@@ -17,7 +17,7 @@ EPILOG = """\
 examples:
   smx demo                          train a small GPT-2 on Python's bundled docs with eager,
                                     inductor and smx; print the rewrite report and a side-by-side table
-  smx demo --quick                  the same in seconds, with a tiny model
+  smx demo --quick                  the same in about a minute, with a tiny model
   smx explain                       the rewrite report of the demo model
   smx explain mypkg.models:build    the report of any model: 'module:factory' where factory()
                                     returns (model, example_args) or (model, args, kwargs)
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
 
-    add_explain_parser(sub, EPILOG)
+    add_explain_parser(sub)
     add_swap_parser(sub)
     add_eval_parser(sub)
     add_export_parser(sub)

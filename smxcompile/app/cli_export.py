@@ -193,13 +193,21 @@ def _explain_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_explain_parser(sub, epilog: str) -> None:
-    """Add ``smx explain`` to ``sub`` (what the ``smx`` parser's ``add_subparsers()`` returned); ``epilog``: the
-    examples its help ends with."""
+EXPLAIN_EPILOG = """examples:
+  smx explain                                  the report of the demo model
+  smx explain mypkg.models:build               any model: factory() returns (model, args) or (model, args, kwargs)
+  smx explain mypkg.models:build --json        the report as JSON
+  smx explain mypkg.models:build --options '{"cpu": "rewrite", "check": true}'
+                                               with backend options (here: every CPU site, each one checked)
+"""
+
+
+def add_explain_parser(sub) -> None:
+    """Add ``smx explain`` to ``sub`` (what the ``smx`` parser's ``add_subparsers()`` returned)."""
     e = sub.add_parser("explain", help="print the rewrite report of a model",
                        description="Trace a model the way backend='smx' does and list every softmax-shaped "
                        "site: rewritten, kept (left to Inductor on purpose) or skipped, with the reason and "
-                       "the source line.", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "the source line.", epilog=EXPLAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("target", nargs="?", help="'module:factory' returning (model, args[, kwargs]); default: the demo model")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
     e.add_argument("--options", help='backend options as JSON, e.g. \'{"cpu": "rewrite"}\'')
@@ -208,7 +216,7 @@ def add_explain_parser(sub, epilog: str) -> None:
 
 def add_export_parser(sub) -> None:
     """Add ``smx export`` to ``sub`` (what the ``smx`` parser's ``add_subparsers()`` returned)."""
-    x = sub.add_parser("export", help="export a checkpoint to ONNX as smxcompile rewrites it, checked in onnxruntime",
+    x = sub.add_parser("export", help="export a checkpoint to ONNX (or MLIR) as smxcompile rewrites it, checked on a runtime",
                        description=EXPORT_DESCRIPTION, epilog=EXPORT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     x.add_argument("checkpoint", metavar="CHECKPOINT",

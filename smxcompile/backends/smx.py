@@ -61,8 +61,15 @@ def plan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: SmxOptio
     if opts.check and planned.count(action="rewritten"):
         from ..passes.check import check_sites
 
-        skip = check_sites(gm, example_inputs, opts)
-        if skip:
+        # a site kept because its check failed can leave part of itself to a later pass (a softmax + top-k its
+        # softmax, a cross-entropy its log-softmax): check again until no new site fails
+        checked: frozenset[str] = frozenset()
+        while True:
+            bad = check_sites(gm, example_inputs, opts, skip, checked)
+            checked = checked | frozenset(s.node for s in planned if s.action == "rewritten")
+            if not bad - skip:
+                break
+            skip = skip | bad
             planned = analyze(gm.graph, opts, tag, skip)
     dyn = _dynamic_note(example_inputs)
     if dyn:

@@ -43,43 +43,57 @@ def _capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], wanted: se
     return values
 
 
-def _rewritten(graph, options: SmxOptions, prefix: str = "") -> list:
-    """``(pass, match)`` of every site of ``graph`` the rewrite would take."""
+def _rewritten(graph, options: SmxOptions, prefix: str = "", skip: frozenset[str] = frozenset()) -> list:
+    """``(pass, match)`` of every site of ``graph`` the rewrite would take (``skip``: keys of sites kept)."""
     swapped, _ = swapped_regions(graph, "", set())
-    ctx = PassContext(options, prefix=prefix, functorch=functorch_op(graph))
+    ctx = PassContext(options, skip=skip, prefix=prefix, functorch=functorch_op(graph))
     return [(p, m) for p, m in find_all(graph, ctx, swapped) if m.action == "rewritten"]
 
 
-def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SmxOptions) -> frozenset[str]:
+def check_sites(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: SmxOptions,
+                skip: frozenset[str] = frozenset(), checked: frozenset[str] = frozenset()) -> frozenset[str]:
     """Keys of the sites whose rewrite disagrees with eager on ``example_inputs`` (the backend keeps them).
+
+    ``skip``: keys of sites already kept (the analysis then offers what they leave to later passes);
+    ``checked``: keys already found to agree (not run again).
 
     Each rewritten site is re-run through its replacement on the captured input values and compared with the
     original subgraph's output (``torch.allclose`` with the options' tolerances, in fp32; NaNs must sit in the
     same places). Sites inside higher-order-op bodies (checkpoint, cond) cannot be captured: they are kept, as
     are all sites when the graph cannot run eagerly on the inputs.
     """
-    sites = _rewritten(gm.graph, options)
-    checked = [(p, m) for p, m in sites if p.checkable(m)]
-    unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:] for _, m in _rewritten(g, options, prefix)}
+    todo = [(p, m) for p, m in _rewritten(gm.graph, options, skip=skip) if p.checkable(m) and m.key not in checked]
+    unverifiable = {m.key for prefix, g, _ in subgraphs(gm.graph)[1:]
+                    for _, m in _rewritten(g, options, prefix, skip)} - checked
     if unverifiable:
         log.warning("smx check: %d site(s) inside subgraphs cannot be checked; they are kept", len(unverifiable))
-    wanted = {n.name for p, m in checked for n in [*p.check_inputs(m), *p.check_nodes(m)]}
-    everything = frozenset(m.key for _, m in checked) | unverifiable
+    if not todo and not unverifiable:
+        return frozenset()
+    wanted = {n.name for p, m in todo for n in [*p.check_inputs(m), *p.check_nodes(m)]}
+    everything = frozenset(m.key for _, m in todo) | unverifiable
     try:
         values = _capture(gm, example_inputs, wanted)
     except Exception as e:  # the graph could not run eagerly here: keep every site, say why
         log.warning("smx check: could not run the graph on the example inputs (%s); sites are kept", e)
         return everything
     if values is None:
-        log.warning("smx check: example inputs are not real tensors; sites are kept")
+        log.warning("smx check: the example inputs are not all real tensors and numbers (symbolic sizes under "
+                    "dynamic shapes, or fake tensors): the graph cannot be run here; sites are kept")
         return everything
     bad = set(unverifiable)
 
-    def close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-        return ours.shape == ref.shape and torch.equal(ours.isnan(), ref.isnan()) and torch.allclose(
-            ours.float().nan_to_num(), ref.float().nan_to_num(), rtol=options.check_rtol, atol=options.check_atol)
+    for p, m in todo:
+        # never tighter than two units in the last place of the coarsest dtype the site computes in (bf16
+        # inputs: eager's own result is only that exact, whatever dtype it is cast to afterwards)
+        ins = [values[n.name] for n in p.check_inputs(m)]
+        eps = max([torch.finfo(t.dtype).eps for t in ins if isinstance(t, torch.Tensor) and t.is_floating_point()],
+                  default=0.0)
+        rtol = max(options.check_rtol, 2 * eps)
 
-    for p, m in checked:
+        def close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = rtol) -> bool:
+            return ours.shape == ref.shape and torch.equal(ours.isnan(), ref.isnan()) and torch.allclose(
+                ours.float().nan_to_num(), ref.float().nan_to_num(), rtol=rtol, atol=options.check_atol)
+
         try:
             with torch.no_grad():
                 ours = p.run_site(m, values)

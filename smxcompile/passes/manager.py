@@ -134,22 +134,30 @@ class SmxPass(CustomGraphPass):
         swapped, swap_sites = swapped_regions(graph, self.graph_tag, swaps_seen)
         self.report.sites.extend(swap_sites)
         ctx = PassContext(self.options, self.skip, prefix, self.export, functorch_op(graph))
+        calls = softmax_calls(graph)
         taken = set(swapped)
         changed = False
         for p in PASSES:
-            matches, sites, did = self._apply(p, graph, ctx, taken)
+            matches, sites, did = self._apply(p, graph, ctx, taken, calls)
             self.report.sites.extend(sites)
             changed = changed or did
             taken |= claimed(matches)
         return changed
 
-    def _apply(self, p: RewritePass, graph: Graph, ctx: PassContext, exclude: set) -> tuple[list, list[Site], bool]:
-        """Rewrite ``p``'s sites: -> (the last matches, their report entries, changed).
+    def _apply(self, p: RewritePass, graph: Graph, ctx: PassContext, exclude: set,
+               calls: dict[Node, tuple[str, int]]) -> tuple[list, list[Site], bool]:
+        """Rewrite ``p``'s sites: -> (the last matches, their report entries named as in :func:`analyze`, changed).
 
         Sites touching the same node are rewritten one after the other: with ``p.repeat`` the pass looks
         again after each round (nested sites), otherwise a later overlapping site is left as it is."""
         first = matches = p.find(graph, ctx, exclude)
         outcome: dict[str, Site] = {}
+
+        def site(m: Match) -> Site:
+            s = m.to_site(self.graph_tag)
+            name_site(s, m, calls)
+            return s
+
         for _ in range(len(first) + 1 if p.repeat else 1):
             todo = [m for m in matches if m.action == "rewritten"]
             if not todo:
@@ -160,13 +168,13 @@ class SmxPass(CustomGraphPass):
                 if touched & done:
                     continue
                 done |= touched
-                outcome[m.key] = m.to_site(self.graph_tag)
+                outcome[m.key] = site(m)
                 p.rewrite(graph, m, ctx)
             graph.lint()
             if p.repeat:
                 matches = p.find(graph, ctx, exclude)
         for m in matches:
-            outcome.setdefault(m.key, m.to_site(self.graph_tag))
+            outcome.setdefault(m.key, site(m))
         first_keys = [m.key for m in first]
         order = first_keys + [k for k in outcome if k not in set(first_keys)]
         sites = [outcome[k] for k in dict.fromkeys(order) if k in outcome]

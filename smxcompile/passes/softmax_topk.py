@@ -63,6 +63,7 @@ class TopkMatch(Match):
     topk: Node | None = None        # the topk node (the fused call is inserted before it)
     dead: list[Node] = dataclasses.field(default_factory=list)
     absorbed: list[str] = dataclasses.field(default_factory=list)
+    export: bool = False            # captured for an export: the op itself on every device
 
     @property
     def deletes_softmax(self) -> bool:
@@ -80,7 +81,7 @@ class TopkMatch(Match):
     def op_name(self) -> str:
         if self.deletes_softmax:
             return "softmax deleted"
-        return "smx::softmax_topk" if self.device == "cuda" else "smx softmax_topk (CPU two-pass)"
+        return "smx::softmax_topk" if self.device == "cuda" or self.export else "smx softmax_topk (CPU two-pass)"
 
 
 # --------------------------------------------------------------------------- matching
@@ -377,7 +378,7 @@ class SoftmaxTopkPass(RewritePass):
             m = _match_topk_of_softmax(node) or _match_softmax_of_topk(node) or _match_argmax_of_softmax(node)
             if m is None or any(n in claimed or n in exclude for n in (*m.dead, m.softmax)):
                 continue
-            m.prefix = ctx.prefix
+            m.prefix, m.export = ctx.prefix, ctx.export
             if m.action == "rewritten":
                 claimed.update(m.dead)
                 decide(m, ctx, _LADDER)

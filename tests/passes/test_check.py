@@ -92,3 +92,23 @@ def test_a_rejected_quant_softmax_site_computes_what_eager_computes(monkeypatch)
     assert torch.equal(got, _quant(x))
     (rep,) = compiled_reports[n0:]
     assert [(s.kind, s.action) for s in rep] == [("quant_softmax", "kept")], str(rep)
+
+
+def test_what_a_failed_site_leaves_to_a_later_pass_is_checked_too(monkeypatch):
+    # a softmax + top-k site that fails its check leaves its softmax to the softmax pass: that site is checked
+    # in a second round, not rewritten unchecked
+    for kind in ("softmax_topk", "softmax"):
+        p = next(p for p in PASSES if p.name == kind)
+        monkeypatch.setattr(type(p), "run_site", (lambda real: lambda self, m, values: _wrong(real(self, m, values)))(
+            type(p).run_site))
+    rep = smxcompile.explain(_topk, *_inputs("softmax_topk"), options=CHECK)
+    assert [(s.kind, s.action, s.reason[:12]) for s in rep] == [("softmax_topk", "kept", "check failed"),
+                                                                ("softmax", "kept", "check failed")], str(rep)
+
+
+def test_a_bf16_site_is_checked_at_bf16_precision():
+    # softmax(x).double() of bf16 x: eager rounds the probabilities to bf16 before the cast, the op writes them
+    # in fp64 (closer to the gold); a tolerance below bf16's would reject the rewrite
+    x = (torch.randn(8, 256, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
+    rep = smxcompile.explain(lambda t: torch.softmax(t, -1).double(), x, options=CHECK)
+    assert [(s.kind, s.action) for s in rep] == [("softmax", "rewritten")], str(rep)

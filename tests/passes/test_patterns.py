@@ -82,3 +82,21 @@ def test_every_cpu_rule_names_the_benchmark_that_set_it():
         assert scripts and all((REPO / s).is_file() for s in scripts), (name, rule.benchmark)
         assert rule.measured and rule.rule
         assert rule.threshold is None or (isinstance(rule.threshold, int) and rule.threshold > 0)
+
+
+def test_cross_entropy_keeps_a_float64_cast_of_the_logits():
+    # eager computes that loss in fp64; the cut CE op would in fp32: the site is not cut (plain CE on fp64 logits)
+    h, w, y = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
+    rep = smxcompile.explain(lambda h, w, y: torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).double(), y),
+                             h, w, y, options={"cpu": "rewrite"})
+    (site,) = rep.sites
+    assert site.kind == "cross_entropy" and "casts the logits to float64" in site.detail, str(rep)
+
+
+def test_attention_scores_rounded_by_a_cast_are_not_fused():
+    q, k, v = (torch.randn(1, 2, 8, 16).half() for _ in range(3))
+    rep = smxcompile.explain(
+        lambda q, k, v: torch.softmax((q @ k.transpose(-2, -1)).bfloat16(), -1).half() @ v, q, k, v,
+        options={"cpu": "rewrite"})
+    (att,) = rep.filter(kind="attention")
+    assert att.action == "skipped" and "rounded by a cast to torch.bfloat16" in att.reason, str(rep)

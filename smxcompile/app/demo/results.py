@@ -89,12 +89,13 @@ def loss_memory_note(rows: list[dict[str, Any]], rep, s) -> str:
     tokens = s.batch_size * s.seq_len
     buf_mb = tokens * s.vocab_size * 4 / 2**20
     saved = ind["peak_mem_mb"] - smx["peak_mem_mb"]
-    how = (f"linear -> cross-entropy rewritten to cut CE ({n_ce} site{'s' if n_ce != 1 else ''})" if n_ce
-           else "no cut cross-entropy rewrite fired")
-    return (f"loss memory: the logits are {tokens} tokens x {s.vocab_size} classes = {buf_mb:.0f} MB per fp32 buffer; "
-            f"{how}: {smx['backend']} peaks {saved:.0f} MB below inductor "
-            f"({smx['peak_mem_mb']:.0f} vs {ind['peak_mem_mb']:.0f} MB). The logits the model returns stay; "
-            "their fp32 copy, log-softmax and gradient are gone.")
+    head = (f"loss memory: the logits are {tokens} tokens x {s.vocab_size} classes = {buf_mb:.0f} MB per fp32 buffer; "
+            f"{smx['backend']} peaks {saved:.0f} MB below inductor "
+            f"({smx['peak_mem_mb']:.0f} vs {ind['peak_mem_mb']:.0f} MB)")
+    if not n_ce:
+        return head + ": no cut cross-entropy rewrite fired, so the loss's buffers are Inductor's."
+    return (head + f" with linear -> cross-entropy rewritten to cut CE ({n_ce} site{'s' if n_ce != 1 else ''}). "
+            "The logits the model returns stay; their fp32 copy, log-softmax and gradient are gone.")
 
 
 def markdown_table(rows: list[dict[str, Any]], reference: str | None, strict_steps: int) -> str:

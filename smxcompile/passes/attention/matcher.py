@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ..patterns.arith import scale_stage, softcap
+from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, same_size, tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
@@ -309,8 +310,9 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     d = norm_dim(dim, nd)
     if d is None or d != nd - 1:
         return _skip(m, f"softmax over dim={dim!r}, not the key (last) dim")
-    if sm_dtype is not None and (sm_dtype not in FLOAT_DTYPES or tensor_val(x).dtype.itemsize > sm_dtype.itemsize):
-        return _skip(m, f"softmax dtype={sm_dtype} narrows its input")
+    xd = tensor_val(x).dtype
+    if sm_dtype is not None and (sm_dtype not in FLOAT_DTYPES or xd not in FLOAT_DTYPES or not holds(sm_dtype, xd)):
+        return _skip(m, f"softmax dtype={sm_dtype} rounds its input")
     # walk up the score chain: casts, masks, softcap, scale, until the score matmul
     n = x
     stages: list[tuple[str, Any]] = []
@@ -321,9 +323,8 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             break
         dt = cast_dtype(n)
         if dt is not None:
-            src = tensor_val(n.args[0])
-            if src is None or dt not in FLOAT_DTYPES or src.dtype.itemsize > dt.itemsize:
-                return _skip(m, f"the scores are cast down to {dt} before the softmax")
+            if exact_cast(n) is None:
+                return _skip(m, f"the scores are rounded by a cast to {dt} before the softmax")
             stages.append(("cast", n))
             n = n.args[0]
             continue

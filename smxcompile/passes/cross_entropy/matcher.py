@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ..patterns.arith import scalar_factor, softcap
+from ..patterns.casts import widening_cast
 from ..patterns.graph import canon, cast_dtype, dtype_of, is_mutation, same_shape, same_size, tensor_val
 from ..protocol import Match
 
@@ -333,9 +334,13 @@ def walk_to_linear(m: CEMatch) -> str:
             return f"'{n.name}' has no recorded value"
         nxt = None
         if cast_dtype(n) is not None:
-            src = dtype_of(n.args[0])
-            if src is not None and torch.finfo(cast_dtype(n)).bits < torch.finfo(src).bits:
-                return f"'{n.name}' casts the logits down ({src} -> {cast_dtype(n)})"
+            src, dst = dtype_of(n.args[0]), cast_dtype(n)
+            if widening_cast(n) is None:
+                if src is not None and src.is_floating_point and torch.finfo(dst).bits < torch.finfo(src).bits:
+                    return f"'{n.name}' casts the logits down ({src} -> {dst})"
+                if dst == torch.float64:
+                    return f"'{n.name}' casts the logits to float64: fp64 math, which the op would do in fp32"
+                return f"'{n.name}' casts the logits {src} -> {dst}, which rounds them"
             nxt = n.args[0]
             absorbed.append(f"{str(cast_dtype(n)).replace('torch.', '')} cast")
         elif (n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS):

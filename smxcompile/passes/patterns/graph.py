@@ -292,15 +292,19 @@ def stack_trace(node: Node) -> str | None:
 
 
 def functorch_op(graph: Graph) -> str | None:
-    """The first torch.func (functorch) transform op of ``graph`` (grad / vmap / jvp nesting), if any:
-    the smx ops have no functorch rules, so a pass rewrites nothing in such a graph."""
+    """The torch.func (functorch) transform ``graph`` runs, if any: the smx ops have no functorch rules, so a pass
+    rewrites nothing in such a graph. The transform's name (``vmap``, ``grad``, ``jvp``...) when its nesting op
+    says it, else the first functorch op's name."""
+    first = None
     for n in graph.nodes:
         if n.op == "call_function":
             mod = getattr(n.target, "__module__", "") or ""
             name = getattr(n.target, "__name__", "")
-            if "functorch" in mod or name.endswith("_increment_nesting") or name in ("_wrap_for_grad", "_add_batch_dim"):
-                return name or str(n.target)
-    return None
+            if name.endswith("_increment_nesting"):   # torch._C._functorch._vmap_increment_nesting...
+                return name[1:-len("_increment_nesting")] if name.startswith("_") else name
+            if first is None and ("functorch" in mod or name in ("_wrap_for_grad", "_add_batch_dim")):
+                first = name or str(n.target)
+    return first
 
 
 def erase_dead(graph, nodes) -> None:
