@@ -424,10 +424,10 @@ def graph_softmax_topk(x: torch.Tensor, k: int, dim: int, scale: float, renormal
                        dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a rewritten site calls (traced by AOTAutograd): the op on CUDA, its decomposition elsewhere."""
     from ..kernels import config
-    from ..kernels.softmax_topk import _softmax_topk_op, softmax_topk_decomposed
+    from ..kernels.softmax_topk import softmax_topk_decomposed, softmax_topk_op
 
     if x.is_cuda or config.use_triton(x) or config.export_ops:   # CUDA, the Triton interpreter in tests, an export
-        v, i, _ = _softmax_topk_op(x, k, dim, scale, renormalize, dtype)
+        v, i, _ = softmax_topk_op(x, k, dim, scale, renormalize, dtype)
     else:
         v, i, _ = softmax_topk_decomposed(x, k, dim, scale, renormalize, dtype)
     return v, i
