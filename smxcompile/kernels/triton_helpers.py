@@ -153,6 +153,22 @@ def pow2_block(name: str, value: int | None, default: int, extent: int, minimum:
     return max(minimum, min(default, next_pow2(max(extent, 1))))
 
 
+def launch_opts(num_warps: int | None, num_stages: int | None, warps: int, stages: int | None) -> dict:
+    """``{"num_warps", "num_stages"}`` of a launch: the overrides (validated), else the defaults ``warps`` and
+    ``stages`` (no ``num_stages`` when both are None).
+
+    Raises:
+        ValueError: an override that is not a positive int.
+    """
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    opts = {"num_warps": num_warps or warps}
+    if num_stages or stages:
+        opts["num_stages"] = num_stages or stages
+    return opts
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision for operands of ``dtype``: native for 16-bit inputs; for fp32, torch's
     matmul setting (``torch.get_float32_matmul_precision()``: "highest" -> IEEE fp32, "high" -> tf32x3,

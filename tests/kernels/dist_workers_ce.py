@@ -1,4 +1,5 @@
-"""Workers of tests/kernels/test_vocab_parallel_ce.py: each rank runs vocabulary-parallel cut cross-entropy on its shard.
+"""Workers of tests/kernels/test_vocab_parallel_ce.py: each rank runs vocabulary-parallel cut cross-entropy on its
+shard.
 
 Problems are rebuilt from seeds on every rank (and in the parent) with tests/kernels/test_cross_entropy.py's
 ``make_problem`` / ``_options``, so ranks and parent see bit-identical tensors.

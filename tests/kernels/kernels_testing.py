@@ -15,6 +15,7 @@ import importlib
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -38,12 +39,27 @@ def require_triton() -> None:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 
-def run_without_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a Python ``script`` in a fresh process without TRITON_INTERPRET (kernels decorated for a GPU, e.g.
-    to compile them for sm_90 with ``triton.compile``), the repository first on its path."""
+def compile_for_sm90(script: str, compiled: int, timeout: float = 300) -> None:
+    """Run ``script`` (indented text, dedented here), which compiles kernels for sm_90 with ``triton.compile``
+    (no GPU needed: the interpreter is lax about types) and prints ``compiled <n>``, in a fresh process without
+    TRITON_INTERPRET (kernels decorated for a GPU), the repository first on its path. The script starts with
+    ``re``, ``triton`` and ``target`` (a ``GPUTarget`` for sm_90) defined and warnings silenced.
+
+    Skips without triton's nvidia backend; fails unless the script exits 0 and printed ``compiled <compiled>``.
+    """
+    try:
+        from triton.backends import backends
+    except Exception:  # pragma: no cover
+        pytest.skip("triton without backends")
+    if "nvidia" not in backends:  # pragma: no cover
+        pytest.skip("triton's nvidia backend is not installed")
+    header = ("import re, warnings; warnings.filterwarnings('ignore')\nimport triton\n"
+              "from triton.backends.compiler import GPUTarget\ntarget = GPUTarget('cuda', 90, 32)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", header + textwrap.dedent(script)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0 and f"compiled {compiled}" in proc.stdout, proc.stderr[-4000:]
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -12,11 +12,10 @@ the input dtype times the tensor's largest gold magnitude.
 
 import inspect
 import math
-import textwrap
 
 import pytest
 import torch
-from kernels_testing import DEVICE, TRITON_MARKS, require_triton, run_without_interpreter
+from kernels_testing import DEVICE, TRITON_MARKS, compile_for_sm90, require_triton
 
 require_triton()
 
@@ -444,19 +443,9 @@ def test_kernels_compile_for_cuda():
     """Compile the kernels for sm_90 (no GPU needed): the interpreter is lax about types. Check
     in the TTIR that every pointer offset is int64 (and, without Philox, that no int32 tensor
     multiply exists), and the shared memory of the default tiles."""
-    try:
-        from triton.backends import backends
-    except Exception:  # pragma: no cover
-        pytest.skip("triton without backends")
-    if "nvidia" not in backends:  # pragma: no cover
-        pytest.skip("triton's nvidia backend is not installed")
-    script = textwrap.dedent(
+    compile_for_sm90(
         """
-        import re, warnings; warnings.filterwarnings("ignore")
-        import triton
-        from triton.backends.compiler import GPUTarget
         from smxcompile.kernels.attention import triton_backward as b, triton_common as c, triton_forward as f
-        target = GPUTarget("cuda", 90, 32)
         FLOATS = {"scale", "softcap", "dropout_p", "log_skip"}
         def sig(fn, types, cs):
             return {n: "constexpr" if n in cs else types.get(n, "fp32" if n in FLOATS else
@@ -492,7 +481,6 @@ def test_kernels_compile_for_cuda():
             comp(b._bwd_kernel, types, cs, **opts)
         comp(f._keep_kernel, {"out_ptr": "*u8"}, dict(BLOCK_M=16, BLOCK_N=64), num_warps=4)
         print("compiled", n)
-        """
+        """,
+        compiled=16,
     )
-    proc = run_without_interpreter(script)
-    assert proc.returncode == 0 and "compiled 16" in proc.stdout, proc.stderr[-4000:]

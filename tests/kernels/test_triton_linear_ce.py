@@ -13,11 +13,10 @@ is the same computation in the input dtype, and ``tol`` a few ulps of fp32 accum
 
 import inspect
 import math
-import textwrap
 
 import pytest
 import torch
-from kernels_testing import DEVICE, TRITON_MARKS, require_triton, run_without_interpreter
+from kernels_testing import DEVICE, TRITON_MARKS, compile_for_sm90, require_triton
 
 require_triton()
 
@@ -618,19 +617,9 @@ def test_kernels_compile_for_cuda():
     """Compile the kernels for sm_90 (no GPU needed): the interpreter is lax about types. Also
     check in the TTIR that every pointer offset is int64 and no int32 tensor multiply exists,
     and that the default tiles fit in 96 KiB of shared memory."""
-    try:
-        from triton.backends import backends
-    except Exception:  # pragma: no cover
-        pytest.skip("triton without backends")
-    if "nvidia" not in backends:  # pragma: no cover
-        pytest.skip("triton's nvidia backend is not installed")
-    script = textwrap.dedent(
+    compile_for_sm90(
         """
-        import re, warnings; warnings.filterwarnings("ignore")
-        import triton
-        from triton.backends.compiler import GPUTarget
         from smxcompile.kernels.cross_entropy import triton_backward as b, triton_common as c, triton_forward as f
-        target = GPUTarget("cuda", 90, 32)
         FLOATS = {"scale", "softcap", "filter_eps"}
         def sig(fn, types, cs):
             return {n: "constexpr" if n in cs else types.get(n, "fp32" if n in FLOATS else
@@ -674,10 +663,9 @@ def test_kernels_compile_for_cuda():
                   BLOCK_N=c.CE_BLOCKS[0], BLOCK_V=c.CE_BLOCKS[1], BLOCK_D=1, PREC="ieee")
         comp(bwd, {"src_ptr": "*fp16", "gx_ptr": "*bf16", "tgt_ptr": "*i32"}, cs, num_warps=c.CE_WARPS)
         print("compiled", n)
-        """
+        """,
+        compiled=9,
     )
-    proc = run_without_interpreter(script)
-    assert proc.returncode == 0 and "compiled 9" in proc.stdout, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("softcap,label_smoothing,return_logits", [(None, 0.0, False), (5.0, 0.1, True)])

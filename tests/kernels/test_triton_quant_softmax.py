@@ -17,11 +17,10 @@ Rows longer than the block take the two-sweep path; tests force it on short rows
 """
 
 import inspect
-import textwrap
 
 import pytest
 import torch
-from kernels_testing import DEVICE, TRITON_MARKS, require_triton, run_without_interpreter
+from kernels_testing import DEVICE, TRITON_MARKS, compile_for_sm90, require_triton
 
 require_triton()
 
@@ -390,19 +389,9 @@ def test_kernel_compiles_for_cuda():
     that every pointer offset is i64; in the PTX that no fp32 add / sub / mul may be contracted into an
     fma (all ``.rn``: products rounded as ATen rounds them, which the tie-breaking relies on) and that
     no register spills."""
-    try:
-        from triton.backends import backends
-    except Exception:  # pragma: no cover
-        pytest.skip("triton without backends")
-    if "nvidia" not in backends:  # pragma: no cover
-        pytest.skip("triton's nvidia backend is not installed")
-    script = textwrap.dedent(
+    compile_for_sm90(
         """
-        import re, warnings; warnings.filterwarnings("ignore")
-        import triton
-        from triton.backends.compiler import GPUTarget
         from smxcompile.kernels.quant_softmax import triton_kernels as m
-        target = GPUTarget("cuda", 90, 32)
         fn = m._quant_softmax_kernel
         n = 0
         for single, mode, ity, xt, qt, prob, rows, block, warps in [
@@ -428,7 +417,6 @@ def test_kernel_compiles_for_cuda():
             assert "ld.local" not in k.asm["ptx"], cs  # no register spills
             n += 1
         print("compiled", n)
-        """
+        """,
+        compiled=4,
     )
-    proc = run_without_interpreter(script)
-    assert proc.returncode == 0 and "compiled 4" in proc.stdout, proc.stderr[-4000:]

@@ -19,11 +19,10 @@ tolerance of a few ulps of each entry's terms, and per row with ``16 eps scale s
 1000 or 10000, where a backward through ``exp(z - lse)`` with an fp32 ``lse`` loses ~|lse| ulps.
 """
 
-import textwrap
 
 import pytest
 import torch
-from kernels_testing import DEVICE, INTERPRET, TRITON_MARKS, require_triton, run_without_interpreter
+from kernels_testing import DEVICE, INTERPRET, TRITON_MARKS, compile_for_sm90, require_triton
 
 require_triton()
 
@@ -571,7 +570,8 @@ def test_errors(monkeypatch):
 
 def test_module_imports_without_triton(import_without_triton):
     """Loading the module with triton unavailable works; the launchers then raise clearly."""
-    mod = import_without_triton("smxcompile.kernels.softmax_topk.triton_select", "smxcompile.kernels.softmax_topk.triton_kernels")
+    mod = import_without_triton("smxcompile.kernels.softmax_topk.triton_select",
+                                "smxcompile.kernels.softmax_topk.triton_kernels")
     assert mod.triton is None
     x = torch.zeros(2, 3)
     with pytest.raises(RuntimeError, match="need triton"):
@@ -584,19 +584,9 @@ def test_kernels_compile_for_cuda():
     """Compile the kernels for sm_90 (no GPU needed): the interpreter is lax about types.
     Check in the TTIR that every pointer offset is int64. Small tiles keep it quick; the
     default tiles (K_PAD up to 256, BLOCK 2048) compile the same code with larger shapes."""
-    try:
-        from triton.backends import backends
-    except Exception:  # pragma: no cover
-        pytest.skip("triton without backends")
-    if "nvidia" not in backends:  # pragma: no cover
-        pytest.skip("triton's nvidia backend is not installed")
-    script = textwrap.dedent(
+    compile_for_sm90(
         """
-        import re, warnings; warnings.filterwarnings("ignore")
-        import triton
-        from triton.backends.compiler import GPUTarget
         from smxcompile.kernels.softmax_topk import triton_kernels as m
-        target = GPUTarget("cuda", 90, 32)
         def sig(fn, types, cs):
             def default(a):
                 if a == "scale":
@@ -629,7 +619,6 @@ def test_kernels_compile_for_cuda():
             comp(m._softmax_topk_bwd_sparse_kernel, dict(x_ptr="*fp16", g_ptr="*fp32", i_ptr="*i32",
                  dx_ptr="*fp32"), dict(K_PAD=64, ROWS=64, RENORM=renorm), num_warps=8)
         print("compiled", n)
-        """
+        """,
+        compiled=7,
     )
-    proc = run_without_interpreter(script)
-    assert proc.returncode == 0 and "compiled 7" in proc.stdout, proc.stderr[-4000:]

@@ -142,6 +142,10 @@ class _Problem:
 @autocast_off
 def torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
                   n_keys=None):
+    """``smx::attention``'s output on the torch path: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev),
+    the op's other arguments (see :func:`~.ops.attention_op`); -> (B, Hq, L, Ev) in q's dtype, computed by
+    blocks of query rows in fp32 (fp64 for fp64) ("FlashAttention", Dao et al., 2022: nothing of size
+    L x S for all heads at once)."""
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, L, Ev), dtype=q.dtype, device=q.device)

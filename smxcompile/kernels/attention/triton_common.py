@@ -93,7 +93,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_helpers import dot_f32, dot_precision, next_pow2, pow2_block, tl, triton  # triton, tl: None without it
+from ..triton_helpers import (dot_f32, dot_precision, launch_opts, next_pow2, pow2_block, tl,
+                              triton)  # triton, tl: None without it
 
 __all__ = ["NORM_CODES", "SPARSE_ITERS", "BLOCKS_16", "BLOCKS_32", "check_args", "launch_config", "tensor4", "stages"]
 
@@ -268,15 +269,6 @@ BLOCKS_32 = {64: (32, 32), 128: (32, 32), 256: (16, 16)}
 STAGES = 2
 
 
-def _launch_opts(num_warps, num_stages, block_e: int, dtype: torch.dtype) -> dict:
-    """``{"num_warps", "num_stages"}``: the overrides (validated), else 4 / 8 warps by head dim and :func:`stages`."""
-    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return {"num_warps": num_warps or (4 if block_e <= 64 else 8),
-            "num_stages": num_stages or stages(block_e, dtype == torch.float32)}
-
-
 def stages(block_e: int, fp32: bool) -> int:
     """Software-pipelining depth: 2, or 1 for fp32 with head dims > 128 (shared memory)."""
     return 1 if fp32 and block_e > 128 else STAGES
@@ -377,7 +369,8 @@ def launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_par
     table = BLOCKS_32 if q.dtype == torch.float32 else BLOCKS_16
     dm, dn = table[64 if max(be, bev) <= 64 else 128 if max(be, bev) <= 128 else 256]
     bm, bn = pow2_block("block_m", block_m, dm, L, 16), pow2_block("block_n", block_n, dn, S, 16)
-    opts = _launch_opts(num_warps, num_stages, max(be, bev), q.dtype)
+    e_pad = max(be, bev)
+    opts = launch_opts(num_warps, num_stages, 4 if e_pad <= 64 else 8, stages(e_pad, q.dtype == torch.float32))
     cs = dict(NORM=code, HAS_PARAM=norm_param is not None, HAS_N=n_keys is not None, MASK_KIND=kind, IS_CAUSAL=is_causal,
               HAS_SOFTCAP=softcap is not None, DROPOUT=dropout_p > 0.0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_E=be,
               BLOCK_EV=bev, PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype))

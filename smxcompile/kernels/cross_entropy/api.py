@@ -182,7 +182,8 @@ def _run_stats(stats, tgt, probs, n, v, class_weight, token_weight, ignore_index
         q = probs if not eps else probs * (1.0 - eps) + eps / v
         dummy = torch.zeros(n, dtype=torch.long, device=probs.device)
         lse, tl, om, ws = stats(True, dummy, q)
-        loss, zl = compose_loss(lse, tl, ws, None, q, v, class_weight, token_weight, ignore_index, reduction, 0.0, z_scale)
+        loss, zl = compose_loss(lse, tl, ws, None, q, v, class_weight, token_weight, ignore_index, reduction, 0.0,
+                                z_scale)
     else:
         lse, tl, om, ws = stats(bool(eps), tgt, None)
         loss, zl = compose_loss(lse, tl, ws, tgt, None, v, class_weight, token_weight, ignore_index, reduction, eps,

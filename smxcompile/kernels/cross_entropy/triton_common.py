@@ -71,7 +71,7 @@ from ..common import FLOAT_DTYPES
 from ..triton_helpers import tl, triton  # None without triton
 
 __all__ = ["CE_BLOCKS", "CE_WARPS", "tensor_arg", "float_tensor", "check_target", "check_scalars", "check_linear",
-           "check_class_weight", "launch_opts"]
+           "check_class_weight"]
 
 # Logits-given paths (no tl.dot: any block sizes).
 CE_BLOCKS = (8, 1024)
@@ -122,26 +122,6 @@ if triton is not None:
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
         return z
-
-
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
-
-def launch_opts(num_warps: int | None, num_stages: int | None, warps: int, stages: int | None) -> dict:
-    """``{"num_warps", "num_stages"}`` of a launch: the overrides (validated), else the defaults ``warps`` and
-    ``stages`` (no ``num_stages`` when both are None).
-
-    Raises:
-        ValueError: an override that is not a positive int.
-    """
-    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    opts = {"num_warps": num_warps or warps}
-    if num_stages or stages:
-        opts["num_stages"] = num_stages or stages
-    return opts
 
 
 # --------------------------------------------------------------------------------------

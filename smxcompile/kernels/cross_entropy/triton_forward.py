@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from ..common import FLOAT_DTYPES
-from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, on_device, pow2_block,
-                              sm_count, tl, triton)  # triton, tl: None without it
+from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, launch_opts, on_device,
+                              pow2_block, sm_count, tl, triton)  # triton, tl: None without it
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
-                            float_tensor, launch_opts, tensor_arg)
+                            float_tensor, tensor_arg)
 
 __all__ = ["lce_forward", "ce_forward"]
 

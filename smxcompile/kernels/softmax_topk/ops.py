@@ -13,7 +13,7 @@ from .decomposed import softmax_topk_decomposed
 __all__ = ["softmax_topk_op", "TRITON_MAX_K"]
 
 
-#: Largest k of the Triton kernels (``triton_softmax_topk.MAX_K``); a larger k runs the torch path.
+#: Largest k of the Triton kernels (``triton_kernels.MAX_K``); a larger k runs the torch path.
 TRITON_MAX_K = 256
 
 
