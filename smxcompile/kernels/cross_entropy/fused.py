@@ -80,10 +80,12 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
         grad_weight += P'^T @ (a * E) + index_add_y((a - b) * E)
 
     and without smoothing or soft-cap the only passes over the chunk's logits are the matmul that writes
-    them, a row max, ATen's in-place softmax and one sum. Label smoothing's ``c w`` term is elementwise: the
-    chunk is then scaled by ``a`` first (one pass) and the term subtracted (one pass); a soft-cap multiplies
-    by ``dz/dx`` (one pass). Ignored rows are skipped entirely (unless the logits are returned); chunks reuse
-    one buffer, of at least :data:`MIN_CHUNK_ROWS` rows unless ``chunk_bytes`` is given.
+    them, a row max, ATen's in-place softmax and one sum. Label smoothing adds one pass (the weighted sum):
+    its ``c w^T`` term is rank one, so its products with W and E are taken apart (``c (w @ W)``,
+    ``w (c @ E)``). A soft-cap multiplies by ``dz/dx`` (one pass); the smoothing term is then elementwise:
+    the chunk is scaled by ``a`` first (one pass) and the term subtracted (one pass). Ignored rows are
+    skipped entirely (unless the logits are returned); chunks reuse one buffer, of at least
+    :data:`MIN_CHUNK_ROWS` rows unless ``chunk_bytes`` is given.
 
     Args:
         input (N, D), weight (V, D), bias (V,) or None: one float dtype (the matmul runs in it, as F.linear).
@@ -127,9 +129,20 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
         count = n
     step = max(rows_per_chunk(v, chunk_bytes, acc), min(MIN_CHUNK_ROWS, count) if not chunk_bytes else 1)
     buf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count else None
-    dbuf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count and softcap is not None else None
+    dbuf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count and softcap is not None \
+        else None
     gbuf = torch.empty((min(step, count), input.shape[1]), dtype=acc, device=input.device) if count else None
     same = input.dtype == acc and weight.dtype == acc
+    # smoothing without soft-cap: the -c w^T term of the gradient is rank one, so its products are taken apart:
+    # grad_input -= c (w @ W) per chunk; grad_weight -= w (c @ E) and grad_bias -= w sum(c) once, at the end
+    rank_one = bool(eps) and softcap is None and count > 0
+    if rank_one:
+        c_sum = torch.zeros((), dtype=acc, device=input.device)
+        c_e = torch.zeros(input.shape[1], dtype=acc, device=input.device)
+        w_w = torch.zeros(input.shape[1], dtype=acc, device=input.device)
+        for j0 in range(0, v, step):  # w @ W in acc, a chunk of rows at a time (no copy of W)
+            wj = w_gi[j0:j0 + step] if w_gi.dtype == acc else w_gi[j0:j0 + step].to(acc)
+            w_w += w_full[j0:j0 + step] @ wj if w_full is not None else wj.sum(0)
     for r0 in range(0, count, step):
         r1 = min(count, r0 + step)
         r = r1 - r0
@@ -156,13 +169,12 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
         idx = torch.where(valid, tgt, 0).unsqueeze(1)
         tl[sel] = torch.where(valid, zsrc.gather(1, idx).squeeze(1), 0.0)
         if ws is not None:
-            ws[sel] = (zsrc * w_full).sum(1) if w_full is not None else zsrc.sum(1)
+            ws[sel] = zsrc @ w_full if w_full is not None else zsrc.sum(1)
         dzdx = None
         if softcap is not None:
             # dz/dx = scale * (1 - (z / softcap)^2), from z before the softmax overwrites it
             dzdx = dbuf[:r]
-            torch.div(zsrc, softcap, out=dzdx)
-            dzdx.mul_(dzdx).neg_().add_(1.0).mul_(scale)
+            torch.mul(zsrc, zsrc, out=dzdx).mul_(-scale / (softcap * softcap)).add_(scale)
         m, am = zsrc.max(1)
         torch.ops.aten._softmax.out(zsrc, 1, False, out=z)  # out of place from the returned logits
         # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
@@ -180,14 +192,15 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
             ab_s = ab_s * dzdx.gather(1, idx).squeeze(1)  # the target entry's dz/dx
         row = a_s  # the row factor applied after the matmuls
         if c0 is not None:
-            # smoothing's -c w term is elementwise: the row factor goes into the chunk first
             c_s = c0[sel] * k
-            z.mul_(a_s.unsqueeze(1))
-            if w_full is not None:
-                z.addcmul_(c_s.unsqueeze(1), w_full, value=-1.0)
-            else:
-                z.sub_(c_s.unsqueeze(1))
-            row = None
+            if not rank_one:
+                # times the soft-cap's dz/dx the -c w^T term is elementwise: the row factor goes in first
+                z.mul_(a_s.unsqueeze(1))
+                if w_full is not None:
+                    z.addcmul_(c_s.unsqueeze(1), w_full, value=-1.0)
+                else:
+                    z.sub_(c_s.unsqueeze(1))
+                row = None
         if dzdx is not None:
             z.mul_(dzdx)
         has_ab = bool((ab_s != 0).any())
@@ -201,6 +214,10 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
             g.mul_(row.unsqueeze(1))
         if has_ab:
             g.add_(w_gi.index_select(0, idx.squeeze(1)).to(acc) * ab_s.unsqueeze(1))
+        if rank_one:
+            g.addr_(c_s, w_w, alpha=-1.0)
+            c_sum += c_s.sum()
+            c_e += c_s @ ef
         gi[sel] = g.to(gdt)
         gw.addmm_(z.t(), ef * row.unsqueeze(1) if row is not None else ef)
         if has_ab:
@@ -209,6 +226,13 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
             gb.add_(z.t() @ row if row is not None else z.sum(0))
             if has_ab:
                 gb.index_add_(0, idx.squeeze(1), ab_s)
+    if rank_one:  # grad_weight -= w (c @ E), grad_bias -= w sum(c)
+        if w_full is not None:
+            gw.addr_(w_full, c_e, alpha=-1.0)
+        else:
+            gw.sub_(c_e)
+        if gb is not None:
+            gb.sub_(w_full * c_sum if w_full is not None else c_sum)
     loss, zl = compose_loss(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
                             z_scale)
     return loss, zl, lse, gi, gw.to(gdt), gb  # gb: V numbers, kept in fp32 (fp64): rounded once, in the backward
