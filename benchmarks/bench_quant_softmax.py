@@ -4,7 +4,7 @@
 A softmax whose output goes straight into a uint8 quantizer (``smxcompile.quantize_softmax`` emits this;
 so do PyTorch 2 export quantization flows) is what the smx pass ``quant_softmax`` lowers to
 ``smx::quant_softmax``: softmax and quantization in one pass that writes the one-byte codes and never
-the fp32 probabilities (smxcompile/kernels/quant_softmax.py; on CUDA a Triton kernel). On CPU the default
+the fp32 probabilities (smxcompile/kernels/quant_softmax/; on CUDA a Triton kernel). On CPU the default
 policy (``cpu="auto"``) KEEPS the site, on the claim that Inductor already fuses softmax + quantize (+
 dequantize) into one C++ loop and the op is an opaque call there; ``options={"cpu": "rewrite"}`` lowers
 it anyway. This benchmark measures that claim, and the op on CUDA.

@@ -4,8 +4,8 @@
 The smx backend rewrites ``topk(softmax(x), k)`` (optionally renormalized, ``v / v.sum(-1, keepdim=True)``),
 ``softmax(topk(x).values)`` and ``argmax(softmax(x))`` without writing the probabilities of the whole row:
 on CUDA a Triton kernel (smx::softmax_topk); on CPU a two-pass decomposition that Inductor compiles
-(smxcompile/kernels/softmax_topk.py: chunk maxima -> top-k over k*128 candidates for long rows, k rounds
-of an int64-key max or a compare-exchange network for short ones; then one sum of exp). argmax(softmax(x)) loses its softmax.
+(smxcompile/kernels/softmax_topk/decomposed.py: chunk maxima -> top-k over k*128 candidates for long rows,
+k rounds of an int64-key max or a compare-exchange network for short ones; then one sum of exp). argmax(softmax(x)) loses its softmax.
 
 Families of cases (--families), all fp32, reduction over the last (contiguous) dim:
 

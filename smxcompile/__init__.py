@@ -8,11 +8,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .kernels import log_softmax, softmax  # noqa: E402  (registers the smx:: ops)
-from .kernels import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: E402
-from .kernels import NORMALIZERS, attention  # noqa: E402
-from .kernels import softmax_topk  # noqa: E402
-from .kernels import quant_softmax  # noqa: E402
+from .kernels.softmax import log_softmax, softmax  # noqa: E402  (registers the smx:: ops)
+from .kernels.cross_entropy import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: E402
+from .kernels.attention import NORMALIZERS, attention  # noqa: E402
+from .kernels.softmax_topk import softmax_topk  # noqa: E402
+from .kernels.quant_softmax import quant_softmax  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
 from .explain import explain  # noqa: E402

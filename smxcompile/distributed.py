@@ -2,7 +2,7 @@
 
 - :func:`vocab_parallel_linear_cross_entropy` (also reached as ``smxcompile.linear_cross_entropy(...,
   process_group=group)`` or with a DTensor ``weight`` sharded on dim 0): cut cross-entropy with the
-  classifier sharded by vocabulary rows; see :mod:`smxcompile.kernels.vocab_parallel_ce`.
+  classifier sharded by vocabulary rows; see :mod:`smxcompile.kernels.cross_entropy.vocab_parallel`.
 - :class:`CollectiveCounter`: records every c10d collective a block of code issues on this rank, with
   its bytes, to measure communication volume (``benchmarks/bench_vocab_parallel_ce.py``). torch's own
   ``CommDebugMode`` counts collectives but not their bytes.
@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .kernels.vocab_parallel_ce import VocabShard, vocab_parallel_linear_cross_entropy
+from .kernels.cross_entropy import VocabShard, vocab_parallel_linear_cross_entropy
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard", "CollectiveCounter", "Collective"]
 

@@ -16,8 +16,9 @@ python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothes
 
 # TRITON_INTERPRET stays unset: the real kernels run on the GPU.
 unset TRITON_INTERPRET
-timeout 185 python -m pytest -q -x tests/test_triton_softmax.py tests/test_softmax_numerics.py \
-  tests/test_triton_linear_ce.py tests/test_triton_attention.py tests/test_triton_softmax_topk.py tests/test_triton_op.py tests/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
+timeout 185 python -m pytest -q -x tests/kernels/test_triton_softmax.py tests/kernels/test_softmax_numerics.py \
+  tests/kernels/test_triton_linear_ce.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_softmax_topk.py \
+  tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # vocabulary-parallel cut cross-entropy: the Triton kernels per shard (2 gloo ranks on this GPU) vs the unsharded op
 timeout 45 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8

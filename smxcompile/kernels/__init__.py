@@ -3,10 +3,16 @@
 Each op has a CUDA path (Triton kernels), a CPU path (the fastest code measured on
 CPU) and a fake (meta) kernel and autograd formula so it works under
 ``torch.compile`` and ``torch.export``.
+
+One package per op, each exporting its public names: :mod:`.softmax` (``smx::softmax``,
+``smx::log_softmax``), :mod:`.cross_entropy` (``smx::*ce*``; the vocabulary-parallel form too),
+:mod:`.attention` (``smx::attention``, ``smx::attention_backward``), :mod:`.softmax_topk`
+(``smx::softmax_topk``, ``smx::softmax_topk_backward``), :mod:`.quant_softmax` (``smx::quant_softmax``).
+Shared: :mod:`.common` (dtypes, autocast), :mod:`.triton_helpers` (what every Triton launcher uses),
+:mod:`.config` (switches), :mod:`.decompositions` (the ops' reference ATen forms, for exporters).
 """
 
-from .softmax import log_softmax, softmax  # noqa: F401  (registers smx::softmax, smx::log_softmax)
-from .cross_entropy import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: F401,E402  (smx::*ce* ops)
-from .attention import NORMALIZERS, attention  # noqa: F401,E402  (smx::attention, smx::attention_backward)
-from .softmax_topk import softmax_topk  # noqa: F401,E402  (smx::softmax_topk, smx::softmax_topk_backward)
-from .quant_softmax import quant_softmax  # noqa: F401,E402  (smx::quant_softmax)
+# Importing the packages registers their ops.
+from . import attention, cross_entropy, quant_softmax, softmax, softmax_topk  # noqa: F401
+
+__all__ = ["attention", "cross_entropy", "quant_softmax", "softmax", "softmax_topk"]

@@ -7,7 +7,7 @@ call of the op by ATen ops. :func:`smxcompile.export_mlir` uses the table; any e
 does not know ``smx::*`` can. They follow the math of the op's torch (CPU) path, rewritten without
 in-place updates, chunking or blocking:
 
-* ``smx::softmax`` / ``smx::log_softmax``: the op's prologue (:func:`.softmax._prologue`: scale,
+* ``smx::softmax`` / ``smx::log_softmax``: the op's prologue (:func:`.softmax.prologue`: scale,
   soft-cap, additive mask; fp32 for half inputs), then ``torch.softmax`` / ``torch.log_softmax`` and the
   cast to ``dtype``; the log-sum-exp when ``return_lse``.
 * ``smx::softmax_topk``: ``topk`` of the scaled logits (softmax is monotone), values ``exp(z_top - m) /
@@ -35,18 +35,17 @@ are the kernels' methods, not needed here (the forms materialize the rows).
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-# (the package re-exports functions under the modules' names: take the modules themselves)
-_attn = importlib.import_module(f"{__package__}.attention")
-_ce = importlib.import_module(f"{__package__}.cross_entropy")
-_qs = importlib.import_module(f"{__package__}.quant_softmax")
-_sm = importlib.import_module(f"{__package__}.softmax")
-_topk = importlib.import_module(f"{__package__}.softmax_topk")
+from .attention import NORMALIZERS
+from .attention.reference import causal_keep
+from .common import acc_dtype
+from .cross_entropy.chunked import weights_rows
+from .quant_softmax import quant_softmax_decomposed
+from .softmax import prologue
 
 __all__ = ["decomposition_table", "softmax_ref", "log_softmax_ref", "softmax_topk_ref", "quant_softmax_ref",
            "attention_ref", "ce_stats_ref", "linear_ce_stats_ref"]
@@ -57,12 +56,12 @@ __all__ = ["decomposition_table", "softmax_ref", "log_softmax_ref", "softmax_top
 
 def _softmax_like(x, dim, scale, softcap, mask, dtype, return_lse, log):
     out_dtype = dtype or x.dtype
-    z = _sm._prologue(x, scale, softcap, mask)           # fp32 (fp64 for fp64 x) from here on
+    z = prologue(x, scale, softcap, mask)           # fp32 (fp64 for fp64 x) from here on
     y = (torch.log_softmax if log else torch.softmax)(z, dim).to(out_dtype)
     if return_lse:
-        lse = torch.logsumexp(z.to(_sm._lse_dtype(x)), dim)
+        lse = torch.logsumexp(z.to(acc_dtype(x)), dim)
     else:
-        lse = x.new_zeros((0,), dtype=_sm._lse_dtype(x))
+        lse = x.new_zeros((0,), dtype=acc_dtype(x))
     return y, lse
 
 
@@ -82,7 +81,7 @@ def log_softmax_ref(x, dim, scale=1.0, softcap=None, mask=None, dtype=None, retu
 def softmax_topk_ref(x, k, dim, scale, renormalize, dtype):
     """``smx::softmax_topk``: ``(values, indices, logd)`` (see the module docstring)."""
     out_dtype = dtype or x.dtype
-    acc = _topk._acc_dtype(x)
+    acc = acc_dtype(x)
     d = dim % x.dim()
     z = x.to(acc) * scale
     lead = [s for i, s in enumerate(x.shape) if i != d]
@@ -109,8 +108,8 @@ def softmax_topk_ref(x, k, dim, scale, renormalize, dtype):
 
 def quant_softmax_ref(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype, prob_dtype=None):
     """``smx::quant_softmax``: :func:`.quant_softmax.quant_softmax_decomposed` (contiguous)."""
-    return _qs.quant_softmax_decomposed(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype,
-                                        prob_dtype).contiguous()
+    return quant_softmax_decomposed(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype,
+                                    prob_dtype).contiguous()
 
 
 # --------------------------------------------------------------------------- attention
@@ -127,7 +126,7 @@ def attention_ref(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, nor
                                   "of the CUDA kernel only; it has no reference form")
     B, Hq, L, _ = q.shape
     Hkv, S, Ev = v.shape[1], v.shape[2], v.shape[3]
-    acc = _attn._acc_dtype(q)
+    acc = acc_dtype(q)
     stats = q.new_zeros((B, Hq, L, 2), dtype=torch.float32)
     if statically_known_true(S == 0):
         return q.new_zeros((B, Hq, L, Ev)), stats
@@ -147,20 +146,20 @@ def attention_ref(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, nor
             s = s + madd
             keep = madd != float("-inf")
     if is_causal:
-        tri = _attn._causal_keep(0, L, S, q.device)
+        tri = causal_keep(0, L, S, q.device)
         keep = tri if keep is None else keep & tri
     if keep is not None:
         keep = keep.expand(B, Hq, L, S)
     if n_keys is not None:
         n = n_keys.to(acc).reshape(B, Hq, L, 1).clamp(min=1.0)
     else:
-        # the keys each row may see, S or min(i + 1, S) (as _visible_keys), counted from tensors: a Python
-        # float(S) would fix a dynamic S to the example's size
-        visible = _attn._causal_keep(0, L, S, q.device) if is_causal else torch.ones(L, S, dtype=torch.bool,
-                                                                                      device=q.device)
+        # the keys each row may see, S or min(i + 1, S) (as attention.reference.visible_keys), counted from
+        # tensors: a Python float(S) would fix a dynamic S to the example's size
+        visible = causal_keep(0, L, S, q.device) if is_causal else torch.ones(L, S, dtype=torch.bool,
+                                                                              device=q.device)
         n = visible.sum(-1, keepdim=True).to(acc)
     param = None if norm_param is None else norm_param.to(acc).reshape(B, Hq, 1, 1)
-    w = _attn.NORMALIZERS[normalizer].ref(s, keep, n, param)
+    w = NORMALIZERS[normalizer].ref(s, keep, n, param)
     out = torch.matmul(w, va).to(q.dtype)
     return out, stats
 
@@ -170,14 +169,14 @@ def attention_ref(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, nor
 
 def _row_stats(z, target, probs, class_weight, ignore_index, need_ws):
     """``(lse, target_logit, other_mass, weighted_sum or empty)`` of the (N, V) transformed logits ``z``
-    (acc dtype), as :func:`.cross_entropy._stats_chunk` computes them chunk by chunk."""
+    (acc dtype), as :mod:`.cross_entropy.chunked` computes them chunk by chunk."""
     n, v = z.shape
     acc = z.dtype
     has_target = probs is None
     empty_v = statically_known_true(v == 0)
     lse = z.new_full((n,), float("-inf")) if empty_v else torch.logsumexp(z, 1)
     if need_ws:
-        w = _ce._weights_rows(class_weight, probs, 0, n, acc)
+        w = weights_rows(class_weight, probs, 0, n, acc)
         ws = (z * w).sum(1) if w is not None else z.sum(1)
     else:
         ws = z.new_zeros((0,))
@@ -209,7 +208,7 @@ def _transformed(x, scale, softcap):
 def ce_stats_ref(logits, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum,
                  chunk_bytes):
     """``smx::ce_stats``: ``(lse, target_logit, other_mass, weighted_sum or empty)``, each (N,) fp32 (fp64)."""
-    acc = _ce._acc_dtype(logits)
+    acc = acc_dtype(logits)
     z = _transformed(logits.to(acc), scale, softcap)
     return _row_stats(z, target, probs, class_weight, ignore_index, need_weighted_sum)
 
@@ -218,7 +217,7 @@ def linear_ce_stats_ref(input, weight, bias, target, probs, class_weight, ignore
                         need_weighted_sum, return_logits, logits_dtype, chunk_bytes):
     """``smx::linear_ce_stats``: :func:`ce_stats_ref` of ``input @ weight.T + bias`` (matmul in the input
     dtype, as ``F.linear``), plus the transformed logits in ``logits_dtype`` when ``return_logits``."""
-    acc = _ce._acc_dtype(input)
+    acc = acc_dtype(input)
     x = torch.nn.functional.linear(input, weight, bias)
     z = _transformed(x.to(acc), scale, softcap)
     if return_logits:

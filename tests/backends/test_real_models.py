@@ -65,8 +65,8 @@ transformers = pytest.importorskip("transformers")
 import smxcompile  # noqa: E402
 from smxcompile.backends import smx as smx_backend_mod  # noqa: E402
 
-# the module, not the ``softmax`` function that ``smxcompile.kernels`` re-exports under the same name
-smx_kernels = importlib.import_module("smxcompile.kernels.softmax")
+from smxcompile.kernels.cross_entropy import ops as ce_kernels  # noqa: E402
+from smxcompile.kernels.softmax import ops as smx_kernels  # noqa: E402
 
 RTOL = 1e-4
 ATOL = 1e-6
@@ -310,7 +310,7 @@ def smx_cpu_kernel_spy(drop_mask: bool = False):
     """Count the runtime calls of the smx ops' CPU implementations (forward and backward).
 
     The compiled code calls ``smx::softmax`` as an opaque kernel whose body looks up
-    ``smxcompile.kernels.softmax._forward_impl`` / ``_backward_impl`` at call time, so wrapping
+    ``smxcompile.kernels.softmax.ops._forward_impl`` / ``_backward_impl`` at call time, so wrapping
     those sees exactly the calls the compiled step makes, without recompiling. (A
     ``TorchDispatchMode`` does not: Dynamo does not run compiled code under an active mode.)
     With ``drop_mask=True`` the forward ignores its additive mask: a deliberately wrong softmax
@@ -417,8 +417,6 @@ def test_forced_rewrite_matches_eager(name):
 CE_VOCAB = 5000   # >= CPU_MIN_VOCAB: the default CPU policy rewrites the LM head + loss
 MASK_ID = 4       # BERT's [MASK] in these tests (any id < CE_VOCAB)
 
-# the module, not the ``cross_entropy`` function that ``smxcompile.kernels`` re-exports under the same name
-ce_kernels = importlib.import_module("smxcompile.kernels.cross_entropy")
 
 
 def make_ce_case(name: str) -> Case:
@@ -437,20 +435,20 @@ def make_ce_case(name: str) -> Case:
 
 @contextlib.contextmanager
 def fused_ce_spy():
-    """Count runtime calls of the fused CPU linear cross-entropy (``_fused_forward``: loss and gradients
+    """Count runtime calls of the fused CPU linear cross-entropy (``fused_forward``: loss and gradients
     in one pass over the logits chunks), which the compiled step reaches through ``smx::linear_ce_loss``."""
     calls = {"fused_forward": 0}
-    real = ce_kernels._fused_forward
+    real = ce_kernels.fused_forward
 
     def spy(*a, **k):
         calls["fused_forward"] += 1
         return real(*a, **k)
 
-    ce_kernels._fused_forward = spy
+    ce_kernels.fused_forward = spy
     try:
         yield calls
     finally:
-        ce_kernels._fused_forward = real
+        ce_kernels.fused_forward = real
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import os
 
@@ -26,6 +25,7 @@ from expecttest import TestCase
 
 import smxcompile
 from smxcompile.backends import smx as smx_backend_mod
+from smxcompile.kernels.cross_entropy import ops as ce_kernels  # where the op bodies look them up
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass, analyze
 from smxcompile.passes.policy import cpu_threshold
@@ -34,8 +34,6 @@ from smxcompile.report import Report
 import pass_helpers
 from pass_helpers import REWRITE, Rewrite, dynamo_graph
 
-# the module (``smxcompile.kernels.cross_entropy`` as an attribute is the function of that name)
-ce_kernels = importlib.import_module("smxcompile.kernels.cross_entropy")
 CPU_MIN_VOCAB = cpu_threshold("linear_cross_entropy_min_vocab")
 HERE = os.path.abspath(__file__)
 
@@ -83,12 +81,12 @@ def args_of(fn, d: dict) -> tuple:
 
 @contextlib.contextmanager
 def kernel_spy():
-    """Count runtime calls of the CPU cross-entropy kernels: ``_fused_forward`` (linear CE, scalar
-    reduction, gradients computed in the forward) and ``_torch_forward`` (the row-statistics path:
+    """Count runtime calls of the CPU cross-entropy kernels: ``fused_forward`` (linear CE, scalar
+    reduction, gradients computed in the forward) and ``torch_forward`` (the row-statistics path:
     reduction none, probability targets, the plain CE op). The compiled code reaches them through
     the smx custom ops' bodies, which look them up in the module at call time."""
     calls = {"fused": 0, "stats": 0}
-    fused, stats = ce_kernels._fused_forward, ce_kernels._torch_forward
+    fused, stats = ce_kernels.fused_forward, ce_kernels.torch_forward
 
     def f(*a, **k):
         calls["fused"] += 1
@@ -98,11 +96,11 @@ def kernel_spy():
         calls["stats"] += 1
         return stats(*a, **k)
 
-    ce_kernels._fused_forward, ce_kernels._torch_forward = f, s
+    ce_kernels.fused_forward, ce_kernels.torch_forward = f, s
     try:
         yield calls
     finally:
-        ce_kernels._fused_forward, ce_kernels._torch_forward = fused, stats
+        ce_kernels.fused_forward, ce_kernels.torch_forward = fused, stats
 
 
 def _outputs(out) -> tuple[torch.Tensor, ...]:
@@ -1003,13 +1001,13 @@ def test_check_option_passes_on_a_ce_site():
 def test_check_option_rejects_a_wrong_ce_kernel(monkeypatch):
     # the check runs the site through the kernel on the example inputs: a kernel that gets the target
     # logit wrong is caught, and the site is put back
-    stats = ce_kernels._torch_forward
+    stats = ce_kernels.torch_forward
 
     def wrong(*a, **k):
         lse, tl, om, ws = stats(*a, **k)
         return lse, tl * 0.5, om, ws
 
-    monkeypatch.setattr(ce_kernels, "_torch_forward", wrong)
+    monkeypatch.setattr(ce_kernels, "torch_forward", wrong)
     compiled, reports = compile_report(with_bias, options={"check": True, "cpu": "rewrite"})
     d = data()
     torch.testing.assert_close(compiled(d["h"], d["W"], d["b"], d["y"]), with_bias(d["h"], d["W"], d["b"], d["y"]))

@@ -13,7 +13,6 @@ strategies and special values run through ``torch.compile(backend="smx")``.
 from __future__ import annotations
 
 import copy
-import importlib
 from unittest import mock
 
 import pytest
@@ -24,13 +23,12 @@ from expecttest import TestCase
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import smxcompile
+from smxcompile.kernels.softmax_topk import decomposed as K
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass
 from pass_helpers import Rewrite, dynamo_graph, graph_text, rewrite
 
 REWRITE = {"cpu": "rewrite"}
-# the module (``smxcompile.kernels.softmax_topk`` as an attribute is the function of the same name)
-K = importlib.import_module("smxcompile.kernels.softmax_topk")
 
 
 # --------------------------------------------------------------------------- helpers

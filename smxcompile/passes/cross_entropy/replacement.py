@@ -17,14 +17,15 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
     (and reshapes) the loss applied to the returned logits; every row of ``h`` is computed (the logits are
     returned whole) and the rows the loss dropped get ``ignore_index`` targets.
     """
-    from ...kernels.cross_entropy import _autocast, _linear_ce_core
+    from ...kernels.common import autocast_operands
+    from ...kernels.cross_entropy import linear_ce_core
 
     if weight_t:
         weight = weight.t()   # a (D, V) classifier (Conv1D / ``x @ M``): made row-major (V, D) below
     if compute_dtype is not None:
         h, weight, bias = (None if t is None else t.to(compute_dtype) for t in (h, weight, bias))
     else:
-        h, weight, bias = _autocast(h, weight, bias)
+        h, weight, bias = autocast_operands(h, weight, bias)
     d = h.shape[-1]
     lead = tuple(h.shape[:-1])
     # row-major operands: the ops' fake implementations give the gradients the strides of input / weight,
@@ -42,7 +43,7 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
                 (sel,), tgt)
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
-    loss, zl, lse, logits = _linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
+    loss, zl, lse, logits = linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
                                             float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
                                             0)  # 0: the default chunk policy
     if reduction == "none":

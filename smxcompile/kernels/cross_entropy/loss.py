@@ -1,0 +1,264 @@
+"""Cross-entropy from its row statistics: :func:`compose_loss` (every variant of torch's cross_entropy as a few
+ops on N-vectors), the result's form (:class:`CrossEntropyOutput`, :func:`finish_output`) and the argument
+checks the single-device and vocabulary-parallel functions share."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..common import FLOAT_DTYPES, autocast_on, autocast_operands
+
+__all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
+           "loss_dtype", "check_linear", "is_dtensor", "needs_grad"]
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What the cross-entropy functions return when ``return_lse`` or ``return_z_loss`` is set.
+
+    ``loss``: as ``F.cross_entropy`` (z-loss included when ``lse_square_scale > 0``);
+    ``lse``: per-token log-sum-exp (fp32, shape of ``target``; differentiable), or None;
+    ``z_loss``: the z-loss term alone, reduced like ``loss`` and detached (it is already
+    part of ``loss``; for logging), or None.
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
+def compose_loss(lse, tl, ws, target, probs, v, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+                 lse_square_scale):
+    """The loss (and z-loss) from the row statistics, with torch's cross_entropy semantics: -> ``(loss, z_loss or
+    None)``, scalars (or (N,) rows for ``reduction="none"``) in ``lse``'s dtype. ``lse``, ``tl`` (target logit),
+    ``ws`` (weighted sum or None): (N,); ``target`` (N,) or ``probs`` (N, V) (the other None).
+
+    Class-index targets, row i valid when ``target_i != ignore_index``:
+        nll_i    = w_{y_i} (lse_i - z_{i,y_i})
+        smooth_i = (sum_j w_j lse_i - sum_j w_j z_ij) / V
+        loss_i   = tw_i ((1 - eps) nll_i + eps smooth_i)         (0 for ignored rows)
+        mean     = sum_i loss_i / sum_{valid i} tw_i w_{y_i}      (torch: NaN when nothing is valid)
+    Soft targets q (no ignore_index): loss_i = tw_i sum_j w_j q'_j (lse_i - z_ij), q' = (1-eps) q + eps/V,
+        mean = sum_i loss_i / sum_i tw_i (torch: / N).
+    z-loss: zl_i = lse_square_scale * tw_i * lse_i^2 on valid rows; mean over sum_{valid} tw_i.
+    """
+    acc = lse.dtype
+    eps = label_smoothing
+    tw = None if token_weight is None else token_weight.to(acc)
+    if probs is None:
+        valid = target != ignore_index
+        if class_weight is not None:
+            cw = class_weight.to(acc)
+            wy = cw[torch.where(valid & (target >= 0) & (target < v), target, 0)]
+            wsum = cw.sum()
+        else:
+            wy, wsum = None, float(v)
+        nll = lse - tl
+        if wy is not None:
+            nll = nll * wy
+        row = nll
+        if eps:
+            smooth = (lse * wsum - ws) / v
+            row = (1.0 - eps) * nll + eps * smooth
+        if tw is not None:
+            row = row * tw
+        row = torch.where(valid, row, 0.0)
+        denom_w = torch.where(valid, 1.0, 0.0).to(acc)
+        if wy is not None:
+            denom_w = denom_w * wy
+        if tw is not None:
+            denom_w = denom_w * tw
+        zvalid = valid
+    else:
+        # ws = sum_j w_j q_j z_ij ; sum_j w_j q'_j computed from probs
+        # ``probs`` are the (already smoothed) q'; ws = sum_j w_j q'_j z_ij
+        qw = (probs.to(acc) if class_weight is None else probs.to(acc) * class_weight.to(acc)).sum(1)
+        row = lse * qw - ws
+        if tw is not None:
+            row = row * tw
+        denom_w = tw if tw is not None else torch.ones_like(lse)
+        zvalid = torch.ones_like(lse, dtype=torch.bool)
+    zl_rows = None
+    if lse_square_scale:
+        zl_rows = lse_square_scale * lse * lse
+        if tw is not None:
+            zl_rows = zl_rows * tw
+        zl_rows = torch.where(zvalid, zl_rows, 0.0)
+    if reduction == "none":
+        return row, zl_rows
+    if reduction == "sum":
+        return row.sum(), (zl_rows.sum() if zl_rows is not None else None)
+    loss = row.sum() / denom_w.sum()
+    zl = None
+    if zl_rows is not None:
+        zcount = torch.where(zvalid, tw if tw is not None else torch.ones_like(lse), 0.0).sum()
+        zl = zl_rows.sum() / zcount
+    return loss, zl
+
+
+def check_options(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
+                  scale, lse_square_scale, what, device, dtype):
+    """Check the options the cross-entropy functions share (``n`` rows, ``v`` classes; ``what`` names the
+    tensor whose device the others must share, on ``device``).
+
+    Raises:
+        TypeError, ValueError, NotImplementedError, RuntimeError: as :func:`~smxcompile.kernels.cross_entropy.
+            linear_cross_entropy` documents them.
+    """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES):
+        raise TypeError(f"dtype must be a floating point dtype (the loss's dtype) or None, got {dtype!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale:
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    if not isinstance(lse_square_scale, (int, float)) or lse_square_scale < 0:
+        raise ValueError(f"lse_square_scale must be a number >= 0, got {lse_square_scale!r}")
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor) or class_weight.shape != (v,):
+            shape = getattr(class_weight, "shape", None)
+            raise ValueError(f"class_weight must be a tensor of shape ({v},) (one weight per class), got {shape}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+        if class_weight.requires_grad and torch.is_grad_enabled():
+            # as F.cross_entropy (which raises a RuntimeError; NotImplementedError is one)
+            raise NotImplementedError("gradients w.r.t. class_weight are not supported (neither are they by "
+                                      "F.cross_entropy); pass class_weight.detach()")
+    if token_weight is not None:
+        if not isinstance(token_weight, torch.Tensor) or token_weight.numel() != n:
+            raise ValueError(f"token_weight must have one weight per target ({n}), got shape "
+                             f"{getattr(token_weight, 'shape', None)}")
+    for name, t in (("target", target), ("class_weight", class_weight), ("token_weight", token_weight)):
+        if t is not None and t.device != device:
+            raise RuntimeError(f"Expected all tensors to be on the same device: {what} is on {device}, "
+                               f"{name} is on {t.device}")
+
+
+def split_targets(target, lead_shape, v, what):
+    """Split class-index and probability targets; returns ``(index_target (N,) int64, None)`` or
+    ``(None, probs (N, V))``. ``lead_shape``: the rows' shape (N = its product); ``what`` names them.
+
+    Raises:
+        TypeError: not a tensor, neither integer nor float. ValueError: a shape that does not match the rows.
+        NotImplementedError: probability targets that require grad.
+    """
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if target.dtype.is_floating_point:
+        if target.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("gradients w.r.t. probability targets are not supported; pass target.detach() "
+                                      "or use F.cross_entropy")
+        if tuple(target.shape) != (*lead_shape, v):
+            raise ValueError(f"probability targets must have shape {(*lead_shape, v)} (one distribution per "
+                             f"{what} row), got {tuple(target.shape)}")
+        return None, target.reshape(-1, v)
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"target must hold class indices (integer) or probabilities (float), got {target.dtype}")
+    if tuple(target.shape) != tuple(lead_shape):
+        raise ValueError(f"target of shape {tuple(target.shape)} does not match the {what} rows {tuple(lead_shape)}")
+    return target.reshape(-1).long(), None
+
+
+def check_range(target, ignore_index, v):
+    """torch's error for a target outside [0, V) (runs inside the op, so also under torch.compile).
+
+    Raises:
+        IndexError: a target (not ``ignore_index``) outside ``[0, v)``, on CPU (nothing is checked on CUDA).
+    """
+    if target is None or target.numel() == 0 or target.is_cuda:
+        return  # on CUDA the kernels give NaN for an out-of-range target instead of a host sync
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"Target {int(target[i])} is out of bounds (number of classes {v}, "
+                         f"ignore_index {ignore_index})")
+
+
+def finish_output(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_lse, return_z_loss):
+    """The functions' result from :func:`compose_loss`'s: the z-loss added, rows reshaped to ``lead_shape``
+    (``reduction="none"``), cast to ``out_dtype``; ``loss``, or :class:`CrossEntropyOutput` when ``return_lse``
+    or ``return_z_loss``."""
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+        if zl is not None:
+            loss = loss + zl.reshape(lead_shape)
+            zl = zl.reshape(lead_shape)
+    elif zl is not None:
+        loss = loss + zl
+    loss = loss.to(out_dtype)
+    if not (return_lse or return_z_loss):
+        return loss
+    return CrossEntropyOutput(
+        loss,
+        lse_rows.reshape(lead_shape) if return_lse else None,
+        (zl.detach().to(out_dtype) if zl is not None else torch.zeros_like(loss).detach()) if return_z_loss else None,
+    )
+
+
+def loss_dtype(dtype, input):
+    """The loss's dtype: ``dtype``, else as ``F.cross_entropy`` on logits of ``input``'s dtype —
+    which autocast runs in fp32 (cross-entropy is on autocast's fp32 list)."""
+    if dtype is not None:
+        return dtype
+    if input.dtype in (torch.float16, torch.bfloat16) and autocast_on(input.device):
+        return torch.float32
+    return input.dtype
+
+
+def check_linear(input, weight, bias, rows: str = "V"):
+    """``F.linear``'s operands, cast as autocast would, checked: -> (input, weight, bias).
+
+    ``rows`` names the classifier's rows in the messages ("V", or "V_r": one rank's shard).
+
+    Raises:
+        TypeError: non-float or mismatched dtypes. ValueError: shapes (input (*, D), weight (V, D), bias (V,)).
+        RuntimeError: tensors on different devices.
+    """
+    input, weight, bias = autocast_operands(input, weight, bias)
+    if input.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be ({rows}, D), got shape {tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input (*, D) and weight ({rows}, D) disagree on D: {tuple(input.shape)} vs "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"input and weight must have the same dtype (as for F.linear), got {input.dtype} and "
+                        f"{weight.dtype}")
+    v = weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (v,)):
+        raise ValueError(f"bias must be a tensor of shape ({v},), got {getattr(bias, 'shape', None)}")
+    if bias is not None and bias.dtype != input.dtype:
+        raise TypeError(f"bias must have the dtype of input and weight (as for F.linear), got {bias.dtype} and "
+                        f"{input.dtype}")
+    if weight.device != input.device or (bias is not None and bias.device != input.device):
+        raise RuntimeError(f"Expected all tensors to be on the same device: input is on {input.device}, weight on "
+                           f"{weight.device}" + (f", bias on {bias.device}" if bias is not None else ""))
+    return input, weight, bias
+
+
+def is_dtensor(t) -> bool:
+    """A DTensor (without importing torch.distributed when nothing distributed is in use)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def needs_grad(*ts) -> bool:
+    """Whether grad mode is on and one of ``ts`` (tensors or None) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)

@@ -1,0 +1,324 @@
+"""The gradient kernel of the fused linear + cross-entropy (:func:`lce_backward`: w.r.t. input, weight and
+bias, recomputing the logit tiles; :func:`ce_backward`: w.r.t. given logits) and its launcher: see
+:mod:`smxcompile.kernels.cross_entropy.triton_common` for the method."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import FLOAT_DTYPES
+from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, launch_opts, on_device,
+                              pow2_block, tl, triton)  # triton, tl: None without it
+from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
+                            float_tensor, tensor_arg)
+
+__all__ = ["lce_backward", "ce_backward"]
+
+# Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages (see triton_forward). The fp32
+# backward keeps two [BLOCK_N, BLOCK_V] fp32 operands in shared memory (three with tf32x3), hence its
+# smaller tile.
+_BWD_BLOCKS_16 = (128, 128, 32)
+_BWD_BLOCKS_32 = (64, 64, 32)
+_BWD_WARPS, _BWD_STAGES = 8, 2
+#: Backward program order: groups of this many row blocks sweep the vocabulary together.
+_GROUP_N = 8
+
+# Where the backward kernel gets z from.
+_Z_MATMUL, _Z_RAW, _Z_SAVED = 0, 1, 2
+
+
+if triton is not None:
+    from ..triton_helpers import cast_like, dot
+    from .triton_common import transform_logits, x_tile
+
+    @triton.jit
+    def _bwd_kernel(
+        src_ptr, src_s0, src_s1,            # (N, V) raw logits (Z_FROM=1) or saved z (Z_FROM=2)
+        e_ptr, e_s0, e_s1, w_ptr, w_s0, w_s1, bias_ptr,
+        tgt_ptr, tgt_s, cw_ptr, cw_s,
+        lse_ptr, lse_s, om_ptr, om_s, a_ptr, a_s, b_ptr, b_s, c_ptr, c_s,
+        gl_ptr, gl_s0, gl_s1,
+        gi_ptr, gw_ptr, gb_ptr, gx_ptr,     # fp32 (N, D), (V, D), (V,) accumulators; (N, V) output
+        N, V, D, ignore_index, scale, softcap, filter_eps,
+        Z_FROM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
+        HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
+        NEED_GI: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, WRITE_GX: tl.constexpr,
+        GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+        PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    ):
+        """One program: one [BLOCK_N, BLOCK_V] tile of G (see the module docstring)."""
+        pid = tl.program_id(0)
+        nb_n = tl.cdiv(N, BLOCK_N)
+        nb_v = tl.cdiv(V, BLOCK_V)
+        # Grouped order: GROUP_N row blocks sweep the vocabulary together (L2 reuse of weight
+        # tiles, and atomics on grad_input / grad_weight spread over several addresses).
+        per_group = GROUP_N * nb_v
+        first_n = (pid // per_group) * GROUP_N
+        group_size = tl.minimum(nb_n - first_n, GROUP_N)
+        pid_n = first_n + (pid % per_group) % group_size
+        pid_v = (pid % per_group) // group_size
+        rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+        row_ok = rows < N
+        col_ok = cols < V
+        ok = row_ok[:, None] & col_ok[None, :]
+
+        y = tl.load(tgt_ptr + rows * tgt_s, mask=row_ok, other=-1).to(tl.int64)
+        lse = tl.load(lse_ptr + rows * lse_s, mask=row_ok, other=0.0).to(tl.float32)
+        om = tl.load(om_ptr + rows * om_s, mask=row_ok, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + rows * a_s, mask=row_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + rows * b_s, mask=row_ok, other=0.0).to(tl.float32)
+
+        if Z_FROM == 0:
+            x = x_tile(e_ptr, e_s0, e_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
+                       True, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
+            z = transform_logits(x, scale, softcap, HAS_SOFTCAP)
+        elif Z_FROM == 1:
+            x = x_tile(src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
+                       False, False, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
+            z = transform_logits(x, scale, softcap, HAS_SOFTCAP)
+        else:
+            z = tl.load(src_ptr + (rows[:, None] * src_s0 + cols[None, :] * src_s1), mask=ok,
+                        other=0.0).to(tl.float32)
+
+        p = tl.exp(z - lse[:, None])
+        g = a[:, None] * p
+        # the target entry (never for ignored rows): -a * other_mass + (a - b)
+        is_t = (cols[None, :] == y[:, None]) & (y != ignore_index)[:, None] & col_ok[None, :]
+        g = tl.where(is_t, ((a - b) - a * om)[:, None], g)
+        if HAS_C:
+            c = tl.load(c_ptr + rows * c_s, mask=row_ok, other=0.0).to(tl.float32)
+            if HAS_CW:
+                wv = tl.load(cw_ptr + cols * cw_s, mask=col_ok, other=0.0).to(tl.float32)
+                g = g - c[:, None] * wv[None, :]
+            else:
+                g = g - c[:, None]
+        if HAS_GL:
+            g += tl.load(gl_ptr + (rows[:, None] * gl_s0 + cols[None, :] * gl_s1), mask=ok,
+                         other=0.0).to(tl.float32)
+        g = tl.where(ok, g, 0.0)
+        if HAS_SOFTCAP:
+            u = z / softcap
+            gx = g * (scale * (1.0 - u * u))
+        else:
+            gx = g * scale
+        gx = tl.where(ok, gx, 0.0)
+
+        if WRITE_GX:
+            # ce_backward: the gradient w.r.t. the raw logits, written once in the output dtype
+            tl.store(gx_ptr + (rows[:, None] * V + cols[None, :]), cast_like(gx, gx_ptr, FIX_BF16), mask=ok)
+        else:
+            keep = True
+            if FILTER:
+                # Gradient filtering (Wijmans et al., 2024): skip a tile whose |G| is all below
+                # filter_eps and that holds no target entry. NaN counts as large.
+                n_big = tl.sum(tl.sum(tl.where(tl.abs(g) < filter_eps, 0, 1), axis=1), axis=0)
+                n_t = tl.sum(tl.sum(is_t.to(tl.int32), axis=1), axis=0)
+                keep = (n_big + n_t) > 0
+            if keep:
+                if NEED_GB:
+                    tl.atomic_add(gb_ptr + cols, tl.sum(gx, axis=0), mask=col_ok, sem="relaxed")
+                if NEED_GI or NEED_GW:
+                    gxc = cast_like(gx, e_ptr, FIX_BF16)
+                    for k in range(0, D, BLOCK_D):
+                        ks = k + tl.arange(0, BLOCK_D).to(tl.int64)
+                        k_ok = ks < D
+                        if NEED_GI:
+                            w = tl.load(w_ptr + (cols[:, None] * w_s0 + ks[None, :] * w_s1),
+                                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                            gi = dot(gxc, w, None, PREC, DOT_F32)
+                            tl.atomic_add(gi_ptr + (rows[:, None] * D + ks[None, :]), gi,
+                                          mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+                        if NEED_GW:
+                            e = tl.load(e_ptr + (rows[:, None] * e_s0 + ks[None, :] * e_s1),
+                                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                            gw = dot(tl.trans(gxc), e, None, PREC, DOT_F32)
+                            tl.atomic_add(gw_ptr + (cols[:, None] * D + ks[None, :]), gw,
+                                          mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")
+
+
+def _vec(name: str, t, N: int, device: torch.device) -> torch.Tensor:
+    return float_tensor(name, t, (N,), device)
+
+
+def _check_backward_vectors(N, device, lse, other_mass, coef_a, coef_b, coef_c):
+    _vec("lse", lse, N, device)
+    _vec("other_mass", other_mass, N, device)
+    _vec("coef_a", coef_a, N, device)
+    _vec("coef_b", coef_b, N, device)
+    if coef_c is not None:
+        _vec("coef_c", coef_c, N, device)
+
+
+def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int,
+                 scale: float = 1.0, softcap: float | None = None, class_weight=None, logits=None, grad_logits=None,
+                 filter_eps: float | None = None, need_input_grad=True, need_weight_grad=True, need_bias_grad=None,
+                 input_grad_dtype=None, weight_grad_dtype=None,
+                 block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None):
+    """Gradients of ``L = sum_i a_i lse_i - b_i z_{i,y_i} - c_i sum_j w_j z_ij`` (plus
+    ``sum grad_logits * z``) w.r.t. ``input``, ``weight`` and ``bias``, recomputing the logit
+    tiles (Cut Cross-Entropy, Wijmans et al., 2024).
+
+    Per tile: ``G = a p - b onehot(y) - c w`` with the target entry computed collapse-safe as
+    ``-a * other_mass + (a - b) - c w_y``; ``G += grad_logits``; ``Gx = G * dz/dx``; then
+    ``grad_input += Gx @ weight``, ``grad_weight += Gx.T @ input``, ``grad_bias += Gx.sum(0)``,
+    accumulated in fp32 with atomics (``Gx`` enters the matmuls rounded to the input dtype).
+    Ignored rows (``target == ignore_index``) have no target entry (``G = a p - c w``; callers
+    pass ``a = b = c = 0`` for them). A target outside ``[0, V)`` is never indexed.
+
+    Args:
+        input, weight, bias, target, ignore_index, scale, softcap, class_weight: as in
+            :func:`lce_forward` (the same values as the forward).
+        lse, other_mass: ``(N,)`` float, from :func:`lce_forward`.
+        coef_a, coef_b: ``(N,)`` float per-row coefficients ``a``, ``b``; coef_c: ``(N,)`` or None (0).
+        logits: the saved ``z`` (``(N, V)``, any float dtype / strides) to read instead of
+            recomputing the matmul, or None.
+        grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
+        filter_eps: None (exact, default), or a float: a tile whose ``|G|`` entries are all
+            ``< filter_eps`` and that holds no target entry is skipped (gradient filtering).
+            Filtering is disabled when ``grad_logits`` is given.
+        need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
+            (``need_bias_grad`` defaults to ``bias is not None``).
+        input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
+            ``grad_bias`` has bias's dtype (weight's when bias is None).
+        block_n, block_v, block_d, num_warps, num_stages: launch overrides (defaults
+            128 x 128 x 32 for fp16 / bf16, 64 x 64 x 32 for fp32, 8 warps, 2 stages; blocks
+            >= 16, powers of two; shrunk to small problems).
+
+    Returns:
+        ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``.
+
+    Raises:
+        TypeError / ValueError / RuntimeError: as in :func:`lce_forward`; also for (N,) vectors,
+            ``logits`` / ``grad_logits`` of the wrong shape, a negative ``filter_eps``, or
+            non-float gradient dtypes.
+    """
+    N, V, D = check_linear(input, weight, bias)
+    dev = input.device
+    check_target(target, N, dev)
+    ignore_index, scale, softcap = check_scalars(ignore_index, scale, softcap)
+    check_class_weight(class_weight, V, dev)
+    _check_backward_vectors(N, dev, lse, other_mass, coef_a, coef_b, coef_c)
+    if logits is not None:
+        float_tensor("logits", logits, (N, V), dev)
+    if grad_logits is not None:
+        float_tensor("grad_logits", grad_logits, (N, V), dev)
+    if filter_eps is not None:
+        if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not filter_eps >= 0:
+            raise ValueError(f"filter_eps must be None or a float >= 0, got {filter_eps!r}")
+    if need_bias_grad is None:
+        need_bias_grad = bias is not None
+    input_grad_dtype = input.dtype if input_grad_dtype is None else input_grad_dtype
+    weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
+    bias_grad_dtype = bias.dtype if bias is not None else weight.dtype
+    for name, dt in (("input_grad_dtype", input_grad_dtype), ("weight_grad_dtype", weight_grad_dtype)):
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point torch.dtype, got {dt!r}")
+    bn, bv, bd = _BWD_BLOCKS_16 if input.dtype != torch.float32 else _BWD_BLOCKS_32
+    blocks = (pow2_block("block_n", block_n, bn, N, 16), pow2_block("block_v", block_v, bv, V, 16),
+              pow2_block("block_d", block_d, bd, D, 16))
+    opts = launch_opts(num_warps, num_stages, _BWD_WARPS, _BWD_STAGES)
+    check_runtime(input, "linear-cross-entropy")
+
+    f32 = dict(dtype=torch.float32, device=dev)
+    gi = torch.zeros((N, D), **f32) if need_input_grad else None
+    gw = torch.zeros((V, D), **f32) if need_weight_grad else None
+    gb = torch.zeros((V,), **f32) if need_bias_grad else None
+    if N and V and ((D and (need_input_grad or need_weight_grad)) or need_bias_grad):
+        _backward_launch(
+            src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
+            om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
+            gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
+            filter_eps=filter_eps if grad_logits is None else None,
+            z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
+            prec=dot_precision(input.dtype),
+        )
+    return (
+        None if gi is None else gi.to(input_grad_dtype),
+        None if gw is None else gw.to(weight_grad_dtype),
+        None if gb is None else gb.to(bias_grad_dtype),
+    )
+
+
+def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c, grad_logits, gi, gw, gb, gx,
+                     N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec):
+    bn, bv, bd = blocks
+    anchor = lse  # any tensor: a placeholder for absent pointer arguments (never dereferenced)
+    src_t = src if src is not None else anchor
+    src_s = (src.stride(0), src.stride(1)) if src is not None else (0, 0)
+    e_t = e if e is not None else src_t
+    w_t = w if w is not None else src_t
+    e_s = (e.stride(0), e.stride(1)) if e is not None else (0, 0)
+    w_s = (w.stride(0), w.stride(1)) if w is not None else (0, 0)
+    gl_s = (grad_logits.stride(0), grad_logits.stride(1)) if grad_logits is not None else (0, 0)
+    grid = (cdiv(N, bn) * cdiv(V, bv),)
+    with on_device(lse):
+        _bwd_kernel[grid](
+            src_t, src_s[0], src_s[1],
+            e_t, e_s[0], e_s[1], w_t, w_s[0], w_s[1], bias if bias is not None else anchor,
+            target, target.stride(0),
+            class_weight if class_weight is not None else anchor,
+            class_weight.stride(0) if class_weight is not None else 0,
+            lse, lse.stride(0), om, om.stride(0), a, a.stride(0), b, b.stride(0),
+            c if c is not None else anchor, c.stride(0) if c is not None else 0,
+            grad_logits if grad_logits is not None else anchor, gl_s[0], gl_s[1],
+            gi if gi is not None else anchor, gw if gw is not None else anchor, gb if gb is not None else anchor,
+            gx if gx is not None else anchor,
+            N, V, D, ignore_index, scale, 1.0 if softcap is None else softcap,
+            0.0 if filter_eps is None else float(filter_eps),
+            Z_FROM=z_from, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
+            FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
+            NEED_GB=gb is not None, WRITE_GX=gx is not None, GROUP_N=_GROUP_N,
+            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(e.dtype if e is not None else None),
+            FIX_BF16=interpreted(), **opts,
+        )
+
+
+def ce_backward(logits, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int, scale=1.0,
+                softcap=None, class_weight=None, out_dtype=None,
+                block_n: int | None = None, block_v: int | None = None, num_warps: int | None = None):
+    """Gradient w.r.t. the raw logits ``x`` of :func:`ce_forward`'s statistics.
+
+    ``G`` as in :func:`lce_backward` (collapse-safe target entry), times ``dz/dx``; computed
+    in fp32 per tile and written once in ``out_dtype`` (no fp32 ``N x V`` temporary).
+
+    Args:
+        logits: ``(N, V)`` raw logits (any float dtype, any 2-D strides), as given to :func:`ce_forward`.
+        target, lse, other_mass, coef_a, coef_b, coef_c, ignore_index, scale, softcap,
+            class_weight: as in :func:`lce_backward`.
+        out_dtype: dtype of the result (default ``logits.dtype``).
+        block_n, block_v, num_warps: launch overrides (defaults 8 x 1024, 8 warps).
+
+    Returns:
+        ``grad_x``: a new contiguous ``(N, V)`` tensor in ``out_dtype``.
+
+    Raises:
+        TypeError / ValueError / RuntimeError: as in :func:`ce_forward` / :func:`lce_backward`.
+    """
+    tensor_arg("logits", logits, 2)
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits must be floating-point, got {logits.dtype}")
+    N, V = logits.shape
+    dev = logits.device
+    check_target(target, N, dev)
+    ignore_index, scale, softcap = check_scalars(ignore_index, scale, softcap)
+    check_class_weight(class_weight, V, dev)
+    _check_backward_vectors(N, dev, lse, other_mass, coef_a, coef_b, coef_c)
+    out_dtype = logits.dtype if out_dtype is None else out_dtype
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}")
+    blocks = (pow2_block("block_n", block_n, CE_BLOCKS[0], N, 1),
+              pow2_block("block_v", block_v, CE_BLOCKS[1], V, 1), 1)
+    opts = launch_opts(num_warps, None, CE_WARPS, None)
+    check_runtime(logits, "linear-cross-entropy")
+    gx = torch.empty((N, V), dtype=out_dtype, device=dev)
+    if N and V:
+        _backward_launch(
+            src=logits, e=None, w=None, bias=None, target=target, class_weight=class_weight, lse=lse,
+            om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=None, gi=None, gw=None, gb=None, gx=gx,
+            N=N, V=V, D=0, ignore_index=ignore_index, scale=scale, softcap=softcap, filter_eps=None,
+            z_from=_Z_RAW, blocks=blocks, opts=opts, prec="ieee",
+        )
+    return gx

@@ -1,0 +1,427 @@
+"""Triton kernels for softmax / log-softmax with a fused prologue, forward and backward.
+
+Forward computes, per row of ``C = x.shape[dim]`` elements, in fp32::
+
+    z = x.float() * scale
+    z = softcap * tanh(z / softcap)          # if softcap is not None
+    z = z + mask.float()                     # if mask is not None (broadcast to x)
+    y = softmax(z, dim)   or   log_softmax(z, dim)
+    lse = logsumexp(z, dim)                  # optional side output
+
+Backward computes the gradient w.r.t. ``z`` from ``y`` (and an optional ``grad_lse``).
+
+Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018).
+When a row fits in one block it is loaded once and reduced in registers (one load
+and one store per element). Longer rows keep a running ``(m, d)`` pair per row,
+updated block by block with ``m' = max(m, max(block))``,
+``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
+``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
+limit on the row length.
+
+Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
+input. Each tensor (x, mask, output, and the backward's inputs) gets a row
+"layout": the element offset of row ``r`` is ``r * s0`` (the non-``dim`` axes
+collapse into one), ``(r // n1) * s0 + (r % n1) * s1`` (they collapse into two),
+or, in general, an int64 table ``row_offsets[R]`` computed with torch from the
+strides (:func:`smxcompile.kernels.triton_helpers.row_layout`). Column ``c`` of a row is at
+``row_offset + c * stride(dim)``. Strides may be 0 (expanded tensors) or permuted. All index math is int64.
+
+Special values follow torch (checked against ATen on CPU): a row that contains
+NaN or ``+inf``, or whose entries are all ``-inf``, comes out all NaN;
+``lse`` is ``+inf`` for a row with ``+inf`` (and no NaN), ``-inf`` for an all
+``-inf`` row and NaN for a row with NaN, like ``torch.logsumexp``.
+
+On a machine without a GPU the kernels run through Triton's interpreter when
+``TRITON_INTERPRET=1`` was set before triton was imported; they then accept CPU
+tensors (slowly: numpy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import FLOAT_DTYPES
+from ..triton_helpers import check_runtime, on_device, row_layout, row_plan, tl, triton  # triton, tl: None without it
+
+__all__ = ["softmax_forward", "softmax_backward"]
+
+#: Largest row (in elements, a power of two) reduced in registers in one pass.
+#: Longer rows take the two-pass online path with blocks of ``LOOP_BLOCK``.
+MAX_FUSED_BLOCK = 16384
+#: Block (columns per step) of the multi-block path.
+LOOP_BLOCK = 4096
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+if triton is not None:
+    from ..triton_helpers import row_offset, safe_max, tanh
+
+    @triton.jit
+    def _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
+                HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        """The prologue on a [ROWS, BLOCK] tile, fp32; out-of-range lanes are -inf."""
+        z = tl.load(x_ptr + (x_off[:, None] + cols[None, :] * x_cs), mask=ok, other=0.0).to(tl.float32)
+        z = z * scale
+        if HAS_SOFTCAP:
+            z = softcap * tanh(z / softcap)
+        if HAS_MASK:
+            mv = tl.load(mask_ptr + (mask_off[:, None] + cols[None, :] * mask_cs), mask=ok, other=0.0)
+            z = z + mv.to(tl.float32)
+        return tl.where(ok, z, float("-inf"))
+
+    @triton.jit
+    def _softmax_fwd_kernel(
+        x_ptr, x_rows, x_s0, x_n1, x_s1, x_cs,
+        mask_ptr, mask_rows, mask_s0, mask_n1, mask_s1, mask_cs,
+        y_ptr, y_rows, y_s0, y_n1, y_s1, y_cs,
+        lse_ptr, R, C, scale, softcap,
+        X_MODE: tl.constexpr, MASK_MODE: tl.constexpr, Y_MODE: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOG: tl.constexpr,
+        WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = rows < R
+        x_off = row_offset(rows, row_ok, x_rows, x_s0, x_n1, x_s1, X_MODE)
+        y_off = row_offset(rows, row_ok, y_rows, y_s0, y_n1, y_s1, Y_MODE)
+        if HAS_MASK:
+            mask_off = row_offset(rows, row_ok, mask_rows, mask_s0, mask_n1, mask_s1, MASK_MODE)
+        else:
+            mask_off = x_off
+        y_ty = y_ptr.dtype.element_ty
+        if SINGLE:
+            # The whole row is in registers: one load, one store per element.
+            cols = tl.arange(0, BLOCK).to(tl.int64)
+            ok = row_ok[:, None] & (cols < C)[None, :]
+            z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
+                        HAS_MASK, HAS_SOFTCAP)
+            m = tl.max(z, axis=1)
+            ms = safe_max(m)
+            e = tl.exp(z - ms[:, None])
+            d = tl.sum(e, axis=1)
+            log_d = tl.log(d)
+            lse = ms + log_d
+            finite = tl.abs(m) < float("inf")  # False for +-inf and NaN: the row is NaN (torch)
+            if LOG:
+                y = (z - ms[:, None]) - log_d[:, None]  # not z - lse: exact z - m, like ATen
+            else:
+                y = e / d[:, None]
+            y = tl.where(finite[:, None], y, float("nan"))
+            tl.store(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), y.to(y_ty), mask=ok)
+        else:
+            # Pass 1: online (max, sum) recurrence over blocks (Milakov & Gimelshein, 2018).
+            m = tl.full([ROWS], float("-inf"), tl.float32)
+            d = tl.zeros([ROWS], tl.float32)
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK).to(tl.int64)
+                ok = row_ok[:, None] & (cols < C)[None, :]
+                z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
+                            HAS_MASK, HAS_SOFTCAP)
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                ms_new = safe_max(m_new)
+                # Rescale the old sum. min(., 0) guards -inf - (-inf) (an all -inf prefix, d == 0)
+                # and a finite prefix before a +inf (d becomes +inf either way).
+                alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
+                d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
+                m = m_new
+            ms = safe_max(m)
+            log_d = tl.log(d)
+            lse = ms + log_d
+            finite = tl.abs(m) < float("inf")
+            # Pass 2: normalize and write.
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK).to(tl.int64)
+                ok = row_ok[:, None] & (cols < C)[None, :]
+                z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
+                            HAS_MASK, HAS_SOFTCAP)
+                if LOG:
+                    y = (z - ms[:, None]) - log_d[:, None]
+                else:
+                    y = tl.exp(z - ms[:, None]) / d[:, None]
+                y = tl.where(finite[:, None], y, float("nan"))
+                tl.store(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), y.to(y_ty), mask=ok)
+        if WRITE_LSE:
+            tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+    @triton.jit
+    def _softmax_bwd_kernel(
+        g_ptr, g_rows, g_s0, g_n1, g_s1, g_cs,
+        y_ptr, y_rows, y_s0, y_n1, y_s1, y_cs,
+        dz_ptr, dz_rows, dz_s0, dz_n1, dz_s1, dz_cs,
+        glse_ptr, R, C,
+        G_MODE: tl.constexpr, Y_MODE: tl.constexpr, DZ_MODE: tl.constexpr,
+        LOG: tl.constexpr, HAS_GLSE: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = rows < R
+        g_off = row_offset(rows, row_ok, g_rows, g_s0, g_n1, g_s1, G_MODE)
+        y_off = row_offset(rows, row_ok, y_rows, y_s0, y_n1, y_s1, Y_MODE)
+        dz_off = row_offset(rows, row_ok, dz_rows, dz_s0, dz_n1, dz_s1, DZ_MODE)
+        if HAS_GLSE:
+            gl = tl.load(glse_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            gl = tl.zeros([ROWS], tl.float32)
+        dz_ty = dz_ptr.dtype.element_ty
+        if SINGLE:
+            cols = tl.arange(0, BLOCK).to(tl.int64)
+            ok = row_ok[:, None] & (cols < C)[None, :]
+            g = tl.load(g_ptr + (g_off[:, None] + cols[None, :] * g_cs), mask=ok, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), mask=ok, other=0.0).to(tl.float32)
+            if LOG:
+                # dz = g - p * (sum(g) - grad_lse),  p = exp(y)
+                s = tl.sum(g, axis=1) - gl
+                dz = g - tl.exp(y) * s[:, None]
+            else:
+                # dz = y * (g - sum(g * y) + grad_lse)
+                s = tl.sum(g * y, axis=1) - gl
+                dz = y * (g - s[:, None])
+            tl.store(dz_ptr + (dz_off[:, None] + cols[None, :] * dz_cs), dz.to(dz_ty), mask=ok)
+        else:
+            acc = tl.zeros([ROWS, BLOCK], tl.float32)
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK).to(tl.int64)
+                ok = row_ok[:, None] & (cols < C)[None, :]
+                g = tl.load(g_ptr + (g_off[:, None] + cols[None, :] * g_cs), mask=ok, other=0.0).to(tl.float32)
+                if LOG:
+                    acc += g
+                else:
+                    y = tl.load(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), mask=ok, other=0.0)
+                    acc += g * y.to(tl.float32)
+            s = tl.sum(acc, axis=1) - gl
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK).to(tl.int64)
+                ok = row_ok[:, None] & (cols < C)[None, :]
+                g = tl.load(g_ptr + (g_off[:, None] + cols[None, :] * g_cs), mask=ok, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), mask=ok, other=0.0).to(tl.float32)
+                if LOG:
+                    dz = g - tl.exp(y) * s[:, None]
+                else:
+                    dz = y * (g - s[:, None])
+                tl.store(dz_ptr + (dz_off[:, None] + cols[None, :] * dz_cs), dz.to(dz_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    nd = max(ndim, 1)
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -nd <= dim < nd:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-nd}, {nd - 1}], but got {dim})")
+    return dim % nd
+
+
+def _lse_shape(shape: torch.Size, dim: int) -> list[int]:
+    return [s for i, s in enumerate(shape) if i != dim]
+
+
+# --------------------------------------------------------------------------------------
+# Public launchers
+# --------------------------------------------------------------------------------------
+
+
+def softmax_forward(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
+    log: bool = False,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (or log-softmax) of the fused prologue along ``dim``, with Triton.
+
+    ``z = x.float() * scale``; if ``softcap``: ``z = softcap * tanh(z / softcap)``; if ``mask``
+    is given: ``z = z + mask.float()``; then ``y = softmax(z, dim)`` (``log_softmax`` if
+    ``log``), all in fp32. Method: "Online normalizer calculation for softmax"
+    (Milakov & Gimelshein, 2018): one pass over rows that fit a block, two passes with the
+    online (max, sum) recurrence for longer rows (no limit on the row length).
+
+    Args:
+        x: scores, any shape, fp16 / bf16 / fp32 (fp64 is accepted but computed in fp32),
+            any strides (permuted, sliced, expanded): never copied. CUDA, or CPU under
+            ``TRITON_INTERPRET=1``.
+        dim: reduced dimension, negative counts from the end.
+        scale: multiplies ``x`` first.
+        softcap: ``> 0`` to soft-cap ``z`` as ``softcap * tanh(z / softcap)``, or None.
+        mask: additive mask broadcastable to ``x`` (any float dtype, any strides, 0-strides
+            included), e.g. ``-inf`` where masked; same device as ``x``.
+        log: compute log-softmax ``z - logsumexp(z)`` instead.
+        out_dtype: dtype of ``y`` (default ``x.dtype``).
+        return_lse: also write ``lse = logsumexp(z, dim)``.
+        block_size: override the block (a power of two): rows longer than it take the
+            multi-block path with blocks of this size (tests use small values).
+
+    Returns:
+        ``(y, lse)``: ``y`` a new contiguous tensor of ``x.shape`` in ``out_dtype``;
+        ``lse`` fp32 of ``x.shape`` without ``dim`` (contiguous) when ``return_lse``, else
+        ``x.new_empty(0, dtype=torch.float32)``. Special values follow torch: a row with NaN
+        or ``+inf``, or all ``-inf``, is all NaN; ``lse`` matches ``torch.logsumexp``.
+        Empty inputs give empty outputs (``lse = -inf`` for rows of length 0) without a launch.
+
+    Raises:
+        RuntimeError: triton is missing, or ``x`` is not on CUDA and ``TRITON_INTERPRET=1``
+            was not set before triton was imported.
+        TypeError: non-floating ``x`` / ``out_dtype``, a bool or non-tensor mask.
+        IndexError: ``dim`` out of range.
+        ValueError: ``mask`` does not broadcast to ``x.shape`` or lies on another device;
+            ``softcap <= 0``; a bad ``block_size``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"softmax_forward needs a floating-point x, got {x.dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    d = _norm_dim(dim, x.dim())
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a Tensor or None, got {type(mask).__name__}")
+        if mask.dtype == torch.bool:
+            raise TypeError("mask must be additive (float, -inf where masked), not bool")
+        if mask.device != x.device:
+            raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
+        try:
+            mask = mask.expand(x.shape)
+        except RuntimeError as e:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x {tuple(x.shape)}") from e
+    check_runtime(x, "softmax")
+
+    shape = x.shape
+    if x.dim() == 0:  # softmax of a scalar: one row of one element
+        x = x.reshape(1)
+        mask = None if mask is None else mask.reshape(1)
+    C = x.shape[d]
+    R = x.numel() // C if C else 0
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    lse = (
+        torch.empty(_lse_shape(x.shape, d), dtype=torch.float32, device=x.device)
+        if return_lse
+        else x.new_empty(0, dtype=torch.float32)
+    )
+    if x.numel() == 0:
+        if return_lse:
+            lse.fill_(float("-inf"))  # logsumexp over an empty dim
+        return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
+
+    rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size, MAX_FUSED_BLOCK, LOOP_BLOCK)
+    xl = row_layout(x, d)
+    yl = row_layout(y, d)
+    ml = row_layout(mask, d) if mask is not None else xl
+    mask_t = mask if mask is not None else x
+    grid = (triton.cdiv(R, rows_n),)
+    with on_device(x):
+        _softmax_fwd_kernel[grid](
+            x, *xl[:5],
+            mask_t, *ml[:5],
+            y, *yl[:5],
+            lse if return_lse else y, R, C, float(scale), 1.0 if softcap is None else float(softcap),
+            X_MODE=xl[5], MASK_MODE=ml[5], Y_MODE=yl[5],
+            HAS_MASK=mask is not None, HAS_SOFTCAP=softcap is not None, LOG=bool(log),
+            WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single,
+            num_warps=num_warps,
+        )
+    if return_lse:
+        lse = lse.reshape(_lse_shape(shape, d))
+    return y.reshape(shape), lse
+
+
+def softmax_backward(
+    grad_y: torch.Tensor,
+    y: torch.Tensor,
+    dim: int,
+    *,
+    log: bool = False,
+    grad_lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Gradient of softmax / log-softmax w.r.t. its input ``z``, with Triton (fp32 math).
+
+    softmax: ``dz = y * (g - sum(g * y, dim))``; log-softmax: ``dz = g - exp(y) * sum(g, dim)``.
+    With ``grad_lse`` (the gradient of ``lse = logsumexp(z, dim)``) it adds
+    ``grad_lse.unsqueeze(dim) * p`` with ``p = y`` (softmax) or ``exp(y)`` (log-softmax).
+    One pass when a row fits a block, else two (row sums, then write). Companion of
+    :func:`softmax_forward` ("Online normalizer calculation for softmax", Milakov &
+    Gimelshein, 2018).
+
+    Args:
+        grad_y: gradient of ``y``, same shape as ``y``, any float dtype and strides.
+        y: the forward output (softmax probabilities or log-probabilities), any strides.
+        dim: the reduced dimension (negative counts from the end).
+        log: ``y`` is a log-softmax.
+        grad_lse: gradient of ``lse``, shape ``y.shape`` without ``dim`` (broadcastable), or None.
+        out_dtype: dtype of the result (default ``y.dtype``).
+        block_size: block override, as in :func:`softmax_forward`.
+
+    Returns:
+        ``dz``: a new contiguous tensor of ``y.shape`` in ``out_dtype``.
+
+    Raises:
+        RuntimeError: triton missing, or not CUDA and not ``TRITON_INTERPRET=1``.
+        TypeError: non-floating inputs or ``out_dtype``.
+        IndexError: ``dim`` out of range.
+        ValueError: mismatched shapes or devices; a bad ``block_size``.
+    """
+    for name, t in (("grad_y", grad_y), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be floating-point, got {t.dtype}")
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    if grad_y.shape != y.shape:
+        raise ValueError(f"grad_y {tuple(grad_y.shape)} and y {tuple(y.shape)} differ in shape")
+    if grad_y.device != y.device:
+        raise ValueError(f"grad_y is on {grad_y.device} but y is on {y.device}")
+    d = _norm_dim(dim, y.dim())
+    shape = y.shape
+    if y.dim() == 0:
+        y, grad_y = y.reshape(1), grad_y.reshape(1)
+    lse_shape = _lse_shape(y.shape, d)
+    if grad_lse is not None:
+        if not isinstance(grad_lse, torch.Tensor) or grad_lse.dtype not in FLOAT_DTYPES:
+            raise TypeError("grad_lse must be a floating-point Tensor or None")
+        if grad_lse.device != y.device:
+            raise ValueError(f"grad_lse is on {grad_lse.device} but y is on {y.device}")
+        try:
+            grad_lse = grad_lse.expand(lse_shape)
+        except RuntimeError as e:
+            raise ValueError(f"grad_lse of shape {tuple(grad_lse.shape)} does not match lse {tuple(lse_shape)}") from e
+    check_runtime(y, "softmax")
+
+    dz = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    if y.numel() == 0:
+        return dz.reshape(shape)
+    C = y.shape[d]
+    R = y.numel() // C
+    glse = grad_lse.reshape(-1) if grad_lse is not None else dz  # [R], small; copies only if strided
+    rows_n, block, single, num_warps = row_plan(R, C, y.device, block_size, MAX_FUSED_BLOCK, LOOP_BLOCK)
+    gl_ = row_layout(grad_y, d)
+    yl = row_layout(y, d)
+    dl = row_layout(dz, d)
+    grid = (triton.cdiv(R, rows_n),)
+    with on_device(y):
+        _softmax_bwd_kernel[grid](
+            grad_y, *gl_[:5],
+            y, *yl[:5],
+            dz, *dl[:5],
+            glse, R, C,
+            G_MODE=gl_[5], Y_MODE=yl[5], DZ_MODE=dl[5],
+            LOG=bool(log), HAS_GLSE=grad_lse is not None,
+            ROWS=rows_n, BLOCK=block, SINGLE=single, num_warps=num_warps,
+        )
+    return dz.reshape(shape)

@@ -1,0 +1,546 @@
+"""Triton kernels for fused softmax + top-k along the last dimension, forward and backward.
+
+For each row ``x[r, :]`` of ``n`` scores, in fp32::
+
+    z = x.float() * scale
+    indices = the k largest z (largest first; exact ties: lowest index first)
+    m = max(z) = z[indices[0]]
+    logd = log(sum(exp(z - m)))                          # the normalizer relative to the max
+    values = exp(z[indices] - m - logd)                  # == topk(softmax(z), k).values
+    values = exp(z[indices] - logsumexp(z[indices]))     # renormalize=True
+
+Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018),
+section "softmax + top-k": a single pass over the row keeps the online normalizer
+``(m, d)`` -- ``m' = max(m, max(tile))``, ``d' = d * exp(m - m') + sum(exp(tile - m'))`` --
+and a running top-k buffer; only the ``k`` selected probabilities are written, never the
+full probability vector.
+
+Top-k: each element is encoded as one unique int64 *key*: the high 32 bits an
+order-preserving integer image of the fp32 ``z`` (``bits ^ 0x7FFFFFFF`` for negative
+floats, ``-0.0`` folded onto ``+0.0``, every NaN onto the largest key), the low 32 bits
+``0xFFFFFFFF - column``. Keys are distinct, compare like ``(z, -column)`` and decode back
+to the exact ``z`` and column. A tile's ``K_PAD`` largest keys (``K_PAD`` the power of two
+``>= k``) come from a bitonic top-k network (the one of ``tl.topk``, whose partner
+exchange here uses a sum instead of an xor reduction: the same cost on a GPU, and two
+orders of magnitude faster in Triton's interpreter), sorted ascending; the running buffer
+(sorted descending) absorbs them with ``max(buf_i, tile_i)``, a bitonic sequence holding
+the ``K_PAD`` largest of both, and one bitonic merge (``log2 K_PAD`` steps) that sorts it.
+NaN thus ranks above everything (like ``torch.topk``), ``-inf`` below every finite value,
+and padding lanes (key ``INT64_MIN``) below ``-inf``. ``k <= MAX_K = 256``.
+
+Parallelism: a grid of ``(row blocks, SPLITS)`` programs. Rows that fit one tile
+(``n <= 4096``) are processed several to a program (``ROWS x BLOCK`` of about 4096 keys,
+``BLOCK = max(next_pow2(n), K_PAD)``: router rows of 8 or 64 experts over many tokens).
+Longer rows loop over tiles of ``BLOCK = 2048`` columns, one row per program, and, when
+there are fewer than two programs per SM (e.g. 4 rows x 256K columns), are split into
+``SPLITS`` column chunks of at least 4096 columns (about two programs per SM in all, at
+most 1024 splits): each program writes its partial ``(m, d)`` and its ``K_PAD`` best keys
+to a workspace, and a small second kernel per row merges them (``m = max m_i``,
+``d = sum d_i exp(m_i - m)``, the top ``K_PAD`` of the ``SPLITS * K_PAD`` keys, 4096 keys a
+step) and writes values, indices and logd. With one split the first kernel writes the
+outputs itself. A tile whose best key cannot enter the buffer skips the top-k network.
+Rows may have up to ``2**31 - 1`` columns (the column takes 32 bits of a key).
+
+Special rows follow torch: a row with NaN or ``+inf``, or whose entries are all ``-inf``,
+has all-NaN probabilities, so NaN values (its indices are still valid and distinct, taken
+from the key order above) and a NaN ``logd``, which makes the backward's gradients of the
+row NaN, as eager softmax's backward.
+The decoded top key tells these rows apart: its ``z`` is NaN, ``+inf`` or ``-inf`` exactly
+for them.
+
+Backward (no full probability vector is needed either), all in fp32 from ``x``: the
+forward's ``values`` are not read (they may be rounded to a narrower dtype); with
+``z0 = z[indices[0]]`` (the row max) the probabilities are ``p = exp((z - z0) - logd)``:
+``z - z0`` is exact near the top and ``logd`` is small, so there is no rounding of a large
+``lse`` (logits around 1000 would lose ~1000 ulps through ``exp(z - lse)``). A dense kernel
+writes ``-scale * p * sum_i g_i v_i`` (zeros, for ``renormalize``), then a per-row kernel
+overwrites the ``k`` selected entries with ``scale * v_i * (g_i - sum_j g_j v_j)``, where
+``v_i = p_i`` (``softmax(z[indices])_i`` for ``renormalize``), rounded once (the indices of
+a row are distinct, so no atomics). Both kernels recompute the ``k`` selected ``v`` from a
+gather of ``x``.
+
+All offsets are int64. On a machine without a GPU the kernels run through Triton's
+interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported; they then
+accept CPU tensors (slowly: numpy).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..triton_helpers import cdiv, check_runtime, next_pow2, on_device, sm_count, tl, triton  # tl, triton: None w/o it
+
+__all__ = ["softmax_topk_forward", "softmax_topk_backward", "MAX_K"]
+
+#: Largest supported k (the running buffer is a power of two >= k, kept in registers).
+MAX_K = 256
+#: Largest row length (columns) the keys can encode: the column takes 32 bits of a key.
+MAX_COLUMNS = 2**31 - 1
+#: Rows up to this many columns (a power of two) are one tile, several rows per program.
+_SINGLE_TILE_MAX = 4096
+#: Columns per tile for longer rows (one row per program, a loop over tiles).
+_LOOP_BLOCK = 2048
+#: Target elements per program when several short rows share one program.
+_ROWS_TILE_ELEMS = 4096
+#: Least columns per split: rows shorter than twice this are never split.
+_MIN_SPLIT_COLS = 4096
+#: Most splits per row.
+_MAX_SPLITS = 1024
+#: Keys per step of the merge kernel (a multiple of K_PAD).
+_MERGE_ELEMS = 4096
+#: Stand-in for the SM count in interpreter mode (decides splitting there).
+_INTERPRETER_SMS = 4
+
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_INT64_MIN = -(2**63)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+if triton is not None:
+    from ..triton_helpers import safe_max
+    from .triton_select import decode_keys, encode_keys, merge_keys, topk_keys
+
+    @triton.jit
+    def _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr,
+                K_PAD: tl.constexpr, RENORM: tl.constexpr):
+        """Decode the sorted buffer [ROWS, K_PAD] and write values [R, k], indices [R, k], logd [R]."""
+        z, col = decode_keys(buf)
+        ztop, _ = decode_keys(tl.max(buf, axis=1))  # NaN / +inf / -inf exactly for the special rows
+        special = ~(tl.abs(ztop) < float("inf"))
+        j = tl.arange(0, K_PAD).to(tl.int64)
+        sel = row_ok[:, None] & (j < k)[None, :]
+        if RENORM:
+            # softmax over the k selected: the top z is their max (and the row's).
+            zt = tl.where(special, 0.0, ztop)
+            e = tl.where(sel, tl.exp(z - zt[:, None]), 0.0)
+            v = e / tl.sum(e, axis=1)[:, None]
+        else:
+            # m is the row max (== ztop for ordinary rows), d = sum exp(z - m) >= 1.
+            ms = tl.where(special, 0.0, m)
+            v = tl.exp(z - ms[:, None]) / d[:, None]
+        # log of the normalizer relative to the row max (z at the first index): small, so the
+        # backward's exp((z - max) - logd) keeps fp32 accuracy whatever the size of the logits.
+        # NaN on the special rows: their gradients are NaN, as eager softmax's.
+        logd = tl.where(special, float("nan"), tl.log(d))
+        v = tl.where(special[:, None], float("nan"), v)
+        out = rows[:, None] * k + j[None, :]
+        tl.store(vals_ptr + out, v.to(vals_ptr.dtype.element_ty), mask=sel)
+        tl.store(idx_ptr + out, col, mask=sel)
+        tl.store(logd_ptr + rows, logd, mask=row_ok)
+
+    @triton.jit
+    def _tile(x_ptr, x_off, cols, row_ok, n, scale):
+        """z (-inf on padding lanes) and keys (INT64_MIN on padding lanes) of one tile."""
+        ok = row_ok[:, None] & (cols < n)[None, :]
+        z = tl.load(x_ptr + (x_off[:, None] + cols[None, :]), mask=ok, other=0.0).to(tl.float32) * scale
+        keys = tl.where(ok, encode_keys(z, cols[None, :]), -9223372036854775808)
+        z = tl.where(ok, z, float("-inf"))
+        return z, keys
+
+    @triton.jit
+    def _softmax_topk_fwd_kernel(
+        x_ptr, x_rs, vals_ptr, idx_ptr, logd_ptr, wsk_ptr, wsm_ptr, wsd_ptr,
+        R, n, k, chunk, splits, scale,
+        K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        SINGLE_TILE: tl.constexpr, FINAL: tl.constexpr, RENORM: tl.constexpr,
+    ):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        split = tl.program_id(1).to(tl.int64)
+        row_ok = rows < R
+        x_off = rows * x_rs
+        c0 = split * chunk
+        c1 = tl.minimum(c0 + chunk, n)
+        # First tile (every chunk has one): starts the buffer and the online normalizer.
+        cols = c0 + tl.arange(0, BLOCK).to(tl.int64)
+        z, keys = _tile(x_ptr, x_off, cols, row_ok, c1, scale)
+        buf = topk_keys(keys, K_PAD, 1)
+        m = tl.max(z, axis=1)
+        d = tl.sum(tl.exp(z - safe_max(m)[:, None]), axis=1)
+        if not SINGLE_TILE:
+            for start in range(c0 + BLOCK, c1, BLOCK):
+                cols = start + tl.arange(0, BLOCK).to(tl.int64)
+                z, keys = _tile(x_ptr, x_off, cols, row_ok, c1, scale)
+                # Online normalizer (Milakov & Gimelshein, 2018). min(., 0) guards an all
+                # -inf prefix (d == 0) and a finite prefix before +inf.
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                ms_new = safe_max(m_new)
+                alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
+                d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
+                m = m_new
+                # Running top-k: skip the network when no key of the tile can enter.
+                enter = tl.max(keys, axis=1) > tl.min(buf, axis=1)
+                if tl.max(enter.to(tl.int32), axis=0) > 0:
+                    buf = merge_keys(buf, topk_keys(keys, K_PAD, 0), K_PAD)
+        if FINAL:
+            _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr, K_PAD, RENORM)
+        else:
+            ws = rows * splits + split
+            j = tl.arange(0, K_PAD).to(tl.int64)
+            tl.store(wsk_ptr + (ws[:, None] * K_PAD + j[None, :]), buf, mask=row_ok[:, None])
+            tl.store(wsm_ptr + ws, m, mask=row_ok)
+            tl.store(wsd_ptr + ws, d, mask=row_ok)
+
+    @triton.jit
+    def _softmax_topk_merge_kernel(
+        wsk_ptr, wsm_ptr, wsd_ptr, vals_ptr, idx_ptr, logd_ptr, R, splits, k,
+        K_PAD: tl.constexpr, G: tl.constexpr, RENORM: tl.constexpr,
+    ):
+        """Merge the SPLITS partials of one row: G splits (G * K_PAD keys) per step."""
+        rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1).to(tl.int64)
+        row_ok = rows < R
+        e = tl.arange(0, G * K_PAD).to(tl.int64)
+        s = tl.arange(0, G).to(tl.int64)
+        buf = tl.full([1, K_PAD], -9223372036854775808, tl.int64)
+        m = tl.full([1], float("-inf"), tl.float32)
+        d = tl.zeros([1], tl.float32)
+        for s0 in range(0, splits, G):
+            ok = row_ok[:, None] & ((s0 + e // K_PAD) < splits)[None, :]
+            keys = tl.load(wsk_ptr + (rows[:, None] * (splits * K_PAD) + s0 * K_PAD + e[None, :]),
+                           mask=ok, other=-9223372036854775808)
+            buf = merge_keys(buf, topk_keys(keys, K_PAD, 0), K_PAD)
+            sok = row_ok[:, None] & ((s0 + s) < splits)[None, :]
+            sm = tl.load(wsm_ptr + (rows[:, None] * splits + s0 + s[None, :]), mask=sok, other=float("-inf"))
+            sd = tl.load(wsd_ptr + (rows[:, None] * splits + s0 + s[None, :]), mask=sok, other=0.0)
+            m_new = tl.maximum(m, tl.max(sm, axis=1))
+            ms_new = safe_max(m_new)
+            alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
+            beta = tl.exp(tl.minimum(safe_max(sm) - ms_new[:, None], 0.0))
+            d = d * alpha + tl.sum(sd * beta, axis=1)
+            m = m_new
+        _finish(buf, m, d, rows, row_ok, k, vals_ptr, idx_ptr, logd_ptr, K_PAD, RENORM)
+
+    @triton.jit
+    def _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                      rows, row_ok, k, scale, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+        """(g, idx, v, gv, z0) of the k selected entries of ROWS rows ([ROWS, K_PAD]; 0 on padding).
+
+        ``v`` is recomputed in fp32 from x (the forward's values may have been rounded to a
+        narrower dtype): ``exp((z - z0) - logd)``, or ``softmax(z[idx])`` with ``RENORM``, where
+        ``z0 = z[idx[:, 0]]`` is the row max; ``gv = sum_i g_i v_i``."""
+        j = tl.arange(0, K_PAD).to(tl.int64)
+        sel = row_ok[:, None] & (j < k)[None, :]
+        g = tl.load(g_ptr + (rows[:, None] * g_rs + j[None, :] * g_cs), mask=sel, other=0.0).to(tl.float32)
+        idx = tl.load(i_ptr + (rows[:, None] * i_rs + j[None, :] * i_cs), mask=sel, other=0).to(tl.int64)
+        zs = tl.load(x_ptr + (rows[:, None] * x_rs + idx), mask=sel, other=0.0).to(tl.float32) * scale
+        # z of the first index (the row max); other lanes add exact zeros (NaN / inf stay).
+        z0 = tl.sum(tl.where((j == 0)[None, :], zs, 0.0), axis=1)
+        if RENORM:
+            e = tl.where(sel, tl.exp(zs - z0[:, None]), 0.0)
+            v = e / tl.where(row_ok, tl.sum(e, axis=1), 1.0)[:, None]
+        else:
+            logd = tl.load(logd_ptr + rows * logd_s, mask=row_ok, other=0.0).to(tl.float32)
+            v = tl.where(sel, tl.exp((zs - z0[:, None]) - logd[:, None]), 0.0)
+        gv = tl.sum(g * v, axis=1)
+        return g, idx, v, gv, z0
+
+    @triton.jit
+    def _softmax_topk_bwd_dense_kernel(
+        x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s, dx_ptr,
+        R, n, k, n_col_blocks, scale,
+        K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """dx = -scale * p * sum_i g_i v_i, p = exp((z - z0) - logd), over a ROWS x BLOCK tile (1-D grid)."""
+        pid = tl.program_id(0).to(tl.int64)
+        rows = (pid // n_col_blocks) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        row_ok = rows < R
+        _, _, _, gv, z0 = _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                                        rows, row_ok, k, scale, K_PAD, False)
+        logd = tl.load(logd_ptr + rows * logd_s, mask=row_ok, other=0.0).to(tl.float32)
+        ok = row_ok[:, None] & (cols < n)[None, :]
+        z = tl.load(x_ptr + (rows[:, None] * x_rs + cols[None, :]), mask=ok, other=0.0).to(tl.float32) * scale
+        p = tl.exp((z - z0[:, None]) - logd[:, None])
+        dx = (-scale) * (p * gv[:, None])
+        tl.store(dx_ptr + (rows[:, None] * n + cols[None, :]), dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _softmax_topk_bwd_sparse_kernel(
+        x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s, dx_ptr,
+        R, n, k, scale,
+        K_PAD: tl.constexpr, ROWS: tl.constexpr, RENORM: tl.constexpr,
+    ):
+        """The k selected entries of dx, ``scale * v_i * (g_i - gv)`` (both cases: v_i is p_i when
+        not renormalized), recomputed in fp32 and written once."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_ok = rows < R
+        j = tl.arange(0, K_PAD).to(tl.int64)
+        sel = row_ok[:, None] & (j < k)[None, :]
+        g, idx, v, gv, _ = _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
+                                         rows, row_ok, k, scale, K_PAD, RENORM)
+        dx = scale * (v * (g - gv[:, None]))
+        tl.store(dx_ptr + (rows[:, None] * n + idx), dx.to(dx_ptr.dtype.element_ty), mask=sel)
+
+
+# --------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; :data:`_INTERPRETER_SMS` in the interpreter (it decides splitting there)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return sm_count(device)
+
+
+def _num_warps(elems: int) -> int:
+    return 8 if elems >= 4096 else 4 if elems >= 1024 else 2 if elems >= 256 else 1
+
+
+def _plan(R: int, n: int, k_pad: int, device: torch.device) -> dict:
+    """Launch plan of the forward for R rows of n columns and a buffer of k_pad keys.
+
+    Returns ``ROWS`` (rows per program), ``BLOCK`` (columns per tile), ``SINGLE_TILE``,
+    ``splits`` and ``chunk`` (columns per split, a multiple of BLOCK), ``num_warps``."""
+    full = next_pow2(n)
+    if full <= _SINGLE_TILE_MAX:
+        block = max(full, k_pad)
+        rows = max(1, min(_ROWS_TILE_ELEMS // block, next_pow2(R)))
+        if device.type == "cuda":  # keep ~2 programs per SM when there are enough rows
+            per = max(1, R // (2 * _sm_count(device)))
+            rows = min(rows, 1 << (per.bit_length() - 1))
+        return dict(ROWS=rows, BLOCK=block, SINGLE_TILE=True, splits=1, chunk=block,
+                    num_warps=_num_warps(rows * block))
+    block = max(_LOOP_BLOCK, k_pad)
+    target = 2 * _sm_count(device)
+    splits = 1
+    if R < target and n >= 2 * _MIN_SPLIT_COLS:
+        splits = max(1, min(cdiv(n, _MIN_SPLIT_COLS), cdiv(target, R), _MAX_SPLITS))
+    chunk = cdiv(cdiv(n, splits), block) * block
+    splits = cdiv(n, chunk)
+    return dict(ROWS=1, BLOCK=block, SINGLE_TILE=chunk == block, splits=splits, chunk=chunk,
+                num_warps=_num_warps(block))
+
+
+def _check_x(x: torch.Tensor, name: str = "x") -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (R, n), got shape {tuple(x.shape)}")
+    R, n = x.shape
+    if n > 1 and R > 0 and x.stride(1) != 1:
+        raise ValueError(f"{name} must have stride 1 along its last dim (got strides {tuple(x.stride())}); "
+                         "make it so with .contiguous()")
+    if n > MAX_COLUMNS:
+        raise ValueError(f"rows of {n} columns are too long: at most {MAX_COLUMNS} (2**31 - 1) are supported")
+    return R, n
+
+
+def _check_scale(scale: float) -> float:
+    scale = float(scale)
+    if not (scale > 0.0 and scale < float("inf")):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return scale
+
+
+def _check_out_dtype(out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    out_dtype = default if out_dtype is None else out_dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    return out_dtype
+
+
+# --------------------------------------------------------------------------------------
+# Public launchers
+# --------------------------------------------------------------------------------------
+
+
+def softmax_topk_forward(
+    x: torch.Tensor,
+    k: int,
+    *,
+    scale: float = 1.0,
+    renormalize: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``topk(softmax(x * scale), k)`` along the last dim, with Triton.
+
+    Method: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018),
+    softmax + top-k: one pass over each row keeps the online ``(max, sum)`` pair and a
+    running top-k buffer; only ``k`` probabilities are written. Long rows are split across
+    programs and merged by a second small kernel (see the module docstring).
+
+    ``z = x.float() * scale``. ``renormalize=False``: ``values = softmax(z)[indices] =
+    exp(z_idx - m - logd)``, ``m = max(z) = z[indices[:, 0]]``; ``renormalize=True``:
+    ``values = softmax(z_idx)`` over the ``k`` selected entries (``== topk(softmax(z)) / its sum``). Values are sorted descending;
+    ``indices`` are the ``k`` largest ``z``, exact ties lowest index first, NaN above
+    everything, ``-inf`` below every finite value (``-inf`` picks get value 0, like torch).
+    A row with NaN or ``+inf``, or all ``-inf``, gives NaN values with valid distinct
+    indices and a NaN ``logd`` (the backward then gives the row NaN gradients, like torch).
+
+    Args:
+        x: (R, n) fp16 / bf16 / fp32 scores, stride 1 along the last dim (any row stride).
+            CUDA, or CPU under ``TRITON_INTERPRET=1``.
+        k: number of entries kept, ``0 <= k <= min(n, MAX_K)`` (``MAX_K = 256``).
+        scale: multiplies ``x`` first; finite and > 0.
+        renormalize: normalize the ``k`` values to sum to 1.
+        out_dtype: dtype of ``values`` (default ``x.dtype``); computed in fp32, rounded once.
+
+    Returns:
+        ``(values, indices, logd)``: values (R, k) ``out_dtype``, indices (R, k) int64,
+        logd (R,) fp32 ``= log(sum(exp(z - m)))`` over the whole row, the log of the softmax
+        normalizer relative to the row max ``m = z[indices[:, 0]]`` (``logsumexp(z) = m + logd``,
+        without the rounding of a large ``lse``; computed also with ``renormalize``, where the
+        backward does not need it); all new contiguous tensors. ``k == 0`` or ``R == 0`` gives
+        empty values / indices and zeros for ``logd`` (there is no selected max to be relative
+        to, and the backward does not read it) without a Triton launch; so does ``n == 0``.
+
+    Raises:
+        RuntimeError: triton missing, or ``x`` not on CUDA and ``TRITON_INTERPRET=1`` not
+            set before triton was imported.
+        TypeError: ``x`` not a fp16/bf16/fp32 tensor; a non-floating ``out_dtype``; k not an int.
+        ValueError: ``x`` not 2-D, last-dim stride != 1, more than ``2**31 - 1`` columns;
+            ``k < 0``, ``k > n`` or ``k > MAX_K``; ``scale`` not finite and > 0.
+    """
+    R, n = _check_x(x)
+    if isinstance(k, bool):
+        raise TypeError("k must be an int, got bool")
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise TypeError(f"k must be an int, got {type(k).__name__}") from None
+    if k < 0 or k > n:
+        raise ValueError(f"k must be in [0, n] = [0, {n}], got {k}")
+    if k > MAX_K:
+        raise ValueError(f"k = {k} is above the limit of the Triton softmax top-k kernels (MAX_K = {MAX_K})")
+    scale = _check_scale(scale)
+    out_dtype = _check_out_dtype(out_dtype, x.dtype)
+    check_runtime(x, "softmax top-k")
+
+    values = torch.empty((R, k), dtype=out_dtype, device=x.device)
+    indices = torch.empty((R, k), dtype=torch.int64, device=x.device)
+    if R == 0 or k == 0:
+        return values, indices, torch.zeros((R,), dtype=torch.float32, device=x.device)
+    logd = torch.empty((R,), dtype=torch.float32, device=x.device)
+
+    k_pad = next_pow2(k)
+    plan = _plan(R, n, k_pad, x.device)
+    splits, rows_n = plan["splits"], plan["ROWS"]
+    final = splits == 1
+    if final:
+        wsk, wsm, wsd = indices, logd, logd  # unused
+    else:
+        wsk = torch.empty((R, splits, k_pad), dtype=torch.int64, device=x.device)
+        wsm = torch.empty((R, splits), dtype=torch.float32, device=x.device)
+        wsd = torch.empty((R, splits), dtype=torch.float32, device=x.device)
+    grid = (cdiv(R, rows_n), splits)
+    with on_device(x):
+        _softmax_topk_fwd_kernel[grid](
+            x, x.stride(0), values, indices, logd, wsk, wsm, wsd,
+            R, n, k, plan["chunk"], splits, scale,
+            K_PAD=k_pad, ROWS=rows_n, BLOCK=plan["BLOCK"], SINGLE_TILE=plan["SINGLE_TILE"],
+            FINAL=final, RENORM=bool(renormalize), num_warps=plan["num_warps"],
+        )
+        if not final:
+            g = max(1, min(next_pow2(splits), _MERGE_ELEMS // k_pad))
+            _softmax_topk_merge_kernel[(R,)](
+                wsk, wsm, wsd, values, indices, logd, R, splits, k,
+                K_PAD=k_pad, G=g, RENORM=bool(renormalize), num_warps=_num_warps(g * k_pad),
+            )
+    return values, indices, logd
+
+
+def softmax_topk_backward(
+    grad_values: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    x: torch.Tensor,
+    logd: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    renormalize: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Gradient w.r.t. ``x`` of :func:`softmax_topk_forward`'s values, with Triton (fp32 math).
+
+    Everything is recomputed in fp32 from ``x``: with ``z = x.float() * scale``,
+    ``z0 = z[indices[:, 0]]`` (the row max, as the forward's indices give it) and
+    ``v_i = exp((z[idx_i] - z0) - logd)``, ``gv = sum_i g_i v_i``:
+    ``renormalize=False``: ``dx = scale * (scatter(g * v at indices) - p * gv)``,
+    ``p = exp((z - z0) - logd)``.
+    ``renormalize=True``: ``v = softmax(z[indices])`` over the ``k`` selected;
+    ``dx[idx_i] = scale * v_i * (g_i - gv)``, zero elsewhere.
+    ``values`` is not read (only its shape): the forward's values may be rounded to a
+    narrower dtype, and ``exp(z - lse)`` with an fp32 ``lse`` would lose ~|lse| ulps. A dense
+    kernel writes ``-scale * p * gv`` (or zeros), then a per-row kernel recomputes the ``k``
+    selected entries and writes each once ("Online normalizer calculation for softmax",
+    Milakov & Gimelshein, 2018: no probability vector is stored by the forward).
+
+    Args:
+        grad_values: (R, k) gradient of ``values``, any float dtype and strides.
+        values: (R, k) the forward's values (any float dtype and strides): gives the shape only.
+        indices: (R, k) int64 (or int32) forward indices: in ``[0, n)``, distinct per row, the
+            first one at the row max (the forward's, largest first).
+        x: (R, n) the forward's input, fp16 / bf16 / fp32, stride 1 along the last dim.
+        logd: (R,) the forward's logd (any float dtype, any stride); unused with ``renormalize``,
+            where it may also be empty.
+        scale, renormalize: as in the forward.
+        out_dtype: dtype of the result (default ``x.dtype``).
+
+    Returns:
+        ``dx``: a new contiguous (R, n) tensor in ``out_dtype`` (zeros when ``k == 0``).
+
+    Raises:
+        RuntimeError: triton missing, or not CUDA and not ``TRITON_INTERPRET=1``.
+        TypeError: wrong tensor dtypes, non-floating ``out_dtype``.
+        ValueError: mismatched shapes or devices, bad ``x`` layout, ``k > MAX_K``, bad ``scale``.
+    """
+    R, n = _check_x(x)
+    for name, t in (("grad_values", grad_values), ("values", values), ("indices", indices), ("logd", logd)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    for name, t in (("grad_values", grad_values), ("values", values), ("logd", logd)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating-point, got {t.dtype}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"indices must be int64 or int32, got {indices.dtype}")
+    if values.dim() != 2 or values.shape[0] != R:
+        raise ValueError(f"values must be (R, k) with R = {R}, got {tuple(values.shape)}")
+    k = values.shape[1]
+    for name, t in (("grad_values", grad_values), ("indices", indices)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} and values {tuple(values.shape)} differ in shape")
+    if logd.shape != (R,) and not (renormalize and logd.numel() == 0):
+        raise ValueError(f"logd must be ({R},) (or empty, with renormalize), got {tuple(logd.shape)}")
+    if k > n or k > MAX_K:
+        raise ValueError(f"k = {k} must be <= n = {n} and <= MAX_K = {MAX_K}")
+    scale = _check_scale(scale)
+    out_dtype = _check_out_dtype(out_dtype, x.dtype)
+    check_runtime(x, "softmax top-k")
+
+    if renormalize or k == 0 or R == 0:
+        dx = torch.zeros((R, n), dtype=out_dtype, device=x.device)
+        if k == 0 or R == 0:
+            return dx
+    else:
+        dx = torch.empty((R, n), dtype=out_dtype, device=x.device)
+    k_pad = next_pow2(k)
+    if renormalize:  # logd is unused (and may be empty)
+        logd = torch.zeros((1,), dtype=torch.float32, device=x.device).expand(R)
+    sel_args = (grad_values, *grad_values.stride(), indices, *indices.stride(), logd, logd.stride(0), dx)
+    with on_device(x):
+        if not renormalize:
+            block = min(next_pow2(n), _SINGLE_TILE_MAX)
+            rows_n = max(1, min(_ROWS_TILE_ELEMS // block, next_pow2(R)))
+            ncb = cdiv(n, block)
+            _softmax_topk_bwd_dense_kernel[(cdiv(R, rows_n) * ncb,)](
+                x, x.stride(0), *sel_args, R, n, k, ncb, scale,
+                K_PAD=k_pad, ROWS=rows_n, BLOCK=block, num_warps=_num_warps(rows_n * block),
+            )
+        rows_n = max(1, min(_ROWS_TILE_ELEMS // k_pad, next_pow2(R)))
+        _softmax_topk_bwd_sparse_kernel[(cdiv(R, rows_n),)](
+            x, x.stride(0), *sel_args, R, n, k, scale,
+            K_PAD=k_pad, ROWS=rows_n, RENORM=bool(renormalize), num_warps=_num_warps(rows_n * k_pad),
+        )
+    return dx
