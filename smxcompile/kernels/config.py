@@ -6,11 +6,6 @@ import os
 #: triton is imported). Tests use it to drive the Triton path end to end on a CPU machine.
 force_triton: bool = os.environ.get("SMX_FORCE_TRITON", "") == "1"
 
-#: Rewritten graphs call the smx ops themselves on every device instead of the torch decompositions
-#: some sites use on CPU (set by ``smxcompile.export_onnx`` while it captures and exports: the
-#: ONNX translation table maps the ops).
-export_ops: bool = False
-
 
 def triton_available() -> bool:
     """True when triton imports."""

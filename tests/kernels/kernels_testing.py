@@ -4,9 +4,8 @@ TRITON_INTERPRET=1 is set by tests/conftest.py on a machine without CUDA, before
 there the kernels run through Triton's interpreter on CPU tensors; on a CUDA machine the same tests run the
 compiled kernels.
 
-Fixtures (a test module imports those it uses; they are not in a tests/kernels/conftest.py, whose module
-name ``conftest`` would shadow tests/conftest.py for ``from conftest import ...``): :func:`torch_path`,
-:func:`triton_spy`, :func:`import_without_triton`.
+Fixtures (tests/kernels/conftest.py offers them to every kernel test): :func:`torch_path`, :func:`triton_spy`,
+:func:`import_without_triton`.
 """
 
 from __future__ import annotations

@@ -122,7 +122,6 @@ def ref_fn(name, dtype, param=None, **kw):
 
 
 # These tests drive the torch (CPU) path, whatever SMX_FORCE_TRITON says; the Triton kernels have their own tests.
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = pytest.mark.usefixtures("torch_path")
 
 

@@ -41,7 +41,6 @@ HALF = [torch.bfloat16, torch.float16]
 
 
 # the CPU (torch) path even when a session forces Triton on CPU tensors
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = pytest.mark.usefixtures("torch_path")
 
 

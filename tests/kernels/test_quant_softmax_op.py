@@ -28,7 +28,6 @@ U8, I8 = torch.uint8, torch.int8
 
 
 # the CPU (torch) path, whatever another test module left in the kernel switches
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = pytest.mark.usefixtures("torch_path")
 
 
@@ -165,11 +164,16 @@ def test_half_prob_dtype_is_atens_half_softmax():
     aten = torch.softmax(x, -1)
     cast = torch.softmax(x.float(), -1).half()
     differ = aten != cast
-    assert differ.any()
-    scale = (aten[differ][0].item() + cast[differ][0].item()) / 2 / 200.5
     qpt = torch.ops.quantized_decomposed.quantize_per_tensor
-    ref = qpt(aten, scale, 0, 0, 255, U8)
-    assert not torch.equal(ref, qpt(cast, scale, 0, 0, 255, U8))
+    if differ.any():
+        scale = (aten[differ][0].item() + cast[differ][0].item()) / 2 / 200.5
+        ref = qpt(aten, scale, 0, 0, 255, U8)
+        assert not torch.equal(ref, qpt(cast, scale, 0, 0, 255, U8))
+    else:
+        # ATen's fp16 softmax is the fp32 one rounded on some CPUs (AMD here): nothing to tell apart, the op
+        # must still give ATen's codes
+        scale = 1 / 255
+        ref = qpt(aten, scale, 0, 0, 255, U8)
     assert torch.equal(quant_softmax(x, scale=scale, prob_dtype=torch.float16), ref)
     # with an fp32 prob_dtype the probabilities are those of an fp32 softmax
     assert torch.equal(quant_softmax(x, scale=scale, prob_dtype=torch.float32),

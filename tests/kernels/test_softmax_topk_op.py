@@ -44,7 +44,6 @@ NAN = float("nan")
 
 
 # the CPU (torch) path, whatever another test module left in the kernel switches
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = pytest.mark.usefixtures("torch_path")
 
 

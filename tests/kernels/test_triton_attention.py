@@ -23,7 +23,6 @@ from smxcompile.kernels.attention import triton_backward, triton_common, triton_
 from smxcompile.kernels.attention.triton_backward import attention_backward  # noqa: E402
 from smxcompile.kernels.attention.triton_forward import attention_forward, dropout_keep_mask  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = TRITON_MARKS
 
 NEG_INF = float("-inf")

@@ -24,7 +24,6 @@ from smxcompile.kernels.cross_entropy import triton_backward, triton_common, tri
 from smxcompile.kernels.cross_entropy.triton_backward import ce_backward, lce_backward  # noqa: E402
 from smxcompile.kernels.cross_entropy.triton_forward import ce_forward, lce_forward  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = TRITON_MARKS
 
 NAN = float("nan")

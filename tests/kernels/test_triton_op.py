@@ -16,7 +16,6 @@ from smxcompile.kernels.attention import triton_backward as attention_bwd, trito
 from smxcompile.kernels.softmax import triton_kernels as softmax_kernels  # noqa: E402
 from smxcompile.kernels.softmax_topk import triton_kernels as topk_kernels  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -32,7 +32,6 @@ from smxcompile.kernels.quant_softmax import quant_softmax, quant_softmax_decomp
 from smxcompile.kernels.quant_softmax import triton_kernels as tq  # noqa: E402
 from smxcompile.kernels.quant_softmax.triton_kernels import quant_softmax_forward  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = TRITON_MARKS + [
     # numpy (the interpreter) also warns on NaN casts, which the kernel relies on.
     pytest.mark.filterwarnings("ignore:.*invalid value:RuntimeWarning"),

@@ -20,7 +20,6 @@ from smxcompile.kernels import triton_helpers  # noqa: E402
 from smxcompile.kernels.softmax import triton_kernels as ts  # noqa: E402
 from smxcompile.kernels.softmax.triton_kernels import softmax_backward, softmax_forward  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = TRITON_MARKS
 
 INF = float("inf")

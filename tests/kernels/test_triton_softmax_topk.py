@@ -30,7 +30,6 @@ from smxcompile.kernels import triton_helpers  # noqa: E402
 from smxcompile.kernels.softmax_topk import triton_kernels as tk  # noqa: E402
 from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward, softmax_topk_forward  # noqa: E402
 
-pytest_plugins = ["kernels_testing"]  # the kernel tests' fixtures (torch_path, triton_spy, import_without_triton)
 pytestmark = TRITON_MARKS
 
 INF = float("inf")

@@ -92,7 +92,7 @@ default"), a symbolic head count (MultiHeadAttention's ``num_heads``). ``dropout
 (the mask is random) and raises.
 
 ``smx::attention`` (``normalizer != "softmax"``, or soft-capping): q (B, Hq, L, E), k / v (B, Hkv, S, E / Ev),
-the op's arguments as :func:`smxcompile.kernels.attention._attention_op` takes them, decomposed op for op from
+the op's arguments as :func:`smxcompile.kernels.attention.ops.attention_op` takes them, decomposed op for op from
 the reference functions of :data:`smxcompile.kernels.attention.NORMALIZERS`: masks bool (``keep``) or float
 (added; ``-inf`` masks), masked keys exactly 0 and not counted in n (``n`` from the op's ``n_keys`` input,
 else S or ``min(i + 1, S)`` under ``is_causal``), ``norm_param`` per (B, Hq), soft-capping

@@ -6,7 +6,7 @@ options, ``nn.CrossEntropyLoss``, ``nll_loss(log_softmax)``, ``F.linear_cross_en
 LM losses with their label shift and ``num_items_in_batch``, linear -> CE with temperature / soft-cap /
 row slices) or a direct call of ``smxcompile.cross_entropy`` / ``smxcompile.linear_cross_entropy`` (which
 add z-loss, per-token weights, ``return_lse``, ``return_z_loss``) -- is one *statistics* op followed by
-ordinary ATen ops on N-vectors (:func:`smxcompile.kernels.cross_entropy._compose`: the ignore mask, class
+ordinary ATen ops on N-vectors (:func:`smxcompile.kernels.cross_entropy.loss.compose_loss`: the ignore mask, class
 weight of the target, label smoothing, the reduction and its ``mean`` normalisation, the z-loss
 ``scale * lse^2``), which torch.onnx translates itself. The fused op ``smx::linear_ce_loss`` (gradients in
 the forward) and the backward ops need gradients and never reach an export.

@@ -48,7 +48,7 @@ def _dtype_of(v) -> int | None:
 
 def prologue(op, x, scale: float, softcap, mask):
     """``z = softcap * tanh(x * scale / softcap) + mask`` in fp32 (fp64 for fp64 input): the fused prologue of
-    ``smx::softmax`` / ``smx::log_softmax`` (kernels/softmax.py ``_prologue``)."""
+    ``smx::softmax`` / ``smx::log_softmax`` (:func:`smxcompile.kernels.softmax.ops.prologue`)."""
     acc = _float_type(x)
     z = x if _dtype_of(x) == acc else op.Cast(x, to=acc)
     z = scaled(op, z, scale)

@@ -1,6 +1,6 @@
 """``smx::softmax`` and ``smx::log_softmax``: softmax with its elementwise neighbours fused.
 
-The op computes, in fp32,
+The op computes, in fp32 (fp64 when ``x`` or ``dtype`` is fp64),
 
     z = x * scale;  z = softcap * tanh(z / softcap)   (if softcap);  z = z + mask   (if mask)
     y = softmax(z, dim)   or   log_softmax(z, dim)
@@ -54,7 +54,8 @@ def prologue(x: torch.Tensor, scale: float, softcap: float | None, mask: torch.T
 
 def _forward_impl(x, dim, scale, softcap, mask, dtype, return_lse, log):
     out_dtype = dtype or x.dtype
-    if config.use_triton(x):
+    # dtype=float64 asks for fp64 math, as torch's dtype= does (it casts the input first): the torch path
+    if config.use_triton(x) and out_dtype != torch.float64:
         from .triton_kernels import softmax_forward
 
         return softmax_forward(
@@ -63,7 +64,9 @@ def _forward_impl(x, dim, scale, softcap, mask, dtype, return_lse, log):
     plain = scale == 1.0 and softcap is None and mask is None
     z = x if plain else prologue(x, scale, softcap, mask)
     fn = torch.log_softmax if log else torch.softmax
-    if z.dtype in (torch.float16, torch.bfloat16):
+    if out_dtype == torch.float64:
+        y = fn(z.double(), dim)
+    elif z.dtype in (torch.float16, torch.bfloat16):
         # fp32 math, one rounding at the end (ATen's half kernels round log-probs less accurately)
         y = fn(z, dim, dtype=torch.float32).to(out_dtype)
     else:
