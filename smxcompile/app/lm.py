@@ -109,9 +109,6 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
             model = from_pretrained(AutoModelForCausalLM, folder)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
-    if getattr(model, "loss_type", "") is None:
-        # transformers cannot infer the loss from some class names and would warn inside forward
-        model.loss_type = "ForCausalLM"
     return model.to(device).eval()
 
 

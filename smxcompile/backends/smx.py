@@ -19,6 +19,7 @@ from torch._inductor.compile_fx import compile_fx
 from ..options import SmxOptions
 from ..passes import SmxPass, analyze
 from ..report import Report
+from . import tracing
 
 log = logging.getLogger("smxcompile")
 
@@ -52,6 +53,12 @@ def smx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     patches = dict(opts.inductor)
     patches["pre_grad_custom_pass"] = smx_pass
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+# Logging calls in the compiled code are no-ops while an smx-compiled function runs, so a
+# ``logger.warning_once`` between the LM head and the loss (transformers) does not split the graph.
+smx_backend.backend_ctx_ctor = tracing.ignore_logging
+tracing.install(smx_backend)
 
 
 def plan(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: SmxOptions, tag: str) -> tuple[Report, frozenset[str]]:

@@ -152,6 +152,7 @@ class SmxPass(CustomGraphPass):
         again after each round (nested sites), otherwise a later overlapping site is left as it is."""
         first = matches = p.find(graph, ctx, exclude)
         outcome: dict[str, Site] = {}
+        changed_by_guard = False
 
         def site(m: Match) -> Site:
             s = m.to_site(self.graph_tag)
@@ -175,10 +176,13 @@ class SmxPass(CustomGraphPass):
                 matches = p.find(graph, ctx, exclude)
         for m in matches:
             outcome.setdefault(m.key, site(m))
+            if m.guarded and m.action != "rewritten":
+                p.guard(graph, m, ctx)
+                changed_by_guard = True
         first_keys = [m.key for m in first]
         order = first_keys + [k for k in outcome if k not in set(first_keys)]
         sites = [outcome[k] for k in dict.fromkeys(order) if k in outcome]
-        changed = any(s.action == "rewritten" for s in outcome.values())
+        changed = changed_by_guard or any(s.action == "rewritten" for s in outcome.values())
         return matches, sites, changed
 
     def uuid(self) -> str:

@@ -53,6 +53,9 @@ class Match:
         prefix: see :class:`PassContext`.
         keep_whole: a kept site whose nodes later passes must leave alone (the block is left to Inductor as
             written); rewritten sites always claim their nodes.
+        guarded: a site not rewritten that Inductor is known to mis-compile as written: the pass's
+            :meth:`RewritePass.guard` hands it over in a form Inductor cannot (the reason says how); its nodes
+            are claimed.
     """
 
     action: str = "rewritten"
@@ -60,6 +63,7 @@ class Match:
     device: str = "?"
     prefix: str = ""
     keep_whole: bool = False
+    guarded: bool = False
 
     @property
     def key(self) -> str:
@@ -83,7 +87,7 @@ class Match:
 
     def claims(self) -> bool:
         """Later passes must leave this site's nodes alone."""
-        return self.action == "rewritten" or self.keep_whole
+        return self.action == "rewritten" or self.keep_whole or self.guarded
 
     def detail(self) -> str:
         """What the match absorbed (the report's detail column)."""
@@ -125,6 +129,9 @@ class RewritePass(abc.ABC):
     @abc.abstractmethod
     def rewrite(self, graph: Graph, match: Match, ctx: PassContext) -> None:
         """Replace the ``rewritten`` site ``match`` in ``graph``."""
+
+    def guard(self, graph: Graph, match: Match, ctx: PassContext) -> None:
+        """Hand the ``guarded`` (not rewritten) site ``match`` to Inductor in a form it cannot mis-compile."""
 
     def touched(self, match: Match) -> set[Node]:
         """Nodes a rewrite of ``match`` changes: two sites touching the same node are not rewritten in one round."""

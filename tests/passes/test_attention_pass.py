@@ -396,8 +396,11 @@ class TestNearMisses(TestCase):
 
     def test_softmax_over_query_dim(self):
         r = rewrite(softmax_query_dim, *qkv(), options=DEFAULT)
-        self.assertFalse(r.changed)
+        self.assertEqual(attn_site(r).action, "skipped")
         self.assertIn("not the key (last) dim", attn_site(r).reason)
+        # guarded: the softmax goes to Inductor as smx::softmax, the rest of the block as written
+        self.assertIn("torch.ops.smx.softmax.default", r.after)
+        self.assertNotIn("graph_attention", r.after)
 
     def test_mask_from_the_scores(self):
         r = rewrite(mask_from_scores, *qkv(), options=DEFAULT)
@@ -640,9 +643,10 @@ def inplace_scores(q, k, v, mask):
     return torch.softmax(s, -1) @ v
 
 
-def test_inplace_score_update_is_skipped_with_its_reason():
+def test_inplace_score_update_is_rewritten():
+    # ``s += mask`` on a fresh score tensor nothing else reads (T5); the near-misses are in test_sdpa_spellings.py
     r = rewrite(inplace_scores, *qkv(), torch.randn(8, 8), options=DEFAULT)
-    assert attn_site(r).action == "skipped" and "in-place op" in attn_site(r).reason, attn_site(r)
+    assert attn_site(r).action == "rewritten", attn_site(r)
 
 
 def test_norm_param_without_a_parameter_is_an_option_error():

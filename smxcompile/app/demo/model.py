@@ -30,9 +30,8 @@ def build_model(s: Settings, eos_id: int):
     torch.manual_seed(s.seed)
     model = GPT2LMHeadModel(config)
     model.config._attn_implementation = "eager"
-    # transformers cannot infer the loss from the class name "GPT2LMHeadModel"; naming it avoids a
-    # warning_once inside forward (a Dynamo graph break).
-    model.loss_type = "ForCausalLM"
+    # loss_type stays unset, as in a user's stock model: the warning_once transformers logs inside forward
+    # is a no-op in an smx trace (smxcompile.backends.tracing), so the LM head and the loss share a graph.
     return model
 
 

@@ -3,21 +3,31 @@
 Matched in the Dynamo (pre-grad) graph, from the value matmul ``P @ V`` (the anchor) upwards:
 
 * the value matmul: ``torch.matmul`` / ``@`` / ``torch.bmm`` / ``Tensor.matmul``, with the weights first;
-* between softmax and it: dtype casts (``.to``, ``.type``, ``.type_as``, ``.float()``) and dropout
-  (``F.dropout`` / ``nn.Dropout``; ``p`` taken into the op when training, dropped otherwise);
+* between softmax and it: dtype casts (``.to``, ``.type``, ``.type_as``, ``.float()``), copies (``.clone()``,
+  ``.contiguous()``) and dropout (``F.dropout`` / ``nn.Dropout``; ``p`` taken into the op when training,
+  dropped otherwise);
 * the softmax over the last (key) dim, any spelling ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax``,
   with ``dtype=`` (Llama: ``softmax(x, dim=-1, dtype=torch.float32)``) or an up-cast around it (T5);
-* masks: an additive float mask ``scores + mask`` (also a learned bias such as T5's position bias, which
-  keeps its gradient), ``scores.masked_fill(mask, value)`` and ``torch.where(keep, scores, value)`` with
-  a masking value (``-inf`` or any number <= -1e4, e.g. ``torch.finfo(dtype).min``);
+* masks: an additive mask ``scores + mask`` (also a learned bias such as T5's position bias, which keeps its
+  gradient; in place as ``scores += bias`` or ``scores.add_(mask)`` on a fresh score tensor nothing else reads;
+  a bool or integer mask takes the scores' dtype, as eager promotes it), ``scores.masked_fill(mask, value)``
+  and ``torch.where(keep, scores, value)`` with a masking value (``-inf`` or any number <= -1e4, e.g.
+  ``torch.finfo(dtype).min``), also followed by an additive mask (GPT-2 with a padding mask: merged into one
+  additive mask); a mask may take the scores' shape (``pad.expand_as(scores)``, DistilBERT);
 * logit soft-capping ``c * tanh(s / c)``; the scale as a Python number (``* 0.125``, ``/ 8``,
   ``/ math.sqrt(d)``) or a 0-d tensor (``/ torch.full([], d ** 0.5)``), or already folded into q;
 * the score matmul ``q @ k.transpose(-2, -1)`` (also ``k.transpose(2, 3)`` on 4-D, ``k.mT``, a permute
-  that swaps only the last two dims, ``torch.bmm(q, k.transpose(1, 2))`` on 3-D), or
+  that swaps only the last two dims, ``torch.bmm(q, k.transpose(1, 2))`` on 3-D; K^T through ``.contiguous()``
+  and with a scale of its own, ``(q * a) @ (k.transpose(-2, -1) * b)``), or
   ``einsum("...qd,...kd->...qk", q, k)`` with ``einsum("...qk,...kd->...qd", p, v)``;
 * grouped-query attention: K and V repeated per query head by ``kv[:, :, None].expand(...).reshape(...)``
   (transformers' ``repeat_kv``) or ``repeat_interleave(n, dim=1)`` are taken un-repeated (``enable_gqa``);
+* 3-D ``bmm`` attention whose scores are viewed ``(B*H, L, S) <-> (B, H, L, S)`` around the mask (MBart,
+  Marian, older BART): views that regroup only the leading dims (static shapes), anywhere between the matmuls;
 * ``F.scaled_dot_product_attention`` itself (kept as it is unless a normalizer is requested).
+
+These are the spellings of PyTorch's own fused-attention patterns (torch/_inductor/fx_passes/fuse_attention.py,
+``_sfdp_pattern_1`` to ``_28``) and of the transformers models that motivated them.
 
 A constant mask (built from ``arange`` comparisons only, as transformers builds its causal mask when no
 padding mask is given) is evaluated at compile time; when it is exactly the causal lower triangle the
@@ -26,7 +36,8 @@ site becomes ``is_causal=True`` and the mask disappears, so the fused kernel ski
 Not matched (tested near-misses): K permuted (e.g. ``k.permute(0, 2, 3, 1)``) rather than transposed
 in its last two dims, a softmax over any dim but the key dim, a mask computed from the scores, the
 weights also used elsewhere (``output_attentions``), a ``masked_fill`` value that does not mask (> -1e4),
-mixed q/k/v dtypes.
+mixed q/k/v dtypes, an in-place add on scores something else reads or on a view, a view that regroups the
+key dim, ``where(mask) + bias`` where the bias has a row per query and the where may mask a whole row.
 
 Fully masked rows keep the original graph's values: eager softmax gives NaN on a row of ``-inf`` and a
 uniform average on a row of finite masking values, where fused attention (SDPA) gives 0; the rewrite
@@ -43,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import Any
 
 import torch
@@ -53,14 +63,13 @@ from torch.fx import Node
 from ..patterns.arith import scale_stage, softcap
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
-from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, same_size, tensor_val
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, static_shape, \
+    tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
 from ..protocol import Match
+from .operands import copy_of, dropout_call, einsum_kind, fresh_tensor, inplace_add_before, inplace_add_operands, \
+    is_matmul, key_side, lead_view, shape_of, softmax_input, transposed_last2
 
-_MATMUL_FNS = {operator.matmul, torch.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_DROPOUT_FNS = {F.dropout, torch.dropout, torch.nn.functional.dropout}
-_VIEWISH = {"view", "reshape"}
 
 
 @dataclasses.dataclass
@@ -87,6 +96,10 @@ class AttentionMatch(Match):
     norm_param: float | None = None
     kind: str = "attention"
     dropped: list = dataclasses.field(default_factory=list)   # mask / value nodes the op no longer reads
+    fill_first: bool = False              # an additive mask is added after the masked_fill / where
+    lead: tuple | None = None             # leading dims q, k, v are regrouped to (views between the matmuls)
+    out_shape: tuple | None = None        # the anchor's shape, when ``lead`` is set
+    shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
 
     @property
     def is_sdpa(self) -> bool:
@@ -108,164 +121,13 @@ class AttentionMatch(Match):
         return "smx::attention"
 
 
-# --------------------------------------------------------------------------- small readers
-
-
-def is_matmul(n: Any) -> bool:
-    """A matmul (``@``, ``matmul``, ``bmm``) or an einsum with the score or value-matmul shape."""
-    if not isinstance(n, Node):
-        return False
-    if n.op == "call_function":
-        if n.target is torch.einsum:
-            return _einsum_kind(n) is not None
-        return n.target in _MATMUL_FNS and len(n.args) == 2 and not n.kwargs
-    return n.op == "call_method" and n.target in _MATMUL_METHODS and len(n.args) == 2 and not n.kwargs
-
-
-def _einsum_kind(n: Node) -> tuple[str, Node, Node] | None:
-    """``einsum("...qd,...kd->...qk", q, k)`` -> ("qk", q, k); ``einsum("...qk,...kd->...qd", p, v)`` -> ("pv", p, v).
-
-    The batch letters (or ``...``) must be the same, in the same order, in both inputs and the output."""
-    if n.op != "call_function" or n.target is not torch.einsum or n.kwargs or len(n.args) < 2:
-        return None
-    eq, ops = n.args[0], list(n.args[1:])
-    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-        ops = list(ops[0])
-    if not isinstance(eq, str) or len(ops) != 2 or not all(isinstance(o, Node) for o in ops) or "->" not in eq:
-        return None
-    lhs, out = eq.replace(" ", "").replace("...", "#").split("->")
-    ins = lhs.split(",")
-    if len(ins) != 2:
-        return None
-    a, b = ins
-    if not (len(a) == len(b) == len(out) >= 2) or not (a[:-2] == b[:-2] == out[:-2]):
-        return None
-    batch = set(a[:-2])
-    if len(batch) != len(a[:-2]):
-        return None
-    if a[-1] == b[-1] and out[-2:] == a[-2] + b[-2] and len({a[-2], b[-2], a[-1]}) == 3 \
-            and not {a[-2], b[-2], a[-1]} & batch:
-        return "qk", ops[0], ops[1]
-    if a[-1] == b[-2] and out[-2:] == a[-2] + b[-1] and len({a[-2], a[-1], b[-1]}) == 3 \
-            and not {a[-2], a[-1], b[-1]} & batch:
-        return "pv", ops[0], ops[1]
-    return None
-
-
-def _shape(n: Any) -> tuple | None:
-    v = tensor_val(n)
-    return None if v is None else tuple(v.shape)
-
-
-def _transposed_last2(kt: Node) -> tuple[Node | None, str]:
-    """``kt`` = K with its last two dims swapped -> (K, ""); otherwise (None, why)."""
-    v = tensor_val(kt)
-    if v is None:
-        return None, "no shape information on K^T"
-    nd = v.dim()
-    if kt.op == "call_method" and kt.target == "mT" or (kt.op == "call_function" and kt.target is getattr and kt.args[1] == "mT"):
-        return kt.args[0], ""
-    if (kt.op == "call_method" and kt.target in ("transpose", "swapaxes", "swapdims")) or (
-            kt.op == "call_function" and kt.target in (torch.transpose, torch.swapaxes, torch.swapdims)):
-        a = list(kt.args[1:]) + [kt.kwargs.get(k) for k in ("dim0", "dim1") if k in kt.kwargs]
-        if len(a) == 2 and all(isinstance(d, int) for d in a):
-            d = sorted(x % nd for x in a)
-            if d == [nd - 2, nd - 1]:
-                return kt.args[0], ""
-            return None, f"K^T swaps dims {tuple(a)}, not the last two"
-    if kt.op == "call_method" and kt.target == "t" and nd == 2:
-        return kt.args[0], ""
-    if (kt.op == "call_method" and kt.target == "permute") or (kt.op == "call_function" and kt.target is torch.permute):
-        perm = kt.args[1:] if kt.op == "call_method" else kt.args[1:]
-        if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
-            perm = tuple(perm[0])
-        perm = tuple(p % nd for p in perm) if all(isinstance(p, int) for p in perm) else None
-        if perm is not None and perm == tuple(range(nd - 2)) + (nd - 1, nd - 2):
-            return kt.args[0], ""
-        return None, f"K is permuted {perm}, not transposed in its last two dims"
-    return None, "the score matmul's second operand is not K transposed"
-
-def ungqa(n: Node) -> tuple[Node, int] | None:
-    """K or V repeated per query head (``repeat_kv`` or ``repeat_interleave`` on the head dim) -> (kv, n_rep)."""
-    v = tensor_val(n)
-    if v is None or v.dim() < 3:
-        return None
-    # repeat_interleave(kv, n, dim=head dim)
-    if (n.op == "call_method" and n.target == "repeat_interleave") or (
-            n.op == "call_function" and n.target is torch.repeat_interleave):
-        kv = n.args[0]
-        reps = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
-        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
-        kvv = tensor_val(kv)
-        if (isinstance(reps, int) and reps >= 1 and isinstance(dim, int) and kvv is not None
-                and kvv.dim() == v.dim() and dim % v.dim() == v.dim() - 3 and not n.kwargs.get("output_size")):
-            return kv, reps
-        return None
-    # reshape(expand(kv[:, :, None], (B, Hkv, n, S, D)), (B, Hkv * n, S, D))
-    if not ((n.op == "call_method" and n.target in _VIEWISH) or (n.op == "call_function" and n.target is torch.reshape)):
-        return None
-    e = n.args[0]
-    ev = tensor_val(e)
-    if not isinstance(e, Node) or ev is None or ev.dim() != v.dim() + 1 or len(e.users) != 1:
-        return None
-    if not (e.op == "call_method" and e.target == "expand"):
-        return None
-    u = e.args[0]
-    uv = tensor_val(u)
-    if not isinstance(u, Node) or uv is None or uv.dim() != ev.dim() or len(u.users) != 1:
-        return None
-    h = v.dim() - 3        # head dim of K; the inserted dim sits right after it
-    if not same_size(uv.shape[h + 1], 1):
-        return None
-    kv = None
-    if u.op == "call_method" and u.target == "unsqueeze" and len(u.args) == 2 and isinstance(u.args[1], int) \
-            and u.args[1] % uv.dim() == h + 1:
-        kv = u.args[0]
-    elif u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], tuple):
-        idx = u.args[1]
-        full = slice(None, None, None)
-        if len(idx) >= h + 2 and all(i == full for i in idx[:h + 1]) and idx[h + 1] is None \
-                and all(i == full or i is Ellipsis for i in idx[h + 2:]):
-            kv = u.args[0]
-    kvv = tensor_val(kv)
-    if kv is None or kvv is None or kvv.dim() != v.dim():
-        return None
-    reps = ev.shape[h + 1]
-    if not isinstance(reps, int) or not same_size(kvv.shape[h] * reps, v.shape[h]):
-        return None
-    for i in range(v.dim()):
-        if i != h and not same_size(kvv.shape[i], v.shape[i]):
-            return None
-    return kv, reps
-
 # --------------------------------------------------------------------------- matching
-
-
-def _dropout(n: Node) -> tuple[Node, float, bool] | None:
-    """``F.dropout(x, p, training)`` -> (x, p, training)."""
-    if n.op != "call_function" or n.target not in _DROPOUT_FNS:
-        return None
-    names = ("input", "p", "training", "inplace") if n.target is not torch.dropout else ("input", "p", "train")
-    a = dict(zip(names, n.args))
-    a.update(n.kwargs)
-    p = a.get("p", 0.5)
-    training = a.get("training", a.get("train", True))
-    if not isinstance(p, (int, float)) or not isinstance(training, bool) or a.get("inplace"):
-        return None
-    return a["input"], float(p), training
-
-
-def _softmax_call(n: Node) -> tuple[Node, Any, Any] | None:
-    c = canon(n)
-    if c is None or c[0] != "softmax":
-        return None
-    return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
 
 
 def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None:
     """Walk up from a ``P @ V`` matmul; None when P does not come from a softmax."""
     if anchor.target is torch.einsum:
-        kind = _einsum_kind(anchor)
+        kind = einsum_kind(anchor)
         if kind is None or kind[0] != "pv":
             return None
         p, v = kind[1], kind[2]
@@ -278,15 +140,15 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     for _ in range(6):   # casts and dropout between softmax and the value matmul
         if not isinstance(n, Node):
             return None
-        if _softmax_call(n) is not None:
+        if softmax_input(n) is not None:
             break
-        d = _dropout(n)
+        d = dropout_call(n)
         if d is not None and dropout is None:
             chain.append(n)
             dropout = d
             n = d[0]
             continue
-        if cast_dtype(n) is not None:
+        if cast_dtype(n) is not None or copy_of(n) is not None or lead_view(n) is not None:
             chain.append(n)
             n = n.args[0]
             continue
@@ -294,7 +156,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     else:
         return None
     sm = n
-    x, dim, sm_dtype = _softmax_call(sm)
+    x, dim, sm_dtype = softmax_input(sm)
     m = AttentionMatch(anchor=anchor, softmax=sm, v=v)
     m.dead = dead + chain + [sm]
     if dropout is not None:
@@ -309,18 +171,29 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     nd = tensor_val(x).dim()
     d = norm_dim(dim, nd)
     if d is None or d != nd - 1:
-        return _skip(m, f"softmax over dim={dim!r}, not the key (last) dim")
+        # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
+        m.guarded = d is not None
+        return _skip(m, f"softmax over dim={dim!r}, not the key (last) dim" + (
+            "; its softmax is handed to Inductor as smx::softmax, which Inductor's attention fusion cannot "
+            "take for attention over the last dim (pytorch#196468)" if m.guarded else ""))
     xd = tensor_val(x).dtype
     if sm_dtype is not None and (sm_dtype not in FLOAT_DTYPES or xd not in FLOAT_DTYPES or not holds(sm_dtype, xd)):
         return _skip(m, f"softmax dtype={sm_dtype} rounds its input")
     # walk up the score chain: casts, masks, softcap, scale, until the score matmul
     n = x
     stages: list[tuple[str, Any]] = []
+    consumer, consumed = sm, set()
     for _ in range(16):
         if not isinstance(n, Node) or n.op in ("placeholder", "get_attr"):
             return None   # the scores come from outside the graph: nothing says this is attention
+        u = None if n in consumed else inplace_add_before(n, consumer)
+        if u is not None:   # ``s.add_(mask)`` as a statement: what ``consumer`` reads is s + mask
+            consumed.add(n)
+            stages.append(("add", (u, tuple(inplace_add_operands(u)))))
+            continue
         if is_matmul(n):
             break
+        consumer = n
         dt = cast_dtype(n)
         if dt is not None:
             if exact_cast(n) is None:
@@ -328,7 +201,14 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             stages.append(("cast", n))
             n = n.args[0]
             continue
-        step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n))
+        if lead_view(n) is not None:   # (B*H, L, S) <-> (B, H, L, S), as 3-D bmm attention writes it
+            stages.append(("view", (n, static_shape(tensor_val(n)))))
+            n = n.args[0]
+            continue
+        step = _mask_stage(n) if inplace_add_operands(n) is not None and fresh_tensor(n.args[0]) \
+            and len(n.args[0].users) == 1 else None   # ``s += mask`` (T5): the old s is read by nothing else
+        if step is None:
+            step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n))
         if step is None and is_mutation(n):
             return _skip(m, f"in-place op '{n.name}' ({n.target}) on the scores: not matched "
                             "(write it out of place, e.g. s = s + mask)")
@@ -345,7 +225,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         return _skip(m, "too many ops between the scores and the softmax")
     qk = n
     if qk.target is torch.einsum:
-        kind = _einsum_kind(qk)
+        kind = einsum_kind(qk)
         if kind is None or kind[0] != "qk":
             return _skip(m, "the scores come from an einsum that is not q k^T")
         m.q, m.k = kind[1], kind[2]
@@ -353,11 +233,22 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         m.spelling = "einsum(q, k)"
         return _assemble(m, stages, qk, consts)
     q, kt = qk.args
-    k, why = _transposed_last2(kt) if isinstance(kt, Node) else (None, "K^T is not a tensor")
+    kt, key_scales = key_side(kt)
+    k, why = transposed_last2(kt) if isinstance(kt, Node) else (None, "K^T is not a tensor")
     if k is None:
         return _skip(m, why)
     m.q, m.k = q, k
     m.dead += [qk, kt]
+    for node, kind, data in key_scales:   # (q @ (k^T * b)) = (q @ k^T) * b
+        m.dead.append(node)
+        if kind == "scale":
+            m.scale *= data
+        else:
+            c = consts.number(data[0])
+            if c is not None and c != 0 and math.isfinite(c):
+                m.scale = m.scale * c if data[1] == "mul" else m.scale / c
+            else:
+                m.scale_tensors.append(data)
     m.spelling = "bmm(q, k^T)" if qk.target in (torch.bmm, "bmm") else "matmul(q, k^T)"
     return _assemble(m, stages, qk, consts)
 
@@ -374,9 +265,9 @@ def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
 
 
 def _mask_stage(n: Node):
-    """``s + mask`` -> ("add", (a, b), s); a fill (see :func:`fill_mask`) -> ("fill", (cond, True if True masks,
-    value), s). The scores side of an addition is the operand computed from the score matmul."""
-    pair = add_operands(n)
+    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); a fill (see :func:`fill_mask`) -> ("fill", (cond,
+    True if True masks, value), s). The scores side of an addition is the operand computed from the score matmul."""
+    pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         a, b = pair
         ra, rb = _reaches_matmul(a), _reaches_matmul(b)
@@ -395,8 +286,11 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
         return False
     if is_matmul(n):
         return True
-    if cast_dtype(n) is not None:
+    if cast_dtype(n) is not None or lead_view(n) is not None:
         return _reaches_matmul(n.args[0], depth - 1)
+    ip = inplace_add_operands(n)
+    if ip is not None:
+        return any(_reaches_matmul(a, depth - 1) for a in ip)
     c = canon(n)
     if c is not None and c[0] in ("add", "mul", "div", "tanh", "sub"):
         return any(_reaches_matmul(a, depth - 1) for a in (c[1].get("input"), c[1].get("other")))
@@ -420,6 +314,8 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     # walk from the matmul downwards: scale* softcap? scale* mask* cast*  (scale after a mask scales the mask)
     order = list(reversed(stages))
     phase = 0   # 0: scale/cast before softcap, 1: after softcap, 2: masks, 3: trailing casts
+    level = static_shape(tensor_val(qk))   # the scores' shape where each stage applies (views regroup leading dims)
+    mask_levels: set = set()
     for kind, payload in order:
         if kind == "cast":
             node = payload
@@ -427,6 +323,11 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             continue
         node, data = payload
         m.dead.append(node)
+        if kind == "view":
+            level = data
+            continue
+        if kind in ("add", "fill"):
+            mask_levels.add(level)     # None: symbolic (then no view can be taken, see _regroup)
         if kind in ("scale", "scale_t"):
             if phase >= 2:
                 return _skip(m, "the scores are scaled after the mask is applied")
@@ -459,16 +360,20 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             if mask is None:
                 return _skip(m, f"cannot tell the scores from the mask in '{node.name}'")
             mv, sv = tensor_val(mask), tensor_val(node)
-            if mv is None or not mv.dtype.is_floating_point:
-                return _skip(m, "the additive mask is not a floating-point tensor")
-            if depends_on(mask, qk):
-                return _skip(m, "the mask depends on the scores")
+            if mv is None or mv.is_complex():
+                return _skip(m, "the additive mask is not a real tensor")
+            # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
+            if not (sv is not None and sv.dtype.is_floating_point):
+                return _skip(m, "the masked scores are not floating-point")
+            why = _mask_depends(m, mask, qk)
+            if why:
+                return _skip(m, why)
             if not broadcasts_to(tuple(mv.shape), tuple(sv.shape)):
                 return _skip(m, "the mask does not broadcast to the scores")
-            if mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
+            if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
                 return _skip(m, f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores")
             if m.masked:
-                return _skip(m, "an additive mask after a masked_fill")
+                m.fill_first = True   # where(keep, s, value) + mask: merged into one additive mask
             m.add_masks.append(mask)
             phase = 2
             seen_mask = True
@@ -478,9 +383,10 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             cv = tensor_val(cond)
             if cv is None or cv.dtype != torch.bool:
                 return _skip(m, "the masked_fill / where condition is not a bool tensor")
-            if depends_on(cond, qk):
-                return _skip(m, "the mask depends on the scores")
-            if not broadcasts_to(tuple(cv.shape), _shape(node)):
+            why = _mask_depends(m, cond, qk)
+            if why:
+                return _skip(m, why)
+            if not broadcasts_to(tuple(cv.shape), shape_of(node)):
                 return _skip(m, "the mask does not broadcast to the scores")
             val = consts.number(value)
             if val is None:
@@ -493,6 +399,10 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             phase = 2
             seen_mask = True
             continue
+    if any(k == "view" for k, _ in stages) or any(lead_view(n) is not None for n in m.dead):
+        why = _regroup(m, qk, mask_levels)
+        if why:
+            return _skip(m, why)
     if m.scale != 1.0:
         m.absorbed.append(f"scale={m.scale:.6g}")
     if m.scale_tensors:
@@ -502,6 +412,40 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     if seen_mask:
         m.absorbed.append("mask" if len(m.add_masks) + len(m.masked) == 1 else "masks")
     return m
+
+
+def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
+    """Views regroup the leading dims between the score matmul, the masks and the value matmul: the op runs
+    with q, k, v regrouped as the masks see the scores (else as V is), and its output takes the anchor's
+    shape. Why this cannot be done, or ""."""
+    shapes = [static_shape(tensor_val(x)) for x in (m.q, m.k, m.v, qk, m.anchor)]
+    if any(s is None for s in shapes):
+        return "views between the attention matmuls with symbolic shapes (dynamic shapes)"
+    qs, ks, vs, qks, outs = shapes
+    if len(mask_levels) > 1 or None in mask_levels:
+        return "masks applied to the scores viewed in different shapes"
+    lead = next(iter(mask_levels))[:-2] if mask_levels else vs[:-2]
+    n = math.prod(lead)
+    if not (qs[:-2] == ks[:-2] == qks[:-2]) or math.prod(qs[:-2]) != n or math.prod(vs[:-2]) != n:
+        return "q, k and v are not regrouped alike by the views between the attention matmuls"
+    m.lead, m.out_shape = tuple(lead), tuple(outs)
+    m.absorbed.append("views")
+    return ""
+
+
+def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
+    """Why ``mask`` cannot be taken into the op, or "". A mask built from the scores' shape only
+    (``pad.expand_as(scores)``, DistilBERT) is not computed from the scores: such shape reads are recorded in
+    ``m.shape_refs`` and given the static shape when the site is rewritten."""
+    refs: list[Node] = []
+    if depends_on(mask, qk, shape_refs=refs):
+        return "the mask depends on the scores"
+    for r in refs:
+        tv = tensor_val(r.args[1])
+        if tv is None or static_shape(tv) is None:
+            return "the mask takes the scores' shape, which is symbolic (dynamic shapes)"
+    m.shape_refs += [r for r in refs if r not in m.shape_refs]
+    return ""
 
 
 def _prev_node(order: list, node: Node, qk: Node) -> Node:
@@ -530,4 +474,4 @@ def match_sdpa(n: Node) -> AttentionMatch | None:
 
 
 
-__all__ = ["AttentionMatch", "is_matmul", "match_from_pv", "match_sdpa", "ungqa"]
+__all__ = ["AttentionMatch", "match_from_pv", "match_sdpa"]

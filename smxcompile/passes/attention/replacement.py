@@ -15,15 +15,21 @@ from ..patterns.masks import is_masking_value
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
                     dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, sdpa_scale_default: bool = False,
-                    export: bool = False):
+                    export: bool = False, fill_first: bool = False, lead: tuple | None = None,
+                    out_shape: tuple | None = None):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
-    ``add_masks``: additive float masks (summed); ``masked``: ``[(bool, True-means-masked, value)]`` from
-    ``masked_fill`` / ``where``; ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
+    ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them); ``masked``: ``[(bool, True-means-masked, value)]`` from
+    ``masked_fill`` / ``where``, applied before the additive masks when ``fill_first`` (``where(keep, s, value) +
+    mask`` is ``s + (where(keep, 0, value) + mask)``: exact wherever ``s + value`` rounds to ``value``, as it does
+    for ``finfo.min`` and -inf), after them otherwise; ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
     scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
     (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
-    fix-up."""
+    fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
+    attention), and return the output in ``out_shape``."""
+    if lead is not None:
+        q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
     for t, op in scale_tensors:
         if isinstance(t, torch.Tensor):
             t = t.to(q.dtype)
@@ -43,7 +49,26 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     elif tuple(k.shape[:-3]) != tuple(bq):
         k = k.expand(*bq, *k.shape[-3:])
         v = v.expand(*bq, *v.shape[-3:])
+    add_masks = [mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks]
     mask = None
+    filled_rows = filled_out = None
+    if fill_first:
+        m_any = None
+        for c, true_masks, val in reversed(masked):   # the fill nearest the scores first
+            mc = c if true_masks else ~c
+            m_any = mc if m_any is None else m_any | mc
+            mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device), 0.0 if mask is None else mask)
+        if fixup:
+            # rows the fills mask whole read value + mask in eager, whatever the scores: recomputed from the
+            # masks (each a row per key set, so this costs one row per batch and head, not L)
+            added = None
+            for mk in add_masks:
+                added = mk if added is None else added + mk
+            rows = torch.full((), masked[0][2], dtype=q.dtype, device=q.device) + added
+            vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
+            filled_out = torch.softmax(rows, -1).to(vv.dtype) @ vv
+            filled_rows = m_any.all(-1, keepdim=True)
+        masked = []
     for mk in add_masks:
         mask = mk if mask is None else mask + mk
     all_masked = None
@@ -91,7 +116,11 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
                 vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
                 fill = vv.mean(-2, keepdim=True).to(out.dtype)
             out = torch.where(all_masked, fill, out)
-        if add_masks and not masked:
+        if fill_first:
+            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), float("nan"))
+            if filled_rows is not None:
+                out = torch.where(filled_rows, filled_out.to(out.dtype), out)
+        elif add_masks and not masked:
             neg = None
             for mk in add_masks:
                 r = (mk == float("-inf")).all(-1, keepdim=True)
@@ -99,7 +128,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
             out = out.masked_fill(neg, float("nan"))
     for _ in range(squeeze):
         out = out.squeeze(0)
-    return out
+    return out if out_shape is None else out.reshape(out_shape)
 
 
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):

@@ -18,7 +18,8 @@ from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, mutation_inside, r
     tensor_val
 from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from ..protocol import PassContext, RewritePass
-from .matcher import AttentionMatch, is_matmul, match_from_pv, match_sdpa, ungqa
+from .matcher import AttentionMatch, match_from_pv, match_sdpa
+from .operands import is_matmul, softmax_input, ungqa
 from .replacement import graph_attention, graph_sdpa
 
 
@@ -40,6 +41,8 @@ def _check_shapes(m: AttentionMatch) -> str:
 
 def _gqa(m: AttentionMatch) -> None:
     """Take K and V un-repeated when both were repeated per query head the same way."""
+    if m.lead is not None:
+        return   # regrouped by views: K and V stay as the graph repeats them
     gk, gv = ungqa(m.k), ungqa(m.v)
     if gk is None or gv is None or gk[1] != gv[1] or gk[1] < 2:
         return
@@ -92,6 +95,9 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
 
 def _finite_mask(mask: Node, consts: ConstEvaluator) -> bool:
     """The additive mask provably holds no -inf (so no row can be fully -inf)."""
+    tv = tensor_val(mask)
+    if tv is not None and not tv.dtype.is_floating_point:
+        return True     # bool / integer
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return bool(torch.isfinite(c).all())
@@ -111,6 +117,32 @@ def _finite_mask(mask: Node, consts: ConstEvaluator) -> bool:
     return False
 
 
+def _fill_may_mask_a_row(m: AttentionMatch, consts: ConstEvaluator) -> bool:
+    """Some row may be masked whole by the fills (unknown at compile time counts as yes)."""
+    masked_any = None
+    for cond, true_masks, _ in m.masked:
+        c = consts.value(cond)
+        if not isinstance(c, torch.Tensor):
+            return True
+        c = c if true_masks else ~c
+        masked_any = c if masked_any is None else masked_any | c
+    return masked_any is not None and bool(masked_any.all(-1).any())
+
+
+def _fill_first_fixup(m: AttentionMatch) -> str:
+    """A row the fills mask whole reads ``value + mask`` in eager: reproduced from the masks alone when every
+    additive mask has one row per key set (a padding mask, ``(B, 1, 1, S)``) and the fills share one value.
+    Why not, or ""."""
+    if len({val for _, _, val in m.masked}) != 1:
+        return "masked_fill / where with different values, then an additive mask: not matched"
+    for a in m.add_masks:
+        av = tensor_val(a)
+        if av is None or (av.dim() >= 2 and not same_size(av.shape[-2], 1)):
+            return ("a row the masked_fill / where may mask whole is then offset by an additive mask with a row "
+                    "per query: eager's values on such rows are not reproduced")
+    return ""
+
+
 def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
     if m.is_causal:
         return False
@@ -118,19 +150,31 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
         if m.add_masks:
             return True
         # constant conditions (a sliding window built from aranges): a fix-up only if some row is fully masked
-        masked_any = None
-        for cond, true_masks, _ in m.masked:
-            c = consts.value(cond)
-            if not isinstance(c, torch.Tensor):
-                return True
-            c = c if true_masks else ~c
-            masked_any = c if masked_any is None else masked_any | c
-        return bool(masked_any.all(-1).any())
+        return _fill_may_mask_a_row(m, consts)
     return any(not _finite_mask(a, consts) for a in m.add_masks)
 
 
+def _extras(m: AttentionMatch) -> dict:
+    """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
+    out: dict = {"fill_first": True} if m.fill_first else {}
+    if m.lead is not None:
+        out.update(lead=m.lead, out_shape=m.out_shape)
+    return out
+
+
+def _static_shape_ref(r: Node) -> None:
+    """``x.expand_as(s)`` -> ``x.expand(shape)`` (and ``view_as`` / ``reshape_as`` / ``type_as`` alike) with
+    ``s``'s static shape / dtype, so the rewritten site's score nodes can go."""
+    ref = tensor_val(r.args[1])
+    # changed in place: the node stays the one the match holds as (part of) a mask
+    if r.target == "type_as":
+        r.target, r.args = "to", (r.args[0], ref.dtype)
+    else:
+        r.target, r.args = r.target[:-3], (r.args[0], tuple(int(d) for d in ref.shape))
+
+
 def _interior_escapes(m: AttentionMatch) -> str:
-    interior = set(m.dead)
+    interior = set(m.dead) | set(m.shape_refs)
     for n in m.dead:
         if n is m.anchor:
             continue
@@ -159,7 +203,12 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator) -> str:
             return f"in-place op '{mut.name}' runs inside the attention pattern"
         _gqa(m)
         _causal_or_const(m, consts)
-        if _needs_fixup(m, consts):
+        if m.fill_first and _fill_may_mask_a_row(m, consts):
+            why = _fill_first_fixup(m)
+            if why:
+                return why
+            m.fixup = "auto"
+        elif _needs_fixup(m, consts):
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
     return ""
@@ -223,7 +272,7 @@ class AttentionPass(RewritePass):
                 continue
             m.prefix = ctx.prefix
             decide(m, ctx, ladder)
-            if m.action == "rewritten":
+            if m.claims():
                 claimed.update(m.dead)
             out.append(m)
         return out
@@ -231,6 +280,10 @@ class AttentionPass(RewritePass):
     def rewrite(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
         """Replace the site by a :func:`graph_attention` / :func:`graph_sdpa` call and delete the dead pattern."""
         export = {"export": True} if ctx.export else {}
+        dead = set(m.dead)
+        for r in m.shape_refs:
+            if r.args[1] in dead:
+                _static_shape_ref(r)
         with graph.inserting_before(m.anchor):
             if m.is_sdpa:
                 call = graph.call_function(graph_sdpa, (m.q, m.k, m.v, dict(m.sdpa_kwargs)),
@@ -241,9 +294,19 @@ class AttentionPass(RewritePass):
                     [tuple(t) for t in m.scale_tensors]), {
                     "scale": float(m.scale), "softcap": m.softcap, "is_causal": m.is_causal, "dropout_p": m.dropout_p,
                     "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param,
-                    **export})
+                    **_extras(m), **export})
         replace_anchor(graph, m.anchor, call, call, [n for n in m.dead if n is not m.anchor])
         erase_unused_pure(graph, m.dropped)
+
+    def guard(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
+        """The block's softmax (over a dim that is not the key dim) becomes ``smx::softmax``: an opaque op to
+        Inductor's pattern matcher, so its attention fusion cannot take the block (pytorch#196468)."""
+        sm = m.softmax
+        x, dim, dtype = softmax_input(sm)
+        with graph.inserting_before(sm):
+            call = graph.call_function(torch.ops.smx.softmax.default, (x, dim, 1.0, None, None, dtype, False))
+            out = graph.call_function(operator.getitem, (call, 0))
+        replace_anchor(graph, sm, call, out, [])
 
     def checkable(self, m: AttentionMatch) -> bool:
         # a requested normalizer changes the math on purpose: only softmax sites can be checked against eager
@@ -264,7 +327,8 @@ class AttentionPass(RewritePass):
         return graph_attention(g(m.q), g(m.k), g(m.v), [g(a) for a in m.add_masks],
                                [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
                                scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,
-                               n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param)
+                               n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param,
+                               fill_first=m.fill_first, lead=m.lead, out_shape=m.out_shape)
 
 
 __all__ = ["AttentionPass"]

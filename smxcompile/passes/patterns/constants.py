@@ -111,8 +111,16 @@ class ConstEvaluator:
             return None
 
 
-def depends_on(node: Any, target: Node, limit: int = 4096) -> bool:
-    """``target`` is an ancestor of (or is) ``node``; True when the walk gives up (unknown counts as yes)."""
+#: Methods whose second operand contributes only its shape / dtype (``x.expand_as(scores)``).
+SHAPE_ONLY_METHODS = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})
+
+
+def depends_on(node: Any, target: Node, limit: int = 4096, *, shape_refs: list | None = None) -> bool:
+    """``target`` is an ancestor of (or is) ``node``; True when the walk gives up (unknown counts as yes).
+
+    With ``shape_refs`` (a list), an edge that carries only a shape (the second operand of ``expand_as``,
+    ``view_as``, ``reshape_as``, ``type_as``) is not a dependence on the values: the nodes reading ``target``'s
+    side that way are appended to it instead."""
     if not isinstance(node, Node):
         return False
     seen, stack = set(), [node]
@@ -124,6 +132,12 @@ def depends_on(node: Any, target: Node, limit: int = 4096) -> bool:
             continue
         seen.add(n)
         limit -= 1
+        if shape_refs is not None and n.op == "call_method" and n.target in SHAPE_ONLY_METHODS \
+                and len(n.args) == 2 and not n.kwargs:
+            if depends_on(n.args[1], target):
+                shape_refs.append(n)
+            stack.append(n.args[0])
+            continue
         stack.extend(n.all_input_nodes)
     return limit <= 0
 
@@ -148,5 +162,6 @@ def is_causal_keep(keep: torch.Tensor, L: int, S: int) -> bool:
     return bool((keep == tril).all())
 
 
-__all__ = ["MAX_CONST_ELEMENTS", "MAX_CONST_NODES", "ConstEvaluator", "evaluable", "depends_on", "additive_keep",
+__all__ = ["MAX_CONST_ELEMENTS", "MAX_CONST_NODES", "SHAPE_ONLY_METHODS", "ConstEvaluator", "evaluable", "depends_on",
+           "additive_keep",
            "is_causal_keep"]
