@@ -36,6 +36,7 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
         ValueError: unknown options. Errors raised by the model itself propagate.
     """
     from .backends.smx import plan
+    from .backends.tracing import ignore_logging
 
     opts = SmxOptions.from_mapping(options)
     report = Report()
@@ -50,7 +51,8 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=collect, dynamic=False)
     try:
-        with torch.no_grad(), restore_state(model):
+        # traced as the backend traces: logging calls are no graph breaks (smxcompile.backends.tracing)
+        with torch.no_grad(), restore_state(model), ignore_logging():
             compiled(*args, **kwargs)
     finally:
         torch._dynamo.reset()  # explain's own cache entries must not count against the user's recompile limit

@@ -96,3 +96,16 @@ def test_stock_gpt2_with_labels_gets_cut_cross_entropy(num_items):
         [("linear_cross_entropy", "rewritten")], smxcompile.last_report()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_explain_traces_like_the_backend():
+    """``smxcompile.explain`` sees the stock model's loss in the LM head's graph, as the backend does."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=1, n_head=4, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    report = smxcompile.explain(model, input_ids=ids, labels=ids)
+    assert [s.action for s in report if s.kind == "linear_cross_entropy"] == ["rewritten"], report
+    assert not any("graphs" in n for n in report.notes), report.notes

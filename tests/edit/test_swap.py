@@ -289,7 +289,9 @@ def _with_param(model, p, value, x):
 
 
 class TestBackend:
-    @pytest.mark.parametrize("name", ["ssmax", "sparsemax", "softpick", "entmax_bisect"])
+    # entmax_bisect (64 unrolled bisection steps per site, forward and backward) took ~3.5 minutes of Inductor
+    # compilation here for what entmax15 shows as well: the backend leaves a swapped site's ops as they are
+    @pytest.mark.parametrize("name", ["ssmax", "sparsemax", "softpick", "entmax15"])
     def test_smx_backend_matches_the_swapped_eager_model(self, name):
         net, x = _net(), _x()
         sw = smxcompile.swap(net, name, where="all", example_inputs=(x,)).train()

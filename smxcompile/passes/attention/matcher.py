@@ -63,12 +63,12 @@ from torch.fx import Node
 from ..patterns.arith import scale_stage, softcap
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
-from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, static_shape, \
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, same_shape, static_shape, \
     tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
 from ..protocol import Match
 from .operands import copy_of, dropout_call, einsum_kind, fresh_tensor, inplace_add_before, inplace_add_operands, \
-    is_matmul, key_side, lead_view, shape_of, softmax_input, transposed_last2
+    is_matmul, key_side, lead_view, shape_of, softmax_input, transposed_last2, view_lead
 
 
 
@@ -98,7 +98,6 @@ class AttentionMatch(Match):
     dropped: list = dataclasses.field(default_factory=list)   # mask / value nodes the op no longer reads
     fill_first: bool = False              # an additive mask is added after the masked_fill / where
     lead: tuple | None = None             # leading dims q, k, v are regrouped to (views between the matmuls)
-    out_shape: tuple | None = None        # the anchor's shape, when ``lead`` is set
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
 
     @property
@@ -202,7 +201,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             n = n.args[0]
             continue
         if lead_view(n) is not None:   # (B*H, L, S) <-> (B, H, L, S), as 3-D bmm attention writes it
-            stages.append(("view", (n, static_shape(tensor_val(n)))))
+            stages.append(("view", (n, n)))
             n = n.args[0]
             continue
         step = _mask_stage(n) if inplace_add_operands(n) is not None and fresh_tensor(n.args[0]) \
@@ -314,7 +313,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     # walk from the matmul downwards: scale* softcap? scale* mask* cast*  (scale after a mask scales the mask)
     order = list(reversed(stages))
     phase = 0   # 0: scale/cast before softcap, 1: after softcap, 2: masks, 3: trailing casts
-    level = static_shape(tensor_val(qk))   # the scores' shape where each stage applies (views regroup leading dims)
+    level = qk                  # the node whose shape the scores have where each stage applies (views regroup)
     mask_levels: set = set()
     for kind, payload in order:
         if kind == "cast":
@@ -327,7 +326,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             level = data
             continue
         if kind in ("add", "fill"):
-            mask_levels.add(level)     # None: symbolic (then no view can be taken, see _regroup)
+            mask_levels.add(level)
         if kind in ("scale", "scale_t"):
             if phase >= 2:
                 return _skip(m, "the scores are scaled after the mask is applied")
@@ -418,17 +417,21 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
     """Views regroup the leading dims between the score matmul, the masks and the value matmul: the op runs
     with q, k, v regrouped as the masks see the scores (else as V is), and its output takes the anchor's
     shape. Why this cannot be done, or ""."""
-    shapes = [static_shape(tensor_val(x)) for x in (m.q, m.k, m.v, qk, m.anchor)]
-    if any(s is None for s in shapes):
-        return "views between the attention matmuls with symbolic shapes (dynamic shapes)"
-    qs, ks, vs, qks, outs = shapes
-    if len(mask_levels) > 1 or None in mask_levels:
+    vals = [tensor_val(x) for x in (m.q, m.k, m.v, qk, m.anchor)]
+    if any(v is None for v in vals):
+        return "views between the attention matmuls without shape information"
+    qs, ks, vs, qks, outs = (tuple(v.shape[:-2]) for v in vals)
+    if len(mask_levels) > 1:
         return "masks applied to the scores viewed in different shapes"
-    lead = next(iter(mask_levels))[:-2] if mask_levels else vs[:-2]
-    n = math.prod(lead)
-    if not (qs[:-2] == ks[:-2] == qks[:-2]) or math.prod(qs[:-2]) != n or math.prod(vs[:-2]) != n:
+    # the views are valid in the graph and keep the last two dims, so every level holds as many (L, S)
+    # slices as q; the op needs q, k and the scores grouped alike, and returns in V's grouping
+    if not (same_shape(qs, ks) and same_shape(qs, qks) and same_shape(vs, outs)):
         return "q, k and v are not regrouped alike by the views between the attention matmuls"
-    m.lead, m.out_shape = tuple(lead), tuple(outs)
+    level = next(iter(mask_levels)) if mask_levels else None
+    lead = view_lead(level) if level is not None and level is not qk else qs if level is qk else vs
+    if lead is None:
+        return "the view before the mask gives its shape in a form that cannot be replayed"
+    m.lead = tuple(lead)
     m.absorbed.append("views")
     return ""
 
@@ -436,13 +439,18 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
 def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
     """Why ``mask`` cannot be taken into the op, or "". A mask built from the scores' shape only
     (``pad.expand_as(scores)``, DistilBERT) is not computed from the scores: such shape reads are recorded in
-    ``m.shape_refs`` and given the static shape when the site is rewritten."""
+    ``m.shape_refs`` and rewritten without the scores when the site is (an ``expand_as`` is dropped, the mask
+    broadcasting as it is; ``view_as`` / ``reshape_as`` take the static shape, ``type_as`` the dtype)."""
     refs: list[Node] = []
     if depends_on(mask, qk, shape_refs=refs):
         return "the mask depends on the scores"
     for r in refs:
-        tv = tensor_val(r.args[1])
-        if tv is None or static_shape(tv) is None:
+        xv, tv = tensor_val(r.args[0]), tensor_val(r.args[1])
+        if tv is None or xv is None:
+            return "the mask takes the scores' shape, which has no shape information"
+        if r.target == "expand_as" and not broadcasts_to(tuple(xv.shape), tuple(tv.shape)):
+            return "the mask is expanded to the scores' shape from one that does not broadcast to it"
+        if r.target in ("view_as", "reshape_as") and static_shape(tv) is None:
             return "the mask takes the scores' shape, which is symbolic (dynamic shapes)"
     m.shape_refs += [r for r in refs if r not in m.shape_refs]
     return ""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ..patterns.arith import scale_stage
-from ..patterns.graph import canon, same_size, static_shape, tensor_val
+from ..patterns.graph import canon, same_shape, same_size, static_shape, tensor_val
 
 _MATMUL_FNS = {operator.matmul, torch.matmul, torch.bmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
@@ -98,17 +98,31 @@ def transposed_last2(kt: Node) -> tuple[Node | None, str]:
 
 def lead_view(n: Any) -> Node | None:
     """``x.view(shape)`` / ``x.reshape(shape)`` that only regroups the leading (batch, head) dims of ``x``
-    (static shapes, the last two dims kept) -> x."""
+    (the last two dims kept, provably also for symbolic sizes) -> x."""
     if not isinstance(n, Node) or not ((n.op == "call_method" and n.target in _VIEWISH) or (
             n.op == "call_function" and n.target is torch.reshape)):
         return None
     x = n.args[0]
-    xs, ns = static_shape(tensor_val(x)), static_shape(tensor_val(n))
-    if not isinstance(x, Node) or xs is None or ns is None or len(xs) < 3 and len(ns) < 3:
+    xv, nv = tensor_val(x), tensor_val(n)
+    if not isinstance(x, Node) or xv is None or nv is None or xv.dim() < 3 and nv.dim() < 3:
         return None
-    if len(xs) < 2 or len(ns) < 2 or xs[-2:] != ns[-2:]:
+    if xv.dim() < 2 or nv.dim() < 2 or not same_shape(tuple(xv.shape[-2:]), tuple(nv.shape[-2:])):
         return None
     return x
+
+
+def view_lead(n: Node) -> tuple | None:
+    """The leading dims a :func:`lead_view` node regroups to, as its arguments give them (ints, or size nodes
+    under dynamic shapes): what the op's inputs can be reshaped to at run time."""
+    v = tensor_val(n)
+    if static_shape(v) is not None:
+        return tuple(v.shape[:-2])
+    shape = n.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
+        shape = tuple(shape[0])
+    if len(shape) != v.dim() or not all(isinstance(d, (int, Node)) for d in shape):
+        return None
+    return tuple(shape[:-2])
 
 
 def copy_of(n: Any) -> Node | None:
@@ -250,5 +264,5 @@ def inplace_add_before(n: Node, consumer: Node) -> Node | None:
     return u if x is consumer else None
 
 
-__all__ = ["is_matmul", "einsum_kind", "shape_of", "transposed_last2", "lead_view", "copy_of", "key_side", "ungqa",
+__all__ = ["is_matmul", "einsum_kind", "shape_of", "transposed_last2", "lead_view", "view_lead", "copy_of", "key_side", "ungqa",
            "dropout_call", "softmax_input", "inplace_add_operands", "fresh_tensor", "inplace_add_before"]

@@ -15,8 +15,7 @@ from ..patterns.masks import is_masking_value
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
                     dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, sdpa_scale_default: bool = False,
-                    export: bool = False, fill_first: bool = False, lead: tuple | None = None,
-                    out_shape: tuple | None = None):
+                    export: bool = False, fill_first: bool = False, lead: tuple | None = None):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
     ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them); ``masked``: ``[(bool, True-means-masked, value)]`` from
@@ -27,8 +26,10 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
     fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
-    attention), and return the output in ``out_shape``."""
+    attention), and return the output grouped as ``v`` was."""
+    v_lead = None
     if lead is not None:
+        v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
     for t, op in scale_tensors:
         if isinstance(t, torch.Tensor):
@@ -128,7 +129,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
             out = out.masked_fill(neg, float("nan"))
     for _ in range(squeeze):
         out = out.squeeze(0)
-    return out if out_shape is None else out.reshape(out_shape)
+    return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
 
 
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):

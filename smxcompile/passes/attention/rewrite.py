@@ -158,19 +158,22 @@ def _extras(m: AttentionMatch) -> dict:
     """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
     out: dict = {"fill_first": True} if m.fill_first else {}
     if m.lead is not None:
-        out.update(lead=m.lead, out_shape=m.out_shape)
+        out.update(lead=m.lead)
     return out
 
 
 def _static_shape_ref(r: Node) -> None:
-    """``x.expand_as(s)`` -> ``x.expand(shape)`` (and ``view_as`` / ``reshape_as`` / ``type_as`` alike) with
-    ``s``'s static shape / dtype, so the rewritten site's score nodes can go."""
-    ref = tensor_val(r.args[1])
+    """Read no score node: ``x.expand_as(s)`` -> ``x`` (the op broadcasts masks), ``x.view_as(s)`` /
+    ``reshape_as`` -> ``x.view(shape)`` / ``reshape`` with ``s``'s static shape, ``x.type_as(s)`` -> ``x.to(dtype)``;
+    so the rewritten site's score nodes can go."""
+    x, ref = r.args[0], tensor_val(r.args[1])
     # changed in place: the node stays the one the match holds as (part of) a mask
     if r.target == "type_as":
-        r.target, r.args = "to", (r.args[0], ref.dtype)
+        r.target, r.args = "to", (x, ref.dtype)
+    elif r.target == "expand_as":
+        r.args = (x, x)
     else:
-        r.target, r.args = r.target[:-3], (r.args[0], tuple(int(d) for d in ref.shape))
+        r.target, r.args = r.target[:-3], (x, tuple(int(d) for d in ref.shape))
 
 
 def _interior_escapes(m: AttentionMatch) -> str:
@@ -328,7 +331,7 @@ class AttentionPass(RewritePass):
                                [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
                                scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,
                                n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param,
-                               fill_first=m.fill_first, lead=m.lead, out_shape=m.out_shape)
+                               fill_first=m.fill_first, lead=m.lead)
 
 
 __all__ = ["AttentionPass"]
