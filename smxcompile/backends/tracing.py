@@ -15,11 +15,10 @@ while an smx-compiled function runs and is restored after; every other backend i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -32,34 +31,43 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "log
 _lock = threading.Lock()
 _depth = 0
 _added: list[Callable[..., Any]] = []
+_ignore: set = set()        # the ignore set the outermost entry added to (cleaned on exit, even if replaced since)
+_functions: tuple[int, list[Callable[..., Any]]] = (-1, [])
 
 
 def logging_functions() -> list[Callable[..., Any]]:
     """The ``logging.Logger`` methods (and transformers' additions to it) an smx trace treats as no-ops."""
-    return [getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)]
+    global _functions
+    # entered around every call of an smx-compiled function: looked up again only when Logger's methods change
+    # (transformers adds its own when it is imported)
+    n = len(vars(logging.Logger))
+    if _functions[0] != n:
+        _functions = (n, [getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)])
+    return _functions[1]
 
 
-@contextlib.contextmanager
-def ignore_logging() -> Iterator[None]:
+class ignore_logging:  # noqa: N801  (used as a context manager, like contextlib's)
     """While active, Dynamo treats logging calls as no-ops (no graph break); re-entrant, restored on exit.
 
     Only the functions this context added are removed on exit, so a user's own entries in
     ``torch._dynamo.config.ignore_logging_functions`` stay as they were."""
-    global _depth
-    ignore = torch._dynamo.config.ignore_logging_functions
-    with _lock:
-        if _depth == 0:
-            _added[:] = [f for f in logging_functions() if f not in ignore]
-            ignore.update(_added)
-        _depth += 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self) -> None:
+        global _depth, _ignore
+        with _lock:
+            if _depth == 0:
+                _ignore = torch._dynamo.config.ignore_logging_functions
+                _added[:] = [f for f in logging_functions() if f not in _ignore]
+                _ignore.update(_added)
+            _depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _depth
         with _lock:
             _depth -= 1
             if _depth == 0:
                 for f in _added:
-                    ignore.discard(f)
+                    _ignore.discard(f)
                 _added.clear()
 
 

@@ -204,9 +204,10 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             stages.append(("view", (n, n)))
             n = n.args[0]
             continue
-        step = _mask_stage(n) if inplace_add_operands(n) is not None and fresh_tensor(n.args[0]) \
-            and len(n.args[0].users) == 1 else None   # ``s += mask`` (T5): the old s is read by nothing else
-        if step is None:
+        if inplace_add_operands(n) is not None:
+            # ``s += mask`` (T5): taken when the old s is a fresh tensor nothing else reads
+            step = _mask_stage(n) if fresh_tensor(n.args[0]) and len(n.args[0].users) == 1 else None
+        else:
             step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n))
         if step is None and is_mutation(n):
             return _skip(m, f"in-place op '{n.name}' ({n.target}) on the scores: not matched "
@@ -240,14 +241,8 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     m.dead += [qk, kt]
     for node, kind, data in key_scales:   # (q @ (k^T * b)) = (q @ k^T) * b
         m.dead.append(node)
-        if kind == "scale":
-            m.scale *= data
-        else:
-            c = consts.number(data[0])
-            if c is not None and c != 0 and math.isfinite(c):
-                m.scale = m.scale * c if data[1] == "mul" else m.scale / c
-            else:
-                m.scale_tensors.append(data)
+        if kind != "copy":
+            _take_scale(m, kind, data, consts)
     m.spelling = "bmm(q, k^T)" if qk.target in (torch.bmm, "bmm") else "matmul(q, k^T)"
     return _assemble(m, stages, qk, consts)
 
@@ -330,17 +325,9 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
         if kind in ("scale", "scale_t"):
             if phase >= 2:
                 return _skip(m, "the scores are scaled after the mask is applied")
-            if kind == "scale":
-                m.scale *= data
-            else:
-                t, op = data
-                if depends_on(t, qk):
-                    return _skip(m, "the scale depends on the scores")
-                c = consts.number(t)
-                if c is not None and c != 0 and math.isfinite(c):
-                    m.scale = m.scale * c if op == "mul" else m.scale / c
-                else:
-                    m.scale_tensors.append((t, op))
+            if kind == "scale_t" and depends_on(data[0], qk):
+                return _skip(m, "the scale depends on the scores")
+            _take_scale(m, kind, data, consts)
             continue
         if kind == "softcap":
             if phase >= 1 or seen_cap:
@@ -413,10 +400,24 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     return m
 
 
+def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> None:
+    """Fold one scale stage (see :func:`scale_stage`) into the site: a number, or a 0-d tensor constant at compile
+    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time)."""
+    if kind == "scale":
+        m.scale *= data
+        return
+    t, op = data
+    c = consts.number(t)
+    if c is not None and c != 0 and math.isfinite(c):
+        m.scale = m.scale * c if op == "mul" else m.scale / c
+    else:
+        m.scale_tensors.append((t, op))
+
+
 def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
     """Views regroup the leading dims between the score matmul, the masks and the value matmul: the op runs
-    with q, k, v regrouped as the masks see the scores (else as V is), and its output takes the anchor's
-    shape. Why this cannot be done, or ""."""
+    with q, k, v regrouped as the masks see the scores (else as V is), and returns its output grouped as V.
+    Why this cannot be done, or ""."""
     vals = [tensor_val(x) for x in (m.q, m.k, m.v, qk, m.anchor)]
     if any(v is None for v in vals):
         return "views between the attention matmuls without shape information"
@@ -427,8 +428,11 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
     # slices as q; the op needs q, k and the scores grouped alike, and returns in V's grouping
     if not (same_shape(qs, ks) and same_shape(qs, qks) and same_shape(vs, outs)):
         return "q, k and v are not regrouped alike by the views between the attention matmuls"
-    level = next(iter(mask_levels)) if mask_levels else None
-    lead = view_lead(level) if level is not None and level is not qk else qs if level is qk else vs
+    if not mask_levels:
+        lead = vs
+    else:
+        level = next(iter(mask_levels))
+        lead = qs if level is qk else view_lead(level)
     if lead is None:
         return "the view before the mask gives its shape in a form that cannot be replayed"
     m.lead = tuple(lead)

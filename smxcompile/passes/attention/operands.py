@@ -137,7 +137,7 @@ def copy_of(n: Any) -> Node | None:
 
 def key_side(kt: Any) -> tuple[Any, list]:
     """Peel copies and scalar scales off the score matmul's second operand (``k.transpose(-2, -1).contiguous()``,
-    ``k.transpose(-2, -1) * b``) -> (what is left, [(node, "scale" | "scale_t", payload)])."""
+    ``k.transpose(-2, -1) * b``) -> (what is left, [(node, "copy" | "scale" | "scale_t", payload)])."""
     scales: list = []
     for _ in range(6):
         if not isinstance(kt, Node) or len(kt.users) != 1:
@@ -153,8 +153,7 @@ def key_side(kt: Any) -> tuple[Any, list]:
         kind, data, nxt = st
         scales.append((kt, kind, data))
         kt = nxt
-    # the peeled nodes die with the site; copies carry no scale
-    return kt, [(n, k, d) if k != "copy" else (n, "scale", 1.0) for n, k, d in scales]
+    return kt, scales
 
 
 def ungqa(n: Node) -> tuple[Node, int] | None:

@@ -50,28 +50,26 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     elif tuple(k.shape[:-3]) != tuple(bq):
         k = k.expand(*bq, *k.shape[-3:])
         v = v.expand(*bq, *v.shape[-3:])
-    add_masks = [mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks]
     mask = None
+    for mk in add_masks:
+        mk = mk if mk.is_floating_point() else mk.to(q.dtype)
+        mask = mk if mask is None else mask + mk
     filled_rows = filled_out = None
     if fill_first:
-        m_any = None
+        fill = m_any = None
         for c, true_masks, val in reversed(masked):   # the fill nearest the scores first
             mc = c if true_masks else ~c
             m_any = mc if m_any is None else m_any | mc
-            mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device), 0.0 if mask is None else mask)
+            fill = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device), 0.0 if fill is None else fill)
         if fixup:
             # rows the fills mask whole read value + mask in eager, whatever the scores: recomputed from the
             # masks (each a row per key set, so this costs one row per batch and head, not L)
-            added = None
-            for mk in add_masks:
-                added = mk if added is None else added + mk
-            rows = torch.full((), masked[0][2], dtype=q.dtype, device=q.device) + added
+            rows = torch.full((), masked[0][2], dtype=q.dtype, device=q.device) + mask
             vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
             filled_out = torch.softmax(rows, -1).to(vv.dtype) @ vv
             filled_rows = m_any.all(-1, keepdim=True)
+        mask = fill + mask
         masked = []
-    for mk in add_masks:
-        mask = mk if mask is None else mask + mk
     all_masked = None
     if masked:
         m_any = None
