@@ -7,10 +7,10 @@ suite's ``*DynamicTests`` classes), in inference and, where the suite trains, wi
 reported ``rewritten`` and the rewritten graph must give eager's outputs and gradients (where dropout with
 p > 0 makes them random, the suite compares no numbers either). The suite's three pattern-fail cases follow.
 
-Results (this file, 2026-12-02): of the suite's 32 must-match cases (36 rows here with their dtype, batch-1 and
-strided-mask variants), 31 are rewritten with static and with dynamic batch sizes; c19 is skipped on purpose
-(``SKIPPED`` below says why), and its numbers are still eager's. The 3 pattern-fail cases are not rewritten
-except the int32 mask, which is rewritten with eager's type promotion (the same values).
+Results (this file, 2026-12-02): all 34 of the suite's must-match cases (39 rows here with their dtype, batch-1
+and strided-mask variants; 29 and 30 are spelled with aten ops, ``mul.Scalar`` and ``_safe_softmax``) are rewritten with static and with dynamic batch sizes, with eager's values
+(c19, a per-query mask after a ``where`` that can mask a row whole, included). The 3 pattern-fail cases are
+not rewritten except the int32 mask, which is rewritten with eager's type promotion (the same values).
 """
 
 from __future__ import annotations
@@ -229,6 +229,21 @@ def c27(q, k, v, tr):
     return c26(q, k, v, torch.full((1, 1, 1, k.shape[1]), 0.0, dtype=torch.float16, device=q.device), tr)
 
 
+def c29(q, k, v):
+    # SDPA's own math decomposition, spelled at the aten level: the scale split as a square root over q and k
+    # with aten.mul.Scalar, a zero (1, 1, L, S) mask, aten._safe_softmax (0 on a row of -inf)
+    root = 1.0 / math.sqrt(math.sqrt(q.size(-1)))
+    mask = torch.zeros(1, 1, q.size(1), k.size(1), dtype=q.dtype, device=q.device)
+    w = torch.ops.aten.mul.Scalar(_p(q), root) @ torch.ops.aten.mul.Scalar(_p(k).transpose(-2, -1), root) + mask
+    return torch.ops.aten._safe_softmax(w, -1) @ _p(v)
+
+
+def c30(q, k, v):
+    root = 1.0 / math.sqrt(math.sqrt(q.size(-1)))
+    w = torch.ops.aten.mul.Scalar(_p(q), root) @ torch.ops.aten.mul.Scalar(_p(k).transpose(-2, -1), root)
+    return torch.ops.aten._safe_softmax(w, -1) @ _p(v)
+
+
 def _qkv(dtype=torch.float32, shape=(4, 2, 16, 32)):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(*shape, generator=g).to(dtype) for _ in range(3)]
@@ -286,13 +301,10 @@ SUITE = {
     "c25": (c25, torch.float16, None, True, True),
     "c26": (c26, torch.float16, None, True, True),
     "c27": (c27, torch.float16, None, True, True),
+    "c29": (c29, torch.float32, None, True, False),
+    "c29_fp16": (c29, torch.float16, None, False, False),
+    "c30": (c30, torch.float32, None, True, False),
 }
-
-
-# Cases smx does not rewrite, on purpose, with the reason the report gives. c19 adds a (L, S) float mask after
-# ``where(causal, scores, finfo.min)`` with ``causal`` a run-time input: a query row the where masks whole reads
-# ``finfo.min + mask`` in eager, which the fused call cannot give without a second (L, S) @ (S, E) product.
-SKIPPED = {"c19": "row per query"}
 
 
 def _graph(fn, args, dynamic: bool):
@@ -330,10 +342,7 @@ def test_pytorch_suite_case_is_rewritten(name, dynamic):
         p(gm.graph)
         gm.recompile()
         att = [s for s in p.report if s.kind == "attention"]
-        if name in SKIPPED:
-            assert [s.action for s in att] == ["skipped"] and SKIPPED[name] in att[0].reason, str(p.report)
-        else:
-            assert [s.action for s in att] == ["rewritten"], (name, training, str(p.report))
+        assert [s.action for s in att] == ["rewritten"], (name, training, str(p.report))
         random = takes_flag and training and fn not in (c7, c9)     # dropout p > 0 draws: no numbers to compare
         if random:
             continue

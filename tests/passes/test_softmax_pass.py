@@ -932,3 +932,14 @@ class TestLocations(TestCase):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_aten_safe_softmax_is_not_fused_and_keeps_its_zero_rows():
+    """``aten._safe_softmax`` (SDPA's math decomposition) gives 0 on a row of -inf, where softmax and the fused op
+    give NaN: reported skipped with that reason, and the graph still gives its zeros."""
+    x = torch.randn(4, 64)
+    x[1] = float("-inf")
+    r = rewrite(lambda t: torch.ops.aten._safe_softmax(t * 2.0, -1), x)
+    sm = [s for s in r.report if s.kind == "softmax"]
+    assert [s.action for s in sm] == ["skipped"] and "_safe_softmax" in sm[0].reason, str(r.report)
+    assert bool((r.gm(*r.inputs)[0][1] == 0).all())

@@ -37,11 +37,13 @@ Not matched (tested near-misses): K permuted (e.g. ``k.permute(0, 2, 3, 1)``) ra
 in its last two dims, a softmax over any dim but the key dim, a mask computed from the scores, the
 weights also used elsewhere (``output_attentions``), a ``masked_fill`` value that does not mask (> -1e4),
 mixed q/k/v dtypes, an in-place add on scores something else reads or on a view, a view that regroups the
-key dim, ``where(mask) + bias`` where the bias has a row per query and the where may mask a whole row.
+key dim.
 
 Fully masked rows keep the original graph's values: eager softmax gives NaN on a row of ``-inf`` and a
 uniform average on a row of finite masking values, where fused attention (SDPA) gives 0; the rewrite
 adds the fix-up for such rows unless the mask provably has none (a causal mask, a finite ``where`` mask).
+Masks mixing fills and later additive masks (``where(causal, s, min) + mask``) merge, in graph order, into
+one additive mask; a row the fills mask whole reads only the masks in eager, so its query is zeroed.
 
 The rewritten site calls :func:`graph_attention`, which calls :func:`smxcompile.attention`:
 ``F.scaled_dot_product_attention`` (torch's fused flash kernels, CPU and CUDA) for softmax, the
@@ -63,8 +65,8 @@ from torch.fx import Node
 from ..patterns.arith import scale_stage, softcap
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
-from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, norm_dim, same_shape, static_shape, \
-    tensor_val
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
+    same_shape, static_shape, tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
 from ..protocol import Match
 from .operands import copy_of, dropout_call, einsum_kind, fresh_tensor, inplace_add_before, inplace_add_operands, \
@@ -96,9 +98,15 @@ class AttentionMatch(Match):
     norm_param: float | None = None
     kind: str = "attention"
     dropped: list = dataclasses.field(default_factory=list)   # mask / value nodes the op no longer reads
-    fill_first: bool = False              # an additive mask is added after the masked_fill / where
+    mask_order: str = ""                  # the mask stages in graph order: "a" an additive mask, "f" a fill
+    safe_softmax: bool = False            # aten._safe_softmax: a row of -inf gives 0, not NaN
     lead: tuple | None = None             # leading dims q, k, v are regrouped to (views between the matmuls)
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
+
+    @property
+    def fill_first(self) -> bool:
+        """An additive mask is added after a ``masked_fill`` / ``where``: the masks merge in graph order."""
+        return "fa" in self.mask_order
 
     @property
     def is_sdpa(self) -> bool:
@@ -156,7 +164,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         return None
     sm = n
     x, dim, sm_dtype = softmax_input(sm)
-    m = AttentionMatch(anchor=anchor, softmax=sm, v=v)
+    m = AttentionMatch(anchor=anchor, softmax=sm, v=v, safe_softmax=is_safe_softmax(sm))
     m.dead = dead + chain + [sm]
     if dropout is not None:
         _, pdrop, training = dropout
@@ -171,7 +179,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     d = norm_dim(dim, nd)
     if d is None or d != nd - 1:
         # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
-        m.guarded = d is not None
+        m.guarded = d is not None and not m.safe_softmax   # smx::softmax would give NaN where it gives 0
         return _skip(m, f"softmax over dim={dim!r}, not the key (last) dim" + (
             "; its softmax is handed to Inductor as smx::softmax, which Inductor's attention fusion cannot "
             "take for attention over the last dim (pytorch#196468)" if m.guarded else ""))
@@ -358,9 +366,8 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "the mask does not broadcast to the scores")
             if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
                 return _skip(m, f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores")
-            if m.masked:
-                m.fill_first = True   # where(keep, s, value) + mask: merged into one additive mask
             m.add_masks.append(mask)
+            m.mask_order += "a"
             phase = 2
             seen_mask = True
             continue
@@ -380,6 +387,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             if not is_masking_value(val):
                 return _skip(m, f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})")
             m.masked.append((cond, true_masks, val))
+            m.mask_order += "f"
             if isinstance(value, Node):
                 m.dropped.append(value)
             phase = 2

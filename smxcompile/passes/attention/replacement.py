@@ -15,18 +15,22 @@ from ..patterns.masks import is_masking_value
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
                     dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, sdpa_scale_default: bool = False,
-                    export: bool = False, fill_first: bool = False, lead: tuple | None = None):
+                    export: bool = False, mask_order: str = "", lead: tuple | None = None,
+                    safe_softmax: bool = False):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
-    ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them); ``masked``: ``[(bool, True-means-masked, value)]`` from
-    ``masked_fill`` / ``where``, applied before the additive masks when ``fill_first`` (``where(keep, s, value) +
-    mask`` is ``s + (where(keep, 0, value) + mask)``: exact wherever ``s + value`` rounds to ``value``, as it does
-    for ``finfo.min`` and -inf), after them otherwise; ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
+    ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
+    ``masked``: ``[(bool, True-means-masked, value)]`` from ``masked_fill`` / ``where``, applied after the
+    additive masks, unless ``mask_order`` (the mask stages in graph order, ``"a"`` an add, ``"f"`` a fill) has a
+    fill before an add: then all merge in that order into one additive mask (``where(keep, s, value) + mask`` is
+    ``s + where(keep, mask, value + mask)``, exact wherever ``s`` is negligible next to the fill value, and on
+    rows filled whole, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
     scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
     (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
     fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
-    attention), and return the output grouped as ``v`` was."""
+    attention), and return the output grouped as ``v`` was. ``safe_softmax``: the site's softmax was
+    ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN)."""
     v_lead = None
     if lead is not None:
         v_lead = v.shape[:-2]
@@ -51,25 +55,31 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         k = k.expand(*bq, *k.shape[-3:])
         v = v.expand(*bq, *v.shape[-3:])
     mask = None
-    for mk in add_masks:
-        mk = mk if mk.is_floating_point() else mk.to(q.dtype)
-        mask = mk if mask is None else mask + mk
-    filled_rows = filled_out = None
-    if fill_first:
-        fill = m_any = None
-        for c, true_masks, val in reversed(masked):   # the fill nearest the scores first
-            mc = c if true_masks else ~c
-            m_any = mc if m_any is None else m_any | mc
-            fill = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device), 0.0 if fill is None else fill)
-        if fixup:
-            # rows the fills mask whole read value + mask in eager, whatever the scores: recomputed from the
-            # masks (each a row per key set, so this costs one row per batch and head, not L)
-            rows = torch.full((), masked[0][2], dtype=q.dtype, device=q.device) + mask
-            vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
-            filled_out = torch.softmax(rows, -1).to(vv.dtype) @ vv
-            filled_rows = m_any.all(-1, keepdim=True)
-        mask = fill + mask
+    if "fa" in mask_order:
+        # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
+        # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
+        adds, fills = iter(add_masks), iter(masked)
+        filled = None
+        for stage in mask_order:
+            if stage == "a":
+                mk = next(adds)
+                mk = mk if mk.is_floating_point() else mk.to(q.dtype)
+                mask = mk if mask is None else mask + mk
+            else:
+                c, true_masks, val = next(fills)
+                mc = c if true_masks else ~c
+                filled = mc if filled is None else filled | mc
+                mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device),
+                                   0.0 if mask is None else mask)
+        if fixup and normalizer == "softmax":
+            # a row filled whole reads only the masks in eager (where() drops its scores and their gradient):
+            # a zero query gives it exactly that, s = 0, whatever the fill value
+            q = torch.where(filled.all(-1, keepdim=True), 0.0, q)
         masked = []
+    else:
+        for mk in add_masks:
+            mk = mk if mk.is_floating_point() else mk.to(q.dtype)
+            mask = mk if mask is None else mask + mk
     all_masked = None
     if masked:
         m_any = None
@@ -107,24 +117,23 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         bad = bad | kbad[..., None, None]
         out = out.masked_fill(bad, float("nan"))
     if fixup and normalizer == "softmax":
+        empty_row = 0.0 if safe_softmax else float("nan")    # a row of -inf
         if all_masked is not None:
             values = [val for _, _, val in masked]
             if all(math.isinf(val) for val in values):
-                fill = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+                fill = torch.full((), empty_row, dtype=out.dtype, device=out.device)
             else:
                 vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
                 fill = vv.mean(-2, keepdim=True).to(out.dtype)
             out = torch.where(all_masked, fill, out)
-        if fill_first:
-            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), float("nan"))
-            if filled_rows is not None:
-                out = torch.where(filled_rows, filled_out.to(out.dtype), out)
+        if "fa" in mask_order:
+            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
         elif add_masks and not masked:
             neg = None
             for mk in add_masks:
                 r = (mk == float("-inf")).all(-1, keepdim=True)
                 neg = r if neg is None else neg | r
-            out = out.masked_fill(neg, float("nan"))
+            out = out.masked_fill(neg, empty_row)
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])

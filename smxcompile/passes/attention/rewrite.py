@@ -129,20 +129,6 @@ def _fill_may_mask_a_row(m: AttentionMatch, consts: ConstEvaluator) -> bool:
     return masked_any is not None and bool(masked_any.all(-1).any())
 
 
-def _fill_first_fixup(m: AttentionMatch) -> str:
-    """A row the fills mask whole reads ``value + mask`` in eager: reproduced from the masks alone when every
-    additive mask has one row per key set (a padding mask, ``(B, 1, 1, S)``) and the fills share one value.
-    Why not, or ""."""
-    if len({val for _, _, val in m.masked}) != 1:
-        return "masked_fill / where with different values, then an additive mask: not matched"
-    for a in m.add_masks:
-        av = tensor_val(a)
-        if av is None or (av.dim() >= 2 and not same_size(av.shape[-2], 1)):
-            return ("a row the masked_fill / where may mask whole is then offset by an additive mask with a row "
-                    "per query: eager's values on such rows are not reproduced")
-    return ""
-
-
 def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
     if m.is_causal:
         return False
@@ -156,9 +142,11 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
 
 def _extras(m: AttentionMatch) -> dict:
     """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
-    out: dict = {"fill_first": True} if m.fill_first else {}
+    out: dict = {"mask_order": m.mask_order} if m.fill_first else {}
     if m.lead is not None:
         out.update(lead=m.lead)
+    if m.safe_softmax:
+        out.update(safe_softmax=True)
     return out
 
 
@@ -206,12 +194,7 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator) -> str:
             return f"in-place op '{mut.name}' runs inside the attention pattern"
         _gqa(m)
         _causal_or_const(m, consts)
-        if m.fill_first and _fill_may_mask_a_row(m, consts):
-            why = _fill_first_fixup(m)
-            if why:
-                return why
-            m.fixup = "auto"
-        elif _needs_fixup(m, consts):
+        if _needs_fixup(m, consts):
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
     return ""
@@ -331,7 +314,7 @@ class AttentionPass(RewritePass):
                                [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
                                scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,
                                n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param,
-                               fill_first=m.fill_first, lead=m.lead)
+                               **_extras(m))
 
 
 __all__ = ["AttentionPass"]

@@ -17,15 +17,18 @@ _MISSING = object()
 
 # canonical name -> (function targets, method name, positional parameter names)
 _SPECS: dict[str, tuple[tuple[Any, ...], str | None, tuple[str, ...]]] = {
-    "softmax": ((F.softmax, torch.softmax, torch.special.softmax), "softmax", ("input", "dim", "_stacklevel", "dtype")),
+    "softmax": ((F.softmax, torch.softmax, torch.special.softmax, torch.ops.aten._safe_softmax,
+                 torch.ops.aten._safe_softmax.default), "softmax", ("input", "dim", "_stacklevel", "dtype")),
     "log_softmax": ((F.log_softmax, torch.log_softmax, torch.special.log_softmax), "log_softmax", ("input", "dim", "_stacklevel", "dtype")),
     "exp": ((torch.exp,), "exp", ("input",)),
     "log": ((torch.log,), "log", ("input",)),
     "tanh": ((torch.tanh, F.tanh), "tanh", ("input",)),
     "sub": ((operator.sub, torch.sub, torch.subtract), "sub", ("input", "other")),
     "add": ((operator.add, torch.add), "add", ("input", "other")),
-    "mul": ((operator.mul, torch.mul, torch.multiply), "mul", ("input", "other")),
-    "div": ((operator.truediv, torch.div, torch.true_divide, torch.divide), "div", ("input", "other")),
+    "mul": ((operator.mul, torch.mul, torch.multiply, torch.ops.aten.mul.Scalar, torch.ops.aten.mul.Tensor),
+            "mul", ("input", "other")),
+    "div": ((operator.truediv, torch.div, torch.true_divide, torch.divide, torch.ops.aten.div.Scalar,
+             torch.ops.aten.div.Tensor), "div", ("input", "other")),
     "sum": ((torch.sum,), "sum", ("input", "dim", "keepdim")),
     "amax": ((torch.amax,), "amax", ("input", "dim", "keepdim")),
     "max": ((torch.max,), "max", ("input", "dim", "keepdim")),
@@ -42,6 +45,17 @@ for _name, (_fns, _meth, _params) in _SPECS.items():
         _FN_TO_NAME.setdefault(_fn, _name)
 _METHOD_TO_NAME = {m: n for n, (_f, m, _p) in _SPECS.items() if m}
 _METHOD_TO_NAME.update(_METHOD_ALIASES)
+
+# softmax spellings whose third parameter is dtype; aten._safe_softmax (SDPA's math decomposition, the spelling
+# of PyTorch's fused-attention patterns 29 / 30) gives 0 on a row of -inf where softmax gives NaN
+_SAFE_SOFTMAX = (torch.ops.aten._safe_softmax, torch.ops.aten._safe_softmax.default)
+_NO_STACKLEVEL = (torch.softmax, torch.log_softmax, torch.special.softmax, torch.special.log_softmax, *_SAFE_SOFTMAX)
+
+
+def is_safe_softmax(node: Node) -> bool:
+    """``node`` calls ``aten._safe_softmax``: a softmax whose rows of -inf give 0 (not NaN)."""
+    return node.op == "call_function" and node.target in _SAFE_SOFTMAX
+
 
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
@@ -70,7 +84,7 @@ def canon(node: Node) -> tuple[str, dict[str, Any]] | None:
     params = _SPECS[name][2]
     if node.op == "call_method" and name in ("softmax", "log_softmax"):
         params = ("input", "dim", "dtype")  # Tensor.softmax(dim, dtype=None)
-    if node.op == "call_function" and node.target in (torch.softmax, torch.log_softmax, torch.special.softmax, torch.special.log_softmax):
+    if node.op == "call_function" and node.target in _NO_STACKLEVEL:
         params = ("input", "dim", "dtype")
     if len(args) > len(params):
         return None

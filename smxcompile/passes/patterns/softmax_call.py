@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from .casts import holds
-from .graph import FLOAT_DTYPES, canon, depends_on_random, dtype_name, norm_dim, tensor_val
+from .graph import FLOAT_DTYPES, canon, depends_on_random, dtype_name, is_safe_softmax, norm_dim, tensor_val
 
 
 @dataclasses.dataclass
@@ -68,6 +68,9 @@ def softmax_call(node: Node) -> SoftmaxCall | None:
     if xv is None:
         return None
     call = SoftmaxCall(kind=name, node=node, x=x, spelling=spelling(node))
+    if is_safe_softmax(node):
+        call.problem = "aten._safe_softmax gives 0 on a row of -inf, where the fused op gives NaN as softmax does"
+        return call
     dim = norm_dim(a.get("dim"), xv.dim())
     if dim is None:
         call.problem = f"dim={a.get('dim')!r} is not a single int dim (implicit-dim softmax is deprecated)"
