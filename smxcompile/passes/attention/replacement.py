@@ -54,7 +54,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     elif tuple(k.shape[:-3]) != tuple(bq):
         k = k.expand(*bq, *k.shape[-3:])
         v = v.expand(*bq, *v.shape[-3:])
-    mask = None
+    mask = hidden = None     # hidden: the entries a masked_fill / where selects away (True = not seen)
     if "fa" in mask_order:
         # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
         # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
@@ -75,7 +75,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
             # a row filled whole reads only the masks in eager (where() drops its scores and their gradient):
             # a zero query gives it exactly that, s = 0, whatever the fill value
             q = torch.where(filled.all(-1, keepdim=True), 0.0, q)
-        masked = []
+        masked, hidden = [], filled
     else:
         for mk in add_masks:
             mk = mk if mk.is_floating_point() else mk.to(q.dtype)
@@ -86,6 +86,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         for c, true_masks, _ in masked:
             mc = c if true_masks else ~c
             m_any = mc if m_any is None else (m_any | mc)
+        hidden = m_any
         if mask is None:
             mask = ~m_any
         else:
@@ -98,6 +99,8 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
         # softpick leaves them out of its denominator, n counts only the keys left
         mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
+    if not export:
+        q_bad, k, k_bad = _nonfinite_rows(q, k, hidden, is_causal, n_rep)
     if normalizer == "softmax" and softcap is None:
         # torch's fused flash kernels (CPU and CUDA); Inductor lowers the call to them
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -107,15 +110,8 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
 
         out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
-    # NaN in q or k: eager attention gives NaN rows (every row, for k); fused kernels can return 0
-    # for a NaN query row. Two cheap reductions (O(L*E) and O(S*E)) keep eager's NaNs.
     if not export:
-        bad = q.isnan().any(-1, keepdim=True)
-        kbad = k.isnan().any(-1).any(-1)
-        if n_rep > 1:
-            kbad = kbad.repeat_interleave(n_rep, dim=-1)
-        bad = bad | kbad[..., None, None]
-        out = out.masked_fill(bad, float("nan"))
+        out = out.masked_fill(q_bad | k_bad, float("nan"))
     if fixup and normalizer == "softmax":
         empty_row = 0.0 if safe_softmax else float("nan")    # a row of -inf
         if all_masked is not None:
@@ -137,6 +133,39 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
+
+
+def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
+    """Eager's NaN rows for non-finite q or k, which fused kernels do not all reproduce (a NaN query row can come
+    out 0; a bool mask is added as -inf, so an inf or NaN score at a masked key makes the row NaN where eager's
+    ``masked_fill`` / ``where`` replaced it). Returns ``(q_bad, k, k_bad)``: rows to set NaN for their query,
+    ``k`` with the non-finite keys a selection mask may hide zeroed, and rows to set NaN for the keys they see.
+
+    A row with a non-finite query is NaN in eager whenever it sees a key (every score is then inf or NaN); the
+    fully masked rows are restored after this. A key with a NaN makes every row that sees it NaN. A key with an
+    inf makes them NaN too unless every such score is -inf, where eager gives the row without that key: the one
+    case this does not reproduce. Without a selection mask every row sees every key (an additive mask does not
+    hide a NaN score), and a causal call selects keys inside the kernel, so both keep the kernel's own values
+    for inf keys. Costs O(L*E + S*E) reductions, and a pass over the selection mask when it has a row per
+    query."""
+    q_bad = ~torch.isfinite(q).all(-1, keepdim=True)
+    if is_causal:
+        return q_bad, k, torch.zeros((), dtype=torch.bool, device=q.device)
+    if hidden is None:
+        k_nan = k.isnan().any(-1).any(-1)[..., None, None]
+        return q_bad, k, (k_nan.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else k_nan)
+    k_nf = ~torch.isfinite(k).all(-1)                                  # (..., Hkv, S)
+    k = torch.where(k_nf[..., None], 0.0, k)
+    k_nf = k_nf.repeat_interleave(n_rep, dim=-2) if n_rep > 1 else k_nf   # (..., H, S)
+    seen = ~hidden                                                     # broadcasts to (..., H, L, S)
+    if seen.dim() < 2 or seen.shape[-2] == 1:                          # one key row for every query (padding)
+        return q_bad, k, (seen & k_nf[..., None, :]).any(-1, keepdim=True)
+    # rows x keys as a matmul, so the (..., H, L, S) product is never formed: a count > 0 is a seen bad key
+    if seen.dim() < 3 or seen.shape[-3] == 1:
+        rows = seen.squeeze(-3) if seen.dim() >= 3 else seen
+        n = rows.to(q.dtype) @ k_nf.transpose(-1, -2).to(q.dtype)      # (..., L, H)
+        return q_bad, k, (n > 0).transpose(-1, -2)[..., None]
+    return q_bad, k, (seen.to(q.dtype) @ k_nf[..., None].to(q.dtype)) > 0
 
 
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
