@@ -15,6 +15,11 @@ Conventions shared by every variant's ``apply``:
   and acts as if its column were deleted from the row (the row length ``n`` used by the
   length-dependent variants counts only kept entries; values at masked positions, NaN and inf
   included, are never read). A row with every entry masked gives zeros, never NaN, and zero gradients.
+* ``-inf`` in ``x`` is an additive mask: such an entry counts as masked, with or without ``mask``
+  (as in ``smx::attention`` and :func:`smxcompile.swap`), so it gets weight exactly 0 and no gradient,
+  leaves the row length ``n`` and the denominators (softpick's included), and the other entries get
+  the values of the row with it removed. A row entirely ``-inf`` therefore gives zeros and zero
+  gradients for every variant (``torch.softmax`` gives NaN there; ``aten._safe_softmax`` 0).
 * Parameters: Python numbers or tensors broadcastable to ``x`` with size 1 along ``dim`` (one value
   per row, e.g. ``(H, 1, 1)`` per head for ``x`` of shape ``(B, H, L, S)``); tensors may require grad.
   A parameter left out takes its default (see ``Variant.params``).
@@ -80,7 +85,8 @@ class Variant:
         paper: the source.
         params: parameter name -> :class:`ParamSpec`.
         fn: the core, ``fn(x, keep, n, **params) -> w``: ``x`` fp32/fp64 with the normalized dim last;
-            ``keep`` bool broadcastable to ``x`` (True = keep) or None; ``n`` float ``(..., 1)``
+            ``keep`` bool of ``x``'s shape (True = keep; False at masked and at ``-inf`` entries, so a
+            core never needs to handle ``-inf``); ``n`` float ``(..., 1)``
             broadcastable to ``x``, the kept entries per row (at least 1); each parameter a tensor
             of ``x``'s dtype broadcastable to ``x`` with size 1 in the last dim, or None when not
             given (the core picks its default). It returns ``w`` of ``x``'s shape; :meth:`apply`
@@ -105,7 +111,8 @@ class Variant:
             x: floating tensor (fp16, bf16, fp32 or fp64), at least 1-d.
             dim: the dimension normalized over.
             mask: bool tensor broadcastable to ``x``, True = keep; masked entries give exactly 0 and
-                act as if removed from the row. A fully masked row gives zeros (never NaN).
+                act as if removed from the row. ``-inf`` entries of ``x`` count as masked either way.
+                A fully masked (or entirely ``-inf``) row gives zeros (never NaN) and zero gradients.
             **params: the variant's parameters (``self.params``): numbers or tensors broadcastable to
                 ``x`` with size 1 along ``dim``. Omitted ones take their defaults.
 
@@ -200,13 +207,11 @@ def _apply(variant: Variant, x: torch.Tensor, dim: int, mask, params: dict) -> t
     if x.shape[dim] == 0:
         return torch.zeros_like(x)
     xs = x.movedim(dim, -1).to(ct)
-    if keep is None:
-        n = torch.full((1,) * xs.dim(), float(xs.shape[-1]), dtype=ct, device=x.device)
-    else:
-        n = keep.sum(-1, keepdim=True).to(ct).clamp(min=1.0)
-    w = variant.fn(xs, keep, n, **ps)
-    if keep is not None:
-        w = torch.where(keep, w, 0.0)
+    # -inf is an additive mask (as in smx::attention and swap): masked, so no core sees it (inf - inf, 0 * inf)
+    finite_lo = xs != float("-inf")
+    keep = finite_lo if keep is None else keep & finite_lo
+    n = keep.sum(-1, keepdim=True).to(ct).clamp(min=1.0)
+    w = torch.where(keep, variant.fn(xs, keep, n, **ps), 0.0)
     return w.to(x.dtype).movedim(-1, dim)
 
 
@@ -237,8 +242,52 @@ def _ssmax(x, keep, n, s=None):
     return NORMALIZERS["ssmax"].ref(x, keep, n, s)
 
 
+def _entmax_at_one(x, keep, n, alpha):
+    """alpha-entmax at alpha = 1: softmax ``p``, plus alpha's gradient there (``alpha`` broadcastable per row).
+
+    Expanding ``p_i = (1 + (alpha - 1) u_i)^(1 / (alpha - 1))`` (``u_i = x_i - c(alpha)``, ``sum p = 1``)
+    to first order in ``alpha - 1`` gives the limit ``dp_i/dalpha = p_i (sum_j p_j log^2 p_j - log^2 p_i) / 2``;
+    it is attached as ``(alpha - alpha.detach()) * dp/dalpha``, zero in value."""
+    p = _softmax(x, keep, n, None)
+    if not alpha.requires_grad:
+        return p
+    z = _k(x, keep, float("-inf"))
+    m = z.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    d = torch.exp(z - m).sum(-1, keepdim=True)
+    # log p from the scores, finite where p underflows to 0; masked entries 0 (their p is 0)
+    lp = _k(_k(x, keep, 0.0) - m - torch.log(_safe_den(d)), keep, 0.0)
+    lp2 = lp * lp
+    dp = p * ((p * lp2).sum(-1, keepdim=True) - lp2) * 0.5
+    return p + (alpha - alpha.detach()) * dp
+
+
+#: |(alpha - 1) v| below this: log1p(t) / (alpha - 1) by its series (_SERIES_K terms, truncation < 1e-17).
+_SERIES_T, _SERIES_K = 0.1, 16
+
+
+def _log_power(e, v, pos):
+    """``phi = log1p(e v) / e`` where ``pos`` (``1 + e v > 0``, ``e > 0``), else 0: ``p = exp(phi) =
+    (1 + e v)^(1/e)``. For ``|e v| < 0.1`` it is the series ``v sum_k (-e v)^(k-1) / k``: the quotient's
+    gradient in ``e`` is a difference of two terms of size ``v / e`` (all precision lost as ``alpha -> 1``)."""
+    t = e * v
+    small = t.abs() < _SERIES_T
+    ts = torch.where(small, t, 0.0)
+    ser = torch.zeros_like(ts)
+    for k in range(_SERIES_K, 0, -1):
+        ser = ser * -ts + 1.0 / k
+    tq = torch.where(small | ~pos, 1.0, t)  # the quotient sees t away from 0 and -1 (no inf in its gradient)
+    return torch.where(pos, torch.where(small, v * ser, torch.log1p(tq) / e), 0.0)
+
+
 def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
-    """alpha-entmax by bisection on tau; alpha == 1 is softmax exactly (per row)."""
+    """alpha-entmax by bisection; alpha == 1 is softmax exactly (per row), with alpha's gradient at 1
+    (the limit, :func:`_entmax_at_one`), so a learnable alpha starting at 1 moves.
+
+    Written as ``p_i = (1 + e v_i)_+^(1/e)``, ``e = alpha - 1``, ``v_i = x_i - max(x) - c`` (the usual
+    ``tau = -1 + e c``), with ``c`` in ``[0, (1 - n^-e) / e]`` found by bisection: ``c`` stays of the size
+    of ``x`` as ``alpha -> 1`` (``tau`` would need digits below the precision), and :func:`_log_power`
+    keeps the value and alpha's gradient accurate there (fp32 at alpha = 1 + 1e-6 included)."""
     if alpha is None:
         alpha = torch.tensor(1.5, dtype=x.dtype, device=x.device)
     # reading alpha's values is a graph break under torch.compile: checked and short-cut in eager only
@@ -247,47 +296,38 @@ def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
         raise ValueError("entmax_bisect: alpha must be >= 1 (1 = softmax, 1.5 = 1.5-entmax, 2 = sparsemax)")
     is_one = alpha == 1
     if not compiling and bool(is_one.all()):
-        return _softmax(x, keep, n, None)
-    a = torch.where(is_one, 1.5, alpha)  # the entmax branch for alpha == 1 rows is discarded below
-    am1 = a - 1.0
-    inv = 1.0 / am1
-    z = _k(x, keep, float("-inf"))
-    m = z.detach().amax(-1, keepdim=True)
+        return _entmax_at_one(x, keep, n, alpha)
+    e = torch.where(is_one, 0.5, alpha - 1.0)  # the entmax branch for alpha == 1 rows is discarded below
+    m = _k(x, keep, float("-inf")).detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0.0)
-    # masked entries (-inf included) are replaced before any arithmetic: a -inf times alpha - 1 would give NaN gradients
-    xa = _k((_k(x, keep, 0.0) - m) * am1, keep, 0.0)  # row max at 0; masked entries 0 here and excluded below
+    # masked entries are replaced before any arithmetic (no NaN gradients) and excluded by pos below
+    xm = _k(x, keep, 0.0) - m  # row max at 0
 
-    def mass(tau, xa_, am1_inv):
-        u = xa_ - tau
-        pos = u > 0
-        if keep is not None:
-            pos = pos & keep
-        us = torch.where(pos, u, 1.0)
-        return torch.where(pos, us ** am1_inv, 0.0), pos, us
+    def mass(c, xm_, e_):
+        v = xm_ - c
+        pos = (e_ * v > -1.0) & keep
+        return torch.exp(_log_power(e_, v, pos)) * pos, pos, v
 
     with torch.no_grad():
-        xd, invd, am1d = xa.detach(), inv.detach(), am1.detach()
-        # max of the row is 0: tau in [-1, -(1/n)^(alpha-1)]
-        lo = torch.full_like(xd[..., :1], -1.0) + torch.zeros_like(am1d)
-        hi = -(1.0 / n) ** am1d
+        ed, xd = e.detach(), xm.detach()
+        lo = torch.zeros_like(xd[..., :1]) + torch.zeros_like(ed)
+        hi = -torch.expm1(-ed * torch.log(n)) / ed  # sum p <= n (1 - e hi)^(1/e) = 1 there
         for _ in range(n_iter):
             mid = (lo + hi) * 0.5
-            f = mass(mid, xd, invd)[0].sum(-1, keepdim=True)
-            big = f >= 1.0
+            big = mass(mid, xd, ed)[0].sum(-1, keepdim=True) >= 1.0
             lo = torch.where(big, mid, lo)
             hi = torch.where(big, hi, mid)
-        tau0 = (lo + hi) * 0.5
-    # implicit-function gradient for tau: g(x, alpha, tau) = sum p = 1 at the solution, so
-    # dtau = -(dg/dx dx + dg/dalpha dalpha) / (dg/dtau); the value stays tau0.
-    p, pos, us = mass(tau0, xa, inv)
+        c0 = (lo + hi) * 0.5
+    # implicit-function gradient for c: g(x, alpha, c) = sum p = 1 at the solution, so
+    # dc = -(dg/dx dx + dg/dalpha dalpha) / (dg/dc); the value stays c0.
+    p, pos, v = mass(c0, xm, e)
     g = p.sum(-1, keepdim=True)
-    dg_dtau = -(torch.where(pos, inv.detach() * us.detach() ** (inv.detach() - 1.0), 0.0)).sum(-1, keepdim=True)
-    dg_dtau = torch.where(dg_dtau != 0, dg_dtau, -1.0)
-    tau = tau0 - (g - g.detach()) / dg_dtau
-    p, _, _ = mass(tau, xa, inv)
+    dg_dc = -torch.where(pos, p / torch.where(pos, 1.0 + ed * v.detach(), 1.0), 0.0).detach().sum(-1, keepdim=True)
+    dg_dc = torch.where(dg_dc != 0, dg_dc, -1.0)
+    p, _, _ = mass(c0 - (g - g.detach()) / dg_dc, xm, e)
     w = p / _safe_den(p.sum(-1, keepdim=True))
     if compiling or bool(is_one.any()):
-        w = torch.where(is_one, _softmax(x, keep, n, None), w)
+        w = torch.where(is_one, _entmax_at_one(x, keep, n, alpha), w)
     return w
 
 

@@ -375,3 +375,182 @@ def test_overwrite_builtin_keeps_position():
 def test_temperature_must_be_positive(T):
     with pytest.raises(ValueError, match="must be a finite number > 0"):
         V.get("temperature").apply(torch.randn(2, 5), T=T)
+
+
+# ---------------- sparse maps: the gradient's support is {p > 0} ----------------
+
+def _gold_sparse_grad(p, g, alpha):
+    """fp64 vector-Jacobian product of alpha-entmax (Peters, Niculae & Martins 2019, sec. 3.3) on the
+    support p > 0: s = p^(2 - alpha) there (sparsemax: the indicator), dx = s g - s (sum s g) / sum s."""
+    s = torch.where(p > 0, p.clamp(min=0) ** (2 - alpha), 0.0)
+    return s * g - s * (s * g).sum(-1, keepdim=True) / s.sum(-1, keepdim=True)
+
+
+def test_sparsemax_tie_gradient():
+    # tau = 2.25 exactly: the last entry sits at the threshold, p = 0 there, and sum(p) = 1 identically
+    x = torch.tensor([[3.0, 2.5, 2.25]], requires_grad=True)
+    p = V.get("sparsemax").apply(x, -1)
+    assert p.tolist() == [[0.75, 0.25, 0.0]]
+    p.sum().backward()
+    assert (x.grad == 0).all()
+    x.grad = None
+    g = torch.tensor([[1.0, 2.0, 4.0]])
+    (V.get("sparsemax").apply(x, -1) * g).sum().backward()
+    assert x.grad.tolist() == [[-0.5, 0.5, 0.0]]
+    # 1.5-entmax: x/2 = [0, 0, 0, 0, -1/2, -3/2] has tau = -1/2 exactly, the fifth entry at it
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0, -1.0, -3.0]], dtype=torch.float64, requires_grad=True)
+    g = torch.arange(6, dtype=torch.float64).unsqueeze(0)
+    p = V.get("entmax15").apply(x)
+    assert p.tolist() == [[0.25] * 4 + [0.0, 0.0]]
+    (p * g).sum().backward()
+    torch.testing.assert_close(x.grad, _gold_sparse_grad(p.detach(), g, 1.5), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("name,alpha", [("sparsemax", 2.0), ("entmax15", 1.5), ("entmax_bisect", 1.5)])
+def test_sparse_grad_bf16_ties(name, alpha):
+    """bf16 scores on a grid of 1/4 put entries exactly at tau; the gradient matches the fp64 gold on
+    p > 0: |ours - gold| <= |gold in bf16 - gold| + one bf16 ulp."""
+    g = torch.Generator().manual_seed(30)
+    x = (torch.randint(-10, 10, (256, 8), generator=g) / 4.0).to(torch.bfloat16).requires_grad_()
+    dw = torch.randn(256, 8, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    params = {"alpha": alpha} if name == "entmax_bisect" else {}
+    (V.get(name).apply(x, **params) * dw).sum().backward()
+    x64 = x.detach().double()
+    p64 = {"sparsemax": ent_sparsemax, "entmax15": ent_entmax15}.get(
+        name, lambda t, dim: ent_bisect(t, alpha=alpha, dim=dim, n_iter=100))(x64, dim=-1)
+    if name == "sparsemax":
+        tau = (x64 - p64).amax(-1, keepdim=True)  # x - p = tau on the support
+        assert ((p64 == 0) & (x64 == tau)).sum() > 10  # ties are present
+    gold = _gold_sparse_grad(p64, dw.double(), alpha)
+    err = (x.grad.double() - gold).abs()
+    bound = (gold.to(torch.bfloat16).double() - gold).abs() + torch.finfo(torch.bfloat16).eps * gold.abs() + 1e-6
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax_bisect"])
+def test_sparse_gradcheck_no_mask(name):
+    x = _x(4, 7, seed=31).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: V.get(name).apply(x), (x,), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# ---------------- -inf entries: masked, with or without a mask ----------------
+
+def _with_neg_inf(dtype=torch.float64):
+    x = _x(4, 7, seed=32, dtype=dtype)
+    x[0, 3] = x[1, 0] = x[1, 6] = x[2, 2] = float("-inf")  # row 3 has none
+    return x
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+@pytest.mark.parametrize("name", ALL)
+def test_neg_inf_entries(name, use_mask):
+    v = V.get(name)
+    params = GRAD_PARAMS.get(name, {})
+    x = _with_neg_inf().requires_grad_()
+    fin = torch.isfinite(x.detach())
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[:, 5] = False
+    keep = fin & mask if use_mask else fin
+    gw = _x(4, 7, seed=33)
+    w = v.apply(x, mask=mask if use_mask else None, **params)
+    (w * gw).sum().backward()
+    assert (w[~fin] == 0).all() and torch.isfinite(w).all()
+    assert torch.isfinite(x.grad).all() and (x.grad[~fin] == 0).all()
+    # the same as the row with those entries removed, forward and backward
+    for r in range(4):
+        xr = x.detach()[r][keep[r]].clone().requires_grad_()
+        wr = v.apply(xr, **params)
+        (wr * gw[r][keep[r]]).sum().backward()
+        torch.testing.assert_close(w[r][keep[r]], wr, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(x.grad[r][keep[r]], xr.grad, rtol=1e-9, atol=1e-12)
+    # and as masking them
+    torch.testing.assert_close(w, v.apply(x.detach(), mask=keep, **params), rtol=0, atol=0)
+
+
+def test_neg_inf_examples():
+    x = torch.tensor([[0.5, -1.0, 2.0, float("-inf"), 1.0]])
+    for name in ("sa_softmax", "multimax"):
+        w = V.get(name).apply(x)
+        assert torch.isfinite(w).all() and (w >= 0).all() and w[0, 3] == 0
+        torch.testing.assert_close(w[:, [0, 1, 2, 4]], V.get(name).apply(x[:, [0, 1, 2, 4]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", ALL)
+def test_all_neg_inf_row(name, dtype):
+    """A row entirely -inf gives zeros and zero gradients (torch.softmax would give NaN)."""
+    x = _with_neg_inf(dtype)
+    x[3] = float("-inf")
+    x.requires_grad_()
+    for mask in (None, torch.tensor([True] * 6 + [False])):
+        w = V.get(name).apply(x, mask=mask, **GRAD_PARAMS.get(name, {}))
+        assert (w[3] == 0).all() and torch.isfinite(w).all()
+        x.grad = None
+        w.float().sum().backward()
+        assert (x.grad[3] == 0).all() and torch.isfinite(x.grad).all()
+
+
+# ---------------- entmax_bisect: alpha's gradient at 1 ----------------
+
+def _tsallis_entmax(x, alpha, n_iter=200):
+    """fp64 alpha-entmax for alpha near 1 on either side (alpha < 1 too, where it is dense), written as
+    p_i = (1 + e (x_i - c))^(1/e), e = alpha - 1, with c found by bisection so the row sums to 1."""
+    e = alpha - 1.0
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    lo, hi = lse - 1.0, lse + 1.0  # sum p is decreasing in c; at e = 0, c = logsumexp(x)
+    for _ in range(n_iter):
+        c = (lo + hi) / 2
+        big = ((1 + e * (x - c)).clamp(min=0) ** (1 / e)).sum(-1, keepdim=True) > 1
+        lo, hi = torch.where(big, c, lo), torch.where(big, hi, c)
+    return (1 + e * (x - (lo + hi) / 2)).clamp(min=0) ** (1 / e)
+
+
+@pytest.mark.parametrize("shape", [(3, 1), ()])
+def test_entmax_bisect_alpha_grad_at_one(shape):
+    x, g = _x(3, 9, seed=34), _x(3, 9, seed=35)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 4:] = False
+    alpha = torch.ones(shape, dtype=torch.float64, requires_grad=True)
+    w = V.get("entmax_bisect").apply(x, mask=mask, alpha=alpha)
+    torch.testing.assert_close(w, torch.softmax(x.masked_fill(~mask, float("-inf")), -1))
+    (w * g).sum().backward()
+    h = 1e-3
+    xs = [x[r][mask[r]] for r in range(3)]
+    fd = torch.stack([((_tsallis_entmax(xr, 1 + h) - _tsallis_entmax(xr, 1 - h)) * g[r][mask[r]]).sum() / (2 * h)
+                      for r, xr in enumerate(xs)])
+    # the local oracle agrees with ours at 1 + h
+    for r, xr in enumerate(xs):
+        torch.testing.assert_close(_tsallis_entmax(xr, 1 + h), V.get("entmax_bisect").apply(xr, alpha=1 + h))
+    fd = fd.sum().reshape(()) if shape == () else fd.reshape(3, 1)
+    assert (alpha.grad.abs() > 1e-3).all()
+    torch.testing.assert_close(alpha.grad, fd, rtol=1e-5, atol=1e-7)
+
+
+def test_entmax_bisect_alpha_grad_rows_mixed():
+    """Rows at alpha = 1 and rows above it in one call: each row's gradient is its own."""
+    x, g = _x(3, 6, seed=36), _x(3, 6, seed=37)
+    alpha = torch.tensor([[1.0], [1.5], [1.0]], dtype=torch.float64, requires_grad=True)
+    (V.get("entmax_bisect").apply(x, alpha=alpha) * g).sum().backward()
+    for r in range(3):
+        a = alpha.detach()[r].clone().requires_grad_()
+        (V.get("entmax_bisect").apply(x[r], alpha=a) * g[r]).sum().backward()
+        torch.testing.assert_close(alpha.grad[r], a.grad, rtol=1e-9, atol=1e-12)
+    # one-sided second-order difference with our own alpha >= 1
+    f = lambda a: float((V.get("entmax_bisect").apply(x[0], alpha=a) * g[0]).sum())
+    h = 1e-3
+    assert alpha.grad[0, 0].item() == pytest.approx((-3 * f(1.0) + 4 * f(1 + h) - f(1 + 2 * h)) / (2 * h), rel=1e-4)
+
+
+@pytest.mark.parametrize("e", [1e-6, 1e-4, 1e-2])
+def test_entmax_bisect_fp32_near_one(e):
+    """A learnable alpha leaves 1 by small steps: just above 1, fp32 stays accurate (value and alpha's
+    gradient) against the fp64 oracle and its central difference."""
+    x, g = _x(3, 9, seed=38), _x(3, 9, seed=39)
+    alpha = torch.full((3, 1), 1 + e, dtype=torch.float32, requires_grad=True)
+    a = float(alpha.detach()[0, 0])  # the fp32 value
+    w = V.get("entmax_bisect").apply(x.float(), alpha=alpha)
+    (w * g.float()).sum().backward()
+    torch.testing.assert_close(w.double(), _tsallis_entmax(x, a), rtol=0, atol=1e-6)
+    h = 1e-3
+    fd = ((_tsallis_entmax(x, a + h) - _tsallis_entmax(x, a - h)) * g).sum(-1, keepdim=True) / (2 * h)
+    torch.testing.assert_close(alpha.grad.double(), fd, rtol=1e-4, atol=1e-5)

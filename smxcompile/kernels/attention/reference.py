@@ -142,14 +142,24 @@ def _sorted_keep(s, keep, half: bool):
 def _sparsemax_ref(s, keep, n, param):
     """sparsemax, "From Softmax to Sparsemax: A Sparse Model of Attention and Multi-Label
     Classification" (Martins & Astudillo, 2016): ``max(s_i - tau, 0)`` with ``tau`` such that the row
-    sums to 1; exact, sort-based (``k = max{k : 1 + k z_(k) > sum_{j<=k} z_(j)}``)."""
+    sums to 1; exact, sort-based (``k = max{k : 1 + k z_(k) > sum_{j<=k} z_(j)}``).
+
+    Autograd gives the Jacobian on the support ``{w > 0}`` (as :func:`_sparsemax_vjp`):
+    ``dw_i = [w_i > 0] (ds_i - mean_{w > 0} ds)``. An entry exactly at ``tau`` (a tie, common in
+    bf16) has ``w = 0`` and no gradient, and ``tau``'s gradient averages over exactly the entries
+    with ``w > 0`` (not the sort's support, which rounding may make differ by one)."""
     xf, xs, valid = _sorted_keep(s, keep, half=False)
     cs = xs.cumsum(-1)
     k = torch.arange(1, xs.shape[-1] + 1, dtype=xs.dtype, device=xs.device)
     with torch.no_grad():
         support = (valid & (1.0 + k * xs > cs)).sum(-1, keepdim=True).clamp(min=1)
-    tau = (cs.gather(-1, support - 1) - 1.0) / support.to(xs.dtype)
-    return _keep(torch.clamp(xf - tau, min=0.0), keep, 0.0)
+        tau0 = (cs.gather(-1, support - 1) - 1.0) / support.to(xs.dtype)
+        sup = _keep(xf - tau0 > 0, keep, False)
+        k_sup = sup.sum(-1, keepdim=True).clamp(min=1).to(xs.dtype)
+    # tau's value is tau0; its gradient is that of (sum_{w > 0} s - 1) / |{w > 0}| (zero added, exactly)
+    tau_g = torch.where(sup, xf, 0.0).sum(-1, keepdim=True) / k_sup
+    tau = tau0 + (tau_g - tau_g.detach())
+    return torch.where(sup, xf - tau, 0.0)
 
 
 def _entmax15_ref(s, keep, n, param):
