@@ -641,24 +641,26 @@ def test_kernels_compile_for_cuda():
         for dt, prec in [("bf16", "ieee"), ("fp32", "tf32x3"), ("fp16", "ieee")]:
             bn, bv, bd = f._FWD_BLOCKS_32 if dt == "fp32" else f._FWD_BLOCKS_16
             cs = dict(FROM_MATMUL=True, HAS_BIAS=True, HAS_SOFTCAP=dt != "fp16", HAS_CW=True, NEED_WS=dt == "bf16",
-                      WRITE_LOGITS=dt != "fp16", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec)
+                      WRITE_LOGITS=dt != "fp16", NEED_ARGMAX=dt != "fp32", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+                      PREC=prec)
             comp(fwd, {"src_ptr": "*" + dt, "w_ptr": "*" + dt, "bias_ptr": "*" + dt, "tgt_ptr": "*i64",
-                       "out_ptr": "*bf16", "N": "i64" if dt == "fp32" else "i32"}, cs,
+                       "out_ptr": "*bf16", "am_ptr": "*i64", "N": "i64" if dt == "fp32" else "i32"}, cs,
                  num_warps=f._FWD_WARPS, num_stages=f._FWD_STAGES)
         cs = dict(FROM_MATMUL=False, HAS_BIAS=False, HAS_SOFTCAP=True, HAS_CW=False, NEED_WS=False,
-                  WRITE_LOGITS=False, BLOCK_N=c.CE_BLOCKS[0], BLOCK_V=c.CE_BLOCKS[1], BLOCK_D=1, PREC="ieee")
+                  WRITE_LOGITS=False, NEED_ARGMAX=False, BLOCK_N=c.CE_BLOCKS[0], BLOCK_V=c.CE_BLOCKS[1], BLOCK_D=1, PREC="ieee")
         comp(fwd, {"src_ptr": "*bf16", "tgt_ptr": "*i32"}, cs, num_warps=c.CE_WARPS)
         for dt, zf, filt, prec in [("bf16", 0, True, "ieee"), ("fp32", 2, False, "tf32x3"),
                                    ("fp16", 2, True, "ieee"), ("fp32", 0, True, "ieee")]:
-            bn, bv, bd = b._BWD_BLOCKS_32 if dt == "fp32" else b._BWD_BLOCKS_16
+            bn, bv, bd = (b._BWD_BLOCKS_32 if dt == "fp32" else b._BWD_BLOCKS_16 if zf != 2
+                          else b._BWD_BLOCKS_16_SAVED)
             cs = dict(Z_FROM=zf, HAS_BIAS=True, HAS_SOFTCAP=True, HAS_CW=True, HAS_C=True, HAS_GL=zf == 2,
                       FILTER=filt, NEED_GI=True, NEED_GW=True, NEED_GB=True, WRITE_GX=False, GROUP_N=b._GROUP_N,
-                      BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec)
+                      SPLIT_GX=dt != "fp32", BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec)
             comp(bwd, {"src_ptr": "*bf16", "e_ptr": "*" + dt, "w_ptr": "*" + dt, "bias_ptr": "*" + dt,
                        "tgt_ptr": "*i64", "ignore_index": "i64", "D": "i64" if zf else "i32"}, cs,
                  num_warps=b._BWD_WARPS, num_stages=b._BWD_STAGES)
         cs = dict(Z_FROM=1, HAS_BIAS=False, HAS_SOFTCAP=True, HAS_CW=True, HAS_C=True, HAS_GL=False, FILTER=False,
-                  NEED_GI=False, NEED_GW=False, NEED_GB=False, WRITE_GX=True, GROUP_N=b._GROUP_N,
+                  NEED_GI=False, NEED_GW=False, NEED_GB=False, WRITE_GX=True, GROUP_N=b._GROUP_N, SPLIT_GX=False,
                   BLOCK_N=c.CE_BLOCKS[0], BLOCK_V=c.CE_BLOCKS[1], BLOCK_D=1, PREC="ieee")
         comp(bwd, {"src_ptr": "*fp16", "gx_ptr": "*bf16", "tgt_ptr": "*i32"}, cs, num_warps=c.CE_WARPS)
         print("compiled", n)

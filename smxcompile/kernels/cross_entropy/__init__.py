@@ -33,6 +33,11 @@ CUDA: Triton kernels (:mod:`.triton_common`, :mod:`.triton_forward`, :mod:`.trit
 in a buffer of at most ``chunk_bytes``; for a scalar loss that needs gradients, the fused path
 (:mod:`.fused`) computes them in the forward.
 
+fp16 / bf16: :func:`linear_cross_entropy` keeps the logits in fp32 on every path (CCE's numerics: the Triton
+kernels reduce the fp32 accumulator; the torch path gets fp32 operands, upcast once per call), and rounds only
+the final gradients to the input dtype. The ops themselves form the logits in their operands' dtype on the
+torch path, as ``F.linear`` does: the graph passes, which must match eager, rely on it.
+
 Modules: :mod:`.api` (the public functions), :mod:`.loss` (the loss from the row statistics, argument
 checks), :mod:`.ops` (the custom ops and autograd), :mod:`.chunked` (the torch path by row chunks),
 :mod:`.fused` (the CPU training path: gradients in the forward), :mod:`.vocab_parallel` (the classifier

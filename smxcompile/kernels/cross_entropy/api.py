@@ -9,11 +9,13 @@ import torch
 from .. import config
 from ..common import FLOAT_DTYPES
 from .loss import (check_linear, check_options, compose_loss, finish_output, is_dtensor, loss_dtype, needs_grad,
-                   split_targets)
-from .ops import ce_stats, linear_ce_loss, linear_ce_stats
+                   prediction_outputs, shift_targets, split_targets, unshift_output)
+from .ops import ce_stats, linear_ce_loss, linear_ce_loss_argmax, linear_ce_stats, linear_ce_stats_argmax
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 __all__ = ["linear_cross_entropy", "cross_entropy", "linear_ce_core"]
+
+HALF = (torch.float16, torch.bfloat16)
 
 
 def linear_cross_entropy(
@@ -32,6 +34,9 @@ def linear_cross_entropy(
     lse_square_scale: float = 0.0,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    shift: bool | int = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     dtype: torch.dtype | None = None,
     filter_eps: float | None = None,
     chunk_bytes: int | None = None,
@@ -44,6 +49,16 @@ def linear_cross_entropy(
     (or ``scale * (...)`` without softcap; ``scale = 1 / temperature``), forward and backward,
     but the N x V logits never exist: only chunks of them (CPU) or tiles in on-chip memory
     (CUDA, Triton).
+
+    Numerics (fp16 / bf16): the logits are fp32 from the matmul's accumulator on (never rounded to the
+    input dtype, unlike ``F.linear``'s), and so are the loss, the lse and the softmax - one-hot of the
+    backward; only the final ``grad_input`` / ``grad_weight`` / ``grad_bias`` are rounded to the input
+    dtype. This is Apple CCE's criterion (Wijmans et al., 2024): per element ``|ours - gold| <= |torch -
+    gold|`` (plus fp32 noise), gold in fp64 from the same inputs, torch = the bf16-logits path. On the
+    torch path (CPU; soft targets anywhere) the half operands are upcast to fp32 once per call (measured
+    faster on CPU than half matmuls, which also round the logits): an fp32 copy of ``input`` and ``weight``
+    lives until the backward. The vocabulary-parallel path (``process_group``) keeps the logits in the
+    input dtype.
 
     Args:
         input: embeddings (hidden states), shape ``(*, D)``, fp32/bf16/fp16/fp64.
@@ -58,7 +73,7 @@ def linear_cross_entropy(
             (token weight times class weight of the target) over non-ignored tokens.
         ignore_index: target value (any sign) whose tokens contribute nothing.
         reduction: ``"none"`` (shape ``(*)``), ``"mean"`` (a mean over zero valid targets is NaN
-            with zero gradients, as in torch) or ``"sum"``.
+            with zero gradients, as in torch; on purpose unlike Liger-Kernel, which gives 0) or ``"sum"``.
         label_smoothing: in ``[0, 1]``, torch's definition.
         scale: multiplies the logits (``1 / temperature``).
         softcap: logit soft-capping ``softcap * tanh(z / softcap)`` (Gemma 2), or None.
@@ -69,9 +84,32 @@ def linear_cross_entropy(
             0 (default) adds nothing.
         return_lse: also return the per-token log-sum-exp (fp32, differentiable).
         return_z_loss: also return the z-loss term alone (detached; it is already in ``loss``).
-        dtype: dtype of the loss; default ``input.dtype`` (as ``F.cross_entropy`` on logits of
-            that dtype; under autocast fp32, as torch's autocast runs cross-entropy in fp32).
-            The math is fp32 for half inputs (fp64 for fp64).
+        shift: Apple CCE's ``shift`` (``cut_cross_entropy.linear_cross_entropy``): ``True`` (= 1) or an int
+            ``k`` in ``[0, T)``: with ``input`` (*, T, D) and ``target`` (*, T), position ``i``'s hidden state
+            predicts ``target[..., i + k]`` -- the loss of ``input[..., :-k, :]`` with ``target[..., k:]``
+            (``F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())`` for ``k = 1``,
+            with the same reduction), computed without copying the hidden states: the targets move left
+            and the last ``k`` positions are ignored. Per-token outputs (``reduction="none"``, ``lse``,
+            ``predicted_tokens``, per-token accuracy) have shape (*, T - k); ``token_weight`` has the
+            target's shape (*, T) and moves with it. Class-index targets only.
+        return_token_accuracy: also return the fraction of non-ignored tokens whose argmax over ``z`` (the
+            scaled / soft-capped logits) is the target (Liger-Kernel's ``return_token_accuracy``): an fp32
+            scalar for ``mean`` / ``sum`` (unweighted: neither ``class_weight`` nor ``token_weight``
+            enter it), per-token 1.0 / 0.0 (0.0 on ignored tokens) for ``none``; detached. Zero non-ignored
+            tokens give NaN, on purpose, as a torch mean over nothing (a 0 would read as 0% accuracy).
+            Class-index targets only.
+        return_predicted_tokens: also return each token's argmax over ``z`` (Liger-Kernel's
+            ``return_predicted_tokens``): int64, the target's shape, -1 on ignored tokens (as Liger's
+            kernels write). Ties give the first maximal class, as ``torch.argmax``; the argmax is taken in
+            fp32 from the same logit chunks / tiles as the loss (a running max per row, no second matmul),
+            so it can differ from ``torch.argmax`` of bf16-rounded logits where those round to a tie. A row
+            with NaN logits: torch's answer (the first NaN) on CPU, unspecified on CUDA. Not with
+            ``process_group`` (NotImplementedError).
+        dtype: dtype of the loss (and ``z_loss``); default fp32 for fp16 / bf16 inputs -- the fp32 loss of the
+            fp32 logits, as Apple CCE and Liger-Kernel return it (deliberately not ``F.cross_entropy``'s
+            half-dtype result on half logits; pass ``dtype=input.dtype`` for that) -- else ``input.dtype``.
+            With ``process_group``: ``input.dtype`` (fp32 under autocast). The math is fp32 for half inputs
+            (fp64 for fp64).
         filter_eps: gradient filtering threshold of CCE (CUDA only; skips gradient tiles whose
             entries are all below it). None (default) is exact.
         chunk_bytes: size of one logits chunk on the torch path (default 32 MiB).
@@ -85,8 +123,9 @@ def linear_cross_entropy(
             ``init_process_group`` has run.
 
     Returns:
-        ``loss``; or ``CrossEntropyOutput(loss, lse, z_loss)`` when ``return_lse`` or
-        ``return_z_loss``. Gradients flow to ``input``, ``weight`` and ``bias`` (fp32
+        ``loss``; or ``CrossEntropyOutput(loss, lse, z_loss, token_accuracy, predicted_tokens)`` when
+        ``return_lse``, ``return_z_loss``, ``return_token_accuracy`` or ``return_predicted_tokens`` (the
+        fields not asked for are None). Gradients flow to ``input``, ``weight`` and ``bias`` (fp32
         accumulation), and to ``lse`` when it is used.
 
     Raises:
@@ -95,26 +134,37 @@ def linear_cross_entropy(
             ``ignore_index``, a non-float ``dtype``.
         ValueError: mismatched shapes (``D``, rows of ``target``, ``(V,)`` of bias/class_weight,
             ``token_weight``), an unknown ``reduction``, ``label_smoothing`` outside ``[0, 1]``,
-            ``softcap`` not finite and > 0, ``lse_square_scale < 0``.
+            ``softcap`` not finite and > 0, ``lse_square_scale < 0``, ``shift`` outside ``[0, T)`` or a
+            ``token_weight`` not of the target's shape with ``shift``.
+        TypeError: a ``shift`` neither bool nor int.
         NotImplementedError: ``target`` (probabilities) or ``class_weight`` that require grad —
             gradients *with respect to* them are not supported (training *with* soft targets is);
-            torch raises a RuntimeError for the latter (NotImplementedError is one).
+            torch raises a RuntimeError for the latter (NotImplementedError is one). Probability targets
+            with ``shift``, ``return_token_accuracy`` or ``return_predicted_tokens``; the latter two with
+            ``process_group`` / a DTensor weight.
         RuntimeError: double backward (``create_graph=True``) through the CPU mean/sum path.
         RuntimeError: tensors on different devices.
         IndexError: a (non-ignored) target outside ``[0, V)`` (CPU; on CUDA that token's loss is NaN).
 
-    Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024);
-    online log-sum-exp: Milakov & Gimelshein (2018); the collapse-safe target gradient:
-    ALGORITHMS.md 1.4. Peers: ``F.linear_cross_entropy``, Apple's ``cut_cross_entropy``,
-    Liger-Kernel's fused linear cross-entropy.
+    Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) and Apple's
+    ``cut_cross_entropy`` (its numerics and ``shift``); online log-sum-exp: Milakov & Gimelshein (2018);
+    the collapse-safe target gradient: ALGORITHMS.md 1.4; token accuracy / predicted tokens:
+    Liger-Kernel's ``liger_fused_linear_cross_entropy``. Peers: ``F.linear_cross_entropy``, Apple's
+    ``cut_cross_entropy``, Liger-Kernel's fused linear cross-entropy.
     """
+    target, token_weight, k = shift_targets(target, token_weight, shift, ignore_index)
+    need_pred = bool(return_token_accuracy or return_predicted_tokens)
     if process_group is not None or is_dtensor(weight):
-        return vocab_parallel_linear_cross_entropy(
+        if need_pred:
+            raise NotImplementedError("return_token_accuracy / return_predicted_tokens are not supported with "
+                                      "vocabulary parallelism (process_group or a DTensor weight)")
+        out = vocab_parallel_linear_cross_entropy(
             input, weight, target, process_group=process_group, bias=bias, class_weight=class_weight,
             token_weight=token_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, scale=scale, softcap=softcap, lse_square_scale=lse_square_scale,
             return_lse=return_lse, return_z_loss=return_z_loss, dtype=dtype, filter_eps=filter_eps,
             chunk_bytes=chunk_bytes)
+        return unshift_output(out, k, reduction)
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -127,14 +177,28 @@ def linear_cross_entropy(
         n *= s
     check_options(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
                   scale, lse_square_scale, "input", input.device, dtype)
+    if need_pred and probs is not None:
+        raise NotImplementedError("return_token_accuracy / return_predicted_tokens need class-index targets, "
+                                  "not probabilities")
     x2 = input.reshape(n, input.shape[-1])
-    out_dtype = loss_dtype(dtype, input)
-    loss, zl, lse, _ = linear_ce_core(
+    # half inputs: the fp32 loss (CCE's, Liger's), not rounded back to the half dtype
+    out_dtype = dtype if dtype is not None else torch.float32 if input.dtype in HALF else input.dtype
+    if x2.dtype in HALF and (probs is not None or not config.use_triton(x2)):
+        # fp32 logits (CCE's numerics, see above): on the torch path the ops' matmuls run in their operands'
+        # dtype (F.linear's rounding, which the graph passes keep), so the operands go in as fp32; autograd
+        # rounds the gradients to the input dtype once, at the end. Upcasting once per call measured faster on
+        # CPU than a per-chunk upcast and 5x faster than the half matmuls (no fp32-output half GEMM on CPU).
+        x2, weight = x2.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+    loss, zl, lse, _, pred = _core(
         x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
         int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
         None if softcap is None else float(softcap), False, None, int(chunk_bytes or 0),
-        return_lse, filter_eps)
-    return finish_output(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+        return_lse, filter_eps, need_pred)
+    acc, tokens = (prediction_outputs(pred, tgt, int(ignore_index), reduction, lead, return_token_accuracy,
+                                      return_predicted_tokens) if need_pred else (None, None))
+    out = finish_output(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss, acc, tokens)
+    return unshift_output(out, k, reduction)
 
 
 def linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
@@ -147,24 +211,42 @@ def linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ign
     :func:`linear_cross_entropy`'s (checked by it, or by a graph pass that already knows them valid).
 
     Picks the CPU fused path (gradients in the forward, 3 matmuls) for scalar reductions of
-    class-index targets when a gradient is needed, else the statistics op (any device).
+    class-index targets when a gradient is needed, else the statistics op (any device). The ops' torch path
+    forms the logits in the operands' dtype, as ``F.linear`` (graph passes match eager with it).
 
     Raises:
         IndexError: a target outside [0, V) that is not ``ignore_index`` (CPU).
     """
+    return _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
+                 scale, softcap, return_logits, logits_dtype, chunk_bytes, need_lse, filter_eps, False)[:4]
+
+
+def _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index, reduction, eps, z_scale, scale,
+          softcap, return_logits, logits_dtype, chunk_bytes, need_lse, filter_eps, need_pred):
+    """:func:`linear_ce_core`, plus each row's argmax (N,) int64 as a fifth result when ``need_pred`` (class-index
+    targets, no returned logits; None otherwise), from the ``*_argmax`` ops."""
     n, v = x2.shape[0], weight.shape[0]
     # token_weight needing a gradient: the statistics op (the fused op has no gradient for it;
     # in compose_loss it is a plain differentiable factor)
     fused = (probs is None and reduction != "none" and not need_lse and not config.use_triton(x2)
              and needs_grad(x2, weight, bias) and not needs_grad(token_weight))
+    if fused and need_pred:
+        loss, zl, pred, _, _, _ = linear_ce_loss_argmax(x2, weight, bias, tgt, class_weight, token_weight,
+                                                        ignore_index, reduction, eps, z_scale, scale, softcap,
+                                                        chunk_bytes)
+        return loss, (zl if z_scale else None), None, None, pred
     if fused:
         loss, zl, logits, _, _, _ = linear_ce_loss(x2, weight, bias, tgt, class_weight, token_weight, ignore_index,
                                                    reduction, eps, z_scale, scale, softcap, return_logits,
                                                    logits_dtype, chunk_bytes)
-        return loss, (zl if z_scale else None), None, (logits if return_logits else None)
+        return loss, (zl if z_scale else None), None, (logits if return_logits else None), None
     out = {}
 
     def stats(need_ws, t, p):
+        if need_pred:
+            lse, tl, om, ws, out["pred"] = linear_ce_stats_argmax(x2, weight, bias, t, class_weight, ignore_index,
+                                                                  scale, softcap, need_ws, chunk_bytes)
+            return lse, tl, om, ws
         lse, tl, om, ws, logits = linear_ce_stats(x2, weight, bias, t, p, class_weight, ignore_index, scale, softcap,
                                                   need_ws, return_logits, logits_dtype, chunk_bytes)
         out["logits"] = logits if return_logits else None
@@ -172,7 +254,7 @@ def linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ign
 
     loss, zl, lse = _run_stats(stats, tgt, probs, n, v, class_weight, token_weight, ignore_index, reduction, eps,
                                z_scale)
-    return loss, zl, lse, out["logits"]
+    return loss, zl, lse, out.get("logits"), out.get("pred")
 
 
 def _run_stats(stats, tgt, probs, n, v, class_weight, token_weight, ignore_index, reduction, eps, z_scale):

@@ -90,10 +90,12 @@ def _stats_chunk(z, tgt, ignore_index, w, need_ws, has_target):
 
 @autocast_off
 def torch_forward(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap,
-                  need_ws, logits_out, chunk_bytes, logits=None):
+                  need_ws, logits_out, chunk_bytes, logits=None, argmax_out=None):
     """Statistics by row chunks: ``(lse, target_logit, other_mass, weighted_sum or None)``, each (N,) fp32
     (fp64 for fp64 inputs), as ``smx::linear_ce_stats`` / ``smx::ce_stats`` define them. ``logits`` (raw,
-    N x V) replaces the matmul for the plain op; ``logits_out`` (N, V) receives the transformed logits.
+    N x V) replaces the matmul for the plain op; ``logits_out`` (N, V) receives the transformed logits;
+    ``argmax_out`` ((N,) int64, or None) receives each row's ``torch.argmax`` of the transformed logits (the
+    first maximum; 0 when ``V == 0``), taken from the same chunks.
 
     Raises:
         IndexError: a class-index target outside [0, V) that is not ``ignore_index`` (CPU).
@@ -122,6 +124,8 @@ def torch_forward(input, weight, bias, target, probs, class_weight, ignore_index
             if logits_out.dtype != acc:
                 # the loss sees the logits the caller sees (rounded to their dtype), as in eager
                 z = logits_out[r0:r1].to(acc)
+        if argmax_out is not None:
+            argmax_out[r0:r1] = z.argmax(1) if v else 0
         w = weights_rows(class_weight, probs, r0, r1, acc)
         s = _stats_chunk(z, target[r0:r1] if has_target else None, ignore_index, w, need_ws, has_target)
         lse[r0:r1], tl[r0:r1], om[r0:r1] = s[0], s[1], s[2]

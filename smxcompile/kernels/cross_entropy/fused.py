@@ -65,7 +65,7 @@ def saved_grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @autocast_off
 def fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
-                  scale, softcap, logits_out, chunk_bytes):
+                  scale, softcap, logits_out, chunk_bytes, argmax_out=None):
     """Loss and gradients for grad_output = 1 in one pass over the logits chunks (the body of
     ``smx::linear_ce_loss``): every option of the scalar reductions (class / token weights, ignore_index,
     label smoothing ``eps``, z-loss ``z_scale``, ``scale``, ``softcap``, returned logits).
@@ -93,6 +93,8 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
         ignore_index, reduction ("mean" / "sum"), eps, z_scale, scale, softcap: the loss's options.
         logits_out: an (N, V) tensor that receives the transformed logits, or None. chunk_bytes: 0 for the
             default (:func:`~.chunked.rows_per_chunk`).
+        argmax_out: an (N,) int64 tensor that receives each computed row's ``torch.argmax`` of the transformed
+            logits (the row max the softmax takes anyway), or None; skipped (ignored) rows are left as they are.
 
     Returns:
         ``(loss, z_loss or None, lse (N,), grad_input, grad_weight, grad_bias or None)``: loss in fp32 (fp64);
@@ -175,7 +177,9 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
             # dz/dx = scale * (1 - (z / softcap)^2), from z before the softmax overwrites it
             dzdx = dbuf[:r]
             torch.mul(zsrc, zsrc, out=dzdx).mul_(-scale / (softcap * softcap)).add_(scale)
-        m, am = zsrc.max(1)
+        m, am = zsrc.max(1)  # torch.max's index is the first maximum, as torch.argmax's
+        if argmax_out is not None:
+            argmax_out[sel] = am
         torch.ops.aten._softmax.out(zsrc, 1, False, out=z)  # out of place from the returned logits
         # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
         l = m - torch.log(z.gather(1, am.unsqueeze(1)).squeeze(1))

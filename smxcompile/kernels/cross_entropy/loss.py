@@ -11,23 +11,31 @@ import torch
 from ..common import FLOAT_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
-           "loss_dtype", "check_linear", "is_dtensor", "needs_grad"]
+           "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
+           "prediction_outputs"]
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
 
 class CrossEntropyOutput(NamedTuple):
-    """What the cross-entropy functions return when ``return_lse`` or ``return_z_loss`` is set.
+    """What the cross-entropy functions return when ``return_lse``, ``return_z_loss``, ``return_token_accuracy``
+    or ``return_predicted_tokens`` is set (the fields not asked for are None).
 
     ``loss``: as ``F.cross_entropy`` (z-loss included when ``lse_square_scale > 0``);
     ``lse``: per-token log-sum-exp (fp32, shape of ``target``; differentiable), or None;
     ``z_loss``: the z-loss term alone, reduced like ``loss`` and detached (it is already
-    part of ``loss``; for logging), or None.
+    part of ``loss``; for logging), or None;
+    ``token_accuracy``: the fraction of non-ignored tokens whose predicted token is the target (fp32 scalar;
+    ``reduction="none"``: 1.0 / 0.0 per token, 0.0 on ignored ones), detached, or None;
+    ``predicted_tokens``: the argmax of each token's logits (int64, shape of ``target``; -1 on ignored
+    tokens), or None. Both as Liger-Kernel's ``CrossEntropyOutput``.
     """
 
     loss: torch.Tensor
     lse: torch.Tensor | None
     z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
 
 
 def compose_loss(lse, tl, ws, target, probs, v, class_weight, token_weight, ignore_index, reduction, label_smoothing,
@@ -183,10 +191,12 @@ def check_range(target, ignore_index, v):
                          f"ignore_index {ignore_index})")
 
 
-def finish_output(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_lse, return_z_loss):
+def finish_output(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_lse, return_z_loss,
+                  token_accuracy=None, predicted_tokens=None):
     """The functions' result from :func:`compose_loss`'s: the z-loss added, rows reshaped to ``lead_shape``
     (``reduction="none"``), cast to ``out_dtype``; ``loss``, or :class:`CrossEntropyOutput` when ``return_lse``
-    or ``return_z_loss``."""
+    or ``return_z_loss``, or ``token_accuracy`` / ``predicted_tokens`` (from :func:`prediction_outputs`) are
+    given."""
     if reduction == "none":
         loss = loss.reshape(lead_shape)
         if zl is not None:
@@ -195,13 +205,88 @@ def finish_output(loss, zl, lse_rows, lead_shape, reduction, out_dtype, return_l
     elif zl is not None:
         loss = loss + zl
     loss = loss.to(out_dtype)
-    if not (return_lse or return_z_loss):
+    if not (return_lse or return_z_loss or token_accuracy is not None or predicted_tokens is not None):
         return loss
     return CrossEntropyOutput(
         loss,
         lse_rows.reshape(lead_shape) if return_lse else None,
         (zl.detach().to(out_dtype) if zl is not None else torch.zeros_like(loss).detach()) if return_z_loss else None,
+        token_accuracy,
+        predicted_tokens,
     )
+
+
+def prediction_outputs(pred, target, ignore_index, reduction, lead_shape, want_accuracy, want_tokens):
+    """``(token_accuracy or None, predicted_tokens or None)`` from the (N,) int64 row argmax ``pred`` and the
+    (N,) class-index ``target``; ignored rows get -1 (as Liger-Kernel's kernels write), and count neither as
+    hits nor in the denominator. The accuracy: ``hits / valid`` (fp32 scalar; NaN when no target is valid,
+    as torch's mean over zero elements), or per token (``reduction="none"``, ``lead_shape``)."""
+    valid = target != ignore_index
+    pred = torch.where(valid, pred, -1)
+    acc = None
+    if want_accuracy:
+        hit = ((pred == target) & valid).to(torch.float32)
+        acc = hit.reshape(lead_shape) if reduction == "none" else hit.sum() / valid.sum()
+    return acc, (pred.reshape(lead_shape) if want_tokens else None)
+
+
+def shift_targets(target, token_weight, shift, ignore_index):
+    """Apple CCE's ``shift``: position ``i``'s hidden state predicts ``target[..., i + k]`` (``k = int(shift)``).
+
+    Instead of slicing the hidden states (a copy of ``input[..., :-k, :]``), the targets move left by ``k``
+    along their last (sequence) dim and the last ``k`` positions get ``ignore_index`` (``token_weight``, of
+    the target's shape, moves with them; 0 there): the loss, its mean's denominator and the gradients are
+    those of ``input[..., :-k, :]`` with ``target[..., k:]``; :func:`unshift_output` drops the padded rows of
+    the per-token outputs. Returns ``(target, token_weight, k)`` (unchanged for ``k == 0``).
+
+    Raises:
+        TypeError: ``shift`` not a bool / int, ``target`` not a tensor, a non-int ``ignore_index``.
+        ValueError: a 0-d ``target``, ``k`` outside ``[0, T)`` (CCE's range), ``token_weight`` not of the
+            target's shape.
+        NotImplementedError: probability (float) targets with ``k > 0``.
+    """
+    if not isinstance(shift, (bool, int)):
+        raise TypeError(f"shift must be a bool or an int, got {type(shift).__name__}")
+    k = int(shift)
+    if k == 0:
+        return target, token_weight, 0
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if target.dtype.is_floating_point:
+        raise NotImplementedError("shift needs class-index targets; with probability targets pass "
+                                  "input[..., :-k, :] and target[..., k:, :] instead")
+    if target.dim() == 0 or not 0 <= k < target.shape[-1]:
+        t = target.shape[-1] if target.dim() else 0
+        raise ValueError(f"shift must be in [0, {t}) (the target's last dim, the sequence), got {shift!r}")
+    lead = tuple(target.shape[:-1])
+    # int64 first: ignore_index (e.g. -100) need not fit a uint8 / int16 target
+    tgt = torch.cat([target.long()[..., k:], target.new_full((*lead, k), ignore_index, dtype=torch.long)], -1)
+    if token_weight is not None:
+        if not isinstance(token_weight, torch.Tensor) or tuple(token_weight.shape) != tuple(target.shape):
+            raise ValueError(f"with shift, token_weight must have the target's shape {tuple(target.shape)} (the "
+                             f"weight of each target token), got {tuple(getattr(token_weight, 'shape', ()))}")
+        token_weight = torch.cat([token_weight[..., k:], token_weight.new_zeros((*lead, k))], -1)
+    return tgt, token_weight, k
+
+
+def unshift_output(out, k, reduction):
+    """:func:`finish_output`'s result for targets shifted by :func:`shift_targets`: the per-token outputs lose
+    their last ``k`` (padded) positions, as CCE's ``loss[..., :-shift]``-shaped ``reduction="none"``."""
+    if not k:
+        return out
+
+    def cut(t):
+        return None if t is None else t[..., :t.shape[-1] - k]
+
+    rows = reduction == "none"
+    if not isinstance(out, CrossEntropyOutput):
+        return cut(out) if rows else out
+    return out._replace(loss=cut(out.loss) if rows else out.loss, lse=cut(out.lse),
+                        z_loss=cut(out.z_loss) if rows else out.z_loss,
+                        token_accuracy=cut(out.token_accuracy) if rows else out.token_accuracy,
+                        predicted_tokens=cut(out.predicted_tokens))
 
 
 def loss_dtype(dtype, input):

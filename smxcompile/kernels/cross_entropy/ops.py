@@ -6,6 +6,10 @@
   torch path (:mod:`.chunked`).
 * ``smx::linear_ce_loss``: the CPU training path, loss and gradients in one pass (:mod:`.fused`), and
   ``smx::linear_add_logits_grad_``, its backward's extra term when the returned logits are used.
+* ``smx::linear_ce_stats_argmax`` / ``smx::linear_ce_loss_argmax``: ``linear_ce_stats`` / ``linear_ce_loss``
+  (class-index targets, no returned logits) plus each row's argmax, taken from the same logit chunks / tiles
+  (``return_token_accuracy`` / ``return_predicted_tokens`` of the public function). Separate ops so that the
+  others keep the schema the exporters and decompositions know.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from .chunked import empty_contiguous, torch_backward, torch_forward
 from .fused import add_logits_grad, fused_forward, saved_grad_dtype
 
 __all__ = ["linear_ce_stats", "linear_ce_backward", "ce_stats", "ce_backward", "linear_ce_loss",
-           "linear_add_logits_grad_", "coefs"]
+           "linear_add_logits_grad_", "coefs", "linear_ce_stats_argmax", "linear_ce_loss_argmax"]
 
 
 def _use_triton(t: torch.Tensor, probs) -> bool:
@@ -172,6 +176,63 @@ def _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, grad_logits):
 
 
 linear_ce_stats.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+@torch.library.custom_op("smx::linear_ce_stats_argmax", mutates_args=())
+def linear_ce_stats_argmax(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    scale: float,
+    softcap: float | None,
+    need_weighted_sum: bool,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.smx.linear_ce_stats_argmax``: :func:`linear_ce_stats` (class-index ``target``, no returned
+    logits) -> ``(lse, target_logit, other_mass, weighted_sum or empty, argmax)``, ``argmax`` (N,) int64: the
+    first maximum of each row of ``z`` (every row, ignored ones too), from the same pass. Differentiable
+    w.r.t. input, weight, bias (not through ``argmax``)."""
+    n = input.shape[0]
+    am = torch.zeros(n, dtype=torch.int64, device=input.device)
+    if _use_triton(input, None):
+        from .triton_forward import lce_forward
+
+        lse, tl, om, ws, am = lce_forward(input, weight, bias, target, ignore_index=ignore_index, scale=scale,
+                                          softcap=softcap, class_weight=class_weight,
+                                          need_weighted_sum=need_weighted_sum, return_argmax=True)
+    else:
+        lse, tl, om, ws = torch_forward(input, weight, bias, target, None, class_weight, ignore_index, scale,
+                                        softcap, need_weighted_sum, None, chunk_bytes, argmax_out=am)
+    return lse, tl, om, (ws if ws is not None else lse.new_empty(0)), am
+
+
+@linear_ce_stats_argmax.register_fake
+def _(input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_weighted_sum, chunk_bytes):
+    n = input.shape[0]
+    acc = acc_dtype(input)
+    return (input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc),
+            input.new_empty(n if need_weighted_sum else 0, dtype=acc), input.new_empty(n, dtype=torch.int64))
+
+
+def _lcea_setup(ctx, inputs, output):
+    input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_ws, chunk_bytes = inputs
+    lse, tl, om, ws, am = output
+    ctx.args = (ignore_index, scale, softcap, chunk_bytes)
+    ctx.has_bias = bias is not None
+    ctx.return_logits = False
+    ctx.mark_non_differentiable(am)
+    ctx.save_for_backward(input, weight, bias, target, None, class_weight, lse, om, None)
+
+
+def _lcea_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, _grad_am):
+    # the saved tensors and ctx fields are linear_ce_stats' (no probs, no logits): its backward, 10 inputs
+    return _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, None)[:10]
+
+
+linear_ce_stats_argmax.register_autograd(_lcea_backward, setup_context=_lcea_setup)
 
 
 @torch.library.custom_op("smx::ce_stats", mutates_args=())
@@ -373,3 +434,61 @@ def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
 
 
 linear_ce_loss.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+@torch.library.custom_op("smx::linear_ce_loss_argmax", mutates_args=())
+def linear_ce_loss_argmax(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    token_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    scale: float,
+    softcap: float | None,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.smx.linear_ce_loss_argmax``: :func:`linear_ce_loss` without returned logits, plus each row's
+    first maximum of ``z``: ``(loss, z_loss, argmax, grad_input, grad_weight, grad_bias)``, ``argmax`` (N,)
+    int64, -1 on the ignored rows (the fused path skips them)."""
+    am = torch.full((input.shape[0],), -1, dtype=torch.int64, device=input.device)
+    loss, zl, _, gi, gw, gb = fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index,
+                                            reduction, label_smoothing, lse_square_scale, scale, softcap, None,
+                                            chunk_bytes, argmax_out=am)
+    acc = acc_dtype(input)
+    return (loss.to(acc), (zl if zl is not None else loss.new_zeros(())).to(acc), am, gi, gw,
+            gb if gb is not None else weight.new_empty(0))
+
+
+@linear_ce_loss_argmax.register_fake
+def _(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+      lse_square_scale, scale, softcap, chunk_bytes):
+    acc = acc_dtype(input)
+    return (input.new_empty((), dtype=acc), input.new_empty((), dtype=acc),
+            input.new_empty(input.shape[0], dtype=torch.int64),
+            empty_contiguous(input, saved_grad_dtype(input.dtype)),
+            empty_contiguous(weight, saved_grad_dtype(weight.dtype)),
+            empty_contiguous(bias, acc) if bias is not None else weight.new_empty(0))
+
+
+def _fused_argmax_setup(ctx, inputs, output):
+    (input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+     lse_square_scale, scale, softcap, chunk_bytes) = inputs
+    loss, zl, am, gi, gw, gb = output
+    ctx.has_bias = bias is not None
+    ctx.return_logits = False
+    ctx.args = (scale, softcap, chunk_bytes)
+    ctx.mark_non_differentiable(am)
+    ctx.save_for_backward(gi, gw, gb if bias is not None else None, None, input, weight)
+
+
+def _fused_argmax_backward(ctx, grad_loss, grad_zl, _grad_am, _gi, _gw, _gb):
+    # linear_ce_loss' backward (the same saved tensors, no logits), for 13 inputs
+    return _fused_backward(ctx, grad_loss, grad_zl, None, _gi, _gw, _gb)[:13]
+
+
+linear_ce_loss_argmax.register_autograd(_fused_argmax_backward, setup_context=_fused_argmax_setup)

@@ -18,6 +18,8 @@ __all__ = ["lce_backward", "ce_backward"]
 # backward keeps two [BLOCK_N, BLOCK_V] fp32 operands in shared memory (three with tf32x3), hence its
 # smaller tile.
 _BWD_BLOCKS_16 = (128, 128, 32)
+# 16-bit operands reading saved fp32 logits: the hi / lo gradient operands do not fit 96 KiB at 128 x 128
+_BWD_BLOCKS_16_SAVED = (128, 64, 32)
 _BWD_BLOCKS_32 = (64, 64, 32)
 _BWD_WARPS, _BWD_STAGES = 8, 2
 #: Backward program order: groups of this many row blocks sweep the vocabulary together.
@@ -43,6 +45,7 @@ if triton is not None:
         Z_FROM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
         HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
         NEED_GI: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, WRITE_GX: tl.constexpr,
+        SPLIT_GX: tl.constexpr,
         GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
         PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
     ):
@@ -120,6 +123,12 @@ if triton is not None:
                     tl.atomic_add(gb_ptr + cols, tl.sum(gx, axis=0), mask=col_ok, sem="relaxed")
                 if NEED_GI or NEED_GW:
                     gxc = cast_like(gx, e_ptr, FIX_BF16)
+                    gxl = gxc  # (defined on both branches: the compiler wants it before the loop)
+                    if SPLIT_GX:
+                        # 16-bit operands: the fp32 tile enters the products as hi + lo, both in the operand
+                        # dtype (~16 significant bits instead of 8), so that grad_input / grad_weight are
+                        # rounded to the input dtype once, at the end (not G first, as torch's bf16 path)
+                        gxl = cast_like(gx - gxc.to(tl.float32), e_ptr, FIX_BF16)
                     for k in range(0, D, BLOCK_D):
                         ks = k + tl.arange(0, BLOCK_D).to(tl.int64)
                         k_ok = ks < D
@@ -127,12 +136,16 @@ if triton is not None:
                             w = tl.load(w_ptr + (cols[:, None] * w_s0 + ks[None, :] * w_s1),
                                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                             gi = dot(gxc, w, None, PREC, DOT_F32)
+                            if SPLIT_GX:
+                                gi = dot(gxl, w, gi, PREC, DOT_F32)
                             tl.atomic_add(gi_ptr + (rows[:, None] * D + ks[None, :]), gi,
                                           mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
                         if NEED_GW:
                             e = tl.load(e_ptr + (rows[:, None] * e_s0 + ks[None, :] * e_s1),
                                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                             gw = dot(tl.trans(gxc), e, None, PREC, DOT_F32)
+                            if SPLIT_GX:
+                                gw = dot(tl.trans(gxl), e, gw, PREC, DOT_F32)
                             tl.atomic_add(gw_ptr + (cols[:, None] * D + ks[None, :]), gw,
                                           mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")
 
@@ -163,7 +176,10 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     Per tile: ``G = a p - b onehot(y) - c w`` with the target entry computed collapse-safe as
     ``-a * other_mass + (a - b) - c w_y``; ``G += grad_logits``; ``Gx = G * dz/dx``; then
     ``grad_input += Gx @ weight``, ``grad_weight += Gx.T @ input``, ``grad_bias += Gx.sum(0)``,
-    accumulated in fp32 with atomics (``Gx`` enters the matmuls rounded to the input dtype).
+    accumulated in fp32 with atomics. ``G`` is fp32; with fp16 / bf16 operands ``Gx`` enters the tensor-core
+    matmuls as ``hi + lo`` (two products, each part in the operand dtype: ~16 significant bits), so the
+    results are rounded to the input dtype once, at the end, as Cut Cross-Entropy's fp32 reference (Wijmans
+    et al., 2024) and unlike torch's bf16 path, which rounds the logits' gradient first.
     Ignored rows (``target == ignore_index``) have no target entry (``G = a p - c w``; callers
     pass ``a = b = c = 0`` for them). A target outside ``[0, V)`` is never indexed.
 
@@ -183,8 +199,8 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
             ``grad_bias`` has bias's dtype (weight's when bias is None).
         block_n, block_v, block_d, num_warps, num_stages: launch overrides (defaults
-            128 x 128 x 32 for fp16 / bf16, 64 x 64 x 32 for fp32, 8 warps, 2 stages; blocks
-            >= 16, powers of two; shrunk to small problems).
+            128 x 128 x 32 for fp16 / bf16 (128 x 64 x 32 with ``logits``), 64 x 64 x 32 for fp32, 8 warps,
+            2 stages; blocks >= 16, powers of two; shrunk to small problems).
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``.
@@ -215,7 +231,10 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     for name, dt in (("input_grad_dtype", input_grad_dtype), ("weight_grad_dtype", weight_grad_dtype)):
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise TypeError(f"{name} must be a floating-point torch.dtype, got {dt!r}")
-    bn, bv, bd = _BWD_BLOCKS_16 if input.dtype != torch.float32 else _BWD_BLOCKS_32
+    if input.dtype == torch.float32:
+        bn, bv, bd = _BWD_BLOCKS_32
+    else:
+        bn, bv, bd = _BWD_BLOCKS_16 if logits is None else _BWD_BLOCKS_16_SAVED
     blocks = (pow2_block("block_n", block_n, bn, N, 16), pow2_block("block_v", block_v, bv, V, 16),
               pow2_block("block_d", block_d, bd, D, 16))
     opts = launch_opts(num_warps, num_stages, _BWD_WARPS, _BWD_STAGES)
@@ -270,7 +289,8 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             Z_FROM=z_from, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
-            NEED_GB=gb is not None, WRITE_GX=gx is not None, GROUP_N=_GROUP_N,
+            NEED_GB=gb is not None, WRITE_GX=gx is not None,
+            SPLIT_GX=e is not None and e.dtype in (torch.float16, torch.bfloat16), GROUP_N=_GROUP_N,
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(e.dtype if e is not None else None),
             FIX_BF16=interpreted(), **opts,
         )

@@ -18,8 +18,9 @@ and the backward takes per-row coefficients ``a, b, c`` and forms, tile by tile,
     Gx = G * dz/dx,  dz/dx = scale * (1 - (z / softcap)^2)  (or scale)
 
 then ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias = Gx.sum(0)``
-(accumulated in fp32 with atomics). ``G`` is the gradient of
-``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i``; cross-entropy is
+(accumulated in fp32 with atomics; with fp16 / bf16 operands the fp32 ``Gx`` tile enters the tensor-core
+products as ``hi + lo`` in the operand dtype, so nothing but the final gradients is rounded to it).
+``G`` is the gradient of ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i``; cross-entropy is
 ``a = b = grad_loss_i``, ``c = 0`` (label smoothing ``eps`` adds ``c = eps / V``-style terms).
 
 Methods:
@@ -49,7 +50,8 @@ Special values follow torch: a row with NaN gets NaN ``lse``; a row of all ``-in
 fp32 inputs: ``tl.dot``'s precision follows ``torch.get_float32_matmul_precision()``:
 ``"highest"`` (torch's default) -> IEEE fp32 FMA (exact fp32, slow), ``"high"`` ->
 ``tf32x3`` (about fp32 accuracy on tensor cores), ``"medium"`` -> ``tf32``. fp16 / bf16
-inputs use the tensor cores with fp32 accumulation.
+inputs use the tensor cores with fp32 accumulation; the logits stay fp32 from the accumulator
+to the reductions (no rounding to the input dtype: Cut Cross-Entropy's numerics, not torch's bf16 logits).
 
 On a machine without a GPU the kernels run through Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before triton was imported; they then accept CPU tensors.

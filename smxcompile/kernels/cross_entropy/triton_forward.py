@@ -30,10 +30,10 @@ if triton is not None:
     def _fwd_kernel(
         src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr,
         tgt_ptr, tgt_s, cw_ptr, cw_s,
-        out_ptr, out_s0, out_s1, part_ptr,
+        out_ptr, out_s0, out_s1, part_ptr, am_ptr,
         N, V, D, v_per_split, scale, softcap,
         FROM_MATMUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
-        NEED_WS: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+        NEED_WS: tl.constexpr, WRITE_LOGITS: tl.constexpr, NEED_ARGMAX: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
         DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
     ):
@@ -41,7 +41,8 @@ if triton is not None:
 
         Writes partial states to ``part`` (fp32, [4 or 5, S, N]): running max ``m``, ``d`` and
         ``d_other`` (relative to ``safe_max(m)``), the target logit if it lies in the slice
-        (else 0), and the slice's ``sum_j w_j z_ij``."""
+        (else 0), and the slice's ``sum_j w_j z_ij``; with NEED_ARGMAX, ``am`` (int64, [S, N]) the column
+        of the slice's first maximum (the slice's first column when all are -inf)."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -55,6 +56,7 @@ if triton is not None:
         ws = tl.zeros([BLOCK_N], tl.float32)
         v_begin = pid_s.to(tl.int64) * v_per_split
         v_end = tl.minimum(v_begin + v_per_split, V)
+        am = tl.zeros([BLOCK_N], tl.int64) + v_begin
         for start in range(v_begin, v_end, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V).to(tl.int64)
             col_ok = cols < V
@@ -65,7 +67,13 @@ if triton is not None:
                 tl.store(out_ptr + (rows[:, None] * out_s0 + cols[None, :] * out_s1),
                          cast_like(z, out_ptr, FIX_BF16), mask=row_ok[:, None] & col_ok[None, :])
             zm = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(zm, axis=1))
+            z_max = tl.max(zm, axis=1)
+            if NEED_ARGMAX:
+                # strictly greater: on a tie the earlier column stays (torch.argmax: the first maximum); the
+                # masked columns (-inf) come after every real one, so tie_break_left never picks them first
+                z_arg = tl.argmax(zm, axis=1, tie_break_left=True).to(tl.int64)
+                am = tl.where(z_max > m, start + z_arg, am)
+            m_new = tl.maximum(m, z_max)
             ms_new = safe_max(m_new)
             # min(., 0) guards -inf - (-inf) (an all -inf prefix, d == 0) and +inf (d is +inf anyway).
             alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
@@ -89,6 +97,8 @@ if triton is not None:
         tl.store(base + 3 * plane, t, mask=row_ok)
         if NEED_WS:
             tl.store(base + 4 * plane, ws, mask=row_ok)
+        if NEED_ARGMAX:
+            tl.store(am_ptr + pid_s.to(tl.int64) * N + rows, am, mask=row_ok)
 
 
 def _splits(n_row_blocks: int, n_v_blocks: int, device: torch.device, num_splits: int | None) -> int:
@@ -104,8 +114,9 @@ def _splits(n_row_blocks: int, n_v_blocks: int, device: torch.device, num_splits
 
 
 def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale, softcap, class_weight,
-             need_weighted_sum, logits_out, blocks, num_splits, opts, prec):
-    """Launch the forward kernel and merge the vocabulary splits (see ``_fwd_kernel``)."""
+             need_weighted_sum, logits_out, blocks, num_splits, opts, prec, need_argmax=False):
+    """Launch the forward kernel and merge the vocabulary splits (see ``_fwd_kernel``): ``(lse, target_logit,
+    other_mass, weighted_sum or None)``, and the (N,) int64 argmax when ``need_argmax``."""
     dev = src.device
     f32 = dict(dtype=torch.float32, device=dev)
     if N == 0 or V == 0:
@@ -113,7 +124,8 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
         ign = target == ignore_index
         tl_ = torch.where(ign, 0.0, float("nan")).to(torch.float32) if N else torch.empty(0, **f32)
         ws = torch.zeros(N, **f32) if need_weighted_sum else None
-        return lse, tl_, torch.zeros(N, **f32), ws
+        stats = (lse, tl_, torch.zeros(N, **f32), ws)
+        return stats + (torch.zeros(N, dtype=torch.int64, device=dev),) if need_argmax else stats
     bn, bv, bd = blocks
     nb_n, nb_v = cdiv(N, bn), cdiv(V, bv)
     S = _splits(nb_n, nb_v, dev, num_splits)
@@ -123,15 +135,17 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
     cw = class_weight if class_weight is not None else part
     out = logits_out if logits_out is not None else part
     out_s = (logits_out.stride(0), logits_out.stride(1)) if logits_out is not None else (0, 0)
+    am_p = torch.empty((S, N), dtype=torch.int64, device=dev) if need_argmax else part
     with on_device(src):
         _fwd_kernel[(nb_n, S)](
             src, src.stride(0), src.stride(1),
             w, w.stride(0), w.stride(1), bias if bias is not None else part,
             target, target.stride(0), cw, cw.stride(0) if class_weight is not None else 0,
-            out, out_s[0], out_s[1], part,
+            out, out_s[0], out_s[1], part, am_p,
             N, V, D, v_per_split, scale, 1.0 if softcap is None else softcap,
             FROM_MATMUL=from_matmul, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, NEED_WS=bool(need_weighted_sum), WRITE_LOGITS=logits_out is not None,
+            NEED_ARGMAX=bool(need_argmax),
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(w.dtype if from_matmul else None),
             FIX_BF16=interpreted(), **opts,
         )
@@ -150,11 +164,15 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
     target_logit = torch.where(ign, zero, torch.where(bad, torch.full((), float("nan"), **f32), tgt))
     other_mass = torch.where(ign, zero, other)
     ws = part[4].sum(0) if need_weighted_sum else None
-    return lse, target_logit, other_mass, ws
+    if not need_argmax:
+        return lse, target_logit, other_mass, ws
+    # the first split holding the row max has its lowest columns: torch.argmax's first maximum
+    first = (m_p == M).to(torch.int8).argmax(0, keepdim=True)
+    return lse, target_logit, other_mass, ws, am_p.gather(0, first).squeeze(0)
 
 
 def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float = 1.0, softcap: float | None = None,
-                class_weight=None, need_weighted_sum: bool = False, logits_out=None,
+                class_weight=None, need_weighted_sum: bool = False, logits_out=None, return_argmax: bool = False,
                 block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
                 num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
     """Per-row cross-entropy statistics of ``z = transform(input @ weight.T + bias)`` without
@@ -177,6 +195,8 @@ def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float 
         class_weight: ``(V,)`` float class weights ``w`` for ``weighted_sum`` (ones if None).
         need_weighted_sum: also return ``sum_j w_j z_ij`` (for label smoothing).
         logits_out: an ``(N, V)`` float tensor (any dtype and strides) to receive ``z``, or None.
+        return_argmax: also return each row's argmax of ``z`` (int64 ``(N,)``, every row), from the same
+            tiles: the first maximum, as ``torch.argmax`` (0 when ``V == 0``; unspecified for a row with NaN).
         block_n, block_v, block_d: power-of-two block overrides (>= 16: ``tl.dot``).
             Defaults: 128 x 128 x 64 (fp16/bf16) or x 32 (fp32), shrunk to small problems.
         num_splits: programs per row block along the vocabulary (default: enough programs
@@ -188,7 +208,8 @@ def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float 
         ``lse`` for every row (ignored or not; ``-inf`` when ``V == 0``);
         ``target_logit = z[i, y_i]`` (0 for ignored rows, NaN for an out-of-range target);
         ``other_mass = sum_{j != y_i} softmax(z_i)_j`` (0 for ignored rows; 1 for an
-        out-of-range target); ``weighted_sum`` (every row) or None unless ``need_weighted_sum``.
+        out-of-range target); ``weighted_sum`` (every row) or None unless ``need_weighted_sum``; then the
+        argmax when ``return_argmax`` (a 5-tuple).
 
     Raises:
         TypeError: non-tensor arguments, input not fp16/bf16/fp32, input/weight dtypes differ,
@@ -212,7 +233,7 @@ def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float 
     return _forward(input, weight, bias, target, from_matmul=True, N=N, V=V, D=D, ignore_index=ignore_index,
                     scale=scale, softcap=softcap, class_weight=class_weight, need_weighted_sum=need_weighted_sum,
                     logits_out=logits_out, blocks=blocks, num_splits=num_splits, opts=opts,
-                    prec=dot_precision(input.dtype))
+                    prec=dot_precision(input.dtype), need_argmax=return_argmax)
 
 
 def ce_forward(logits, target, *, ignore_index: int, scale=1.0, softcap=None, class_weight=None,
