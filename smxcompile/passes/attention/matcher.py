@@ -104,9 +104,10 @@ class AttentionMatch(Match):
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
 
     @property
-    def fill_first(self) -> bool:
-        """An additive mask is added after a ``masked_fill`` / ``where``: the masks merge in graph order."""
-        return "fa" in self.mask_order
+    def merged_masks(self) -> bool:
+        """Fills together with additive masks, or fills with different values: the op gets one additive mask
+        built in graph order with the fills' own values (a single kind of fill stays a bool mask)."""
+        return bool(self.add_masks and self.masked) or len({val for _, _, val in self.masked}) > 1
 
     @property
     def is_sdpa(self) -> bool:
@@ -335,6 +336,16 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "the scores are scaled after the mask is applied")
             if kind == "scale_t" and depends_on(data[0], qk):
                 return _skip(m, "the scale depends on the scores")
+            if seen_cap:
+                # a scale after the soft-cap scales the cap: a * c * tanh(s / c) = (a c) * tanh(a s / (a c))
+                c = data if kind == "scale" else consts.number(data[0])
+                a = None if c is None or c == 0 or not math.isfinite(c) else c if kind == "scale" or data[1] == "mul" \
+                    else 1.0 / c
+                if a is None or a <= 0:
+                    return _skip(m, "a scale after the soft-cap that is not a positive number known at compile time")
+                m.softcap *= a
+                m.scale *= a
+                continue
             _take_scale(m, kind, data, consts)
             continue
         if kind == "softcap":

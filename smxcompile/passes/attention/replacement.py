@@ -10,7 +10,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..patterns.masks import is_masking_value
+from ..patterns.masks import MASK_VALUE, is_masking_value
+
+
+# an additive mask value at or below this absorbs any finite score in fp32 (ulp(1e30) / 2 ~ 4e22)
+_ABSORBING = -1e30
 
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
@@ -20,11 +24,11 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
     ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
-    ``masked``: ``[(bool, True-means-masked, value)]`` from ``masked_fill`` / ``where``, applied after the
-    additive masks, unless ``mask_order`` (the mask stages in graph order, ``"a"`` an add, ``"f"`` a fill) has a
-    fill before an add: then all merge in that order into one additive mask (``where(keep, s, value) + mask`` is
-    ``s + where(keep, mask, value + mask)``, exact wherever ``s`` is negligible next to the fill value, and on
-    rows filled whole, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
+    ``masked``: ``[(bool, True-means-masked, value)]`` from ``masked_fill`` / ``where``: one bool mask, unless
+    ``mask_order`` (the mask stages in graph order, ``"a"`` an add, ``"f"`` a fill) is given: then all merge in
+    that order into one additive mask holding the fills' own values (``where(keep, s, value) + mask`` is ``s +
+    where(keep, mask, value + mask)``, exact wherever ``s`` is negligible next to the fill value, and on rows
+    whose every entry is filled or absorbing, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
     scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
     (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
@@ -55,7 +59,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
         k = k.expand(*bq, *k.shape[-3:])
         v = v.expand(*bq, *v.shape[-3:])
     mask = hidden = None     # hidden: the entries a masked_fill / where selects away (True = not seen)
-    if "fa" in mask_order:
+    if mask_order:
         # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
         # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
         adds, fills = iter(add_masks), iter(masked)
@@ -71,10 +75,19 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
                 filled = mc if filled is None else filled | mc
                 mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device),
                                    0.0 if mask is None else mask)
-        if fixup and normalizer == "softmax":
-            # a row filled whole reads only the masks in eager (where() drops its scores and their gradient):
-            # a zero query gives it exactly that, s = 0, whatever the fill value
-            q = torch.where(filled.all(-1, keepdim=True), 0.0, q)
+        if fixup and normalizer == "softmax" and not export:
+            # (an export keeps the masks as they are: 0 * inf in a zeroed row would be NaN there, with no guard)
+            # a row whose every entry is filled, or absorbs any score, or lies a masking margin below the row's
+            # fills, reads only the masks in eager (where() drops the scores and their gradient): a zero query
+            # gives exactly that, s = 0
+            top = torch.where(filled, mask, float("-inf")).amax(-1, keepdim=True)
+            dead = (filled | (mask <= _ABSORBING) | (mask <= top + MASK_VALUE)).all(-1, keepdim=True)
+            q = torch.where(dead, 0.0, q)
+            # and such a row's mask shifted to a max of 0 (softmax is shift-invariant): the fused CPU backward
+            # recomputes exp(s - lse), and lse = min + log(n) rounds back to min, giving weights of 1
+            peak = mask.amax(-1, keepdim=True).detach()
+            peak = peak.masked_fill(peak == float("-inf"), 0.0)          # a row of -inf stays one (NaN below)
+            mask = torch.where(dead, mask - peak, mask)
         masked, hidden = [], filled
     else:
         for mk in add_masks:
@@ -122,7 +135,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
                 vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
                 fill = vv.mean(-2, keepdim=True).to(out.dtype)
             out = torch.where(all_masked, fill, out)
-        if "fa" in mask_order:
+        if mask_order:
             out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
         elif add_masks and not masked:
             neg = None

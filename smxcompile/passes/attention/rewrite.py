@@ -142,7 +142,7 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
 
 def _extras(m: AttentionMatch) -> dict:
     """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
-    out: dict = {"mask_order": m.mask_order} if m.fill_first else {}
+    out: dict = {"mask_order": m.mask_order} if m.merged_masks else {}
     if m.lead is not None:
         out.update(lead=m.lead)
     if m.safe_softmax:

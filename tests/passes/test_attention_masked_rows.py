@@ -1,0 +1,98 @@
+"""Query rows whose every key is masked, by fills (``masked_fill`` / ``where``) and additive masks together, in
+any order and with any masking values: the rewritten graph gives eager's forward values, and eager's gradients
+wherever the loss reads no such row (they are padding rows: eager's own gradient there follows its rounding,
+see README, Known limits). Also a scale after a soft-cap (folded into the cap) and the cases that stay skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pass_helpers import rewrite
+
+B, H, L, E = 2, 2, 5, 8
+MIN = torch.finfo(torch.float32).min
+CAUSAL = torch.ones(L, L, dtype=torch.bool).tril()
+PAD = torch.ones(B, L, dtype=torch.bool)
+PAD[0, :2] = False                       # left padding: batch 0's first two keys
+
+
+def _pad(value):
+    return torch.where(PAD, 0.0, value)[:, None, None, :]
+
+
+def where_min_then_pad(q, k, v, m):
+    s = torch.where(CAUSAL, q @ k.transpose(-1, -2) / math.sqrt(E), MIN)
+    return (s + m).softmax(-1) @ v
+
+
+def pad_then_where_min(q, k, v, m):
+    s = q @ k.transpose(-1, -2) / math.sqrt(E) + m
+    return torch.where(CAUSAL, s, MIN).softmax(-1) @ v
+
+
+def fill_1e4_then_pad(q, k, v, m):
+    s = (q @ k.transpose(-1, -2) / math.sqrt(E)).masked_fill(~CAUSAL, -1e4)
+    return (s + m).softmax(-1) @ v
+
+
+def pad_then_fill_1e4(q, k, v, m):
+    s = (q @ k.transpose(-1, -2) / math.sqrt(E) + m).masked_fill(~CAUSAL, -1e4)
+    return s.softmax(-1) @ v
+
+
+def fill_inf_then_fill_min(q, k, v, m):
+    s = (q @ k.transpose(-1, -2) / math.sqrt(E)).masked_fill(~PAD[:, None, None, :], float("-inf"))
+    return s.masked_fill(~CAUSAL, MIN).softmax(-1) @ v
+
+
+CASES = [(where_min_then_pad, MIN), (pad_then_where_min, MIN), (fill_1e4_then_pad, float("-inf")),
+         (pad_then_fill_1e4, -1e9), (pad_then_fill_1e4, MIN), (fill_inf_then_fill_min, 0.0)]
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, L, E, generator=g) * 2 for _ in range(3)]
+
+
+@pytest.mark.parametrize("fn,pad_value", CASES, ids=lambda x: x.__name__ if callable(x) else f"{x:g}")
+def test_fully_masked_rows_forward_and_gradients(fn, pad_value):
+    q, k, v = _qkv()
+    m = _pad(pad_value)
+    r = rewrite(fn, q, k, v, m, check_values=False)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+    ins = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+    mine = {id(a): b for a, b in zip((q, k, v), ins[0])}      # the graph also lifts the global masks
+    got = r.gm(*[mine.get(id(a), a) for a in r.inputs])[0]
+    want = fn(*ins[1], m)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    w[0, :, :2] = 0                      # batch 0's padded query rows carry no loss
+    for a, b in zip(torch.autograd.grad((got * w).sum(), ins[0]), torch.autograd.grad((want * w).sum(), ins[1])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def softcap_then_scale(q, k, v):
+    s = 5.0 * torch.tanh((q @ k.transpose(-2, -1)) / 5.0)
+    return (s * 0.25).softmax(-1) @ v           # a temperature after the cap: (0.25 * 5) * tanh(0.25 s / 1.25)
+
+
+def softcap_then_tensor_scale(q, k, v, t):
+    s = 5.0 * torch.tanh((q @ k.transpose(-2, -1)) / 5.0)
+    return (s / t).softmax(-1) @ v
+
+
+def test_scale_after_softcap_is_folded_into_the_cap():
+    q, k, v = _qkv()
+    r = rewrite(softcap_then_scale, q, k, v)
+    assert r.site.action == "rewritten" and "softcap=1.25" in r.site.detail, str(r.report)
+
+
+def test_runtime_scale_after_softcap_is_skipped():
+    q, k, v = _qkv()
+    r = rewrite(softcap_then_tensor_scale, q, k, v, torch.tensor(1.7))
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["skipped"] and "after the soft-cap" in att[0].reason, str(r.report)
