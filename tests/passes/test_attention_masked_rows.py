@@ -96,3 +96,34 @@ def test_runtime_scale_after_softcap_is_skipped():
     r = rewrite(softcap_then_tensor_scale, q, k, v, torch.tensor(1.7))
     att = [s for s in r.report if s.kind == "attention"]
     assert [s.action for s in att] == ["skipped"] and "after the soft-cap" in att[0].reason, str(r.report)
+
+
+def sdpa_size_scale(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.size(-1)))
+
+
+def test_sdpa_symbolic_scale_with_a_normalizer_under_dynamic_shapes():
+    """A size-dependent SDPA ``scale`` is symbolic under ``dynamic=True``: folded into q, not an error."""
+    import smxcompile
+
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    f = torch.compile(sdpa_size_scale, backend="smx", dynamic=True,
+                      options={"attention_normalizer": "softmax1", "cpu": "rewrite"})
+    got = f(q, k, v)
+    assert [s.action for s in smxcompile.last_report() if s.kind == "attention"] == ["rewritten"]
+    want = smxcompile.attention(q, k, v, scale=1 / math.sqrt(E), normalizer="softmax1")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def masked_fill_inplace(q, k, v, m):
+    s = q @ k.transpose(-2, -1)
+    s.masked_fill_(m, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def test_inplace_fill_is_skipped_with_its_reason():
+    q, k, v = _qkv()
+    r = rewrite(masked_fill_inplace, q, k, v, ~CAUSAL)
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["skipped"] and "in-place op" in att[0].reason, str(r.report)

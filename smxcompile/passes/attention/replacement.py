@@ -185,7 +185,13 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     """A rewritten ``F.scaled_dot_product_attention`` site with a requested normalizer."""
     from ...kernels.attention import attention
 
-    return attention(q, k, v, **sdpa_kwargs, normalizer=normalizer, norm_param=norm_param)
+    kw = dict(sdpa_kwargs)
+    scale = kw.get("scale")
+    if scale is not None and not isinstance(scale, (int, float)):
+        # a size-dependent scale under dynamic shapes (1 / sqrt(q.size(-1))) is symbolic: folded into q, as the op's
+        # scale must be a number
+        q, kw["scale"] = q * scale, 1.0
+    return attention(q, k, v, **kw, normalizer=normalizer, norm_param=norm_param)
 
 
 __all__ = ["graph_attention", "graph_sdpa"]

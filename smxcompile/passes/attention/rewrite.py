@@ -14,13 +14,17 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, mutation_inside, replace_anchor, same_shape, same_size, \
+from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, is_mutation, mutation_inside, replace_anchor, same_shape, \
     tensor_val
 from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
 from .operands import is_matmul, softmax_input, ungqa
 from .replacement import graph_attention, graph_sdpa
+
+
+def _differ(a, b) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a != b
 
 
 def _check_shapes(m: AttentionMatch) -> str:
@@ -34,7 +38,9 @@ def _check_shapes(m: AttentionMatch) -> str:
     out = tensor_val(m.anchor)
     if out is None or out.dtype != qv.dtype:
         return f"the attention output dtype {getattr(out, 'dtype', None)} differs from q's {qv.dtype}"
-    if not same_size(kv.shape[-2], vv.shape[-2]) or not same_size(qv.shape[-1], kv.shape[-1]):
+    # the traced matmuls (or SDPA) already required these to agree: only sizes known to differ refuse (symbolic
+    # ones, such as a KV cache's length under dynamic shapes, agree at run time or the graph would not run)
+    if _differ(kv.shape[-2], vv.shape[-2]) or _differ(qv.shape[-1], kv.shape[-1]):
         return "q/k/v sizes do not line up"
     return ""
 
@@ -171,6 +177,10 @@ def _interior_escapes(m: AttentionMatch) -> str:
             continue
         out = [u for u in n.users if u not in interior]
         if out:
+            writes = next((u for u in out if is_mutation(u)), None)
+            if writes is not None:
+                return (f"in-place op '{writes.name}' writes the scores ('{n.name}'): not matched; an out-of-place "
+                        "masked_fill / where / add is")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
             what = "the attention weights" if weights else f"'{n.name}'"
             return f"{what} are also used outside the attention (e.g. output_attentions): kept"
