@@ -57,8 +57,7 @@ def linear_cross_entropy(
     gold|`` (plus fp32 noise), gold in fp64 from the same inputs, torch = the bf16-logits path. On the
     torch path (CPU; soft targets anywhere) the half operands are upcast to fp32 once per call (measured
     faster on CPU than half matmuls, which also round the logits): an fp32 copy of ``input`` and ``weight``
-    lives until the backward. The vocabulary-parallel path (``process_group``) keeps the logits in the
-    input dtype.
+    lives until the backward (a shard's, on the vocabulary-parallel path).
 
     Args:
         input: embeddings (hidden states), shape ``(*, D)``, fp32/bf16/fp16/fp64.

@@ -440,6 +440,10 @@ def vocab_parallel_linear_cross_entropy(
         shard = _exchange(process_group, weight.shape[0], x2.detach(), tgt, class_weight, tw, prep["options"], None)
     else:
         _exchange(process_group, 0, None, None, None, None, (), error)  # raises on every rank
+    if x2.dtype in (torch.float16, torch.bfloat16) and not config.use_triton(x2):
+        # fp32 logits, as the single-device paths (api.linear_cross_entropy): the shard's operands upcast once
+        x2, weight = x2.float(), weight.float()
+        bias = bias.float() if bias is not None else None
     v = shard.vocab_size
     # from here on every check sees the same values on every rank (verified above): all raise alike
     if prep["vocab_size"] is not None and prep["vocab_size"] != v:
