@@ -3,7 +3,7 @@
 ``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute SSMax instead,
 with SSMax's scale ``s`` as one learnable ``nn.Parameter`` per site and head, initialised so the
 swapped model starts as close to the original as the variant allows (``s = 1 / log(n_train)``).
-Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`; ALGORITHMS.md
+Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`;
 section 2: sparsemax, 1.5-entmax, alpha-entmax, softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid,
 ReLU, softplus, StableMax, adaptive temperature, temperature) or one the user registered.
 
@@ -327,7 +327,7 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
         RuntimeError: at run time, a site called with another layout (number of dims, dim, heads).
 
     Source: the variants' papers (:mod:`smxcompile.variants`); the swap-on-a-pretrained-model
-    initialisations follow ALGORITHMS.md section 2 (SSMax: Nakanishi 2025; MultiMax: Zhou et al. 2024).
+    initialisations follow the papers (SSMax: Nakanishi 2025; MultiMax: Zhou et al. 2024).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

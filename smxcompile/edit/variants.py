@@ -1,4 +1,4 @@
-"""The registry of normalization variants (swap targets for softmax): ALGORITHMS.md section 2.
+"""The registry of normalization variants (swap targets for softmax): each cites its paper.
 
 Each :class:`Variant` is a function of a score row: ``variant.apply(x, dim=-1, mask=None, **params)``
 maps a floating tensor ``x`` to weights of the same shape and dtype, normalizing along ``dim``.
@@ -112,7 +112,8 @@ class Variant:
             dim: the dimension normalized over.
             mask: bool tensor broadcastable to ``x``, True = keep; masked entries give exactly 0 and
                 act as if removed from the row. ``-inf`` entries of ``x`` count as masked either way.
-                A fully masked (or entirely ``-inf``) row gives zeros (never NaN) and zero gradients.
+                A fully masked (or entirely ``-inf``) row gives zeros (never NaN) and zero gradients; a
+                kept NaN or +inf makes its row NaN, as softmax does (with zero gradients).
             **params: the variant's parameters (``self.params``): numbers or tensors broadcastable to
                 ``x`` with size 1 along ``dim``. Omitted ones take their defaults.
 
@@ -210,8 +211,12 @@ def _apply(variant: Variant, x: torch.Tensor, dim: int, mask, params: dict) -> t
     # -inf is an additive mask (as in smx::attention and swap): masked, so no core sees it (inf - inf, 0 * inf)
     finite_lo = xs != float("-inf")
     keep = finite_lo if keep is None else keep & finite_lo
+    # a kept NaN or +inf makes the row NaN, as in softmax (inf - inf); no core sees them
+    bad = keep & (xs.isnan() | (xs == float("inf")))
+    xs = torch.where(bad, 0.0, xs)
     n = keep.sum(-1, keepdim=True).to(ct).clamp(min=1.0)
     w = torch.where(keep, variant.fn(xs, keep, n, **ps), 0.0)
+    w = w.masked_fill(bad.any(-1, keepdim=True), float("nan"))
     return w.to(x.dtype).movedim(-1, dim)
 
 
@@ -439,7 +444,7 @@ _BUILTINS: tuple[Variant, ...] = (
     Variant("sa_softmax",
             "((x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0))) * softmax(x) (normalized self-adjusting "
             "softmax; 0 for a row whose entries are all 0)",
-            "'Self-Adjusting Softmax' (SA-Softmax, 2025), normalized form of ALGORITHMS.md section 2", {}, _sa_softmax),
+            "'Self-Adjusting Softmax' (SA-Softmax, 2025), its normalized form; rows are not distributions (they sum to <= 1)", {}, _sa_softmax),
     Variant("softmax1", _N["softmax1"].formula, _N["softmax1"].paper, {}, _wrap("softmax1")),
     Variant("sigmoid", "sigmoid(x_i + b)", _N["sigmoid"].paper,
             {"b": ParamSpec("bias b, default -log(n) per row", "-log(n_train)")},

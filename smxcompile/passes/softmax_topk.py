@@ -9,7 +9,7 @@ Matched forms (Dynamo graph, Inductor's pre-grad slot), each over the same dim:
   ``dtype=torch.float32``) are taken into the op.
 * ``softmax(topk(x, k).values)`` with the indices: the renormalized form.
 * ``topk(softmax(x), k).indices`` alone, ``argmax(softmax(x), dim)`` and ``softmax(x).max(dim).indices``: the
-  softmax is deleted (it is monotone: ``argmax(softmax(x)) == argmax(x)``, ALGORITHMS.md section 2 "Facts").
+  softmax is deleted (it is monotone: ``argmax(softmax(x)) == argmax(x)``).
   For argmax, rows that contain NaN or ``+inf`` or only ``-inf`` still give index 0, as eager (their softmax
   is all NaN).
 

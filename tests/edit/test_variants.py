@@ -554,3 +554,19 @@ def test_entmax_bisect_fp32_near_one(e):
     h = 1e-3
     fd = ((_tsallis_entmax(x, a + h) - _tsallis_entmax(x, a - h)) * g).sum(-1, keepdim=True) / (2 * h)
     torch.testing.assert_close(alpha.grad.double(), fd, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", V.names())
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_or_pos_inf_makes_the_row_nan(name, value):
+    """A kept NaN or +inf: the row is NaN, as softmax gives (not a silently renormalized row); other rows and a
+    masked-out NaN are untouched."""
+    x = torch.tensor([[1.0, value, 0.0, -0.5], [0.3, -1.0, 2.0, 0.1]])
+    want_ok = V.get(name).apply(x[1:], -1)
+    got = V.get(name).apply(x, -1)
+    assert bool(got[0].isnan().all()) and torch.equal(got[1:], want_ok)
+    keep = torch.tensor([[True, False, True, True], [True, True, True, True]])
+    masked = V.get(name).apply(x, -1, mask=keep)
+    assert not bool(masked.isnan().any())
+    torch.testing.assert_close(masked[0], V.get(name).apply(x[:1, [0, 2, 3]], -1)[0].new_zeros(4).index_put_(
+        (torch.tensor([0, 2, 3]),), V.get(name).apply(x[:1, [0, 2, 3]], -1)[0]))

@@ -343,7 +343,7 @@ def test_shift_errors():
         LCE(x, w, tgt, shift=1, token_weight=torch.ones(tgt.shape[0], t_ - 1))
     with pytest.raises(NotImplementedError, match="class-index targets"):
         LCE(x, w, torch.softmax(torch.randn(*tgt.shape, w.shape[0]), -1), shift=1)
-    with pytest.raises(ValueError, match="shift must be in"):
+    with pytest.raises(ValueError, match="shift needs a sequence dim"):
         LCE(x[0, 0], w, torch.tensor(3), shift=1)
 
 
@@ -572,3 +572,14 @@ def test_opcheck_argmax_ops(case, monkeypatch):
     monkeypatch.setattr(config, "force_triton", False)
     op, args = _opcheck_cases()[case]
     torch.library.opcheck(op.default, args)
+
+
+def test_shift_takes_any_integer_and_names_a_missing_sequence_dim():
+    import numpy as np
+
+    x, w = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(30, 8, dtype=torch.float64)
+    t = torch.randint(0, 30, (2, 5))
+    want = F.cross_entropy((x @ w.T)[:, :-1].flatten(0, 1), t[:, 1:].flatten())
+    torch.testing.assert_close(smxcompile.linear_cross_entropy(x, w, t, shift=np.int64(1)), want)
+    with pytest.raises(ValueError, match="sequence dim"):
+        smxcompile.linear_cross_entropy(x[0, 0], w, t[0, 0], shift=1)

@@ -12,7 +12,7 @@ weight of the target, label smoothing, the reduction and its ``mean`` normalisat
 the forward) and the backward ops need gradients and never reach an export.
 
 The statistics, per row i of the N x V logits (method: Wijmans et al. 2024, "Cut Your Losses in
-Large-Vocabulary Language Models"; ALGORITHMS.md 1.3):
+Large-Vocabulary Language Models", 2024):
 
     z_ij = softcap * tanh(scale * x_ij / softcap)   (or scale * x_ij)
     x    = input @ weight.T + bias                  (linear_ce_stats; ce_stats takes x itself)

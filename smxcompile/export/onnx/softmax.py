@@ -13,7 +13,7 @@ argument names to the node's arguments).
 - ``smx::softmax_topk``: renormalized (MoE routers, ``softmax(topk(x))``) -> ``TopK`` of the logits and
   ``Softmax`` over the k values only. Not renormalized: ``target="portable"`` -> ``TopK`` of the logits and
   ``Exp(values - m) / ReduceSum(Exp(x - m))`` with ``m`` the top value, never a full ``Softmax``
-  (``softmax(x)[topk] = exp(topk(x) - lse(x))``, ALGORITHMS.md section 2); ``target="onnxruntime"`` -> ``Softmax`` then ``TopK``, because onnxruntime's
+  (``softmax(x)[topk] = exp(topk(x) - lse(x))``); ``target="onnxruntime"`` -> ``Softmax`` then ``TopK``, because onnxruntime's
   fused Softmax kernel was measured faster on CPU than any form that avoids it
   (``benchmarks/bench_onnx_forms.py``; its ``ReduceLogSumExp`` is 2-5x slower than ``Softmax``).
 - ``smx::quant_softmax`` -> ``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` for a code range narrower than

@@ -71,7 +71,7 @@ atomics. Per-element gradients w.r.t. ``s``::
 
 Optional (softmax only, forward only, off by default): ``skip_threshold = lambda`` skips a K/V
 tile when ``tile_max - running_max < ln(lambda)`` for every row of the query block (BLASST,
-skip-softmax sparse attention, ALGORITHMS.md 1.6): an approximation; the backward then uses
+skip-softmax sparse attention): an approximation; the backward then uses
 the approximate saved normalizer.
 
 All pointer offsets are int64 (``B*H*L*S`` may exceed ``2**31`` for the mask). Block sizes

@@ -147,7 +147,7 @@ def linear_cross_entropy(
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) and Apple's
     ``cut_cross_entropy`` (its numerics and ``shift``); online log-sum-exp: Milakov & Gimelshein (2018);
-    the collapse-safe target gradient: ALGORITHMS.md 1.4; token accuracy / predicted tokens:
+    the collapse-safe target gradient: Prieto et al., "Grokking at the Edge of Numerical Stability", 2025; token accuracy / predicted tokens:
     Liger-Kernel's ``liger_fused_linear_cross_entropy``. Peers: ``F.linear_cross_entropy``, Apple's
     ``cut_cross_entropy``, Liger-Kernel's fused linear cross-entropy.
     """
@@ -310,7 +310,7 @@ def cross_entropy(
     Returns / Raises: as :func:`linear_cross_entropy`.
 
     Source: online log-sum-exp (Milakov & Gimelshein, 2018); the collapse-safe target gradient
-    (ALGORITHMS.md 1.4); Liger-Kernel's cross-entropy is the peer.
+    (Prieto et al., "Grokking at the Edge of Numerical Stability", 2025); Liger-Kernel's cross-entropy is the peer.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")

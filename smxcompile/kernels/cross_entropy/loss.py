@@ -4,6 +4,7 @@ checks the single-device and vocabulary-parallel functions share."""
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -245,9 +246,10 @@ def shift_targets(target, token_weight, shift, ignore_index):
             target's shape.
         NotImplementedError: probability (float) targets with ``k > 0``.
     """
-    if not isinstance(shift, (bool, int)):
-        raise TypeError(f"shift must be a bool or an int, got {type(shift).__name__}")
-    k = int(shift)
+    try:
+        k = operator.index(shift)          # bool, int, numpy / config integers
+    except TypeError:
+        raise TypeError(f"shift must be a bool or an int, got {type(shift).__name__}") from None
     if k == 0:
         return target, token_weight, 0
     if not isinstance(target, torch.Tensor):
@@ -257,7 +259,10 @@ def shift_targets(target, token_weight, shift, ignore_index):
     if target.dtype.is_floating_point:
         raise NotImplementedError("shift needs class-index targets; with probability targets pass "
                                   "input[..., :-k, :] and target[..., k:, :] instead")
-    if target.dim() == 0 or not 0 <= k < target.shape[-1]:
+    if target.dim() == 0:
+        raise ValueError("shift needs a sequence dim: target of shape (*, T) and input of shape (*, T, D), "
+                         "got a 0-d target")
+    if not 0 <= k < target.shape[-1]:
         t = target.shape[-1] if target.dim() else 0
         raise ValueError(f"shift must be in [0, {t}) (the target's last dim, the sequence), got {shift!r}")
     lead = tuple(target.shape[:-1])

@@ -35,7 +35,7 @@ Methods:
   (for GPU occupancy when ``N`` is small); the partial ``(m, d)`` states are merged with
   ``m = max(m_s)``, ``d = sum_s d_s exp(m_s - m)`` in a tiny torch reduction afterwards.
   There is no limit on ``V``.
-* Softmax collapse (see ``ALGORITHMS.md`` 1.4): when the target dominates, ``1 - p_y``
+* Softmax collapse (Prieto et al., "Grokking at the Edge of Numerical Stability", 2025): when the target dominates, ``1 - p_y``
   rounds to 0 while the other probabilities do not; ``other_mass`` is therefore summed
   over the other classes (``sum_{j != y} exp(z_j - m)``, rescaled like ``d``), and the
   backward uses it for the target entry, so gradients still sum to ~0 per row.

@@ -6,7 +6,7 @@ For scores ``x`` and ``z = x * scale`` (``scale = 1 / temperature``) the op retu
     values  = exp(z[indices] - lse(z))                 # == topk(softmax(z), k).values     (renormalize=False)
     values  = softmax(z[indices])                      # == topk(softmax(z)).values / sum  (renormalize=True)
 
-using the identities of ALGORITHMS.md section 2 ("Facts"): softmax is monotone, so the top-k of the
+using two identities: softmax is monotone, so the top-k of the
 probabilities are the top-k of the logits, and ``topk(softmax(x)).values == exp(topk(x).values - lse(x))``;
 renormalizing them is the softmax of the k selected logits (``softmax(topk(x).values)``, the form
 Mixtral-style MoE routers use), which needs no pass over the rest of the row at all.
