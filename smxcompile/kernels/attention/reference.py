@@ -154,7 +154,8 @@ def _sparsemax_ref(s, keep, n, param):
     with torch.no_grad():
         support = (valid & (1.0 + k * xs > cs)).sum(-1, keepdim=True).clamp(min=1)
         tau0 = (cs.gather(-1, support - 1) - 1.0) / support.to(xs.dtype)
-        sup = _keep(xf - tau0 > 0, keep, False)
+        sup = xf - tau0 > 0
+        sup = sup if keep is None else sup & keep    # not where(): onnxruntime has no bool Where
         k_sup = sup.sum(-1, keepdim=True).clamp(min=1).to(xs.dtype)
     # tau's value is tau0; its gradient is that of (sum_{w > 0} s - 1) / |{w > 0}| (zero added, exactly)
     tau_g = torch.where(sup, xf, 0.0).sum(-1, keepdim=True) / k_sup
