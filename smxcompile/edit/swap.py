@@ -3,8 +3,8 @@
 ``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute SSMax instead,
 with SSMax's scale ``s`` as one learnable ``nn.Parameter`` per site and head, initialised so the
 swapped model starts as close to the original as the variant allows (``s = 1 / log(n_train)``).
-Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`;
-section 2: sparsemax, 1.5-entmax, alpha-entmax, softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid,
+Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`:
+sparsemax, 1.5-entmax, alpha-entmax, softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid,
 ReLU, softplus, StableMax, adaptive temperature, temperature) or one the user registered.
 
 How. Sites are found and named as :func:`smxcompile.explain` names them (``module#index``, e.g.

@@ -444,7 +444,8 @@ _BUILTINS: tuple[Variant, ...] = (
     Variant("sa_softmax",
             "((x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0))) * softmax(x) (normalized self-adjusting "
             "softmax; 0 for a row whose entries are all 0)",
-            "'Self-Adjusting Softmax' (SA-Softmax, 2025), its normalized form; rows are not distributions (they sum to <= 1)", {}, _sa_softmax),
+            "'Self-Adjusting Softmax' (SA-Softmax, 2025), its normalized form; rows are not distributions "
+            "(they sum to <= 1)", {}, _sa_softmax),
     Variant("softmax1", _N["softmax1"].formula, _N["softmax1"].paper, {}, _wrap("softmax1")),
     Variant("sigmoid", "sigmoid(x_i + b)", _N["sigmoid"].paper,
             {"b": ParamSpec("bias b, default -log(n) per row", "-log(n_train)")},

@@ -187,7 +187,7 @@ def attention(
             ``is_causal``, or with ``attn_mask`` the keys it leaves (bool True / float not ``-inf``),
             at least 1 — so a causal or padding mask gives the same ``n`` as a tensor as it does
             through ``is_causal``.
-        skip_threshold: BLASST skip-softmax sparse attention (skip a K/V tile whose max is ln(lambda) below the running max): a lambda in (0, 1);
+        skip_threshold: BLASST skip-softmax sparse attention: a lambda in (0, 1);
             the CUDA kernel skips a K/V tile when ``tile_max - running_max < ln(lambda)`` for every row
             of its query block — an approximation (weights below lambda of the running max are
             dropped), training-free. None (default): exact. Softmax only, forward only (gradients

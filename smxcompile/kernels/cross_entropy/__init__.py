@@ -10,7 +10,8 @@ are reduced block by block with the online (max, sum) recurrence ("Online normal
 calculation for softmax", Milakov & Gimelshein, 2018), so the N x V matrix never exists.
 The backward recomputes the logits block by block; the target entry of the gradient is
 computed from the mass of the *other* classes (``-sum_{j != y} p_j``) so that it does not
-round to zero when the target dominates ("softmax collapse", Prieto et al., "Grokking at the Edge of Numerical Stability", 2025).
+round to zero when the target dominates ("softmax collapse": Prieto et al., "Grokking at the Edge of
+Numerical Stability", 2025).
 
 Design: one differentiable *statistics* op per row,
 

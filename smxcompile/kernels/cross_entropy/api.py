@@ -8,15 +8,12 @@ import torch
 
 from .. import config
 from ..common import FLOAT_DTYPES
-from .loss import (check_linear, check_options, compose_loss, finish_output, is_dtensor, loss_dtype, needs_grad,
-                   prediction_outputs, shift_targets, split_targets, unshift_output)
+from .loss import (HALF_DTYPES, check_linear, check_options, compose_loss, finish_output, fp32_logit_operands,
+                   is_dtensor, loss_dtype, needs_grad, prediction_outputs, shift_targets, split_targets, unshift_output)
 from .ops import ce_stats, linear_ce_loss, linear_ce_loss_argmax, linear_ce_stats, linear_ce_stats_argmax
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 __all__ = ["linear_cross_entropy", "cross_entropy", "linear_ce_core"]
-
-HALF = (torch.float16, torch.bfloat16)
-
 
 def linear_cross_entropy(
     input: torch.Tensor,
@@ -147,8 +144,8 @@ def linear_cross_entropy(
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (2024) and Apple's
     ``cut_cross_entropy`` (its numerics and ``shift``); online log-sum-exp: Milakov & Gimelshein (2018);
-    the collapse-safe target gradient: Prieto et al., "Grokking at the Edge of Numerical Stability", 2025; token accuracy / predicted tokens:
-    Liger-Kernel's ``liger_fused_linear_cross_entropy``. Peers: ``F.linear_cross_entropy``, Apple's
+    the collapse-safe target gradient: Prieto et al., "Grokking at the Edge of Numerical Stability", 2025;
+    token accuracy / predicted tokens: Liger-Kernel's ``liger_fused_linear_cross_entropy``. Peers: ``F.linear_cross_entropy``, Apple's
     ``cut_cross_entropy``, Liger-Kernel's fused linear cross-entropy.
     """
     target, token_weight, k = shift_targets(target, token_weight, shift, ignore_index)
@@ -181,14 +178,9 @@ def linear_cross_entropy(
                                   "not probabilities")
     x2 = input.reshape(n, input.shape[-1])
     # half inputs: the fp32 loss (CCE's, Liger's), not rounded back to the half dtype
-    out_dtype = dtype if dtype is not None else torch.float32 if input.dtype in HALF else input.dtype
-    if x2.dtype in HALF and (probs is not None or not config.use_triton(x2)):
-        # fp32 logits (CCE's numerics, see above): on the torch path the ops' matmuls run in their operands'
-        # dtype (F.linear's rounding, which the graph passes keep), so the operands go in as fp32; autograd
-        # rounds the gradients to the input dtype once, at the end. Upcasting once per call measured faster on
-        # CPU than a per-chunk upcast and 5x faster than the half matmuls (no fp32-output half GEMM on CPU).
-        x2, weight = x2.float(), weight.float()
-        bias = bias.float() if bias is not None else None
+    out_dtype = dtype if dtype is not None else torch.float32 if input.dtype in HALF_DTYPES else input.dtype
+    if probs is not None or not config.use_triton(x2):
+        x2, weight, bias = fp32_logit_operands(x2, weight, bias)     # fp32 logits (CCE's numerics, see above)
     loss, zl, lse, _, pred = _core(
         x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
         int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
@@ -310,7 +302,8 @@ def cross_entropy(
     Returns / Raises: as :func:`linear_cross_entropy`.
 
     Source: online log-sum-exp (Milakov & Gimelshein, 2018); the collapse-safe target gradient
-    (Prieto et al., "Grokking at the Edge of Numerical Stability", 2025); Liger-Kernel's cross-entropy is the peer.
+    (Prieto et al., "Grokking at the Edge of Numerical Stability", 2025); Liger-Kernel's cross-entropy is the
+    peer.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a Tensor, got {type(input).__name__}")

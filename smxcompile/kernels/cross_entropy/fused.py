@@ -71,7 +71,7 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
     label smoothing ``eps``, z-loss ``z_scale``, ``scale``, ``softcap``, returned logits).
 
     With ``P'`` = softmax with its target entry replaced by ``-(sum of the other classes)`` (the
-    collapse-safe ``p_y - 1``; Prieto et al., 2025, "softmax collapse"), the gradient w.r.t. the transformed logits is
+    collapse-safe ``p_y - 1``; Prieto et al., 2025), the gradient w.r.t. the transformed logits is
     ``diag(a) P' + diag(a - b) Y - diag(c) 1 w^T`` (``Y`` one-hot, ``w`` the class weights or ones;
     ``a == b`` and ``c == 0`` for plain CE), times ``dz/dx`` (``scale``, or ``scale * (1 - (z / softcap)^2)``
     elementwise with a soft-cap). The row factors pass through the matmuls, so per chunk

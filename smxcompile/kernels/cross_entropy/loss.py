@@ -13,7 +13,9 @@ from ..common import FLOAT_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
            "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
-           "prediction_outputs"]
+           "prediction_outputs", "HALF_DTYPES", "fp32_logit_operands"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -263,8 +265,8 @@ def shift_targets(target, token_weight, shift, ignore_index):
         raise ValueError("shift needs a sequence dim: target of shape (*, T) and input of shape (*, T, D), "
                          "got a 0-d target")
     if not 0 <= k < target.shape[-1]:
-        t = target.shape[-1] if target.dim() else 0
-        raise ValueError(f"shift must be in [0, {t}) (the target's last dim, the sequence), got {shift!r}")
+        raise ValueError(f"shift must be in [0, {target.shape[-1]}) (the target's last dim, the sequence), "
+                         f"got {shift!r}")
     lead = tuple(target.shape[:-1])
     # int64 first: ignore_index (e.g. -100) need not fit a uint8 / int16 target
     tgt = torch.cat([target.long()[..., k:], target.new_full((*lead, k), ignore_index, dtype=torch.long)], -1)
@@ -299,9 +301,19 @@ def loss_dtype(dtype, input):
     which autocast runs in fp32 (cross-entropy is on autocast's fp32 list)."""
     if dtype is not None:
         return dtype
-    if input.dtype in (torch.float16, torch.bfloat16) and autocast_on(input.device):
+    if input.dtype in HALF_DTYPES and autocast_on(input.device):
         return torch.float32
     return input.dtype
+
+
+def fp32_logit_operands(x2, weight, bias):
+    """``(x2, weight, bias)`` as fp32 when ``x2`` is fp16 / bf16, else unchanged: Apple CCE's numerics (fp32
+    logits) on the torch path, whose ops form the logits in their operands' dtype (as ``F.linear``, which the
+    graph passes rely on). Upcasting once per call measured faster on CPU than a per-chunk upcast and 5x faster
+    than the half matmuls (no fp32-output half GEMM on CPU); autograd rounds the gradients back once."""
+    if x2.dtype not in HALF_DTYPES:
+        return x2, weight, bias
+    return x2.float(), weight.float(), (bias.float() if bias is not None else None)
 
 
 def check_linear(input, weight, bias, rows: str = "V"):

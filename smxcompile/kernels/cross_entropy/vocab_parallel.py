@@ -41,8 +41,8 @@ from .. import config
 from ..common import acc_dtype, autocast_off
 from .chunked import rows_per_chunk
 from .fused import MIN_CHUNK_ROWS, saved_grad_dtype, scalar_coefs
-from .loss import (check_linear, check_options, check_range, compose_loss, finish_output, is_dtensor, loss_dtype,
-                   needs_grad, split_targets)
+from .loss import (check_linear, check_options, check_range, compose_loss, finish_output, fp32_logit_operands,
+                   is_dtensor, loss_dtype, needs_grad, split_targets)
 from .ops import coefs, linear_ce_backward, linear_ce_stats
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
@@ -440,10 +440,8 @@ def vocab_parallel_linear_cross_entropy(
         shard = _exchange(process_group, weight.shape[0], x2.detach(), tgt, class_weight, tw, prep["options"], None)
     else:
         _exchange(process_group, 0, None, None, None, None, (), error)  # raises on every rank
-    if x2.dtype in (torch.float16, torch.bfloat16) and not config.use_triton(x2):
-        # fp32 logits, as the single-device paths (api.linear_cross_entropy): the shard's operands upcast once
-        x2, weight = x2.float(), weight.float()
-        bias = bias.float() if bias is not None else None
+    if not config.use_triton(x2):
+        x2, weight, bias = fp32_logit_operands(x2, weight, bias)     # fp32 logits, as on one device
     v = shard.vocab_size
     # from here on every check sees the same values on every rank (verified above): all raise alike
     if prep["vocab_size"] is not None and prep["vocab_size"] != v:

@@ -338,10 +338,10 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "the scale depends on the scores")
             if seen_cap:
                 # a scale after the soft-cap scales the cap: a * c * tanh(s / c) = (a c) * tanh(a s / (a c))
-                c = data if kind == "scale" else consts.number(data[0])
-                a = None if c is None or c == 0 or not math.isfinite(c) else c if kind == "scale" or data[1] == "mul" \
-                    else 1.0 / c
-                if a is None or a <= 0:
+                a = data if kind == "scale" else consts.number(data[0])
+                if kind == "scale_t" and data[1] == "div" and a:
+                    a = 1.0 / a
+                if a is None or not math.isfinite(a) or a <= 0:
                     return _skip(m, "a scale after the soft-cap that is not a positive number known at compile time")
                 m.softcap *= a
                 m.scale *= a

@@ -28,8 +28,8 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     ``mask_order`` (the mask stages in graph order, ``"a"`` an add, ``"f"`` a fill) is given: then all merge in
     that order into one additive mask holding the fills' own values (``where(keep, s, value) + mask`` is ``s +
     where(keep, mask, value + mask)``, exact wherever ``s`` is negligible next to the fill value, and on rows
-    whose every entry is filled or absorbing, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" | "div")]`` applied to the
-    scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
+    whose every entry is filled or absorbing, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" |
+    "div")]`` applied to the scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
     (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
     fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
