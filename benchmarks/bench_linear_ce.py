@@ -88,7 +88,7 @@ import threading
 import time
 from typing import Any
 
-from smxcompile.app.demo import rss_bytes  # /proc/self/status fields, in bytes
+from smx_app.demo import rss_bytes  # /proc/self/status fields, in bytes
 
 VARIANTS = ("eager", "inductor", "native", "cce", "smx-op", "smx")
 #: variants whose step holds the whole N x V logits (at least once)

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from smxcompile.app.argtypes import positive_int
+from smx_app.argtypes import positive_int
 
 MODELS = ("gpt2", "llama", "bert", "vit", "gpt2-loss", "gpt2-quant", "router")
 

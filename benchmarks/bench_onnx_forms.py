@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from smxcompile.app.argtypes import positive_int
+from smx_app.argtypes import positive_int
 
 CASES = ("topk", "router", "attention")
 

@@ -53,7 +53,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from smxcompile.app.argtypes import positive_int
+from smx_app.argtypes import positive_int
 
 VARIANTS = ("smx", "allgather", "loss_parallel")
 
@@ -107,7 +107,7 @@ def _step(variant, x, w_local, y, group, mesh, comm):
 def _worker(rank, world, folder, args):
     import torch.distributed as dist
 
-    from smxcompile.app.demo import PeakMemory
+    from smx_app.demo import PeakMemory
     from smxcompile.distributed import CollectiveCounter
 
     cuda = torch.cuda.is_available()

@@ -30,7 +30,7 @@ What is measured
 How
   Checkpoints are those of ``smx demo`` (``<out>/checkpoint``: safetensors + config +
   tokenizer.json, next to ``<out>/results.json``). The corpus, window length and held-out split
-  are rebuilt exactly as ``smx demo`` built them (smxcompile.app.demo: load_corpus, make_windows,
+  are rebuilt exactly as ``smx demo`` built them (smx_app.demo: load_corpus, make_windows,
   split_windows) with the checkpoint's own tokenizer. Calibration uses ``--calib-batches`` batches
   of ``--batch-size`` *training* windows (a seeded random sample); evaluation uses the held-out
   windows (all of them unless ``--eval-batches`` caps it); the row-sum error and zero fraction are
@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smxcompile.app.argtypes import nonneg_int, positive_int
+from smx_app.argtypes import nonneg_int, positive_int
 
 SETTINGS: list[tuple[str, Any, str]] = [
     ("none", False, "tensor"),
@@ -225,7 +225,7 @@ def train_missing(path: Path, index: int, extra: str, console) -> Path:
     out = path.parent if path.name == "checkpoint" else path
     m = re.search(r"seed(\d+)", str(path))
     seed = int(m.group(1)) if m else index
-    cmd = [sys.executable, "-m", "smxcompile.app.cli", "demo", "--backends", "eager", "--seed", str(seed),
+    cmd = [sys.executable, "-m", "smx_app.cli", "demo", "--backends", "eager", "--seed", str(seed),
            "--out", str(out), *shlex.split(extra)]
     console.print(f"[bold]training missing checkpoint[/]: {shlex.join(cmd)}")
     t0 = time.perf_counter()
@@ -254,7 +254,7 @@ def load_data(ck: Path, cfg: Config, n_positions: int, console) -> dict[str, Any
     import torch
     from tokenizers import Tokenizer
 
-    from smxcompile.app import demo
+    from smx_app import demo
 
     ds = demo_settings(ck)
     seq_len = cfg.seq_len or ds.get("seq_len")

@@ -36,8 +36,8 @@ What is measured
 
 How
   The checkpoint (``smx demo --out DIR`` or its ``checkpoint/`` folder) is loaded once
-  (``smxcompile.app.lm.load_lm``, eager attention) and every row works on a deep copy. Data:
-  ``smxcompile.app.lm.lm_data`` rebuilds the demo's windows with the checkpoint's own tokenizer.
+  (``smx_app.lm.load_lm``, eager attention) and every row works on a deep copy. Data:
+  ``smx_app.lm.lm_data`` rebuilds the demo's windows with the checkpoint's own tokenizer.
   Calibration draws its batches with seed --seed, every fine-tune (the baseline's included) with
   --seed + 1, as ``smx swap`` does: identical batches for everyone. A NaN / infinite training loss
   stops that variant (recorded as "diverged" with the stage and step) and the run goes on with
@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smxcompile.app.argtypes import nonneg_int, positive_float, positive_int
+from smx_app.argtypes import nonneg_int, positive_float, positive_int
 
 BASELINE = "softmax (baseline)"
 
@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-batches", type=positive_int, default=2, metavar="N",
                    help="held-out batches for the attention statistics (default: 2)")
     p.add_argument("--lr", type=positive_float, default=None, metavar="LR",
-                   help="fine-tuning learning rate (default: smxcompile.app.lm.FINETUNE_LR, 1e-4)")
+                   help="fine-tuning learning rate (default: smx_app.lm.FINETUNE_LR, 1e-4)")
     p.add_argument("--calib-lr", type=positive_float, default=None, metavar="LR",
-                   help="calibration learning rate (default: smxcompile.app.lm.CALIBRATE_LR, 1e-2)")
+                   help="calibration learning rate (default: smx_app.lm.CALIBRATE_LR, 1e-2)")
     p.add_argument("--seed", type=int, default=0,
                    help="batch order: calibration uses SEED, every fine-tune SEED + 1 (default: 0)")
     p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="window length (default: the demo's)")
@@ -152,7 +152,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     import torch
 
     from smxcompile import variants
-    from smxcompile.app import lm
+    from smx_app import lm
 
     known = variants.names()
     if args.variants.strip() in ("", "all"):
@@ -218,7 +218,7 @@ def _stats(d: dict[str, float]) -> dict[str, float]:
 def run_baseline(base, data, held, stats_w, cfg: Config, progress: bool, original: dict[str, Any]) -> dict[str, Any]:
     """The softmax model fine-tuned like every variant; its statistics measured at the same sites."""
     import smxcompile
-    from smxcompile.app import lm
+    from smx_app import lm
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -256,7 +256,7 @@ def run_variant(name: str, base, data, held, stats_w, cfg: Config, progress: boo
 
     import smxcompile
     from smxcompile import variants
-    from smxcompile.app import lm
+    from smx_app import lm
 
     t0 = time.perf_counter()
     v = variants.get(name)
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     from rich.console import Console
 
-    from smxcompile.app import lm
+    from smx_app import lm
 
     cfg = resolve(args, parser)
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)

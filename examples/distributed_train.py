@@ -32,8 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from smxcompile.app import demo
-from smxcompile.app.argtypes import positive_float, positive_int
+from smx_app import demo
+from smx_app.argtypes import positive_float, positive_int
 
 DESCRIPTION = """\
 Train the `smx demo --quick` model (GPT-2, 2 layers, n_embd 64, eager attention, dropout 0; BPE tokenizer

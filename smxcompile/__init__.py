@@ -6,6 +6,8 @@ Use it as ``torch.compile(model, backend="smx")``; see what it does with
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
 from .kernels.softmax import log_softmax, softmax  # noqa: E402  (registers the smx:: ops)
@@ -15,17 +17,37 @@ from .kernels.softmax_topk import softmax_topk  # noqa: E402
 from .kernels.quant_softmax import quant_softmax  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
-from .explain import explain  # noqa: E402
-from .edit.quantize import quantize_softmax  # noqa: E402
-from . import distributed  # noqa: E402  (vocabulary-parallel cut cross-entropy, CollectiveCounter)
+from .explain import explain  # noqa: E402  (eager: the name is also its module's, which an import would rebind)
 from .edit import variants  # noqa: E402  (the registry of normalization variants: smxcompile.variants.names())
-from .edit.swap import swap  # noqa: E402
-from .edit.swap_io import from_pretrained, load, save  # noqa: E402
-from .backends.smx import smx_backend  # noqa: E402
-from .export.onnx.export import export_onnx  # noqa: E402  (onnx itself is imported on use)
-from .export.onnx.result import OnnxExportError  # noqa: E402
-from .export.mlir.export import export_mlir  # noqa: E402  (torch-mlir itself is imported on use)
-from .export.mlir.result import MlirExportError  # noqa: E402
+
+#: Names imported on first use (PEP 562): the backend pulls in Inductor and Dynamo, ``distributed`` DTensor,
+#: the export and edit entry points their own stacks; ``import smxcompile`` stays within ~0.5 s of ``import torch``.
+_LAZY = {
+    "smx_backend": ".backends.smx",
+    "quantize_softmax": ".edit.quantize",
+    "swap": ".edit.swap",
+    "from_pretrained": ".edit.swap_io",
+    "load": ".edit.swap_io",
+    "save": ".edit.swap_io",
+    "export_onnx": ".export.onnx.export",
+    "OnnxExportError": ".export.onnx.result",
+    "export_mlir": ".export.mlir.export",
+    "MlirExportError": ".export.mlir.result",
+}
+
+
+def __getattr__(name: str):
+    if name == "distributed":  # vocabulary-parallel cut cross-entropy, CollectiveCounter
+        return importlib.import_module(".distributed", __name__)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'smxcompile' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"distributed"})
 
 
 def last_report() -> Report | None:
@@ -49,6 +71,8 @@ def _register_backend_if_needed() -> None:
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
     if "smx" not in _COMPILER_FNS:
+        from .backends.smx import smx_backend
+
         register_backend(compiler_fn=smx_backend, name="smx")
 
 

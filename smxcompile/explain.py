@@ -14,8 +14,9 @@ from .report import Report
 def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) -> Report:
     """Trace ``model(*args, **kwargs)`` the way the ``smx`` backend does and list every candidate site.
 
-    The model runs once (under ``torch.no_grad``) through Dynamo, as ``torch.compile`` would run
-    it, but nothing is compiled, and the model's buffers (e.g. BatchNorm statistics) and the
+    The model runs once through Dynamo, as ``torch.compile`` would run it — with gradients for a module in
+    training mode (the CPU policy decides some sites differently in training and in inference), under
+    ``torch.no_grad`` for one in eval mode, in the caller's grad mode for a function — but nothing is compiled, and the model's buffers (e.g. BatchNorm statistics) and the
     random-number generators are restored afterwards, so calling ``explain`` before training
     changes nothing. Like ``torch._dynamo.explain`` it resets Dynamo first: functions compiled
     earlier recompile on their next call.
@@ -52,7 +53,8 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     compiled = torch.compile(model, backend=collect, dynamic=False)
     try:
         # traced as the backend traces: logging calls are no graph breaks (smxcompile.backends.tracing)
-        with torch.no_grad(), restore_state(model), ignore_logging():
+        grad = model.training if isinstance(model, torch.nn.Module) else torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad), restore_state(model), ignore_logging():
             compiled(*args, **kwargs)
     finally:
         torch._dynamo.reset()  # explain's own cache entries must not count against the user's recompile limit

@@ -11,7 +11,7 @@ def build_tiny_lm_checkpoint(out, seq_len: int = 32):
     Used by the tests of ``smx swap`` / ``smx eval`` and of benchmarks/eval_variants.py. Returns ``out``."""
     import json
 
-    from smxcompile.app import demo, lm
+    from smx_app import demo, lm
 
     docs = demo.load_corpus("topics")
     tok = demo.train_tokenizer(docs[:15], 512)

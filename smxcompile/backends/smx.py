@@ -14,7 +14,6 @@ import logging
 from typing import Any, Sequence
 
 import torch
-from torch._inductor.compile_fx import compile_fx
 
 from ..options import SmxOptions
 from ..passes import SmxPass, analyze
@@ -52,6 +51,8 @@ def smx_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options
     smx_pass = SmxPass(opts, tag, skip)
     patches = dict(opts.inductor)
     patches["pre_grad_custom_pass"] = smx_pass
+    from torch._inductor.compile_fx import compile_fx  # on use: Inductor's import costs ~1 s
+
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

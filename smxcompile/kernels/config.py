@@ -27,3 +27,16 @@ def use_triton(x) -> bool:
     if x.is_cuda:
         return triton_available()
     return force_triton and os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+
+
+def eager_aten(x) -> bool:
+    """Whether a public op called on ``x`` runs its ATen composition directly (torch's autograd) instead of the
+    custom op: outside ``torch.compile`` / ``torch.export`` tracing, on a tensor without a Triton kernel.
+
+    There the custom op only adds its dispatch and Python autograd (~10-30 us a call, and an unfused CPU
+    backward), measured slower than the torch code it replaces (``python benchmarks/bench_eager_ops.py``,
+    docs/PERFORMANCE.md); inside a traced graph the op stays, for the passes and the exporters to see.
+    """
+    import torch
+
+    return not torch.compiler.is_compiling() and not use_triton(x)

@@ -12,7 +12,7 @@ pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
-from smxcompile.app import demo  # noqa: E402
+from smx_app import demo  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

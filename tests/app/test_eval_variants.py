@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 from model_builders import build_tiny_lm_checkpoint  # noqa: E402
 
-from smxcompile.app import lm  # noqa: E402
+from smx_app import lm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "eval_variants.py"

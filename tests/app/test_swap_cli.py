@@ -1,4 +1,4 @@
-"""``smx swap`` / ``smx eval`` and the library under them (``smxcompile.app.lm``), on a tiny checkpoint.
+"""``smx swap`` / ``smx eval`` and the library under them (``smx_app.lm``), on a tiny checkpoint.
 
 The checkpoint is built once per module, the way ``smx demo`` builds one but smaller (about 3 s on 2
 cores): a byte-level BPE tokenizer (vocabulary 512) trained on a slice of ``pydoc_data.topics``, a
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from model_builders import build_tiny_lm_checkpoint  # noqa: E402
 
 import smxcompile  # noqa: E402
-from smxcompile.app import cli, demo, lm  # noqa: E402
+from smx_app import cli, demo, lm  # noqa: E402
 
 SEQ_LEN = 32
 

@@ -507,7 +507,7 @@ def _smx_cmd() -> list[str]:
     if exe.exists():
         return [str(exe)]
     found = shutil.which("smx")
-    return [found] if found else [sys.executable, "-m", "smxcompile.app.cli"]
+    return [found] if found else [sys.executable, "-m", "smx_app.cli"]
 
 
 @pytest.mark.slow
@@ -518,7 +518,7 @@ def test_cli_help():
 
 
 def test_cli_in_process(tmp_path, monkeypatch, capsys):
-    from smxcompile.app import cli
+    from smx_app import cli
 
     with pytest.raises(SystemExit) as ei:
         cli.main(["explain", "--help"])
@@ -680,7 +680,7 @@ def test_public_op_int_input_with_dtype_follows_torch():
     (["explain", "--options", "notjson", "json:loads"], "failed"),
 ])
 def test_cli_errors_are_messages_not_tracebacks(argv, msg, capsys):
-    from smxcompile.app import cli
+    from smx_app import cli
 
     assert cli.main(argv) == 2
     assert msg in capsys.readouterr().err

@@ -567,7 +567,7 @@ def test_smx_export_cli_mlir(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     from model_builders import build_tiny_lm_checkpoint
 
-    from smxcompile.app import cli
+    from smx_app import cli
 
     run = build_tiny_lm_checkpoint(tmp_path / "run")
     out = tmp_path / "demo.mlir"

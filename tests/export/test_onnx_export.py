@@ -208,7 +208,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_smx_export_cli(demo_run, tmp_path, capsys):
-    from smxcompile.app import cli
+    from smx_app import cli
 
     run = demo_run
     assert cli.main(["export", str(run), "--out", str(tmp_path / "tiny.onnx"), "--seq-len", "16"]) == 0
@@ -359,7 +359,7 @@ def test_a_file_onnxruntime_cannot_load_names_its_versions(tmp_path, monkeypatch
 def test_the_demo_checkpoint_swapped_and_quantized_exports(demo_run, tmp_path, capsys):
     """The issue's end-to-end path: `smx swap` of the demo checkpoint, then `smx export` of its output; and the
     demo checkpoint with quantize_softmax through export_onnx; both checked in onnxruntime on two shapes."""
-    from smxcompile.app import cli, lm
+    from smx_app import cli, lm
 
     swapped = tmp_path / "softpick-run"
     assert cli.main(["swap", str(demo_run), "--variant", "softpick", "--out", str(swapped), "--batches", "1", "--batch-size", "2", "--no-progress"]) == 0

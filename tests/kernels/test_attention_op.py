@@ -30,6 +30,40 @@ INF = float("-inf")
 # --------------------------------------------------------------------------- helpers
 
 
+@pytest.fixture(autouse=True)
+def _through_the_op(monkeypatch):
+    """These tests hold the op (its recomputing backward included): an eager call with gradients would otherwise
+    run the torch path under torch's autograd (``test_eager_autograd_path_matches_the_op`` compares the two)."""
+    from smxcompile.kernels.attention import api
+
+    monkeypatch.setattr(api, "EAGER_AUTOGRAD_MAX_SCORE_BYTES", 0)
+
+
+@pytest.mark.parametrize("normalizer,softcap,dropout_p", [("softmax", 30.0, 0.0), ("sparsemax", None, 0.0),
+                                                          ("ssmax", None, 0.2), ("softpick", 5.0, 0.0)])
+def test_eager_autograd_path_matches_the_op(monkeypatch, normalizer, softcap, dropout_p):
+    """The eager path (torch's autograd through the blocked forward, small calls) gives the op's values and
+    gradients, dropout masks included (same seed)."""
+    from smxcompile.kernels.attention import api
+
+    q, k, v = make(B=2, Hq=4, Hkv=2, L=13, S=11)
+    mask = padding_mask(2, 13, 11)
+    runs = []
+    for budget in (0, 2**30):
+        monkeypatch.setattr(api, "EAGER_AUTOGRAD_MAX_SCORE_BYTES", budget)
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(5)
+        out = attention(*ins, attn_mask=mask, enable_gqa=True, normalizer=normalizer, softcap=softcap,
+                        dropout_p=dropout_p)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+        runs.append((out, torch.autograd.grad(out, ins, g)))
+    (o0, g0), (o1, g1) = runs
+    assert o1.grad_fn is not None and "Attention" not in type(o1.grad_fn).__name__
+    torch.testing.assert_close(o1, o0, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def make(B=2, Hq=4, Hkv=2, L=13, S=11, E=8, Ev=6, dtype=torch.float32, seed=0, spread=1.5):
     g = torch.Generator().manual_seed(seed)
     lead = () if B is None else (B,)

@@ -20,6 +20,7 @@ import smxcompile  # noqa: F401
 from smxcompile.options import SmxOptions
 from smxcompile.passes import SmxPass
 from smxcompile.passes.attention import graph_attention
+from smxcompile.passes.policy import cpu_threshold
 from pass_helpers import dynamo_graph, rewrite
 
 # These inputs are short (8 keys): on CPU the default policy keeps such sites (see TestCpuPolicy),
@@ -663,10 +664,10 @@ class TestCpuPolicy(TestCase):
         self.assertFalse(r.changed)
         s = attn_site(r)
         self.assertEqual(s.action, "kept")
-        self.assertIn("CPU: 8 keys; below 512", s.reason)
+        self.assertIn(f"CPU: 8 keys; below {cpu_threshold('attention_min_keys')}", s.reason)
 
     def test_long_cpu_attention_rewritten_by_default(self):
-        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=512, e=8), options={})
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=cpu_threshold("attention_min_keys"), e=8), options={})
         self.assertEqual(sites(r), [("attention", "rewritten")])
 
     def test_variant_rewritten_whatever_the_length(self):

@@ -847,7 +847,7 @@ return (graph_cross_entropy, logits)""")
 
 class TestPolicy(TestCase):
     def test_default_cpu_policy_keeps_small_vocabularies(self):
-        d = data()
+        d = data(requires_grad=True)
         r = rewrite(linear_ce, d["h2"], d["W"], d["y2"], options=None)
         self.assertEqual(r.before, r.after)
         self.assertEqual((r.site.kind, r.site.action), ("linear_cross_entropy", "kept"))
@@ -856,9 +856,12 @@ class TestPolicy(TestCase):
         self.assertEqual((r.site.kind, r.site.action), ("cross_entropy", "kept"))
 
     def test_default_cpu_policy_rewrites_large_vocabularies(self):
-        h, W = torch.randn(4, 8), torch.randn(CPU_MIN_VOCAB, 8)
+        h, W = torch.randn(4, 8, requires_grad=True), torch.randn(CPU_MIN_VOCAB, 8)
         r = rewrite(linear_ce, h, W, torch.tensor([0, 5, -100, CPU_MIN_VOCAB - 1]), options=None)
         self.assertEqual((r.site.kind, r.site.action), ("linear_cross_entropy", "rewritten"))
+        # the same site without a gradient (evaluation) is kept: Inductor's code is faster there
+        r = rewrite(linear_ce, h.detach(), W, torch.tensor([0, 5, -100, CPU_MIN_VOCAB - 1]), options=None)
+        self.assertEqual((r.site.action, r.site.reason[:26]), ("kept", "CPU: no gradient (evaluati"))
         gm = dynamo_graph(linear_ce, torch.randn(4, 8), torch.randn(CPU_MIN_VOCAB - 1, 8), torch.tensor([0, 1, 2, 3]))
         (site,) = analyze(gm.graph, SmxOptions()).sites
         self.assertEqual(site.action, "kept")
@@ -984,7 +987,7 @@ def test_dynamic_shapes_default_policy_decides_on_the_example_vocabulary():
     # with dynamic=True the vocabulary of a function argument is symbolic; the CPU policy uses its size
     # on the example (a speed choice: the rewrite is exact for any size)
     compiled, reports = compile_report(linear_ce, options=None, dynamic=True)
-    h, W, y = torch.randn(6, 8), torch.randn(CPU_MIN_VOCAB, 8), torch.randint(0, CPU_MIN_VOCAB, (6,))
+    h, W, y = torch.randn(6, 8, requires_grad=True), torch.randn(CPU_MIN_VOCAB, 8), torch.randint(0, CPU_MIN_VOCAB, (6,))
     torch.testing.assert_close(compiled(h, W, y), linear_ce(h, W, y))
     (site,) = reports().sites
     assert (site.kind, site.action) == ("linear_cross_entropy", "rewritten"), str(reports())

@@ -9,11 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from .. import config
-from ..common import FLOAT_DTYPES, acc_dtype, autocast_on
+from ..common import FLOAT_DTYPES, acc_dtype, autocast_off, autocast_on
 from .ops import AttentionError, attention_op
 from .reference import NORMALIZERS
+from .torch_path import torch_forward
 
 __all__ = ["attention"]
+
+#: An eager CPU call that needs gradients and whose scores (all heads, the accumulation dtype) fit in this
+#: many bytes runs the torch path under torch's autograd, which keeps each block's weights as the written-out
+#: attention does: 1.5x faster in training than the op's backward, which recomputes them to save that memory
+#: (soft-capped 1x8x512x64: ``python benchmarks/bench_eager_ops.py --ops attention``). Larger calls keep the op.
+EAGER_AUTOGRAD_MAX_SCORE_BYTES = 256 * 2**20
 
 
 def _is_real(x) -> bool:
@@ -265,7 +272,13 @@ def attention(
         if keep.shape[-1] == 1 and S != 1:
             n_keys = n_keys * S
         n_keys = n_keys.expand(B, Hq, L).contiguous()
-    out, _ = attention_op(q, k, v, mask, is_causal, float(scale), None if softcap is None else float(softcap),
-                          normalizer, param, float(dropout_p), seed,
+    cap = None if softcap is None else float(softcap)
+    if (config.eager_aten(q) and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                               or (param is not None and param.requires_grad))
+            and 0 < B * Hq * L * S * (torch.finfo(acc).bits // 8) <= EAGER_AUTOGRAD_MAX_SCORE_BYTES and Ev):
+        out = autocast_off(torch_forward)(q, k, v, mask, is_causal, float(scale), cap, normalizer, param,
+                                          float(dropout_p), 0 if seed is None else int(seed.item()), n_keys)
+        return out.view(*batch, Hq, L, Ev)
+    out, _ = attention_op(q, k, v, mask, is_causal, float(scale), cap, normalizer, param, float(dropout_p), seed,
                           None if skip_threshold is None else float(skip_threshold), n_keys)
     return out.view(*batch, Hq, L, Ev)

@@ -330,6 +330,15 @@ def cross_entropy(
         n *= s
     check_options(target, n, v, weight, token_weight, ignore_index, reduction, label_smoothing, softcap, scale,
                   lse_square_scale, "logits", input.device, dtype)
+    if (config.eager_aten(input) and not needs_grad(input, weight) and not chunk_bytes
+            and input.dtype in (torch.float32, torch.float64) and dtype in (None, input.dtype)
+            and target.dtype in (torch.int64, input.dtype)
+            and token_weight is None and scale == 1.0 and softcap is None and lse_square_scale == 0.0
+            and not (return_lse or return_z_loss) and d == (1 if input.dim() >= 2 else 0)):
+        # Inference on CPU with nothing F.cross_entropy lacks: its fused ATen kernel is faster there (and with
+        # nothing to differentiate, the online path saves no gradient buffer): bench_eager_ops.py
+        return torch.nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index,
+                                                 reduction=reduction, label_smoothing=label_smoothing)
     x2 = x.reshape(n, v)
     out_dtype = loss_dtype(dtype, input)
     cb = int(chunk_bytes or 0)

@@ -346,8 +346,9 @@ def _local(t, what: str, want_shard: bool):
     return t.to_local(), mesh
 
 
-@torch._dynamo.disable(reason="smxcompile's vocabulary-parallel cross-entropy runs eagerly (c10d collectives): a "
-                       "deliberate graph break; fullgraph=True cannot include it")
+# A deliberate graph break (c10d collectives run eagerly; fullgraph=True cannot include it). torch's lazy
+# form of torch._dynamo.disable: importing Dynamo here would add ~1 s to ``import smxcompile``.
+@torch._disable_dynamo
 def vocab_parallel_linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..common import FLOAT_DTYPES
-from .ops import log_softmax_op, softmax_op
+from ..config import eager_aten
+from .ops import log_softmax_op, softmax_op, softmax_torch
 
 __all__ = ["softmax", "log_softmax"]
 
@@ -52,7 +53,8 @@ def _check_args(x, dim, dtype, mask, scale, softcap):
 def _call(op, x, dim, scale, softcap, mask, dtype, return_lse):
     """Validate the public arguments, run ``op``, drop ``lse`` unless asked for."""
     x = _check_args(x, dim, dtype, mask, scale, softcap)
-    y, lse = op(x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
+    args = (x, dim, float(scale), None if softcap is None else float(softcap), mask, dtype, return_lse)
+    y, lse = softmax_torch(*args, log=op is log_softmax_op) if eager_aten(x) else op(*args)
     return (y, lse) if return_lse else y
 
 
@@ -89,7 +91,8 @@ def softmax(
         ValueError: a mask that does not broadcast to ``x``, ``softcap <= 0``.
 
     Source: online softmax, Milakov & Gimelshein, "Online normalizer calculation
-    for softmax" (2018), on CUDA; ATen's kernels on CPU.
+    for softmax" (2018), on CUDA; ATen's kernels on CPU (called eagerly there, the ATen composition runs
+    without the custom op, so it costs what ``torch.softmax`` costs).
     """
     return _call(softmax_op, x, dim, scale, softcap, mask, dtype, return_lse)
 

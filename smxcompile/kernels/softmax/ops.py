@@ -22,7 +22,7 @@ import torch
 from .. import config
 from ..common import acc_dtype
 
-__all__ = ["softmax_op", "log_softmax_op", "prologue"]
+__all__ = ["softmax_op", "log_softmax_op", "prologue", "softmax_torch"]
 
 
 def _lse_shape(x: torch.Tensor, dim: int) -> list:
@@ -61,15 +61,28 @@ def _forward_impl(x, dim, scale, softcap, mask, dtype, return_lse, log):
         return softmax_forward(
             x, dim, scale=scale, softcap=softcap, mask=mask, log=log, out_dtype=out_dtype, return_lse=return_lse
         )
+    return softmax_torch(x, dim, scale, softcap, mask, dtype, return_lse, log)
+
+
+def softmax_torch(x: torch.Tensor, dim: int, scale: float, softcap: float | None, mask: torch.Tensor | None,
+                  dtype: torch.dtype | None, return_lse: bool, log: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's torch path: ATen's softmax / log-softmax after :func:`prologue`, differentiable by torch's autograd
+    (what :func:`smxcompile.softmax` runs when called eagerly on CPU, and the op's CPU kernel).
+
+    Args and returns: those of ``smx::softmax`` (``log`` selects log-softmax); ``lse`` is empty unless
+    ``return_lse``.
+    """
+    out_dtype = dtype or x.dtype
     plain = scale == 1.0 and softcap is None and mask is None
     z = x if plain else prologue(x, scale, softcap, mask)
     fn = torch.log_softmax if log else torch.softmax
     if out_dtype == torch.float64:
         y = fn(z.double(), dim)
-    elif z.dtype in (torch.float16, torch.bfloat16):
+    elif z.dtype in (torch.float16, torch.bfloat16) and (log or out_dtype != z.dtype):
         # fp32 math, one rounding at the end (ATen's half kernels round log-probs less accurately)
         y = fn(z, dim, dtype=torch.float32).to(out_dtype)
     else:
+        # (a half softmax: ATen's kernel accumulates in fp32 and rounds once, 1.5x faster than an fp32 copy)
         y = fn(z, dim).to(out_dtype)
     y = y.contiguous()
     if return_lse:

@@ -4,10 +4,40 @@ from __future__ import annotations
 
 import torch
 
-from ..common import FLOAT_DTYPES
+from ..common import FLOAT_DTYPES, acc_dtype
+from ..config import eager_aten
 from .ops import softmax_topk_op
 
 __all__ = ["softmax_topk"]
+
+#: From this many columns an eager call takes the logits' top-k first (renormalized: 3.2x torch's softmax then
+#: top-k at 64x131072 k=50, 1.05x at 8192x64 k=2, but 0.8x at 8 columns; not renormalized, the extra gather costs
+#: 3% at 8 columns): ``python benchmarks/bench_eager_ops.py --ops softmax_topk``.
+TOPK_FIRST_MIN_COLUMNS = 64
+
+
+def _aten_path(x, k, dim, scale, renormalize, dtype):
+    """The eager path (no custom op; torch's autograd): the ATen composition measured fastest.
+
+    Rows shorter than :data:`TOPK_FIRST_MIN_COLUMNS`: torch's own softmax then top-k. Longer rows: a renormalized
+    top-k is the softmax of the k largest logits (the normalizer cancels), so the row's exp is never taken;
+    otherwise torch's softmax gathered at the logits' top-k (rounding can tie the probabilities of distinct
+    logits: the largest logit comes first, as in the kernels). NaN, +inf and all -inf rows give NaN values, as
+    in torch."""
+    acc = acc_dtype(x)
+    z = x if scale == 1.0 else x.to(acc) * scale
+    if x.shape[dim] < TOPK_FIRST_MIN_COLUMNS:
+        v, i = torch.softmax(z, dim, dtype=acc).topk(k, dim)
+        if renormalize:
+            v = v / v.sum(dim, keepdim=True)
+    elif renormalize:
+        v, i = z.topk(k, dim)
+        v = torch.softmax(v, dim, dtype=acc)
+        v = v / v.sum(dim, keepdim=True)  # torch.sum's cascade: as accurate as torch's own renormalization
+    else:
+        i = z.topk(k, dim).indices
+        v = torch.softmax(z, dim, dtype=acc).gather(dim, i)
+    return torch.return_types.topk((v.to(dtype or x.dtype), i))
 
 
 def softmax_topk(x: torch.Tensor, k: int, dim: int = -1, *, renormalize: bool = False, temperature: float = 1.0,
@@ -39,7 +69,8 @@ def softmax_topk(x: torch.Tensor, k: int, dim: int = -1, *, renormalize: bool = 
         IndexError: ``dim`` out of range.
 
     Source: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018), fused softmax + top-k;
-    Triton kernels on CUDA, two passes per row without the full probability tensor on CPU.
+    Triton kernels on CUDA. Called eagerly on CPU, torch's own composition (the fastest measured there, see
+    ``_aten_path``); in a compiled graph on CPU, two passes per row without the full probability tensor.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
@@ -61,5 +92,7 @@ def softmax_topk(x: torch.Tensor, k: int, dim: int = -1, *, renormalize: bool = 
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
         or not temperature == temperature or temperature <= 0 or temperature == float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if eager_aten(x):
+        return _aten_path(x, k, dim % x.dim(), 1.0 / float(temperature), bool(renormalize), dtype)
     values, indices, _ = softmax_topk_op(x, k, dim % x.dim(), 1.0 / float(temperature), bool(renormalize), dtype)
     return torch.return_types.topk((values, indices))

@@ -70,7 +70,8 @@ def _checks(m: CEMatch, ctx: PassContext) -> str:
 
 
 def _cpu_keep(m: CEMatch, ctx: PassContext) -> str:
-    """Rules ``cross_entropy`` and ``linear_cross_entropy_min_vocab`` of ``CPU_RULES``."""
+    """Rules ``cross_entropy``, ``linear_cross_entropy_inference`` and ``linear_cross_entropy_min_vocab`` of
+    ``CPU_RULES``."""
     if m.kind == "cross_entropy":
         return ("CPU: Inductor's fused C++ cross-entropy is faster on given logits (the online CE op "
                 f"measured 2.4-3x slower, docs/PERFORMANCE.md; {FORCE_HINT})")
@@ -78,10 +79,14 @@ def _cpu_keep(m: CEMatch, ctx: PassContext) -> str:
     if not isinstance(v, int):
         # symbolic vocabulary (dynamic=True): decide on the example's size (a speed choice only)
         v = optimization_hint(v, fallback=0)
+    logits = tensor_val(m.logits)
+    if logits is not None and not logits.requires_grad:  # traced without grad mode or without a trainable input
+        return (f"CPU: no gradient (evaluation); Inductor's matmul and fused C++ loss were measured faster "
+                f"(CPU_RULES['linear_cross_entropy_inference']; {FORCE_HINT})")
     need = cpu_threshold("linear_cross_entropy_min_vocab")
     if v < need:
-        return (f"CPU: {v} classes; below {need} the logits are small and Inductor's fused code "
-                f"is as fast ({FORCE_HINT})")
+        return (f"CPU: {v} classes; below {need} cut CE's extra pass over the classifier costs more than the "
+                f"logits it saves (CPU_RULES['linear_cross_entropy_min_vocab']; {FORCE_HINT})")
     return ""
 
 

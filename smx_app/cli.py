@@ -1,8 +1,8 @@
 """The ``smx`` command line: ``smx demo``, ``smx explain``, ``smx swap``, ``smx eval``, ``smx export``.
 
-Run as ``smx`` (the console script) or ``python -m smxcompile.app.cli``. The commands live by group:
-:mod:`smxcompile.app.demo` (``smx demo``), :mod:`smxcompile.app.cli_export` (``smx explain``, ``smx export``),
-:mod:`smxcompile.app.cli_swap` (``smx swap``, ``smx eval``).
+Run as ``smx`` (the console script) or ``python -m smx_app.cli``. The commands live by group:
+:mod:`smx_app.demo` (``smx demo``), :mod:`smx_app.cli_export` (``smx explain``, ``smx export``),
+:mod:`smx_app.cli_swap` (``smx swap``, ``smx eval``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    from smxcompile.app import demo
+    from smx_app import demo
 
     d = sub.add_parser("demo", help="train a small GPT-2 on real text under eager, inductor and smx",
                        formatter_class=argparse.RawDescriptionHelpFormatter)

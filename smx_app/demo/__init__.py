@@ -27,7 +27,7 @@ The main job of smxcompile, end to end, on real input:
 
 Use it from the command line (``smx demo --help``) or in-process::
 
-    from smxcompile.app import demo
+    from smx_app import demo
     parser = argparse.ArgumentParser(); demo.add_arguments(parser)
     exit_code = demo.run(parser.parse_args(["--quick"]))
 

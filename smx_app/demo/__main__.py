@@ -1,4 +1,4 @@
-"""``python -m smxcompile.app.demo [options]``: the same as ``smx demo``."""
+"""``python -m smx_app.demo [options]``: the same as ``smx demo``."""
 
 import sys
 

@@ -1,6 +1,6 @@
 """``smx swap`` (a variant in place of a checkpoint's softmax, calibrated / fine-tuned, perplexity compared)
 and ``smx eval`` (held-out perplexity and attention statistics of a checkpoint): their commands and their
-parsers, on :mod:`smxcompile.app.lm`."""
+parsers, on :mod:`smx_app.lm`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ only they train, every weight of the model frozen) and fine-tune every weight
 (--finetune). Held-out perplexity is measured before the swap, right after it, after
 calibration and after fine-tuning, and printed as a table. The swapped model is saved
 with save_pretrained (weights, config with the swap manifest, tokenizer) plus
-results.json; `smx eval OUT` and smxcompile.app.lm.load_lm(OUT) load it back.
+results.json; `smx eval OUT` and smx_app.lm.load_lm(OUT) load it back.
 
 CHECKPOINT is a transformers checkpoint folder with tokenizer.json, e.g. the
 checkpoint/ folder `smx demo` saves (or the demo's --out folder above it). The text
@@ -54,7 +54,7 @@ outputs (in --out):
                                    manifest (which variant at which site, parameter shapes)
   tokenizer.json, ...              copied from CHECKPOINT
   results.json                     settings, perplexity per stage, training losses, the swap
-load it back: smx eval OUT, smxcompile.app.lm.load_lm(OUT), or
+load it back: smx eval OUT, smx_app.lm.load_lm(OUT), or
   smxcompile.from_pretrained(transformers.AutoModelForCausalLM, OUT)
 
 notes:
@@ -173,7 +173,7 @@ def _load_data(ck: Path, args: argparse.Namespace, console):
     """``lm.lm_data`` with its guesses printed as warnings."""
     import warnings
 
-    from smxcompile.app import lm
+    from smx_app import lm
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -210,7 +210,7 @@ def _learned(model) -> dict[str, dict[str, list[float]]]:
 
 def _open_lm(ck, args: argparse.Namespace, console, device: str):
     """The checkpoint's model and data, and the held-out windows to evaluate: ``(data, model, held)``."""
-    from smxcompile.app import lm
+    from smx_app import lm
 
     try:
         data = _load_data(ck, args, console)
@@ -252,7 +252,7 @@ def _swap(args: argparse.Namespace, console) -> int:
         raise _UsageError(f"unknown variant {args.variant!r}; known: {', '.join(variants.names())} "
                           "(smx swap --list-variants shows their formulas)") from None
     params = _parse_params(variant.name, args.param)
-    from smxcompile.app import lm
+    from smx_app import lm
 
     try:
         ck = lm.checkpoint_dir(args.checkpoint)
@@ -391,7 +391,7 @@ def _eval_cmd(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace, console) -> int:
-    from smxcompile.app import lm
+    from smx_app import lm
 
     try:
         ck = lm.checkpoint_dir(args.checkpoint)

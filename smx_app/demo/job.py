@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...edit.swap_io import quiet_transformers
 from .data import EOT, load_corpus, make_batches, make_windows, split_windows, train_tokenizer
 from .model import build_model, count_attention_calls
 from .results import check_checkpoint, loss_memory_note, markdown_table, plot_losses, print_table, save_checkpoint, \
@@ -74,6 +73,8 @@ def run_demo(args: argparse.Namespace, console=None) -> DemoResult:
 
     import torch
 
+    from smxcompile.edit.swap_io import quiet_transformers  # here: smxcompile imports torch (smx --help stays fast)
+
     with quiet_transformers(progress_bars=False):
         return _run(s, console, t_start, torch)
 
@@ -112,8 +113,10 @@ def _run(s: Settings, console, t_start: float, torch) -> DemoResult:
                   f"{s.seq_len}; {s.steps} steps x {s.batch_size} windows ({time.perf_counter() - t0:.1f}s)")
     if tok_vocab < s.vocab_size:
         console.print(f"[yellow]note: the corpus ran out of merges at {tok_vocab} tokens; the embedding and "
-                      f"LM head keep {s.vocab_size} rows (the rest are never targets). Use --corpus "
-                      "topics+docstrings for a fully learned vocabulary.[/]")
+                      f"LM head keep {s.vocab_size} rows (the rest are never targets, as in a model whose "
+                      "vocabulary is padded)"
+                      + (". Use --corpus topics+docstrings for a fully learned vocabulary." if s.corpus == "topics"
+                         else ".") + "[/]")
 
     # 2. model ----------------------------------------------------------------
     eos = tokenizer.token_to_id(EOT)
@@ -274,5 +277,5 @@ def _version(dist: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m smxcompile.app.demo [options]``: the same as ``smx demo``."""
+    """``python -m smx_app.demo [options]``: the same as ``smx demo``."""
     return run(build_parser().parse_args(argv))

@@ -1,7 +1,7 @@
 """``smx demo`` data: real text shipped with Python (``pydoc_data.topics`` and the standard library's
 docstrings), a byte-level BPE tokenizer trained on it, fixed windows of tokens, the held-out split and
 the seeded batch order. ``smx swap`` / ``smx eval`` rebuild a checkpoint's windows with the same
-functions (:func:`smxcompile.app.lm.lm_data`)."""
+functions (:func:`smx_app.lm.lm_data`)."""
 
 from __future__ import annotations
 

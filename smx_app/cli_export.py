@@ -42,7 +42,7 @@ def _export_cmd(args: argparse.Namespace) -> int:
     import torch
 
     import smxcompile
-    from smxcompile.app import lm
+    from smx_app import lm
 
     try:
         ck = lm.checkpoint_dir(args.checkpoint)
@@ -172,7 +172,7 @@ def _explain_cmd(args: argparse.Namespace) -> int:
         if not isinstance(fargs, (tuple, list)):
             fargs = (fargs,)
     else:
-        from smxcompile.app.demo import demo_model_and_inputs
+        from smx_app.demo import demo_model_and_inputs
 
         model, fargs, fkwargs = demo_model_and_inputs()
     try:

@@ -9,7 +9,7 @@ writes (a model swapped by :func:`smxcompile.swap`, saved with ``save_pretrained
 * :func:`checkpoint_dir` / :func:`load_lm` / :func:`save_lm`: find and load one (a swapped one is
   restored with :func:`smxcompile.from_pretrained`) in eval mode with eager attention; save one.
 * :func:`lm_data`: its training and held-out windows, rebuilt as ``smx demo`` built them
-  (:func:`smxcompile.app.demo.load_corpus`, ``make_windows``, ``split_windows``: every
+  (:func:`smx_app.demo.load_corpus`, ``make_windows``, ``split_windows``: every
   ``demo.EVAL_EVERY``-th window held out) with the checkpoint's own tokenizer and the demo's
   ``results.json`` settings (window length, corpus).
 * :func:`perplexity`: held-out next-token loss and perplexity.
@@ -72,7 +72,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def is_swapped(folder: str | Path) -> bool:
     """Whether the checkpoint folder holds a swapped model (``smx_swap.json``, or ``config.json`` with ``smx_swap``)."""
-    from ..edit.swap_io import read_manifest
+    from smxcompile.edit.swap_io import read_manifest
 
     try:
         read_manifest(folder)
@@ -101,7 +101,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    from ..edit.swap_io import from_pretrained, quiet_transformers
+    from smxcompile.edit.swap_io import from_pretrained, quiet_transformers
 
     folder = checkpoint_dir(path)
     with quiet_transformers(progress_bars=False):   # no "Loading weights" bar, no warning about the variants' tensors
@@ -121,7 +121,7 @@ def save_lm(model: nn.Module, folder: str | Path, *, tokenizer_from: str | Path 
     Raises:
         FileNotFoundError: ``tokenizer_from`` is given but holds no ``tokenizer.json``.
     """
-    from ..edit.swap_io import quiet_transformers
+    from smxcompile.edit.swap_io import quiet_transformers
 
     out = Path(folder)
     src = Path(tokenizer_from) if tokenizer_from is not None else None
@@ -162,7 +162,7 @@ class LMData:
 
     Attributes:
         train: int64 ``[N, T]`` token ids, the training windows (``T = seq_len``).
-        heldout: int64 ``[M, T]``, every ``smxcompile.app.demo.EVAL_EVERY``-th window (never trained on).
+        heldout: int64 ``[M, T]``, every ``smx_app.demo.EVAL_EVERY``-th window (never trained on).
         seq_len: ``T``. corpus: the demo corpus name (``"topics"`` or ``"topics+docstrings"``).
         tokenizer: the ``tokenizer.json`` used. vocab_size: its vocabulary size.
         settings: the demo's (or ``smx swap``'s) ``results.json`` settings, ``{}`` when there was none.
@@ -206,7 +206,7 @@ def lm_data(checkpoint: str | Path, *, seq_len: int | None = None, corpus: str |
         checkpoint: a checkpoint folder or the ``smx demo --out`` folder above it.
         seq_len: the window length; default: ``settings.seq_len`` of the ``results.json`` next to the
             checkpoint (:func:`demo_settings`), else the model's ``n_positions`` (a guess: warned).
-        corpus: a corpus of :func:`smxcompile.app.demo.load_corpus`; default: ``settings.corpus`` of that
+        corpus: a corpus of :func:`smx_app.demo.load_corpus`; default: ``settings.corpus`` of that
             file, else the demo's default corpus (a guess: warned).
 
     Returns:
@@ -352,7 +352,7 @@ def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, 
 def variant_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The learnable parameters of the variants swapped into ``model`` (under ``model.smx_swap``;
     ``[]`` for a model that was not swapped or whose variants have none)."""
-    from ..edit.swap import swapper_of
+    from smxcompile.edit.swap import swapper_of
 
     s = swapper_of(model)
     return list(s.parameters()) if s is not None else []
@@ -362,7 +362,7 @@ def train_steps(model: nn.Module, windows: torch.Tensor, *, steps: int, batch_si
                 which: str = "all", seed: int = 0, progress: bool = True, desc: str | None = None) -> list[float]:
     """Train ``model`` in place: ``steps`` AdamW steps of the causal-LM loss on batches of ``windows``.
 
-    Each step draws ``batch_size`` windows in the seeded order of :func:`smxcompile.app.demo.make_batches`
+    Each step draws ``batch_size`` windows in the seeded order of :func:`smx_app.demo.make_batches`
     (each epoch reshuffled) and minimizes ``model(input_ids=b, labels=b).loss`` (mean next-token NLL,
     as ``smx demo`` trains), in train mode (restored afterwards), on the model's device.
 
@@ -489,7 +489,7 @@ def attention_stats(model: nn.Module, windows: torch.Tensor, *, batch_size: int 
     """
     import contextlib
 
-    from ..edit.swap import swapper_of
+    from smxcompile.edit.swap import swapper_of
 
     s = swapper_of(model)
     if s is None:
