@@ -19,7 +19,7 @@ gradient to the float inputs by ``torch.autograd.grad`` with a fixed random cota
 
 Usage:
   python benchmarks/bench_eager_ops.py                 # every row (~3 min on 2 cores)
-  python benchmarks/bench_eager_ops.py --quick         # one row per op, short timings
+  python benchmarks/bench_eager_ops.py --quick         # one or two rows per op, short timings
   python benchmarks/bench_eager_ops.py --markdown --json out.json --ops softmax_topk,attention
 """
 
@@ -50,7 +50,7 @@ def _causal_softcap(q, k, v, cap):
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     s = torch.tanh(s / cap) * cap
     L, S = s.shape[-2:]
-    s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     return torch.softmax(s, -1) @ v
 
 
@@ -70,7 +70,8 @@ def cases(device: str, quick: bool) -> list[tuple[str, str, Callable, Callable, 
             out.append(("log_softmax", label, lambda x: smxcompile.log_softmax(x), lambda x: torch.log_softmax(x, -1),
                         [x]))
     if not quick:
-        x, m = rnd(4096, 1024), torch.zeros(1, 1024, device=device).masked_fill_(torch.arange(1024) >= 896, -math.inf)
+        x = rnd(4096, 1024)
+        m = torch.zeros(1, 1024, device=device).masked_fill_(torch.arange(1024, device=device) >= 896, -math.inf)
         out.append(("softmax", "4096x1024 scale+mask", lambda x: smxcompile.softmax(x, scale=0.125, mask=m),
                     lambda x: torch.softmax(x * 0.125 + m, -1), [x]))
         xb = rnd(64, 32000, dtype=torch.bfloat16)
@@ -156,7 +157,8 @@ def time_pair(stmts: dict[str, Callable], rounds: int, min_run_time: float, devi
                 fn()
                 _sync(device)
             call()
-            m = Timer("call()", globals={"call": call}).blocked_autorange(min_run_time=min_run_time)
+            m = Timer("call()", globals={"call": call},
+                      num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
             times[name].extend(t * 1e3 for t in m.times)  # per call (raw_times are per block)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
@@ -164,11 +166,12 @@ def time_pair(stmts: dict[str, Callable], rounds: int, min_run_time: float, devi
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one row per op, one short round (CI smoke)")
+    p.add_argument("--quick", action="store_true", help="one or two rows per op, one short round (CI smoke)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds per row (default 3; --quick 1)")
-    p.add_argument("--min-run-time", type=float, default=None, help="seconds per timing block (default 0.3)")
+    p.add_argument("--min-run-time", type=float, default=None,
+                   help="seconds of blocked_autorange per op per round (default 0.3; --quick 0.1)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")

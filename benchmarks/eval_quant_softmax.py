@@ -89,7 +89,7 @@ examples:
   python benchmarks/eval_quant_softmax.py --checkpoint /tmp/ckpt/seed0/checkpoint \\
       --checkpoint /tmp/ckpt/seed1/checkpoint --markdown \\
       --json docs/bench_quant_softmax.json --plot docs/quant_softmax.png
-  # from scratch: train the checkpoints first (smx demo --backends eager --seed S, ~1-2 min each)
+  # from scratch: train the checkpoints first (smx demo --small --backends eager --seed S, ~1-2 min each)
   python benchmarks/eval_quant_softmax.py --checkpoint runs/seed0 --checkpoint runs/seed1 --train-if-missing
   # smoke run (< 1 min): one checkpoint, 2 calibration and 2 evaluation batches, bits 8 and 4
   python benchmarks/eval_quant_softmax.py --checkpoint runs/seed0 --quick
@@ -98,7 +98,7 @@ checkpoint directories:
   Either a demo --out directory or its checkpoint/ subdirectory. The window length and corpus are
   read from the demo's results.json (next to checkpoint/); without it they default to
   config.n_positions and the demo's default corpus (override with --seq-len / --corpus).
-  --train-if-missing trains a missing one with `smx demo --backends eager --seed S --out DIR`,
+  --train-if-missing trains a missing one with `smx demo --small --backends eager --seed S --out DIR`,
   S from a 'seed<N>' part of the path, else the checkpoint's position in the list.
 """
 
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
                    help="only redraw --plot from an earlier --json file (no evaluation)")
     p.add_argument("--train-if-missing", action="store_true",
-                   help="train a missing checkpoint with `smx demo --backends eager --seed S --out DIR` first")
+                   help="train a missing checkpoint with `smx demo --small --backends eager --seed S --out DIR` first")
     p.add_argument("--train-args", default="", metavar="STR",
                    help="extra `smx demo` options for --train-if-missing, one string: --train-args='--quick --steps 20'")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is met by no correction setting")
@@ -221,11 +221,12 @@ def label_of(path: Path) -> str:
 
 
 def train_missing(path: Path, index: int, extra: str, console) -> Path:
-    """Run ``smx demo --backends eager --seed S --out OUT`` so that ``path`` becomes a checkpoint."""
+    """Run ``smx demo --small --backends eager --seed S --out OUT`` so that ``path`` becomes a checkpoint (the
+    128-token configuration the figures in docs/PERFORMANCE.md were taken on)."""
     out = path.parent if path.name == "checkpoint" else path
     m = re.search(r"seed(\d+)", str(path))
     seed = int(m.group(1)) if m else index
-    cmd = [sys.executable, "-m", "smx_app.cli", "demo", "--backends", "eager", "--seed", str(seed),
+    cmd = [sys.executable, "-m", "smx_app.cli", "demo", "--small", "--backends", "eager", "--seed", str(seed),
            "--out", str(out), *shlex.split(extra)]
     console.print(f"[bold]training missing checkpoint[/]: {shlex.join(cmd)}")
     t0 = time.perf_counter()

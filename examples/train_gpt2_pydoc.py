@@ -16,7 +16,7 @@ import smxcompile
 SEQ_LEN, BATCH, STEPS = 128, 8, 20
 
 # 1. Real text and a BPE tokenizer trained on it (this text alone supports about 9K tokens;
-#    `smx demo` adds the standard library's docstrings to learn a 16K vocabulary).
+#    `smx demo` adds the standard library's docstrings, where the BPE reaches about 27K tokens).
 docs = [topics[k] for k in sorted(topics)]
 tokenizer = Tokenizer(models.BPE())
 tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

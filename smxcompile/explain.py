@@ -15,8 +15,9 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     """Trace ``model(*args, **kwargs)`` the way the ``smx`` backend does and list every candidate site.
 
     The model runs once through Dynamo, as ``torch.compile`` would run it — with gradients for a module in
-    training mode (the CPU policy decides some sites differently in training and in inference), under
-    ``torch.no_grad`` for one in eval mode, in the caller's grad mode for a function — but nothing is compiled, and the model's buffers (e.g. BatchNorm statistics) and the
+    training mode or a function (the CPU policy decides some sites differently in training and in inference),
+    under ``torch.no_grad`` for a module in eval mode or when the caller is in ``no_grad`` — but nothing is
+    compiled, and the model's buffers (e.g. BatchNorm statistics) and the
     random-number generators are restored afterwards, so calling ``explain`` before training
     changes nothing. Like ``torch._dynamo.explain`` it resets Dynamo first: functions compiled
     earlier recompile on their next call.
@@ -53,7 +54,7 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
     compiled = torch.compile(model, backend=collect, dynamic=False)
     try:
         # traced as the backend traces: logging calls are no graph breaks (smxcompile.backends.tracing)
-        grad = model.training if isinstance(model, torch.nn.Module) else torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() and (model.training if isinstance(model, torch.nn.Module) else True)
         with torch.set_grad_enabled(grad), restore_state(model), ignore_logging():
             compiled(*args, **kwargs)
     finally:

@@ -90,7 +90,7 @@ def loss_memory_note(rows: list[dict[str, Any]], rep, s) -> str:
     buf_mb = tokens * s.vocab_size * 4 / 2**20
     saved = ind["peak_mem_mb"] - smx["peak_mem_mb"]
     head = (f"loss memory: the logits are {tokens} tokens x {s.vocab_size} classes = {buf_mb:.0f} MB per fp32 buffer; "
-            f"{smx['backend']} peaks {saved:.0f} MB below inductor "
+            f"{smx['backend']} peaks {abs(saved):.0f} MB {'below' if saved >= 0 else 'above'} inductor "
             f"({smx['peak_mem_mb']:.0f} vs {ind['peak_mem_mb']:.0f} MB)")
     if not n_ce:
         return head + ": no cut cross-entropy rewrite fired, so the loss's buffers are Inductor's."

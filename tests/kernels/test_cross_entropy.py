@@ -1380,3 +1380,15 @@ def test_returned_gradients_are_independent_tensors():
         g1.mul_(2)
     (g2,) = torch.autograd.grad(loss, h)
     torch.testing.assert_close(g2, keep)
+
+
+def test_eager_inference_matches_the_op_path_with_mixed_dtypes():
+    """Without a gradient an eager call may run F.cross_entropy; a class weight or targets of another dtype (numpy's
+    fp64 weights, int32 targets) must give what the op path gives, not F.cross_entropy's dtype errors."""
+    x = torch.randn(6, 5, dtype=torch.float64)
+    for t, w in ((torch.tensor([0, 1, 2, 3, 4, -100]), torch.rand(5) + 0.5),
+                 (torch.tensor([0, 1, 2, 3, 4, 1], dtype=torch.int32), torch.rand(5, dtype=torch.float64) + 0.5)):
+        with torch.no_grad():
+            fast = smxcompile.cross_entropy(x, t, w)
+        ref = smxcompile.cross_entropy(x.clone().requires_grad_(), t, w).detach()
+        torch.testing.assert_close(fast, ref)

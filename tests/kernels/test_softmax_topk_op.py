@@ -586,3 +586,16 @@ def test_compiled_with_inductor(_fresh_dynamo, dynamic):
         (got[0].sum() + got[1].sum()).backward()
         torch.testing.assert_close(xb.grad, xa.grad)
         torch.testing.assert_close(wb.grad, wa.grad)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("n", [8, 100])
+def test_eager_orders_probability_ties_by_the_logits(n, renormalize):
+    """Two different logits whose probabilities round to the same fp32 number: the larger logit comes first in an
+    eager call too (torch's softmax-then-topk orders such ties arbitrarily), as in the op."""
+    x = torch.zeros(3, n)
+    x[:, 1] = 1e-9
+    x[1, n - 1] = 2e-9
+    i = smxcompile.softmax_topk(x, 1, renormalize=renormalize).indices
+    assert i[:, 0].tolist() == [1, n - 1, 1]
+    assert torch.equal(i, run_op(x, 1, -1, renormalize)[1])

@@ -17,10 +17,12 @@ from .torch_path import torch_forward
 __all__ = ["attention"]
 
 #: An eager CPU call that needs gradients and whose scores (all heads, the accumulation dtype) fit in this
-#: many bytes runs the torch path under torch's autograd, which keeps each block's weights as the written-out
-#: attention does: 1.5x faster in training than the op's backward, which recomputes them to save that memory
-#: (soft-capped 1x8x512x64: ``python benchmarks/bench_eager_ops.py --ops attention``). Larger calls keep the op.
-EAGER_AUTOGRAD_MAX_SCORE_BYTES = 256 * 2**20
+#: many bytes runs the torch path under torch's autograd, which keeps each block's intermediates as the
+#: written-out attention does (2.4x the scores for ssmax, 3.4x soft-capped softmax, up to 8.7x softpick /
+#: entmax15: at most ~280 MB here): faster in training than the op's backward, which recomputes them to keep
+#: only q, k, v and the output (``python benchmarks/bench_eager_ops.py --ops attention``). Larger calls keep
+#: the op, whose memory is O(L x block).
+EAGER_AUTOGRAD_MAX_SCORE_BYTES = 32 * 2**20
 
 
 def _is_real(x) -> bool:

@@ -332,7 +332,7 @@ def cross_entropy(
                   lse_square_scale, "logits", input.device, dtype)
     if (config.eager_aten(input) and not needs_grad(input, weight) and not chunk_bytes
             and input.dtype in (torch.float32, torch.float64) and dtype in (None, input.dtype)
-            and target.dtype in (torch.int64, input.dtype)
+            and target.dtype in (torch.int64, input.dtype) and (weight is None or weight.dtype == input.dtype)
             and token_weight is None and scale == 1.0 and softcap is None and lse_square_scale == 0.0
             and not (return_lse or return_z_loss) and d == (1 if input.dim() >= 2 else 0)):
         # Inference on CPU with nothing F.cross_entropy lacks: its fused ATen kernel is faster there (and with

@@ -10,33 +10,31 @@ from .ops import softmax_topk_op
 
 __all__ = ["softmax_topk"]
 
-#: From this many columns an eager call takes the logits' top-k first (renormalized: 3.2x torch's softmax then
-#: top-k at 64x131072 k=50, 1.05x at 8192x64 k=2, but 0.8x at 8 columns; not renormalized, the extra gather costs
-#: 3% at 8 columns): ``python benchmarks/bench_eager_ops.py --ops softmax_topk``.
+#: From this many columns a renormalized eager call takes the softmax of the k largest logits only (3.2x torch's
+#: softmax then top-k at 64x131072 k=50, 1.05x at 8192x64 k=2, but 0.8x at 8 columns):
+#: ``python benchmarks/bench_eager_ops.py --ops softmax_topk``.
 TOPK_FIRST_MIN_COLUMNS = 64
 
 
 def _aten_path(x, k, dim, scale, renormalize, dtype):
     """The eager path (no custom op; torch's autograd): the ATen composition measured fastest.
 
-    Rows shorter than :data:`TOPK_FIRST_MIN_COLUMNS`: torch's own softmax then top-k. Longer rows: a renormalized
-    top-k is the softmax of the k largest logits (the normalizer cancels), so the row's exp is never taken;
-    otherwise torch's softmax gathered at the logits' top-k (rounding can tie the probabilities of distinct
-    logits: the largest logit comes first, as in the kernels). NaN, +inf and all -inf rows give NaN values, as
-    in torch."""
+    The indices are the logits' top-k (rounding can tie the probabilities of distinct logits: the larger logit
+    comes first, as in the kernels and the compiled path). From :data:`TOPK_FIRST_MIN_COLUMNS` columns a
+    renormalized top-k is the softmax of those k logits (the normalizer cancels), so the row's exp is never
+    taken; otherwise the values are torch's softmax gathered at the indices. NaN, +inf and all -inf rows give
+    NaN values, as in torch."""
     acc = acc_dtype(x)
     z = x if scale == 1.0 else x.to(acc) * scale
-    if x.shape[dim] < TOPK_FIRST_MIN_COLUMNS:
-        v, i = torch.softmax(z, dim, dtype=acc).topk(k, dim)
-        if renormalize:
-            v = v / v.sum(dim, keepdim=True)
-    elif renormalize:
+    if renormalize and x.shape[dim] >= TOPK_FIRST_MIN_COLUMNS:
         v, i = z.topk(k, dim)
         v = torch.softmax(v, dim, dtype=acc)
         v = v / v.sum(dim, keepdim=True)  # torch.sum's cascade: as accurate as torch's own renormalization
     else:
         i = z.topk(k, dim).indices
         v = torch.softmax(z, dim, dtype=acc).gather(dim, i)
+        if renormalize:
+            v = v / v.sum(dim, keepdim=True)
     return torch.return_types.topk((v.to(dtype or x.dtype), i))
 
 
