@@ -226,8 +226,10 @@ def train_missing(path: Path, index: int, extra: str, console) -> Path:
     out = path.parent if path.name == "checkpoint" else path
     m = re.search(r"seed(\d+)", str(path))
     seed = int(m.group(1)) if m else index
-    cmd = [sys.executable, "-m", "smx_app.cli", "demo", "--small", "--backends", "eager", "--seed", str(seed),
-           "--out", str(out), *shlex.split(extra)]
+    extra_args = shlex.split(extra)
+    small = [] if "--quick" in extra_args else ["--small"]  # (--quick is its own configuration)
+    cmd = [sys.executable, "-m", "smx_app.cli", "demo", *small, "--backends", "eager", "--seed", str(seed),
+           "--out", str(out), *extra_args]
     console.print(f"[bold]training missing checkpoint[/]: {shlex.join(cmd)}")
     t0 = time.perf_counter()
     rc = subprocess.run(cmd).returncode
