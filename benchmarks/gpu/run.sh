@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared script for a CUDA machine: GPU tests, then GPU benchmarks, in < 10 minutes.
 # Usage (repo root):  bash benchmarks/gpu/run.sh
-# Writes figures to ${OUT:-gpu-out}/ (bench_softmax.json, the pytest log, nvidia-smi);
+# Writes figures to ${OUT:-gpu-out}/ (bench_softmax.json, compare_model.json, the pytest log, nvidia-smi);
 # copy the table into docs/PERFORMANCE.md with the date.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,15 +21,22 @@ timeout 185 python -m pytest -q -x tests/kernels/test_triton_softmax.py tests/ke
   tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # vocabulary-parallel cut cross-entropy: the Triton kernels per shard (2 gloo ranks on this GPU) vs the unsharded op
-timeout 45 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8
+timeout 40 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8
 # attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers
-timeout 75 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
+timeout 65 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
 # cut cross-entropy on CUDA: the Triton path against eager and Inductor (loss, grads, time, peak memory)
-timeout 80 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
+timeout 65 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
 # a subset of shapes keeps compile time (one compile per backend x case x pass) inside the budget
-timeout 85 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
+timeout 75 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
 # fused softmax + top-k on CUDA: routers, vocabulary samplers, argmax (the Triton kernel vs eager / Inductor)
-timeout 75 python benchmarks/bench_softmax_topk.py --device cuda --families router,vocab,argmax --rounds 2 --no-memory --json "$OUT/bench_softmax_topk.json" 2>&1 | tee "$OUT/bench_softmax_topk.txt" | tail -40
+timeout 65 python benchmarks/bench_softmax_topk.py --device cuda --families router,vocab,argmax --rounds 2 --no-memory --json "$OUT/bench_softmax_topk.json" 2>&1 | tee "$OUT/bench_softmax_topk.txt" | tail -40
 # quantized softmax on CUDA: softmax -> quantize (fake-quant qdq, uint8 codes, quantized attention): eager / Inductor /
 # smx (the Triton smx::quant_softmax) / the op called directly (ms, peak memory, codes checked against eager)
-timeout 55 python benchmarks/bench_quant_softmax.py --device cuda --quick --json "$OUT/bench_quant_softmax.json" 2>&1 | tee "$OUT/bench_quant_softmax.txt" | tail -40
+timeout 45 python benchmarks/bench_quant_softmax.py --device cuda --quick --json "$OUT/bench_quant_softmax.json" 2>&1 | tee "$OUT/bench_quant_softmax.txt" | tail -40
+# the GPU model against this GPU: cases of benchmarks/gpu_cases.py (a few per family, all in docs/gpu_model.json)
+# timed here, ours and torch's path, next to benchmarks/gpu_model.py's predictions (measured / predicted, measured
+# speedup vs torch); it gets what the steps above left of the 10 minutes (40..170 s; the JSON is written per case)
+left=$(( 585 - SECONDS )); (( left > 170 )) && left=170; (( left < 40 )) && left=40
+timeout $left python benchmarks/gpu/compare_model.py --only 4096x4096 --only "64x131072 k=50" --only 1x16x4096x128 \
+  --only "N8192 D4096 V128256" --only 8192x128256 --budget $(( left - 30 )) --json "$OUT/compare_model.json" 2>&1 \
+  | tee "$OUT/compare_model.txt" | tail -30

@@ -130,6 +130,11 @@ def cdiv(a: int, b: int) -> int:
 
 _SM_COUNT: dict = {}
 
+#: SMs to plan launches for when the tensors are not on a GPU (Triton's interpreter). None plans the fewest
+#: programs, since the interpreter runs them one by one; :func:`plan_for_sms` sets a GPU's count so that a count
+#: of what the kernels move (``benchmarks/gpu_model.py``) sees the grids that GPU would run.
+PLAN_SMS: int | None = None
+
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (cached)."""
@@ -137,6 +142,29 @@ def sm_count(device: torch.device) -> int:
     if key not in _SM_COUNT:
         _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
     return _SM_COUNT[key]
+
+
+def planned_sms(device: torch.device) -> int | None:
+    """The SMs a launch on ``device`` is planned for: the CUDA device's, else :data:`PLAN_SMS` (None: plan for the
+    interpreter)."""
+    return sm_count(device) if device.type == "cuda" else PLAN_SMS
+
+
+@contextlib.contextmanager
+def plan_for_sms(sms: int):
+    """Context manager: plan interpreter launches as on a GPU with ``sms`` SMs (grids, splits, rows per program).
+
+    Raises:
+        ValueError: ``sms`` not a positive int.
+    """
+    global PLAN_SMS
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise ValueError(f"sms must be a positive int, got {sms!r}")
+    saved, PLAN_SMS = PLAN_SMS, sms
+    try:
+        yield
+    finally:
+        PLAN_SMS = saved
 
 
 def pow2_block(name: str, value: int | None, default: int, extent: int, minimum: int) -> int:
@@ -244,8 +272,9 @@ def row_plan(R: int, C: int, device: torch.device, block_size: int | None, max_f
     rows = 1
     if block < ROWS_TILE_ELEMS:  # short rows (or small test blocks): several rows per program
         rows = min(ROWS_TILE_ELEMS // block, next_pow2(R))
-        if device.type == "cuda":  # keep at least ~2 programs per SM
-            per = max(1, R // (2 * sm_count(device)))
+        sms = planned_sms(device)
+        if sms is not None:  # a GPU: keep at least ~2 programs per SM
+            per = max(1, R // (2 * sms))
             rows = min(rows, 1 << (per.bit_length() - 1))
     elems = rows * block
     num_warps = 16 if elems >= 16384 else 8 if elems >= 4096 else 4 if elems >= 1024 else 2

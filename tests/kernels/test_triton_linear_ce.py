@@ -222,15 +222,17 @@ def test_forward_backward(dtype, has_bias, has_cw, softcap, scale, ignore_index)
     lse, _, om, _ = got
     op_eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
 
-    # random coefficients (0 on ignored rows, as the callers pass them)
+    # random coefficients (0 on ignored rows, as the callers pass them), both backward modes
     a, b, c = _coefs(N, target, ignore_index)
     d_a, d_b2, d_c = _dev(a, b, c)
-    grads = lce_backward(d_inp, d_w, d_b, d_t, lse, om, d_a, d_b2, d_c, class_weight=d_cw, **kw, **SMALL)
-    assert grads[0].dtype == dtype and grads[1].dtype == dtype and grads[0].shape == (N, D)
-    assert (grads[2] is None) == (bias is None)
     gold = _ref_linear(inp, weight, bias, target, torch.float64, cw=cw, a=a, b=b, c=c, **kw)
     ref = _ref_linear(inp, weight, bias, target, dtype, cw=cw, a=a, b=b, c=c, **kw)
-    _check_grads(grads, gold, ref, _grad_mag(gold, a, b, c, zmag, scale), inp, weight, op_eps=op_eps)
+    for mode in triton_backward.MODES:
+        grads = lce_backward(d_inp, d_w, d_b, d_t, lse, om, d_a, d_b2, d_c, class_weight=d_cw, mode=mode, **kw,
+                             **SMALL)
+        assert grads[0].dtype == dtype and grads[1].dtype == dtype and grads[0].shape == (N, D)
+        assert (grads[2] is None) == (bias is None)
+        _check_grads(grads, gold, ref, _grad_mag(gold, a, b, c, zmag, scale), inp, weight, op_eps=op_eps)
 
     # cross-entropy: a = b = g (mean reduction over valid rows), c = 0; default block sizes, fp32 grads
     valid = (target != ignore_index).float()
@@ -363,15 +365,19 @@ def test_softmax_collapse_bf16():
     assert (gt < 0).all()
     torch.testing.assert_close(-gt, gold["om"], rtol=1e-2, atol=0)
     assert (G.sum(1).abs() <= 1e-3 * G.abs().sum(1)).all()
-    # through the matmul: weight[:, 0] = 1000 for every class, so grad_input[:, 0] = 1000 * sum_j G_ij ~ 0
-    gi, gw, _ = lce_backward(d_inp, d_w, None, d_t, lse, om, ones, ones, None, ignore_index=-100,
-                             input_grad_dtype=torch.float32, **SMALL)
-    assert (gi[:, 0].abs().cpu().double() <= 0.02 * 1000 * gold["om"]).all()
-    assert gw.abs().amax() > 0
+    # through the matmul: weight[:, 0] = 1000 for every class, so grad_input[:, 0] = 1000 * sum_j G_ij ~ 0 (both
+    # modes: the gemm mode's logits chunk is fp32, as the forward's)
+    om_gold = gold["om"]
     gold = _ref_linear(inp, weight, None, target, torch.float64, ignore_index=-100, a=ones.cpu(), b=ones.cpu())
     one = torch.ones(N)
-    _check_grads((gi, gw, None), gold, None, _grad_mag(gold, one, one, None, _magnitudes(inp, weight, None, 1.0), 1.0),
-                 inp, weight, op_eps=torch.finfo(torch.bfloat16).eps)
+    for mode in triton_backward.MODES:
+        gi, gw, _ = lce_backward(d_inp, d_w, None, d_t, lse, om, ones, ones, None, ignore_index=-100,
+                                 input_grad_dtype=torch.float32, mode=mode, **SMALL)
+        assert (gi[:, 0].abs().cpu().double() <= 0.02 * 1000 * om_gold).all(), mode
+        assert gw.abs().amax() > 0
+        _check_grads((gi, gw, None), gold, None,
+                     _grad_mag(gold, one, one, None, _magnitudes(inp, weight, None, 1.0), 1.0),
+                     inp, weight, op_eps=torch.finfo(torch.bfloat16).eps)
 
 
 def test_logits_out_saved_logits_and_grad_logits():
@@ -425,7 +431,8 @@ def test_gradient_filtering():
     lse, _, om, _ = lce_forward(*d, ignore_index=-100, **SMALL)
     a, b, c = _coefs(N, target, -100, with_c=False)
     da, db = _dev(a, b)
-    exact = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, **SMALL)
+    # filtering runs the fused kernel (backward_mode): compare with the same kernel unfiltered
+    exact = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, mode="fused", **SMALL)
     gold = _ref_linear(inp, weight, bias, target, torch.float64, ignore_index=-100, a=a, b=b)
     zmag = _magnitudes(inp, weight, bias, 1.0)
     gmag = _grad_mag(gold, a, b, None, zmag, 1.0)
@@ -663,9 +670,15 @@ def test_kernels_compile_for_cuda():
                   NEED_GI=False, NEED_GW=False, NEED_GB=False, WRITE_GX=True, GROUP_N=b._GROUP_N, SPLIT_GX=False,
                   BLOCK_N=c.CE_BLOCKS[0], BLOCK_V=c.CE_BLOCKS[1], BLOCK_D=1, PREC="ieee")
         comp(bwd, {"src_ptr": "*fp16", "gx_ptr": "*bf16", "tgt_ptr": "*i32"}, cs, num_warps=c.CE_WARPS)
+        # lce_backward's gemm mode: the fp32 logits chunk plus the bias, or the saved z, with grad_logits; G as
+        # hi + lo (bf16)
+        for zf in (1, 2):
+            cs = dict(cs, Z_FROM=zf, HAS_BIAS=zf == 1, HAS_GL=True, SPLIT_GX=True)
+            comp(bwd, {"src_ptr": "*fp32", "bias_ptr": "*bf16", "gl_ptr": "*bf16", "gx_ptr": "*bf16",
+                       "gxl_ptr": "*bf16", "tgt_ptr": "*i64"}, cs, num_warps=c.CE_WARPS)
         print("compiled", n)
         """,
-        compiled=9,
+        compiled=11,
     )
 
 

@@ -256,20 +256,24 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
     check_runtime(q, "attention")
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    dq = torch.zeros((B, Hq, L, E), **f32)
-    dk = torch.zeros((B, Hkv, S, E), dtype=k.dtype, device=dev)
-    dv = torch.zeros((B, Hkv, S, Ev), dtype=v.dtype, device=dev)
+    dq = torch.zeros((B, Hq, L, E), **f32)  # accumulated by atomics
     dpar = torch.zeros((B, Hq), **f32) if norm_param is not None else None
     if B * Hq * L * S == 0:
-        return dq.to(q.dtype), dk, dv, dpar
+        return (dq.to(q.dtype), torch.zeros((B, Hkv, S, E), dtype=k.dtype, device=dev),
+                torch.zeros((B, Hkv, S, Ev), dtype=v.dtype, device=dev), dpar)
+    # every key's dK / dV is written once by the program of its key block (no zero fill to launch)
+    dk = torch.empty((B, Hkv, S, E), dtype=k.dtype, device=dev)
+    dv = torch.empty((B, Hkv, S, Ev), dtype=v.dtype, device=dev)
     if grad_out.dtype != v.dtype:
         grad_out = grad_out.to(v.dtype)  # tl.dot operands share a dtype
-    delta = torch.zeros((B, Hq, L), **f32)
+    pre = code in _SOFTMAX_LIKE or code >= 7
+    # the pre-pass writes every row's delta; the other normalizers read it as zeros
+    delta = (torch.empty if pre else torch.zeros)((B, Hq, L), **f32)
     G = Hq // Hkv
     dpar_t = dpar if dpar is not None else delta
     bm, bn = cs["BLOCK_M"], cs["BLOCK_N"]
     with on_device(q):
-        if code in _SOFTMAX_LIKE or code >= 7:
+        if pre:
             _bwd_pre_kernel[(B * Hq, cdiv(L, bm))](
                 q, k, v, a["mask_t"], a["par"], out, grad_out, stats, delta, dpar_t,
                 *q.stride(), *k.stride(), *v.stride(), *a["mk"], *out.stride(), *grad_out.stride(),

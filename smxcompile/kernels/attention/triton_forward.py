@@ -257,11 +257,10 @@ def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap
                                 L, S, block_m, block_n, num_warps, num_stages, n_keys)
     check_runtime(q, "attention")
     out = torch.empty((B, Hq, L, Ev), dtype=q.dtype, device=q.device)
-    stats = torch.zeros((B, Hq, L, 2), dtype=torch.float32, device=q.device)
-    if B * Hq * L == 0:
-        return out, stats
-    if S == 0:
-        return out.zero_(), stats
+    if B * Hq * L == 0 or S == 0:
+        stats = torch.zeros((B, Hq, L, 2), dtype=torch.float32, device=q.device)
+        return (out.zero_() if S == 0 else out), stats
+    stats = torch.empty((B, Hq, L, 2), dtype=torch.float32, device=q.device)  # the kernel writes every row's
     with on_device(q):
         _fwd_kernel[(B * Hq, cdiv(L, cs["BLOCK_M"]))](
             q, k, v, a["mask_t"], a["par"], a["n"], out, stats,

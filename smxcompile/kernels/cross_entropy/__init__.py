@@ -43,7 +43,8 @@ Modules: :mod:`.api` (the public functions), :mod:`.loss` (the loss from the row
 checks), :mod:`.ops` (the custom ops and autograd), :mod:`.chunked` (the torch path by row chunks),
 :mod:`.fused` (the CPU training path: gradients in the forward), :mod:`.vocab_parallel` (the classifier
 sharded by vocabulary rows across a process group), :mod:`.triton_common`, :mod:`.triton_forward`,
-:mod:`.triton_backward` (the CUDA kernels).
+:mod:`.triton_backward` (the CUDA kernels), :mod:`.triton_backward_gemm` (the backward's row chunks with cuBLAS
+matmuls, its default mode).
 """
 
 from .api import cross_entropy, linear_ce_core, linear_cross_entropy

@@ -1,6 +1,8 @@
 """The gradient kernel of the fused linear + cross-entropy (:func:`lce_backward`: w.r.t. input, weight and
 bias, recomputing the logit tiles; :func:`ce_backward`: w.r.t. given logits) and its launcher: see
-:mod:`smxcompile.kernels.cross_entropy.triton_common` for the method."""
+:mod:`smxcompile.kernels.cross_entropy.triton_common` for the method. :func:`lce_backward` has two modes
+(:func:`backward_mode`): ``"fused"`` (the kernel accumulates the products with atomics) and ``"gemm"`` (the kernel
+writes each row chunk's logit gradient, matmuls do the products: :mod:`.triton_backward_gemm`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, inter
                               pow2_block, tl, triton)  # triton, tl: None without it
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
                             float_tensor, tensor_arg)
+from .triton_backward_gemm import chunked_gemm_backward
 
-__all__ = ["lce_backward", "ce_backward"]
+__all__ = ["MODES", "backward_mode", "lce_backward", "ce_backward"]
+
+#: The modes of :func:`lce_backward`.
+MODES = ("fused", "gemm")
+_HALF = (torch.float16, torch.bfloat16)
 
 # Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages (see triton_forward). The fp32
 # backward keeps two [BLOCK_N, BLOCK_V] fp32 operands in shared memory (three with tf32x3), hence its
@@ -41,6 +48,7 @@ if triton is not None:
         lse_ptr, lse_s, om_ptr, om_s, a_ptr, a_s, b_ptr, b_s, c_ptr, c_s,
         gl_ptr, gl_s0, gl_s1,
         gi_ptr, gw_ptr, gb_ptr, gx_ptr,     # fp32 (N, D), (V, D), (V,) accumulators; (N, V) output
+        gxl_ptr,                            # (N, V) output: the low part of a split Gx (WRITE_GX and SPLIT_GX)
         N, V, D, ignore_index, scale, softcap, filter_eps,
         Z_FROM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
         HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
@@ -79,6 +87,8 @@ if triton is not None:
         elif Z_FROM == 1:
             x = x_tile(src_ptr, src_s0, src_s1, w_ptr, w_s0, w_s1, bias_ptr, rows, cols, row_ok, col_ok, D,
                        False, False, BLOCK_N, BLOCK_V, BLOCK_D, PREC, DOT_F32)
+            if HAS_BIAS:  # the gemm mode's logits chunk is input @ weight.T, without the bias
+                x = x + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             z = transform_logits(x, scale, softcap, HAS_SOFTCAP)
         else:
             z = tl.load(src_ptr + (rows[:, None] * src_s0 + cols[None, :] * src_s1), mask=ok,
@@ -108,8 +118,13 @@ if triton is not None:
         gx = tl.where(ok, gx, 0.0)
 
         if WRITE_GX:
-            # ce_backward: the gradient w.r.t. the raw logits, written once in the output dtype
-            tl.store(gx_ptr + (rows[:, None] * V + cols[None, :]), cast_like(gx, gx_ptr, FIX_BF16), mask=ok)
+            # ce_backward, lce_backward's gemm mode: the gradient w.r.t. the raw logits, written once in the output
+            # dtype (SPLIT_GX: as hi + lo, both in it, as the fused products below use them)
+            gxh = cast_like(gx, gx_ptr, FIX_BF16)
+            tl.store(gx_ptr + (rows[:, None] * V + cols[None, :]), gxh, mask=ok)
+            if SPLIT_GX:
+                tl.store(gxl_ptr + (rows[:, None] * V + cols[None, :]),
+                         cast_like(gx - gxh.to(tl.float32), gxl_ptr, FIX_BF16), mask=ok)
         else:
             keep = True
             if FILTER:
@@ -163,23 +178,59 @@ def _check_backward_vectors(N, device, lse, other_mass, coef_a, coef_b, coef_c):
         _vec("coef_c", coef_c, N, device)
 
 
+def backward_mode(mode: str | None, filter_eps: float | None, grad_logits=None) -> str:
+    """The mode :func:`lce_backward` runs: ``mode`` if given, else ``"fused"`` when gradient filtering is in
+    effect (``filter_eps`` given and ``grad_logits`` None: only the fused kernel skips tiles), else ``"gemm"``
+    (see :func:`lce_backward` for the figures behind the rule).
+
+    Raises:
+        ValueError: ``mode`` not None, "fused" or "gemm"; ``"gemm"`` asked for with filtering in effect.
+    """
+    filtering = filter_eps is not None and grad_logits is None
+    if mode is None:
+        return "fused" if filtering else "gemm"
+    if mode not in MODES:
+        raise ValueError(f"mode must be None, 'fused' or 'gemm', got {mode!r}")
+    if mode == "gemm" and filtering:
+        raise ValueError("filter_eps (gradient filtering) needs mode='fused' (or None)")
+    return mode
+
+
 def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int,
                  scale: float = 1.0, softcap: float | None = None, class_weight=None, logits=None, grad_logits=None,
                  filter_eps: float | None = None, need_input_grad=True, need_weight_grad=True, need_bias_grad=None,
-                 input_grad_dtype=None, weight_grad_dtype=None,
+                 input_grad_dtype=None, weight_grad_dtype=None, mode: str | None = None,
+                 chunk_bytes: int | None = None,
                  block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None):
     """Gradients of ``L = sum_i a_i lse_i - b_i z_{i,y_i} - c_i sum_j w_j z_ij`` (plus
-    ``sum grad_logits * z``) w.r.t. ``input``, ``weight`` and ``bias``, recomputing the logit
-    tiles (Cut Cross-Entropy, Wijmans et al., 2024).
+    ``sum grad_logits * z``) w.r.t. ``input``, ``weight`` and ``bias``, recomputing the logits.
 
-    Per tile: ``G = a p - b onehot(y) - c w`` with the target entry computed collapse-safe as
+    ``G = a p - b onehot(y) - c w`` with the target entry computed collapse-safe as
     ``-a * other_mass + (a - b) - c w_y``; ``G += grad_logits``; ``Gx = G * dz/dx``; then
-    ``grad_input += Gx @ weight``, ``grad_weight += Gx.T @ input``, ``grad_bias += Gx.sum(0)``,
-    accumulated in fp32 with atomics. ``G`` is fp32; with fp16 / bf16 operands ``Gx`` enters the tensor-core
-    matmuls as ``hi + lo`` (two products, each part in the operand dtype: ~16 significant bits), so the
-    results are rounded to the input dtype once, at the end, as Cut Cross-Entropy's fp32 reference (Wijmans
-    et al., 2024) and unlike torch's bf16 path, which rounds the logits' gradient first.
+    ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias = Gx.sum(0)``, in one of two modes:
+
+    * ``"fused"`` (Cut Cross-Entropy, Wijmans et al., 2024): one program per ``BLOCK_N x BLOCK_V`` tile of ``G``
+      recomputes its logits (fp32) and adds its products to fp32 ``grad_input`` / ``grad_weight`` with atomics;
+      no ``N x V`` buffer at all. With fp16 / bf16 operands ``Gx`` enters the products as ``hi + lo`` (each part in
+      the operand dtype: ~16 significant bits), so the results are rounded to the input dtype once, at the end.
+      Cost: ``4 * D * N * V * (1 / BLOCK_N + 1 / BLOCK_V)`` bytes of fp32 atomics, and each product twice with
+      16-bit operands: at N = 8192, D = 4096, V = 128256 bf16, 43 TFLOP, 272 GB of atomics, ~460 GB of DRAM
+      traffic, a roofline of ~108 ms on an H200 (torch's backward: 17 TFLOP, ~17 ms).
+    * ``"gemm"`` (row chunks as Liger-Kernel's ``fused_linear_cross_entropy``;
+      :func:`~.triton_backward_gemm.chunked_gemm_backward`): per chunk, fp32 logits by one matmul (cuBLAS),
+      ``Gx`` written once by this module's kernel (as ``hi + lo`` in the operand dtype for fp16 / bf16, the
+      fused mode's numerics), then ``Gx @ weight`` and ``Gx.T @ input`` by cuBLAS with fp32 accumulation. Same
+      shape: the same 43 TFLOP (34 with saved ``logits``), but no atomics: ~81 GB (8 chunks of 1024 rows: fp32
+      logits 8 GB, ``hi`` / ``lo`` 13 GB, ``weight`` re-read 25 GB, the fp32 ``grad_weight`` accumulator
+      32 GB), compute-bound: ~44 ms at the tensor cores' peak. Holds ``chunk_bytes`` of temporaries and fp32
+      ``(N, D)`` / ``(V, D)`` results, as the fused mode.
+
+    ``mode=None`` picks ``"fused"`` only when gradient filtering is in effect (``filter_eps`` given,
+    ``grad_logits`` None), else ``"gemm"`` (:func:`backward_mode`), saved ``logits`` included: the fused kernel
+    then reads ``z`` instead of recomputing it but keeps its atomics (~400 GB at the shape above with its
+    128 x 64 saved-logits tile), while the gemm mode reads ``z`` once (4 GB) and skips the logits matmul.
+
     Ignored rows (``target == ignore_index``) have no target entry (``G = a p - c w``; callers
     pass ``a = b = c = 0`` for them). A target outside ``[0, V)`` is never indexed.
 
@@ -192,23 +243,28 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
             recomputing the matmul, or None.
         grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
         filter_eps: None (exact, default), or a float: a tile whose ``|G|`` entries are all
-            ``< filter_eps`` and that holds no target entry is skipped (gradient filtering).
+            ``< filter_eps`` and that holds no target entry is skipped (gradient filtering, fused mode only).
             Filtering is disabled when ``grad_logits`` is given.
         need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
             (``need_bias_grad`` defaults to ``bias is not None``).
         input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
             ``grad_bias`` has bias's dtype (weight's when bias is None).
-        block_n, block_v, block_d, num_warps, num_stages: launch overrides (defaults
-            128 x 128 x 32 for fp16 / bf16 (128 x 64 x 32 with ``logits``), 64 x 64 x 32 for fp32, 8 warps,
-            2 stages; blocks >= 16, powers of two; shrunk to small problems).
+        mode: ``"fused"``, ``"gemm"`` or None (automatic, see above).
+        chunk_bytes: gemm mode: bytes of one row chunk's temporaries (fp32 logits unless ``logits`` is given,
+            plus ``Gx`` in the input dtype, twice for fp16 / bf16); None: 1 GiB on CUDA, 32 MiB on CPU
+            (:func:`~.triton_backward_gemm.gemm_rows`). Ignored by the fused mode.
+        block_n, block_v, block_d, num_warps, num_stages: launch overrides (blocks >= 16, powers of two; shrunk
+            to small problems). Fused: defaults 128 x 128 x 32 for fp16 / bf16 (128 x 64 x 32 with ``logits``),
+            64 x 64 x 32 for fp32, 8 warps, 2 stages. Gemm: ``block_n``, ``block_v``, ``num_warps`` apply to the
+            gradient kernel (defaults as :func:`ce_backward`), the others are only validated.
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``.
 
     Raises:
         TypeError / ValueError / RuntimeError: as in :func:`lce_forward`; also for (N,) vectors,
-            ``logits`` / ``grad_logits`` of the wrong shape, a negative ``filter_eps``, or
-            non-float gradient dtypes.
+            ``logits`` / ``grad_logits`` of the wrong shape, a negative ``filter_eps``, non-float gradient
+            dtypes, a bad ``mode`` (or ``"gemm"`` with filtering), or ``chunk_bytes`` not None / a positive int.
     """
     N, V, D = check_linear(input, weight, bias)
     dev = input.device
@@ -223,6 +279,10 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     if filter_eps is not None:
         if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not filter_eps >= 0:
             raise ValueError(f"filter_eps must be None or a float >= 0, got {filter_eps!r}")
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                    or chunk_bytes < 1):
+        raise ValueError(f"chunk_bytes must be None or a positive int, got {chunk_bytes!r}")
+    mode = backward_mode(mode, filter_eps, grad_logits)
     if need_bias_grad is None:
         need_bias_grad = bias is not None
     input_grad_dtype = input.dtype if input_grad_dtype is None else input_grad_dtype
@@ -239,6 +299,29 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
               pow2_block("block_d", block_d, bd, D, 16))
     opts = launch_opts(num_warps, num_stages, _BWD_WARPS, _BWD_STAGES)
     check_runtime(input, "linear-cross-entropy")
+
+    if mode == "gemm":
+        gopts = launch_opts(num_warps, None, CE_WARPS, None)
+
+        def write_grad(r0, r1, src, hi, lo):
+            rows = r1 - r0
+            _backward_launch(
+                src=src, e=None, w=None, bias=bias if logits is None else None, target=target[r0:r1],
+                class_weight=class_weight, lse=lse[r0:r1], om=other_mass[r0:r1], a=coef_a[r0:r1],
+                b=coef_b[r0:r1], c=None if coef_c is None else coef_c[r0:r1],
+                grad_logits=None if grad_logits is None else grad_logits[r0:r1], gi=None, gw=None, gb=None,
+                gx=hi, gx_lo=lo, N=rows, V=V, D=0, ignore_index=ignore_index, scale=scale, softcap=softcap,
+                filter_eps=None,
+                z_from=_Z_SAVED if logits is not None else _Z_RAW,
+                blocks=(pow2_block("block_n", block_n, CE_BLOCKS[0], rows, 1),
+                        pow2_block("block_v", block_v, CE_BLOCKS[1], V, 1), 1),
+                opts=gopts, prec="ieee",
+            )
+
+        return chunked_gemm_backward(
+            input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
+            need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
+            bias_grad_dtype=bias_grad_dtype, chunk_bytes=chunk_bytes)
 
     f32 = dict(dtype=torch.float32, device=dev)
     gi = torch.zeros((N, D), **f32) if need_input_grad else None
@@ -261,7 +344,7 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
 
 
 def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c, grad_logits, gi, gw, gb, gx,
-                     N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec):
+                     N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec, gx_lo=None):
     bn, bv, bd = blocks
     anchor = lse  # any tensor: a placeholder for absent pointer arguments (never dereferenced)
     src_t = src if src is not None else anchor
@@ -283,14 +366,15 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             c if c is not None else anchor, c.stride(0) if c is not None else 0,
             grad_logits if grad_logits is not None else anchor, gl_s[0], gl_s[1],
             gi if gi is not None else anchor, gw if gw is not None else anchor, gb if gb is not None else anchor,
-            gx if gx is not None else anchor,
+            gx if gx is not None else anchor, gx_lo if gx_lo is not None else anchor,
             N, V, D, ignore_index, scale, 1.0 if softcap is None else softcap,
             0.0 if filter_eps is None else float(filter_eps),
             Z_FROM=z_from, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
             NEED_GB=gb is not None, WRITE_GX=gx is not None,
-            SPLIT_GX=e is not None and e.dtype in (torch.float16, torch.bfloat16), GROUP_N=_GROUP_N,
+            SPLIT_GX=(gx_lo is not None) if gx is not None else (e is not None and e.dtype in _HALF),
+            GROUP_N=_GROUP_N,
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(e.dtype if e is not None else None),
             FIX_BF16=interpreted(), **opts,
         )

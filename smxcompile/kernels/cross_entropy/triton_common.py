@@ -63,6 +63,9 @@ patterns) and ``FIX_BF16`` rounds fp32 -> bf16 casts to nearest even (it truncat
 Modules: :mod:`.triton_common` (this description, the logit tile shared by both kernels, argument
 checks and launch options), :mod:`.triton_forward` (the statistics kernel: :func:`lce_forward`,
 :func:`ce_forward`), :mod:`.triton_backward` (the gradient kernel: :func:`lce_backward`, :func:`ce_backward`).
+:func:`lce_backward` runs the atomics described above only in its ``"fused"`` mode (gradient filtering); by
+default (``"gemm"``, :mod:`.triton_backward_gemm`) the kernel writes each row chunk's ``Gx`` once (as the same
+``hi + lo`` for 16-bit inputs) and cuBLAS matmuls form ``grad_input`` / ``grad_weight`` (fp32 accumulation).
 """
 
 from __future__ import annotations

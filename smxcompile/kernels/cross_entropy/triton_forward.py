@@ -8,7 +8,7 @@ import torch
 
 from ..common import FLOAT_DTYPES
 from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, launch_opts, on_device,
-                              pow2_block, sm_count, tl, triton)  # triton, tl: None without it
+                              planned_sms, pow2_block, tl, triton)  # triton, tl: None without it
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
                             float_tensor, tensor_arg)
 
@@ -101,15 +101,70 @@ if triton is not None:
             tl.store(am_ptr + pid_s.to(tl.int64) * N + rows, am, mask=row_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(part_ptr, am_ptr, tgt_ptr, tgt_s, lse_ptr, tlog_ptr, om_ptr, ws_ptr, amx_ptr,
+                      N, S, V, ignore_index,
+                      NEED_WS: tl.constexpr, NEED_ARGMAX: tl.constexpr, BLOCK: tl.constexpr):
+        """Merge the S vocabulary splits' partial states of BLOCK rows (the online-softmax rule) into ``lse``,
+        the target logit (0 for ignored rows, NaN for an out-of-range target), the other classes' mass, the
+        weighted sum and the first argmax: one launch instead of a dozen small torch ops."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ok = rows < N
+        plane = S.to(tl.int64) * N
+        big_m = tl.full([BLOCK], float("-inf"), tl.float32)
+        for sp in range(0, S):
+            m = tl.load(part_ptr + sp * N + rows, mask=ok, other=float("-inf"))
+            big_m = tl.maximum(big_m, m, propagate_nan=tl.PropagateNan.ALL)
+        ms = safe_max(big_m)
+        d = tl.zeros([BLOCK], tl.float32)
+        d_other = tl.zeros([BLOCK], tl.float32)
+        t = tl.zeros([BLOCK], tl.float32)
+        ws = tl.zeros([BLOCK], tl.float32)
+        am = tl.zeros([BLOCK], tl.int64)
+        if NEED_ARGMAX:
+            am = tl.load(am_ptr + rows, mask=ok, other=0)  # split 0's when no split holds the max (NaN)
+        found = tl.zeros([BLOCK], tl.int1)
+        for sp in range(0, S):
+            base = part_ptr + sp * N + rows
+            m = tl.load(base, mask=ok, other=float("-inf"))
+            f = tl.exp(m - ms)
+            d += tl.load(base + plane, mask=ok, other=0.0) * f
+            d_other += tl.load(base + 2 * plane, mask=ok, other=0.0) * f
+            t += tl.load(base + 3 * plane, mask=ok, other=0.0)
+            if NEED_WS:
+                ws += tl.load(base + 4 * plane, mask=ok, other=0.0)
+            if NEED_ARGMAX:
+                hit = (m == big_m) & ~found
+                am = tl.where(hit, tl.load(am_ptr + sp * N + rows, mask=ok & hit, other=0), am)
+                found = found | hit
+        y = tl.load(tgt_ptr + rows * tgt_s, mask=ok, other=0).to(tl.int64)
+        ign = y == ignore_index
+        bad = (~ign) & ((y < 0) | (y >= V))
+        tl.store(lse_ptr + rows, ms + tl.log(tl.where(ok, d, 1.0)), mask=ok)
+        tl.store(tlog_ptr + rows, tl.where(ign, 0.0, tl.where(bad, float("nan"), t)), mask=ok)
+        tl.store(om_ptr + rows, tl.where(ign, 0.0, d_other / tl.where(ok, d, 1.0)), mask=ok)
+        if NEED_WS:
+            tl.store(ws_ptr + rows, ws, mask=ok)
+        if NEED_ARGMAX:
+            tl.store(amx_ptr + rows, am, mask=ok)
+
+
+#: rows per program of the split merge
+_MERGE_BLOCK = 1024
+
+
 def _splits(n_row_blocks: int, n_v_blocks: int, device: torch.device, num_splits: int | None) -> int:
     """How many programs share a row block's vocabulary (enough programs for the GPU)."""
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
         return max(1, min(num_splits, n_v_blocks))
-    if device.type != "cuda":
+    sms = planned_sms(device)
+    if sms is None:
         return 1  # the interpreter runs programs one by one: fewer is faster
-    target = 2 * sm_count(device)
+    target = 2 * sms
     return max(1, min(n_v_blocks, cdiv(target, max(n_row_blocks, 1))))
 
 
@@ -150,25 +205,18 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
             FIX_BF16=interpreted(), **opts,
         )
     # merge the partial online-softmax states: m = max m_s, d = sum_s d_s exp(m_s - m)
-    m_p, d_p, do_p, t_p = part[0], part[1], part[2], part[3]
-    M = m_p.amax(0)
-    Ms = torch.where(torch.isinf(M), torch.zeros_like(M), M)
-    f = torch.exp(m_p - Ms)
-    d = (d_p * f).sum(0)
-    lse = Ms + torch.log(d)
-    other = (do_p * f).sum(0) / d
-    tgt = t_p.sum(0)
-    ign = target == ignore_index
-    bad = ~ign & ((target < 0) | (target >= V))
-    zero = torch.zeros((), **f32)
-    target_logit = torch.where(ign, zero, torch.where(bad, torch.full((), float("nan"), **f32), tgt))
-    other_mass = torch.where(ign, zero, other)
-    ws = part[4].sum(0) if need_weighted_sum else None
+    lse, target_logit, other_mass = (torch.empty(N, **f32) for _ in range(3))
+    ws = torch.empty(N, **f32) if need_weighted_sum else None
+    amx = torch.empty(N, dtype=torch.int64, device=dev) if need_argmax else None
+    with on_device(src):
+        _merge_kernel[(cdiv(N, _MERGE_BLOCK),)](
+            part, am_p, target, target.stride(0), lse, target_logit, other_mass,
+            ws if ws is not None else lse, amx if amx is not None else am_p, N, S, V, ignore_index,
+            NEED_WS=bool(need_weighted_sum), NEED_ARGMAX=bool(need_argmax), BLOCK=_MERGE_BLOCK, num_warps=4,
+        )
     if not need_argmax:
         return lse, target_logit, other_mass, ws
-    # the first split holding the row max has its lowest columns: torch.argmax's first maximum
-    first = (m_p == M).to(torch.int8).argmax(0, keepdim=True)
-    return lse, target_logit, other_mass, ws, am_p.gather(0, first).squeeze(0)
+    return lse, target_logit, other_mass, ws, amx
 
 
 def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float = 1.0, softcap: float | None = None,

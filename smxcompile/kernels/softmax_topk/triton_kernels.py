@@ -70,7 +70,7 @@ import operator
 
 import torch
 
-from ..triton_helpers import cdiv, check_runtime, next_pow2, on_device, sm_count, tl, triton  # tl, triton: None w/o it
+from ..triton_helpers import cdiv, check_runtime, next_pow2, on_device, planned_sms, tl, triton  # tl, triton: None w/o it
 
 __all__ = ["softmax_topk_forward", "softmax_topk_backward", "MAX_K"]
 
@@ -284,10 +284,10 @@ if triton is not None:
 
 
 def _sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; :data:`_INTERPRETER_SMS` in the interpreter (it decides splitting there)."""
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return sm_count(device)
+    """SMs of a CUDA device (or the GPU the interpreter plans for); else :data:`_INTERPRETER_SMS` (it decides
+    splitting there)."""
+    sms = planned_sms(device)
+    return _INTERPRETER_SMS if sms is None else sms
 
 
 def _num_warps(elems: int) -> int:
@@ -303,7 +303,7 @@ def _plan(R: int, n: int, k_pad: int, device: torch.device) -> dict:
     if full <= _SINGLE_TILE_MAX:
         block = max(full, k_pad)
         rows = max(1, min(_ROWS_TILE_ELEMS // block, next_pow2(R)))
-        if device.type == "cuda":  # keep ~2 programs per SM when there are enough rows
+        if device.type == "cuda" or planned_sms(device) is not None:  # a GPU: ~2 programs per SM
             per = max(1, R // (2 * _sm_count(device)))
             rows = min(rows, 1 << (per.bit_length() - 1))
         return dict(ROWS=rows, BLOCK=block, SINGLE_TILE=True, splits=1, chunk=block,

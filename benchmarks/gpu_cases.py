@@ -1,0 +1,426 @@
+"""The cases of benchmarks/gpu_model.py: each op's Triton launch at a representative shape, its minimum bytes,
+and torch's own path on a GPU by formula.
+
+torch's path (what a user had before smxcompile), per family, from the ATen CUDA sources:
+
+- softmax / log_softmax (``aten/src/ATen/native/cuda/SoftMax.cu``, ``host_softmax``): rows of <= 1024 elements
+  and 4 KiB go to the persistent warp softmax, rows that fit the 48 KiB of default shared memory to
+  ``cunn_SoftMaxForwardSmem`` (one read, one write); longer rows to ``cunn_SoftMaxForward``, which sweeps the row
+  three times (max, sum of exp, write). The backward reads the gradient and the output once when the row fits,
+  twice otherwise.
+- top-k (``aten/src/ATen/native/cuda/TensorTopK.cu``): a radix select of 8 bits per pass (4 passes for fp32, 2 for
+  16-bit keys), each reading the row, then a gather pass and a sort of the k results; a row of <= 4 KiB is read
+  once (it stays in cache). Launches: one for short rows, 2 per pass + 2 otherwise.
+- attention: ``F.scaled_dot_product_attention`` picks FlashAttention-2 (no mask) or the memory-efficient kernel
+  (a padding mask, read per 64-row query tile) for softmax; the other normalizers are written out (``q @ k^T``,
+  the mask, the normalizer's elementwise and reduction ops in fp32, ``@ v``), each op a pass over the L x S
+  scores.
+- cross-entropy (Hugging Face's loss): ``logits = hidden @ W^T`` (cuBLAS: the operands once), ``.float()``,
+  ``F.cross_entropy`` = log_softmax (3 sweeps for a vocabulary row) + nll; the backward zero-fills the N x V
+  gradient, scatters, runs the log_softmax backward (2 sweeps), casts to the input dtype and runs the two
+  matmuls.
+- quantized softmax: softmax, then ``torch.quantize_per_tensor`` (read the probabilities, write 1 byte each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import torch
+
+from smxcompile.kernels.attention.triton_backward import attention_backward
+from smxcompile.kernels.attention.triton_forward import attention_forward
+from smxcompile.kernels.cross_entropy.triton_backward import ce_backward, lce_backward
+from smxcompile.kernels.cross_entropy.triton_forward import ce_forward, lce_forward
+from smxcompile.kernels.quant_softmax.triton_kernels import quant_softmax_forward
+from smxcompile.kernels.softmax.triton_kernels import MAX_FUSED_BLOCK, softmax_backward, softmax_forward
+from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward, softmax_topk_forward
+
+FAMILIES = ("softmax", "softmax_topk", "quant_softmax", "attention", "linear_ce", "cross_entropy")
+#: FlashAttention-2's query tile (rows), which sets how often it reads K and V
+FA2_BLOCK_M = 128
+#: default shared memory per block on NVIDIA GPUs (what ATen's softmax sizes its one-read path by)
+SMEM_PER_BLOCK = 48 * 1024
+
+
+@dataclasses.dataclass
+class TorchPath:
+    """torch's path on a GPU by formula: DRAM bytes, tensor-core FLOPs, launches, and what it runs."""
+
+    bytes: float
+    flops: float
+    launches: int
+    what: str
+
+
+@dataclasses.dataclass
+class Case:
+    family: str
+    kernel: str  # the launcher counted
+    name: str
+    shape: str
+    dtype: str
+    make: Callable[[str], dict]  # device -> the inputs
+    run: Callable[[dict], object]
+    bytes_min: float
+    torch: TorchPath
+    memory_bound: bool = True
+    #: useful tensor-core FLOPs (what torch's path computes); 0 for the memory-bound ops
+    flops_min: float = 0.0
+    #: the most the case may move (memory-bound: (loaded + stored) / bytes_min) or compute (flops / flops_min)
+    #: over its minimum; docs/PERFORMANCE.md ("GPU model") says why each is above 1
+    bound: float = 1.0
+    note: str = ""
+    logits_stored: Callable | None = None  # linear CE: bytes the kernels stored, to compare with N x V
+    quick: bool = False
+    #: torch's path on the same inputs (what TorchPath describes), for timing on a GPU
+    torch_run: Callable[[dict], object] | None = None
+
+
+#: FLOPs over the useful ones: causal attention computes its diagonal tiles whole; sparsemax / entmax15 recompute
+#: the scores in every bracketing pass (SPARSE_ITERS = 10, plus the max and the finish)
+ATTENTION_FLOP_BOUND = {"softmax": 1.15, "softpick": 1.15, "sparsemax": 13.5, "entmax15": 13.5}
+#: cut cross-entropy: the forward is the logits matmul; the backward recomputes it (2 N V D), and with 16-bit
+#: inputs does each gradient product on G = hi + lo (8 N V D, so that the results are rounded once: 10 N V D against
+#: torch's 4 N V D)
+LCE_FLOP_BOUND = {False: 1.02, True: 2.52}
+
+
+def _one_block(C: int) -> bool:
+    """Whether the softmax kernels reduce a row of C columns in one block (one load per element)."""
+    return 1 << max(0, (C - 1).bit_length()) <= MAX_FUSED_BLOCK
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+
+
+# ----------------------------------------------------------------------------------------------- torch formulas
+
+
+def aten_softmax_sweeps(C: int, s: int) -> int:
+    """Sweeps of ATen's CUDA softmax forward over a row of C elements of s bytes (see the module docstring)."""
+    return 1 if (C <= 1024 and C * s <= 4096) or C * s < SMEM_PER_BLOCK - 256 else 3
+
+
+def aten_softmax(R: int, C: int, s: int, s_out: int) -> float:
+    return R * C * (aten_softmax_sweeps(C, s) * s + s_out)
+
+
+def aten_topk(R: int, C: int, s: int, k: int) -> tuple[float, int]:
+    """(bytes, launches) of ``torch.topk`` along rows of C elements of s bytes (sorted values and int64 indices)."""
+    if C * s <= 4096:
+        return R * C * s + R * k * (s + 8), 1
+    passes = s  # 8-bit digits
+    return R * C * s * (passes + 1) + 2 * R * k * (s + 8), 2 * passes + 2
+
+
+def _visible(L: int, S: int, causal: bool, rows: int) -> list[tuple[int, int]]:
+    """(query rows, visible keys) per ``rows``-row query tile (causal: top-left, key j <= query i)."""
+    out = []
+    for start in range(0, L, rows):
+        n = min(rows, L - start)
+        out.append((n, min(S, start + n) if causal else S))
+    return out
+
+
+def _pairs(L: int, S: int, causal: bool) -> int:
+    """Visible (query, key) pairs of one head."""
+    if not causal:
+        return L * S
+    return sum(min(S, i + 1) for i in range(L))
+
+
+def fa2_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, mask_bytes=0, block_m=FA2_BLOCK_M) -> float:
+    """FlashAttention-2's forward traffic: Q and O once, the row statistics, K and V (and a per-key mask) once per
+    query tile of ``block_m`` rows, for every query head."""
+    per_head = L * E * s + L * Ev * s + L * 4
+    per_head += sum(keys * ((E + Ev) * s + mask_bytes) for _, keys in _visible(L, S, causal, block_m))
+    return B * Hq * per_head
+
+
+def fa2_backward_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, block_n=FA2_BLOCK_M) -> float:
+    """FlashAttention-2's backward traffic: K, V read and dK, dV written once per kv head; per key tile of
+    ``block_n``, the visible Q, dO rows, their statistics and dQ (fp32, read and written by atomics); the
+    ``rowsum(dO * O)`` pre-pass and dQ's cast."""
+    kv = B * Hkv * S * (E + Ev) * s * 2
+    per_head = 0
+    for start in range(0, S, block_n):
+        rows = L - start if causal else L
+        per_head += max(rows, 0) * (E * s + Ev * s + 8 + E * 8)
+    pre = L * (2 * Ev * s + 4) + L * E * (4 + s)
+    return kv + B * Hq * (per_head + pre)
+
+
+def attention_flops(B, Hq, L, S, E, Ev, causal, backward=False) -> float:
+    pairs = B * Hq * _pairs(L, S, causal)
+    return 2.0 * pairs * ((3 * E + 2 * Ev) if backward else (E + Ev))
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def softmax_case(R, C, dtype, *, log=False, backward=False, quick=False) -> Case:
+    s = _size(dtype)
+    what = "log_softmax" if log else "softmax"
+    if not backward:
+        sw = aten_softmax_sweeps(C, s)
+        return Case(
+            "softmax", "softmax_forward", f"{what} fwd", f"{R}x{C}", _short(dtype),
+            make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
+            run=lambda a: softmax_forward(a["x"], -1, log=log),
+            bytes_min=R * C * 2 * s, bound=1.0 if _one_block(C) else 1.5,
+            torch=TorchPath(aten_softmax(R, C, s, s), 0, 1, f"ATen {what}: {sw} read(s) + 1 write"),
+            torch_run=lambda a: (torch.log_softmax if log else torch.softmax)(a["x"], -1), quick=quick)
+    fits = (C <= 1024 and C * s <= 4096) or 2 * C * s < SMEM_PER_BLOCK - 256
+    return Case(
+        "softmax", "softmax_backward", f"{what} bwd", f"{R}x{C}", _short(dtype),
+        make=lambda dev: dict(g=torch.randn(R, C, dtype=dtype, device=dev), y=torch.rand(R, C, dtype=dtype, device=dev)),
+        run=lambda a: softmax_backward(a["g"], a["y"], -1, log=log),
+        bytes_min=R * C * 3 * s, bound=1.0 if _one_block(C) else 5 / 3,
+        torch=TorchPath(R * C * s * (3 if fits else 5), 0, 1,
+                        f"ATen {what} backward: grad and output read {1 if fits else 2}x, 1 write"),
+        torch_run=lambda a: (torch.ops.aten._log_softmax_backward_data if log else
+                             torch.ops.aten._softmax_backward_data)(a["g"], a["y"], -1, a["y"].dtype),
+        quick=quick)
+
+
+def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32, quick=False, label="") -> Case:
+    s = _size(dtype)
+    sm = aten_softmax(R, C, s, s)
+    tk, tk_launch = aten_topk(R, C, s, k)
+    renorm = (2 * R * k * s + R * s, 2) if renormalize else (0, 0)
+    tag = ("+renorm" if renormalize else "") + (f" {label}" if label else "")
+    if not backward:
+        return Case(
+            "softmax_topk", "softmax_topk_forward", f"softmax_topk fwd{tag}", f"{R}x{C} k={k}", _short(dtype),
+            make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
+            run=lambda a: softmax_topk_forward(a["x"], k, renormalize=renormalize),
+            bytes_min=R * C * s + R * k * (s + 8) + R * 4, bound=1.1,
+            torch=TorchPath(sm + tk + renorm[0], 0, 1 + tk_launch + renorm[1],
+                            "ATen softmax, then topk" + (", then v / v.sum()" if renormalize else "")),
+            torch_run=lambda a: _torch_topk(a["x"], k, renormalize), quick=quick)
+
+    def make(dev):
+        x = torch.randn(R, C, dtype=dtype, device=dev)
+        idx = torch.topk(x, k, dim=-1).indices
+        return dict(x=x, g=torch.randn(R, k, dtype=dtype, device=dev), v=torch.rand(R, k, dtype=dtype, device=dev),
+                    i=idx, logd=torch.zeros(R, device=dev))
+
+    # backward: torch scatters the k gradients into a zero (R, C) tensor and runs the softmax backward
+    bwd_torch = R * C * s + R * k * (s + 8) + R * C * s * 3 + (2 * R * k * s if renormalize else 0)
+    return Case(
+        "softmax_topk", "softmax_topk_backward", f"softmax_topk bwd{tag}", f"{R}x{C} k={k}", _short(dtype),
+        make=make,
+        run=lambda a: softmax_topk_backward(a["g"], a["v"], a["i"], a["x"], a["logd"], renormalize=renormalize),
+        bytes_min=R * C * s * (1 if renormalize else 2) + R * k * (2 * s + 8) + R * 4, bound=1.1,
+        torch=TorchPath(bwd_torch, 0, 3 + (2 if renormalize else 0),
+                        "zeros + scatter of the k gradients, ATen softmax backward"),
+        torch_run=lambda a: torch.ops.aten._softmax_backward_data(
+            torch.zeros_like(a["x"]).scatter_(-1, a["i"], a["g"]), torch.softmax(a["x"], -1), -1, a["x"].dtype),
+        note="renormalized: a zero fill plus the k entries" if renormalize else "", quick=quick)
+
+
+def _torch_topk(x, k, renormalize):
+    v, i = torch.softmax(x, -1).topk(k)
+    return (v / v.sum(-1, keepdim=True) if renormalize else v), i
+
+
+def _torch_quant(x):
+    with warnings.catch_warnings():  # quantize_per_tensor is deprecated, and still what torch has
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.softmax(x, -1).float(), 1 / 255, 0, torch.quint8)
+
+
+def quant_case(R, C, dtype, quick=False) -> Case:
+    s = _size(dtype)
+    return Case(
+        "quant_softmax", "quant_softmax_forward", "quant_softmax fwd", f"{R}x{C}", f"{_short(dtype)}->u8",
+        make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
+        run=lambda a: quant_softmax_forward(a["x"], -1, scale=1 / 255, zero_point=0, dtype=torch.uint8),
+        bytes_min=R * C * (s + 1), bound=1.0 if _one_block(C) else 1.5,
+        torch=TorchPath(aten_softmax(R, C, s, s) + R * C * (s + 1), 0, 2, "ATen softmax, then quantize_per_tensor"),
+        torch_run=lambda a: _torch_quant(a["x"]),
+        quick=quick)
+
+
+def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="softmax", backward=False,
+                   dtype=torch.bfloat16, quick=False) -> Case:
+    s, S, Ev = _size(dtype), L, E
+    tags = [t for t, on in (("causal", causal), ("padded", padded), ("GQA", Hq != Hkv)) if on]
+    name = f"attention {normalizer} {'bwd' if backward else 'fwd'} " + "+".join(tags)
+    shape = f"{B}x{Hq}/{Hkv}x{L}x{E}" if Hq != Hkv else f"{B}x{Hq}x{L}x{E}"
+
+    def make(dev):
+        f = dict(dtype=dtype, device=dev)
+        a = dict(q=torch.randn(B, Hq, L, E, **f), k=torch.randn(B, Hkv, S, E, **f), v=torch.randn(B, Hkv, S, Ev, **f),
+                 mask=None)
+        if padded:  # keys past each sequence's length masked, as a (B, 1, 1, S) bool mask expanded
+            lens = torch.tensor([S - (S // 4) * (b % 2) for b in range(B)], device=dev)
+            a["mask"] = (torch.arange(S, device=dev)[None, :] < lens[:, None])[:, None, None, :].expand(B, Hq, L, S)
+        if backward:
+            a["out"] = torch.randn(B, Hq, L, Ev, **f)
+            a["stats"] = torch.zeros(B, Hq, L, 2, device=dev)
+            a["dout"] = torch.randn(B, Hq, L, Ev, **f)
+        return a
+
+    def run(a):
+        if backward:
+            return attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["stats"], a["mask"], causal,
+                                      E ** -0.5, None, normalizer, None, 0.0, 0)
+        return attention_forward(a["q"], a["k"], a["v"], a["mask"], causal, E ** -0.5, None, normalizer, None,
+                                 0.0, 0)
+
+    mask_b = 1 if padded else 0
+    if backward:
+        bmin = fa2_backward_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal)
+        tp = TorchPath(bmin, attention_flops(B, Hq, L, S, E, Ev, causal, True), 3,
+                       "SDPA FlashAttention-2 backward (pre-pass, main, dQ cast)")
+        if normalizer != "softmax":
+            raise ValueError("the backward cases are softmax only")
+    else:
+        bmin = fa2_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, mask_b)
+        fl = attention_flops(B, Hq, L, S, E, Ev, causal)
+        if normalizer == "softmax":
+            if padded:
+                tp = TorchPath(fa2_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, mask_b, block_m=64), fl, 2,
+                               "SDPA memory-efficient attention (64-row query tiles) + bool->float mask")
+            else:
+                tp = TorchPath(bmin, fl, 1, "SDPA FlashAttention-2")
+        else:
+            # written out: scores (s), .float() (s -> 4), masked_fill (4 + 4), the normalizer's passes in fp32,
+            # .to(dtype) (4 -> s), read by @ v (s); K / V expanded per query head for GQA (Hugging Face)
+            passes = {"softpick": 5, "ssmax": 3, "softmax1": 4, "sigmoid": 2, "relu": 2, "softplus": 2,
+                      "sparsemax": 12, "entmax15": 16}[normalizer]
+            per_score = s + (s + 4) + 8 + 4 * passes + (4 + s) + s
+            scores = B * Hq * L * S
+            io = B * Hq * (L * E + S * E + S * Ev + L * Ev) * s
+            gqa = 2 * B * Hq * S * (E + Ev) * s if Hq != Hkv else 0
+            tp = TorchPath(scores * per_score + io + gqa, 2.0 * B * Hq * L * S * (E + Ev), 5 + passes,
+                           f"eager: q @ k^T, mask, {normalizer} ({passes} fp32 passes over L x S), @ v")
+    return Case("attention", "attention_backward" if backward else "attention_forward", name, shape,
+                _short(dtype), make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, flops_min=tp.flops
+                if normalizer == "softmax" else attention_flops(B, Hq, L, S, E, Ev, causal, backward),
+                bound=ATTENTION_FLOP_BOUND.get(normalizer, ATTENTION_FLOP_BOUND["softmax"]),
+                torch_run=None if backward or normalizer != "softmax" else
+                lambda a: torch.nn.functional.scaled_dot_product_attention(
+                    a["q"], a["k"], a["v"], attn_mask=None if a["mask"] is None else a["mask"][:, :1, :1],
+                    is_causal=causal, enable_gqa=Hq != Hkv),
+                note={"sparsemax": "threshold normalizer: 10 bracketing passes re-read K (inherent: no L x S store)",
+                      "entmax15": "threshold normalizer: bracketing passes re-read K"}.get(normalizer, ""),
+                quick=quick)
+
+
+def _row_vectors(N: int, dev) -> dict:
+    """The backward's per-row inputs (lse, other mass, coefficients a and b) with plausible values."""
+    return dict(lse=torch.randn(N, device=dev) + 10.0, om=torch.rand(N, device=dev), ca=torch.rand(N, device=dev),
+                cb=torch.rand(N, device=dev))
+
+
+def _stored(tr) -> float:
+    return float(sum(x.bytes_stored for x in tr.launches if not x.kernel.startswith("aten.")))
+
+
+def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, quick=False) -> Case:
+    s = _size(dtype)
+    Vs = V // shard_of
+    label = f" (1 of {shard_of} vocabulary shards)" if shard_of > 1 else ""
+
+    def make(dev):
+        a = dict(x=torch.randn(N, D, dtype=dtype, device=dev), w=torch.randn(Vs, D, dtype=dtype, device=dev) * 0.02,
+                 y=torch.randint(0, Vs, (N,), device=dev))
+        if backward:
+            a.update(_row_vectors(N, dev))
+        return a
+
+    def run(a):
+        if backward:
+            return lce_backward(a["x"], a["w"], None, a["y"], a["lse"], a["om"], a["ca"], a["cb"], None,
+                                ignore_index=-100)
+        return lce_forward(a["x"], a["w"], None, a["y"], ignore_index=-100)
+
+    ops = (N * D + Vs * D) * s
+    nv = N * Vs
+    if backward:
+        bmin = 2 * ops + N * (8 + 16)
+        tp = TorchPath(nv * 4 + N * 12 + nv * (4 * 4 + 4) + nv * (4 + s) + 2 * (nv * s) + 2 * ops,
+                       4.0 * N * Vs * D, 6,
+                       "zeros + scatter, log_softmax backward (2 sweeps), cast, dE = G @ W, dW = G^T @ E")
+    else:
+        bmin = ops + N * (8 + 12)
+        tp = TorchPath(ops + nv * s + nv * (s + 4) + nv * (3 * 4 + 4) + N * 12, 2.0 * N * Vs * D, 5,
+                       "logits = x @ W^T, .float(), log_softmax (3 sweeps), nll_loss, mean")
+    return Case("linear_ce", "lce_backward" if backward else "lce_forward",
+                f"linear CE {'bwd' if backward else 'fwd'}{label}", f"N{N} D{D} V{Vs}", _short(dtype),
+                make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, logits_stored=_stored,
+                flops_min=tp.flops, bound=LCE_FLOP_BOUND[backward],
+                note="never stores N x V", quick=quick,
+                torch_run=None if backward else lambda a: torch.nn.functional.cross_entropy(
+                    (a["x"] @ a["w"].T).float(), a["y"]))
+
+
+def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
+    s = _size(dtype)
+    nv = N * V
+
+    def make(dev):
+        a = dict(z=torch.randn(N, V, dtype=dtype, device=dev), y=torch.randint(0, V, (N,), device=dev))
+        if backward:
+            a.update(_row_vectors(N, dev))
+        return a
+
+    def run(a):
+        if backward:
+            return ce_backward(a["z"], a["y"], a["lse"], a["om"], a["ca"], a["cb"], None, ignore_index=-100)
+        return ce_forward(a["z"], a["y"], ignore_index=-100)
+
+    if backward:
+        bmin, tp = nv * 2 * s + N * 24, TorchPath(nv * 4 + nv * (4 * 4 + 4) + nv * (4 + s), 0, 4,
+                                                  "zeros + scatter, log_softmax backward, cast")
+    else:
+        bmin, tp = nv * s + N * 20, TorchPath(nv * (s + 4) + nv * (3 * 4 + 4) + N * 12, 0, 4,
+                                              ".float(), log_softmax (3 sweeps), nll_loss, mean")
+    return Case("cross_entropy", "ce_backward" if backward else "ce_forward",
+                f"cross_entropy {'bwd' if backward else 'fwd'}", f"{N}x{V}", _short(dtype), make=make, run=run,
+                bytes_min=bmin, torch=tp, quick=quick, bound=1.05,  # the split partials and merge
+                torch_run=None if backward else lambda a: torch.nn.functional.cross_entropy(a["z"].float(), a["y"]))
+
+
+def all_cases(quick: bool = False) -> list[Case]:
+    """Every case (``quick``: one small case per family)."""
+    bf, f32 = torch.bfloat16, torch.float32
+    if quick:
+        return [softmax_case(1024, 4096, bf, quick=True),
+                topk_case(16, 32768, 50, quick=True),
+                quant_case(1024, 1024, bf, quick=True),
+                attention_case(1, 4, 4, 1024, 64, quick=True),
+                linear_ce_case(1024, 512, 8192, quick=True),
+                ce_case(512, 8192, quick=True)]
+    cases = [softmax_case(R, C, bf) for R, C in ((16384, 1024), (4096, 4096), (1024, 16384), (256, 65536),
+                                                  (64, 262144))]
+    cases += [softmax_case(4096, 4096, f32), softmax_case(256, 65536, f32), softmax_case(1024, 32768, bf, log=True),
+              softmax_case(4096, 4096, bf, backward=True), softmax_case(256, 65536, bf, backward=True)]
+    cases += [topk_case(16384, 8, 2, label="router"), topk_case(16384, 64, 8, renormalize=True, label="router"),
+              topk_case(16384, 256, 8, renormalize=True, label="router"),
+              topk_case(64, 32000, 50, label="sampler"), topk_case(64, 131072, 50, label="sampler"),
+              topk_case(64, 131072, 50, dtype=bf, label="sampler"),
+              topk_case(16384, 64, 8, renormalize=True, backward=True, label="router"),
+              topk_case(64, 131072, 50, backward=True, label="sampler")]
+    cases += [quant_case(16384, 1024, bf), quant_case(4096, 4096, f32)]
+    cases += [attention_case(2, 16, 16, 1024, 128), attention_case(1, 16, 16, 4096, 128),
+              attention_case(1, 16, 16, 8192, 128), attention_case(4, 16, 16, 2048, 128, causal=False, padded=True),
+              attention_case(1, 32, 8, 4096, 128), attention_case(1, 16, 16, 4096, 128, normalizer="softpick"),
+              attention_case(1, 16, 16, 4096, 128, normalizer="sparsemax"),
+              attention_case(1, 16, 16, 4096, 128, backward=True), attention_case(1, 32, 8, 4096, 128, backward=True)]
+    for N, D, V in ((4096, 2048, 32000), (8192, 4096, 128256), (16384, 4096, 262144)):
+        cases += [linear_ce_case(N, D, V), linear_ce_case(N, D, V, backward=True)]
+    cases += [linear_ce_case(8192, 4096, 128256, shard_of=8), linear_ce_case(8192, 4096, 128256, shard_of=8,
+                                                                             backward=True)]
+    cases += [ce_case(8192, 128256), ce_case(8192, 128256, backward=True)]
+    return cases

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""What every Triton kernel of smxcompile moves and computes on a GPU, counted on a CPU, against the op's minimum
+and a roofline prediction of its H200 time next to torch's own path.
+
+Each case launches one op's kernels (forward or backward) through Triton's interpreter, with launches planned as
+on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmarks/gpu_traffic.py's counter:
+
+  loaded / stored  global-memory bytes of the kernels' loads / stores (masked lanes not counted; atomics count as
+                   both), plus the torch ops the launcher runs around them (zero fills, casts, merges)
+  hbm              the DRAM bytes an L2 model estimates (gpu_traffic.py: tiles that programs running together
+                   share come from L2 once; a re-read that other programs' traffic has pushed out of the 50 MiB
+                   L2 comes from DRAM again)
+  min              the op's minimum bytes: softmax reads the input and writes the output once; softmax + top-k
+                   reads the row once and writes k values and indices; cut cross-entropy reads the hidden states
+                   and the classifier once per pass and writes per-row statistics (never N x V); attention reads
+                   Q and writes O once and reads K / V once per 128-row query tile, as FlashAttention-2 does
+  ratio            (loaded + stored) / min: what the kernels ask of the memory system over the minimum
+  launches         kernel launches (Triton and torch ops)
+  TFLOP            tl.dot FLOPs (2 M N K), recomputation and masked tiles included
+  pred us          the roofline time on an H200: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s) + 3 us per launch
+  torch us         the same prediction for torch's path on a GPU: its bytes, FLOPs and launches by formula
+                   (each case names the ATen kernels and the passes they make; see torch_path.py)
+  x torch          torch us / pred us: above 1 is a predicted win
+  roof             for the memory-bound softmax-like ops: (min / 4.3 TB/s + 3 us) / pred us, the fraction of the
+                   copy roofline (moving the minimum bytes in one launch) the prediction reaches
+
+Grids and loops are sampled (gpu_traffic.py: the first and last program or iteration alone, strata between,
+weighted), so that the largest shapes count in seconds; the outputs of a sampled launch are not the op's results.
+
+Usage:
+  python benchmarks/gpu_model.py [--quick] [--families LIST] [--only TEXT] [--json PATH] [--plot PATH] [--markdown]
+
+--quick runs one small case per family (CI). The figures are in docs/PERFORMANCE.md ("GPU model"); on a GPU,
+benchmarks/gpu/compare_model.py times the same cases and prints measured / predicted.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_cases import FAMILIES, Case, all_cases  # noqa: E402
+from gpu_traffic import H200, count_traffic  # noqa: E402
+
+from smxcompile.kernels.triton_helpers import plan_for_sms  # noqa: E402
+
+
+def predicted_us(bytes_hbm: float, flops: float, launches: int, gpu=H200) -> float:
+    """Roofline time (us): the larger of the DRAM and the tensor-core time, plus a fixed cost per launch."""
+    return max(bytes_hbm / gpu.hbm_bytes_per_s, flops / gpu.flops_per_s) * 1e6 + launches * gpu.launch_us
+
+
+def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
+    """Count one case and return its record (see the module docstring for the fields)."""
+    inputs = case.make("cpu")
+    t0 = time.perf_counter()
+    with plan_for_sms(H200.sms), count_traffic(H200, axis_cap=axis_cap, loop_cap=loop_cap) as tr:
+        case.run(inputs)
+    seconds = time.perf_counter() - t0
+    del inputs
+    launches = len(tr.launches)
+    loaded, stored = tr.bytes_loaded, tr.bytes_stored
+    hbm, flops = tr.bytes_hbm, tr.flops
+    pred = predicted_us(hbm, flops, launches)
+    tp = case.torch
+    torch_pred = predicted_us(tp.bytes, tp.flops, tp.launches)
+    rec = dict(
+        family=case.family, kernel=case.kernel, case=case.name, shape=case.shape, dtype=case.dtype,
+        bytes_loaded=loaded, bytes_stored=stored, bytes_atomic=tr.total("bytes_atomic"), bytes_hbm=hbm,
+        bytes_min=case.bytes_min, ratio=(loaded + stored) / case.bytes_min, hbm_ratio=hbm / case.bytes_min,
+        launches=launches, flops=flops, flops_min=case.flops_min,
+        flops_ratio=flops / case.flops_min if case.flops_min else None,
+        bound=case.bound, predicted_us=pred, torch_predicted_us=torch_pred,
+        speedup_vs_torch=torch_pred / pred,
+        roofline_frac=((case.bytes_min / H200.hbm_bytes_per_s * 1e6 + H200.launch_us) / pred
+                       if case.memory_bound else None),
+        torch_path=tp.what, torch_bytes=tp.bytes, torch_flops=tp.flops, torch_launches=tp.launches,
+        logits_bytes_stored=case.logits_stored(tr) if case.logits_stored else None,
+        note=case.note,
+        detail=[dict(kernel=x.kernel, grid=list(x.grid), programs=x.programs, programs_run=x.programs_run,
+                     bytes_loaded=x.bytes_loaded, bytes_stored=x.bytes_stored, bytes_atomic=x.bytes_atomic,
+                     bytes_hbm=x.bytes_hbm, flops=x.flops) for x in tr.launches],
+        count_seconds=seconds,
+    )
+    rec["checked"] = rec["ratio"] if case.memory_bound else rec["flops_ratio"]
+    rec["within_bound"] = rec["checked"] <= case.bound * 1.001
+    return rec
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= f:
+            return f"{b / f:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+COLUMNS = ("case", "shape", "dtype", "loaded", "stored", "hbm", "min", "ratio", "launches", "TFLOP", "pred us",
+           "torch us", "x torch", "roof")
+
+
+def row_cells(r: dict) -> list[str]:
+    return [r["case"], r["shape"], r["dtype"], _fmt_bytes(r["bytes_loaded"]), _fmt_bytes(r["bytes_stored"]),
+            _fmt_bytes(r["bytes_hbm"]), _fmt_bytes(r["bytes_min"]), f"{r['ratio']:.2f}", str(r["launches"]),
+            f"{r['flops'] / 1e12:.3g}" if r["flops"] else "-", f"{r['predicted_us']:.1f}",
+            f"{r['torch_predicted_us']:.1f}", f"{r['speedup_vs_torch']:.2f}x",
+            f"{r['roofline_frac']:.0%}" if r["roofline_frac"] is not None else "-"]
+
+
+def print_table(rows: list[dict], markdown: bool) -> None:
+    cells = [row_cells(r) for r in rows]
+    if markdown:
+        print("| " + " | ".join(COLUMNS) + " |")
+        print("|" + "|".join("---" for _ in COLUMNS) + "|")
+        for c in cells:
+            print("| " + " | ".join(c) + " |")
+        return
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(COLUMNS)]
+    print("  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Two panels per case: bytes over the minimum (loaded + stored, and the DRAM estimate), and the predicted
+    time of torch's path over ours (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['case']} {r['shape']} {r['dtype']}" for r in rows]
+    y = np.arange(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.32 * len(rows) + 1.6), sharey=True)
+    a.barh(y - 0.2, [r["ratio"] for r in rows], height=0.4, label="(loaded + stored) / min")
+    a.barh(y + 0.2, [r["hbm_ratio"] for r in rows], height=0.4, label="DRAM estimate / min")
+    a.axvline(1.25, color="k", lw=0.8, ls="--")
+    a.set_xscale("log")
+    a.set_xlabel("bytes / the op's minimum (log)")
+    a.set_yticks(y, labels, fontsize=7)
+    a.invert_yaxis()
+    a.legend(fontsize=7, loc="lower right")
+    sp = [r["speedup_vs_torch"] for r in rows]
+    b.barh(y, sp, color=["tab:green" if s >= 1 else "tab:red" for s in sp])
+    b.axvline(1.0, color="k", lw=0.8)
+    b.set_xscale("log")
+    b.set_xlabel("predicted H200 time: torch's path / smxcompile's (log; > 1 = faster)")
+    fig.suptitle("GPU model: Triton kernels counted through the interpreter (benchmarks/gpu_model.py)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _families(text: str) -> list[str]:
+    got = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in got if f not in FAMILIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {','.join(FAMILIES)}")
+    return got
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~1 minute)")
+    p.add_argument("--families", type=_families, metavar="LIST", help=f"comma-separated: {','.join(FAMILIES)}")
+    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
+    p.add_argument("--axis-cap", type=int, default=6, help="programs counted per grid axis (default %(default)s)")
+    p.add_argument("--loop-cap", type=int, default=8, help="iterations counted per kernel loop (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write one record per case (and the environment) as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write the bytes-ratio and predicted-speedup chart (PNG)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    cases = all_cases(quick=args.quick)
+    if args.families:
+        cases = [c for c in cases if c.family in args.families]
+    if args.only:
+        cases = [c for c in cases if any(t in c.name or t in c.shape for t in args.only)]
+    if not cases:
+        print("no case selected", file=sys.stderr)
+        return 2
+    rows = []
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case.name} {case.shape} {case.dtype} ...", end=" ", flush=True)
+        rows.append(measure(case, args.axis_cap, args.loop_cap))
+        print(f"{rows[-1]['count_seconds']:.1f} s", flush=True)
+    print()
+    print_table(rows, args.markdown)
+    over = [r for r in rows if r["ratio"] > 1.25]
+    if over:
+        print("\nabove 1.25x the minimum bytes (loaded + stored; docs/PERFORMANCE.md says why): "
+              + "; ".join(f"{r['case']} {r['shape']} {r['dtype']} {r['ratio']:.2f}x" for r in over))
+    beyond = [r for r in rows if not r["within_bound"]]
+    if beyond:
+        print("\nBEYOND THE DOCUMENTED BOUND (memory-bound: bytes / min; tl.dot kernels: FLOPs / useful FLOPs): "
+              + "; ".join(f"{r['case']} {r['shape']} {r['dtype']} {r['checked']:.2f} > {r['bound']:.2f}"
+                          for r in beyond))
+    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s (H200 model: {H200})")
+    if args.json:
+        env = dict(torch=torch.__version__, python=platform.python_version(), gpu=H200.__dict__,
+                   command=" ".join(["python", "benchmarks/gpu_model.py", *(argv if argv is not None else sys.argv[1:])]))
+        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    return 1 if beyond else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

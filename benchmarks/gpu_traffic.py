@@ -1,0 +1,521 @@
+"""Count what Triton kernels move and compute, by instrumenting Triton's interpreter.
+
+Inside :func:`count_traffic`, every kernel launch (``kernel[grid](...)`` with ``TRITON_INTERPRET=1``) is
+recorded as a :class:`Launch`:
+
+- ``bytes_loaded`` / ``bytes_stored``: global-memory bytes of every ``tl.load`` / ``tl.store`` lane the mask
+  keeps (masked lanes are not counted; a lane that repeats an address within one instruction counts once, as a
+  GPU coalesces it); atomics count as a load and a store of their lanes;
+- ``bytes_reread``: loads of 32-byte sectors the same program had touched before (the second sweep of an online
+  softmax, an operand tile re-read by a matmul's loop);
+- ``bytes_hbm``: an estimate of DRAM traffic (:attr:`Launch.bytes_hbm`), from an L2 model: programs run
+  ``resident`` at a time (:meth:`GPU.resident`), in waves in launch order, each at the same pace; an access to a
+  sector another access of the launch touched before is an L2 hit when the bytes all resident programs touch in
+  between (the program's own bytes since then, times ``resident``) fit in L2; otherwise, and on first touch
+  (capped at each tensor's size), it is DRAM traffic. Stores are DRAM traffic; an atomic's sector is written back
+  once;
+- ``flops``: ``2 * M * N * K`` of every ``tl.dot``;
+- one launch per ``kernel[grid]`` call;
+- the torch ops a launcher runs around its kernels (allocations and views aside) as launches of their own
+  (``kernel`` ``aten.<op>``): the bytes of their tensor inputs read and of their outputs written, all DRAM
+  traffic (a zero fill writes only), and the FLOPs of the matmuls (``torch.utils.flop_counter``'s formulas);
+  matmuls are counted, not computed (their outputs are uninitialized, like a sampled launch's).
+
+Large grids are sampled (``axis_cap``): along an axis of more than ``axis_cap`` programs, the first and last
+programs run alone and the ones between run one per stratum, weighted by the stratum's size, so that every
+count is a weighted sum over the programs that ran (exact when the grid is not sampled, and for the uniform
+and linearly growing work of the kernels measured here up to a fraction of a tile). The outputs of a sampled
+launch are not the kernel's results.
+
+Triton's interpreter: ``triton/runtime/interpreter.py`` (``InterpreterBuilder.create_masked_load`` / ``_store``,
+``create_dot``, ``create_atomic_rmw``; ``InterpretedFunction.run`` builds a ``GridExecutor`` per launch).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import inspect
+import operator
+import sys
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.utils._python_dispatch
+import torch.utils._pytree
+from torch.utils.flop_counter import flop_registry
+
+#: DRAM access granularity (bytes) used for the distinct-sector bookkeeping.
+SECTOR = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """What the model needs of a GPU. Defaults: an H200 (SXM): 132 SMs, 50 MiB of L2, 4.3 TB/s measured for a
+    plain device-to-device copy, 990 TFLOP/s dense bf16 tensor-core peak, ~3 us per kernel launch."""
+
+    name: str = "H200"
+    sms: int = 132
+    l2_bytes: int = 50 * 2**20
+    hbm_bytes_per_s: float = 4.3e12
+    flops_per_s: float = 990e12
+    launch_us: float = 3.0
+
+    def resident(self, num_warps: int, programs: int) -> int:
+        """Programs running at once: up to 64 warps and 32 programs per SM (registers and shared memory aside)."""
+        return max(1, min(programs, self.sms * max(1, min(32, 64 // max(1, num_warps)))))
+
+
+H200 = GPU()
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch's counts (weighted sums over the programs of the grid)."""
+
+    kernel: str
+    grid: tuple
+    num_warps: int
+    programs: int
+    resident: int
+    programs_run: int = 0
+    bytes_loaded: float = 0.0
+    bytes_stored: float = 0.0
+    bytes_atomic: float = 0.0
+    #: loads of sectors the same program had touched before
+    bytes_reread: float = 0.0
+    #: loads and atomics that the L2 model sends to DRAM although the launch touched the sector before
+    bytes_capacity_miss: float = 0.0
+    flops: float = 0.0
+    #: per tensor argument (keyed by its storage address): weighted bytes of the sectors loaded (or atomically
+    #: updated) first in the launch, and the storage's size (the cap of that share of :attr:`bytes_hbm`)
+    first_touch: dict = dataclasses.field(default_factory=dict)
+    sizes: dict = dataclasses.field(default_factory=dict)
+    #: non-atomic store bytes, and atomically updated sectors' write-back (first touch)
+    bytes_written_back: float = 0.0
+
+    @property
+    def bytes_hbm(self) -> float:
+        """Estimated DRAM bytes (see the module docstring): first touches (at most each tensor's size), capacity
+        misses, stores and atomics' write-back."""
+        first = sum(min(b, self.sizes[k]) for k, b in self.first_touch.items())
+        return first + self.bytes_capacity_miss + self.bytes_written_back
+
+
+@dataclasses.dataclass
+class Traffic:
+    """The launches recorded by :func:`count_traffic`, in order."""
+
+    launches: list = dataclasses.field(default_factory=list)
+
+    def total(self, field: str) -> float:
+        return float(sum(getattr(x, field) for x in self.launches))
+
+    @property
+    def bytes_loaded(self) -> float:
+        return self.total("bytes_loaded")
+
+    @property
+    def bytes_stored(self) -> float:
+        return self.total("bytes_stored")
+
+    @property
+    def flops(self) -> float:
+        return self.total("flops")
+
+    @property
+    def bytes_hbm(self) -> float:
+        return float(sum(x.bytes_hbm for x in self.launches))
+
+    def by_kernel(self) -> dict:
+        """``{kernel name: number of launches}``."""
+        out: dict = {}
+        for x in self.launches:
+            out[x.kernel] = out.get(x.kernel, 0) + 1
+        return out
+
+
+def strata(n: int, cap: int) -> list[tuple[int, int]]:
+    """``[(program id, weight)]`` along an axis of ``n`` programs: all of them when ``n <= cap``, else the first
+    and the last alone and the middle of ``cap - 2`` equal strata of the ones between."""
+    if cap < 3:
+        raise ValueError(f"axis_cap must be >= 3, got {cap}")
+    if n <= cap:
+        return [(i, 1) for i in range(n)]
+    m, k = n - 2, cap - 2
+    bounds = [1 + (j * m) // k for j in range(k + 1)]
+    mid = [((a + b - 1) // 2, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [(0, 1)] + mid + [(n - 1, 1)]
+
+
+class _Regions:
+    """The tensor arguments of a launch, and which one an address belongs to."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        spans: dict[int, int] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
+        self.starts = np.array(sorted(spans), dtype=np.uint64)
+        self.sizes = [spans[int(s)] for s in self.starts]
+
+    def sectors(self, addr: np.ndarray) -> np.ndarray:
+        """Distinct sector keys (``region << 40 | sector``, int64) of ``addr`` (uint64 addresses)."""
+        if addr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        r = np.searchsorted(self.starts, addr, side="right") - 1
+        if (r < 0).any():
+            raise RuntimeError("a kernel accessed memory outside its tensor arguments")
+        off = (addr - self.starts[r]).astype(np.int64)
+        if (off >= np.asarray(self.sizes, dtype=np.int64)[r]).any():
+            raise RuntimeError("a kernel accessed memory past the end of a tensor argument")
+        return np.unique((r.astype(np.int64) << 40) | (off // SECTOR))
+
+
+#: access kinds recorded per sector
+_LOAD, _STORE, _ATOMIC = 0, 1, 2
+
+
+class _Counter:
+    """The counts of the launch in progress. Programs run one after another in the interpreter; each sector access
+    is recorded with the program's wave (its linear id, ``x`` fastest as CUDA orders blocks, over ``resident``)
+    and clock (the bytes, distinct sectors per instruction times the sampled loop strata, the program touched
+    before it), and :meth:`end_launch` replays them in GPU order: wave, then clock, the programs of a wave side by
+    side at the same pace."""
+
+    def __init__(self, gpu: GPU, axis_cap: int, loop_cap: int):
+        self.gpu = gpu
+        self.axis_cap = axis_cap
+        self.loop_cap = loop_cap
+        self.traffic = Traffic()
+        self.launch: Launch | None = None
+        self.regions: _Regions | None = None
+        self.in_kernel = False
+        self.weight = 1  # the program's stratum times the sampled loop iterations' strata
+        self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
+        self.clock = 0.0
+        self.program = -1
+        self.wave = 0
+        self.lengths: list[float] = []
+        self.records: list[tuple] = []
+        self.suspended = False  # inside the interpreter's own torch calls (argument copies)
+
+    def begin_launch(self, launch: Launch, regions: _Regions) -> None:
+        self.launch, self.regions = launch, regions
+        self.program, self.clock, self.lengths, self.records = -1, 0.0, [], []
+
+    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple) -> None:
+        if self.program >= 0:
+            self.lengths.append(self.clock)
+        x, y, z = grid_idx
+        gx, gy, _ = grid_dim
+        self.wave = (x + gx * (y + gy * z)) // self.launch.resident
+        self.weight, self.loop_weight = weight, 1
+        self.program, self.clock = self.program + 1, 0.0
+        self.launch.programs_run += 1
+
+    def _lanes(self, ptrs, mask) -> np.ndarray:
+        addr = np.asarray(ptrs.data).reshape(-1)
+        if mask is not None:
+            keep = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)
+            addr = addr[keep]
+        return np.unique(addr)
+
+    def access(self, ptrs, mask, kind: int) -> None:
+        if self.launch is None:
+            return
+        lx, w = self.launch, self.weight
+        addr = self._lanes(ptrs, mask)
+        nbytes = w * addr.size * (ptrs.get_element_ty().primitive_bitwidth // 8)
+        if kind != _STORE:
+            lx.bytes_loaded += nbytes
+        if kind != _LOAD:
+            lx.bytes_stored += nbytes
+        if kind == _ATOMIC:
+            lx.bytes_atomic += nbytes
+        elif kind == _STORE:
+            lx.bytes_written_back += nbytes
+        keys = self.regions.sectors(addr)
+        self.records.append((keys, self.wave, self.program, self.clock, w, kind))
+        self.clock += SECTOR * keys.size * self.loop_weight
+
+    def end_launch(self) -> None:
+        """Replay the launch's accesses in GPU order through the L2 model (see the module docstring)."""
+        lx = self.launch
+        if self.program >= 0:
+            self.lengths.append(self.clock)
+        if not self.records:
+            return
+        length = float(np.mean(self.lengths)) if self.lengths else 0.0
+        n = [r[0].size for r in self.records]
+        key = np.concatenate([r[0] for r in self.records])
+        tau = np.repeat([r[1] * length + r[3] for r in self.records], n)
+        prog = np.repeat([r[2] for r in self.records], n)
+        w = np.repeat([float(r[4]) for r in self.records], n)
+        kind = np.repeat([r[5] for r in self.records], n)
+        order = np.lexsort((tau, key))
+        key, tau, prog, w, kind = key[order], tau[order], prog[order], w[order], kind[order]
+        first = np.ones(key.size, dtype=bool)
+        first[1:] = key[1:] != key[:-1]
+        gap = np.zeros(key.size)
+        gap[1:] = np.diff(tau)
+        same = np.zeros(key.size, dtype=bool)
+        same[1:] = ~first[1:] & (prog[1:] == prog[:-1])
+        reads = kind != _STORE
+        miss = reads & ~first & (gap * lx.resident > self.gpu.l2_bytes)
+        lx.bytes_reread += SECTOR * float(w[reads & same].sum())
+        lx.bytes_capacity_miss += SECTOR * float(w[miss].sum())
+        lx.bytes_written_back += SECTOR * float(w[first & (kind == _ATOMIC)].sum())
+        region = key >> 40
+        fresh = first & reads
+        for r, start in enumerate(self.regions.starts):
+            lx.first_touch[int(start)] = SECTOR * float(w[fresh & (region == r)].sum())
+        self.records = []
+
+    def dot(self, a, b) -> None:
+        if self.launch is None:
+            return
+        sa, sb = np.shape(a.data), np.shape(b.data)
+        batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
+        self.launch.flops += self.weight * 2.0 * batch * sa[-2] * sa[-1] * sb[-1]
+
+
+class _SampledKernel:
+    """The kernel's Python function as GridExecutor calls it once per program: runs the sampled programs only,
+    each with its stratum's weight."""
+
+    def __init__(self, fn, counter: _Counter, builder):
+        self._fn = fn
+        self._counter = counter
+        self._builder = builder
+        self._plan: dict | None = None
+        self.__signature__ = inspect.signature(fn)
+        self.__globals__ = fn.__globals__
+        self.__name__ = fn.__name__
+        self.__annotations__ = getattr(fn, "__annotations__", {})
+
+    def __call__(self, **kwargs):
+        if self._plan is None:
+            axes = [strata(n, self._counter.axis_cap) for n in self._builder.grid_dim]
+            self._plan = {(x, y, z): wx * wy * wz for x, wx in axes[0] for y, wy in axes[1] for z, wz in axes[2]}
+        w = self._plan.get(tuple(self._builder.grid_idx))
+        if w is None:
+            return None
+        self._counter.start_program(w, tuple(self._builder.grid_idx), tuple(self._builder.grid_dim))
+        self._counter.in_kernel = True
+        try:
+            return self._fn(**kwargs)
+        finally:
+            self._counter.in_kernel = False
+
+
+class _SampledRange:
+    """``range`` as the kernels' modules see it while counting: inside a kernel, a loop of more than ``loop_cap``
+    iterations runs its strata (:func:`strata`), each iteration weighted by its stratum's size."""
+
+    def __init__(self, counter: _Counter):
+        self._counter = counter
+
+    def __call__(self, *args):
+        r = builtins.range(*(operator.index(a) for a in args))
+        c = self._counter
+        if not c.in_kernel or len(r) <= c.loop_cap:
+            return r
+        return self._iterate(r)
+
+    def _iterate(self, r):
+        c = self._counter
+        outer_w, outer_lw = c.weight, c.loop_weight
+        try:
+            for i, w in strata(len(r), c.loop_cap):
+                c.weight, c.loop_weight = outer_w * w, outer_lw * w
+                yield r[i]
+        finally:
+            c.weight, c.loop_weight = outer_w, outer_lw
+
+
+_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+              "lift_fresh", "detach", "alias", "set_", "resize_", "is_nonzero", "_to_copy_cpu_noop"}
+_WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "arange",
+               "new_zeros", "new_full", "new_ones", "scalar_tensor"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flop_formula(func):
+    """torch.utils.flop_counter's FLOP formula of ``func`` (an in-place variant uses its functional one)."""
+    formula = flop_registry.get(func.overloadpacket)
+    name = func.overloadpacket.__name__
+    if formula is None and name.endswith("_") and hasattr(torch.ops.aten, name[:-1]):
+        formula = flop_registry.get(getattr(torch.ops.aten, name[:-1]))
+    return formula
+
+
+def _shaped_like(func, args, kwargs):
+    """What ``func`` would return, uninitialized: its output shapes from a run on meta tensors (an ``out=``
+    argument is returned itself)."""
+    to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    meta = func(*torch.utils._pytree.tree_map(to_meta, args), **torch.utils._pytree.tree_map(to_meta, kwargs))
+    if isinstance(kwargs.get("out"), torch.Tensor):
+        return kwargs["out"]
+    if func._schema.arguments and func._schema.arguments[0].alias_info is not None \
+            and func._schema.arguments[0].alias_info.is_write:  # in place
+        return args[0]
+    device = next(t.device for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    return torch.utils._pytree.tree_map(
+        lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device)
+        if isinstance(m, torch.Tensor) else m, meta)
+
+
+class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the torch ops run outside the Triton launches while counting, one :class:`Launch` each."""
+
+    def __init__(self, counter: _Counter):
+        super().__init__()
+        self._counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self._counter
+        formula = _flop_formula(func)
+        if formula is not None and c.launch is None and not c.suspended:
+            out = _shaped_like(func, args, kwargs)  # a matmul's numbers are not needed to count it
+        else:
+            out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        schema = func._schema
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        if c.launch is not None or c.suspended or view or name in _NO_LAUNCH:
+            return out
+        given = (args, {k: v for k, v in kwargs.items() if k != "out"})  # an out= tensor is written, not read
+        ins = [a for a in torch.utils._pytree.tree_leaves(given) if isinstance(a, torch.Tensor)]
+        outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        written = [a for a, arg in zip(args, schema.arguments)
+                   if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            written.append(kwargs["out"])
+        read = 0 if name in _WRITE_ONLY else sum(_nbytes(a) for a in ins)
+        wrote = sum(_nbytes(o) for o in (written or outs))
+        flops = 0.0
+        if formula is not None:  # matmuls: torch's own FLOP formulas (torch.utils.flop_counter)
+            flops = float(formula(*args, **kwargs, out_val=out))
+        g = Launch(kernel=f"aten.{name}", grid=(), num_warps=0, programs=1, resident=1, programs_run=1,
+                   bytes_loaded=float(read), bytes_stored=float(wrote), bytes_written_back=float(wrote), flops=flops)
+        g.first_touch, g.sizes = {0: float(read)}, {0: read}
+        c.traffic.launches.append(g)
+        return out
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif hasattr(a, "base") and isinstance(getattr(a, "base"), torch.Tensor):  # TensorWrapper
+            out.append(a.base)
+    return out
+
+
+@contextlib.contextmanager
+def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
+                  modules: tuple[str, ...] = ("smxcompile.kernels",), count_torch: bool = True) -> Iterator[Traffic]:
+    """Record every interpreted Triton launch inside the block (needs ``TRITON_INTERPRET=1`` set before triton
+    decorated the kernels).
+
+    Args:
+        gpu: the GPU whose L2 and occupancy decide which re-reads are misses (:attr:`Launch.bytes_reread_miss`).
+        axis_cap: programs run per grid axis at most (>= 3; see the module docstring); a large value runs every
+            program.
+        loop_cap: iterations run per ``for ... in range(...)`` loop of a kernel at most (>= 3, sampled like the
+            grid); a large value runs every iteration.
+        modules: the packages whose kernels' loops are sampled (their modules that import triton.language).
+        count_torch: also record the torch ops run around the kernels (see the module docstring).
+
+    Yields:
+        a :class:`Traffic` filled as kernels launch.
+
+    Raises:
+        RuntimeError: triton's interpreter is not importable; a kernel touched memory outside its tensor
+            arguments.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception as e:  # pragma: no cover - no triton
+        raise RuntimeError(f"counting needs triton's interpreter: {e!r}") from e
+    strata(1, axis_cap), strata(1, loop_cap)  # validate the caps
+    counter = _Counter(gpu, axis_cap, loop_cap)
+    sampled_range = _SampledRange(counter)
+    kernel_modules = [m for name, m in list(sys.modules.items())
+                      if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None]
+    shadowed = {m: m.__dict__["range"] for m in kernel_modules if "range" in m.__dict__}
+    builder_cls = interp.InterpreterBuilder
+    saved = {name: getattr(builder_cls, name) for name in
+             ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas")}
+    saved_run = interp.InterpretedFunction.run
+
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        counter.access(ptrs, mask, _LOAD)
+        return saved["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        counter.access(ptrs, mask, _STORE)
+        return saved["create_masked_store"](self, ptrs, value, mask, cache_policy)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        counter.dot(a, b)
+        return saved["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
+        counter.access(ptr, mask, _ATOMIC)
+        return saved["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
+
+    def atomic_cas(self, ptr, cmp, val, sem, scope):
+        counter.access(ptr, None, _ATOMIC)
+        return saved["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return None
+        grid_t = tuple(grid(kwargs) if callable(grid) else grid)
+        full = grid_t + (1,) * (3 - len(grid_t))
+        warps, programs = int(kwargs.get("num_warps", 4)), int(np.prod(full))
+        launch = Launch(kernel=self.fn.__name__, grid=grid_t, num_warps=warps, programs=programs,
+                        resident=gpu.resident(warps, programs))
+        regions = _Regions(_tensors(args, kwargs))
+        launch.sizes = {int(r): size for r, size in zip(regions.starts, regions.sizes)}
+        counter.begin_launch(launch, regions)
+        counter.traffic.launches.append(launch)
+        counter.suspended = True
+        fn = _SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
+        try:
+            out = interp.GridExecutor(fn, self.arg_names, grid, self.pre_run_hooks)(*args, **kwargs)
+            counter.end_launch()
+            return out
+        finally:
+            counter.launch, counter.regions, counter.suspended = None, None, False
+
+    builder_cls.create_masked_load = masked_load
+    builder_cls.create_masked_store = masked_store
+    builder_cls.create_dot = dot
+    builder_cls.create_atomic_rmw = atomic_rmw
+    builder_cls.create_atomic_cas = atomic_cas
+    interp.InterpretedFunction.run = run
+    for m in kernel_modules:
+        m.range = sampled_range
+    glue = _GlueMode(counter) if count_torch else contextlib.nullcontext()
+    try:
+        with glue, np.errstate(all="ignore"):  # a sampled launch computes on skipped programs' garbage
+            yield counter.traffic
+    finally:
+        for m in kernel_modules:
+            if m in shadowed:
+                m.range = shadowed[m]
+            else:
+                del m.range
+        for name, f in saved.items():
+            setattr(builder_cls, name, f)
+        interp.InterpretedFunction.run = saved_run

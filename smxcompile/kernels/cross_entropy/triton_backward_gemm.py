@@ -1,0 +1,169 @@
+"""The "gemm" mode of :func:`~.triton_backward.lce_backward`: the gradients of the fused linear + cross-entropy by
+row chunks, with the gradient products done by matmuls (cuBLAS on a GPU) instead of per-tile atomics.
+
+Per chunk of rows ``r0:r1`` (Liger-Kernel's ``fused_linear_cross_entropy``, which chunks the rows the same way)::
+
+    x_c  = input[r0:r1] @ weight.T                  # fp32 (bf16 / fp16 operands, fp32 output on a GPU)
+    G_c  = dLoss/dx_c                                # the caller's Triton kernel, written once (see below)
+    grad_input[r0:r1]  = G_c @ weight                # fp32 accumulation
+    grad_weight       += G_c.T @ input[r0:r1]        # fp32 accumulator across chunks
+    grad_bias         += G_c.sum(0)                  # fp32
+
+The logits chunk stays fp32 (not rounded to the input dtype as F.linear's would be): it is what the forward's
+``lse`` / ``other_mass`` were computed from, so ``G`` keeps the collapse-safe target entry of Cut Cross-Entropy
+(Wijmans et al., 2024). With fp16 / bf16 inputs ``G`` is written as ``hi + lo`` (two 16-bit operands, ~16
+significant bits) and each product is done on both (``grad_weight``: one matmul over the rows of both), so the
+results are rounded to the input dtype once, at the end, as in the fused mode and Cut Cross-Entropy's tests
+(per element at least as close to an fp64 gold as torch, + 1e-5). ``split=False`` rounds ``G`` to the input
+dtype first, as torch's own backward does: half the products' FLOPs, torch's accuracy on average but not per
+element. Only :func:`chunked_gemm_backward` knows the chunking; the Triton side is a callable, so this module
+imports no kernel.
+
+fp32 inputs: the matmuls follow torch's fp32 matmul setting, as ``F.linear`` (TF32 under
+``torch.set_float32_matmul_precision("high")``, where the fused kernel uses tf32x3).
+
+CPU tensors (Triton's interpreter, the tests): ATen has no fp32-output kernels for fp16 / bf16 matmuls on CPU, so
+the 16-bit operands are upcast there (their products are exact in fp32: the same arithmetic as the GPU's fp32
+accumulation, in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import autocast_off
+from ..triton_helpers import planned_sms
+from .chunked import DEFAULT_CHUNK_BYTES
+
+__all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "gemm_rows", "mm_into", "addmm_into", "chunked_gemm_backward"]
+
+#: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU: with bf16 inputs, 512 MiB of fp32
+#: logits and 512 MiB of ``G`` as hi + lo, i.e. 1024 rows at V = 128256 (fewer, larger chunks amortize re-reading
+#: ``weight`` and the fp32 ``grad_weight`` accumulator once per chunk). CPU: :data:`~.chunked.DEFAULT_CHUNK_BYTES`.
+GEMM_CHUNK_BYTES = 2**30
+#: Chunks of at least two of these many rows are rounded down to a multiple of it (whole GEMM tiles).
+ROW_ALIGN = 128
+
+_HALF = (torch.float16, torch.bfloat16)
+#: Whether ``torch.addmm(..., out_dtype=torch.float32)`` (an fp32 accumulator with 16-bit operands) worked on
+#: CUDA; set to False after its first failure (an older torch), which falls back to upcast operands.
+_ADDMM_OUT_DTYPE = {"ok": True}
+
+
+def _gpu(device: torch.device) -> bool:
+    """A CUDA device, or launches planned as on one (:func:`~..triton_helpers.plan_for_sms`, for byte counts)."""
+    return device.type == "cuda" or planned_sms(device) is not None
+
+
+def gemm_rows(n: int, v: int, bytes_per_entry: int, chunk_bytes: int | None, device: torch.device) -> int:
+    """Rows per chunk: ``chunk_bytes`` (None / 0: :data:`GEMM_CHUNK_BYTES` on a GPU, else
+    :data:`~.chunked.DEFAULT_CHUNK_BYTES`) over ``v * bytes_per_entry`` (the chunk's temporaries per logit), at
+    least 1 and at most ``max(n, 1)``; rounded down to a multiple of :data:`ROW_ALIGN` when that many fit twice."""
+    budget = chunk_bytes or (GEMM_CHUNK_BYTES if _gpu(device) else DEFAULT_CHUNK_BYTES)
+    rows = max(1, budget // max(1, v * bytes_per_entry))
+    if rows >= 2 * ROW_ALIGN:
+        rows -= rows % ROW_ALIGN
+    return min(rows, max(n, 1))
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` with fp32 accumulation; ``a``, ``b`` (any strides) share a dtype, ``out`` is fp32 or that
+    dtype. On CUDA one cuBLAS call (``out_dtype=torch.float32`` for 16-bit operands into fp32); on CPU the
+    operands are upcast. Returns ``out``."""
+    if _gpu(a.device):
+        if out.dtype == a.dtype:
+            return torch.mm(a, b, out=out)
+        try:
+            return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        except (RuntimeError, NotImplementedError):  # planned as a GPU but run on CPU: upcast below
+            if a.is_cuda:
+                raise
+    if out.dtype == torch.float32:
+        return torch.mm(a.float(), b.float(), out=out)
+    return out.copy_(torch.mm(a.float(), b.float()))
+
+
+def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` for an fp32 ``acc``: cuBLAS with 16-bit operands and the fp32 accumulator as C on CUDA
+    (``torch.addmm(..., out_dtype=torch.float32)``; upcast operands on a torch without it); upcast on CPU."""
+    if a.dtype in _HALF and _gpu(a.device) and _ADDMM_OUT_DTYPE["ok"]:
+        try:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        except (RuntimeError, TypeError, NotImplementedError):  # pragma: no cover - torch without the overload
+            if a.is_cuda:  # (on CPU planned as a GPU, only this call falls back)
+                _ADDMM_OUT_DTYPE["ok"] = False
+    return acc.addmm_(a.float(), b.float())
+
+
+@autocast_off
+def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input_grad: bool, need_weight_grad: bool,
+                          need_bias_grad: bool, input_grad_dtype: torch.dtype, weight_grad_dtype: torch.dtype,
+                          bias_grad_dtype: torch.dtype, split: bool | None = None, chunk_bytes: int | None = None):
+    """Gradients w.r.t. ``input``, ``weight`` and the bias of a linear layer followed by a loss whose gradient
+    w.r.t. the logits ``write_grad`` computes, chunk by chunk (see the module docstring).
+
+    Args:
+        input: ``(N, D)`` fp16 / bf16 / fp32, any strides. weight: ``(V, D)``, same dtype, any strides.
+        saved_logits: None (each chunk's raw logits ``input[r0:r1] @ weight.T`` are computed in fp32, without
+            the bias), or an ``(N, V)`` tensor whose row slices are handed to ``write_grad`` instead.
+        write_grad: ``write_grad(r0, r1, src, hi, lo)``: writes ``dLoss/dx`` of rows ``r0:r1`` into ``hi``
+            (``(r1 - r0, V)`` contiguous, input dtype) from ``src`` (the fp32 logits chunk, or the saved slice);
+            when ``lo`` is not None (split), rounded as ``hi`` and its remainder ``x - hi`` into ``lo``.
+        need_input_grad, need_weight_grad, need_bias_grad: which results to compute.
+        input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their dtypes (floating point).
+        split: multiply ``hi`` and ``lo`` (the gradient to ~16 significant bits in two 16-bit operands, so that
+            the results are rounded once, at the end: Cut Cross-Entropy's numerics, twice the products' FLOPs)
+            instead of ``G`` rounded to the input dtype (torch's numerics). None: for fp16 / bf16 inputs.
+        chunk_bytes: bytes of one chunk's temporaries (see :func:`gemm_rows`), None for the default.
+
+    Returns:
+        ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``, contiguous; zeros
+        where nothing contributes (``N == 0``, ``V == 0``).
+
+    Raises:
+        RuntimeError: from torch for inconsistent shapes / devices (nothing is checked here: the caller,
+            :func:`~.triton_backward.lce_backward`, validates its arguments).
+    """
+    N, D = input.shape
+    V = weight.shape[0]
+    dev, dt = input.device, input.dtype
+    planes = 2 if (dt in _HALF if split is None else split) else 1
+    need_gi, need_gw = need_input_grad and D > 0, need_weight_grad and D > 0
+    run = N > 0 and V > 0 and (need_gi or need_gw or need_bias_grad)
+    step = gemm_rows(N, V, planes * dt.itemsize + (4 if saved_logits is None else 0), chunk_bytes, dev)
+    one = N <= step and planes == 1  # one product per result: written directly when its dtype allows
+    f32 = torch.float32
+
+    def result(shape, want, direct):
+        if not run:
+            return torch.zeros(shape, dtype=want, device=dev)
+        return torch.empty(shape, dtype=want if direct and want in (dt, f32) else f32, device=dev)
+
+    gi = result((N, D), input_grad_dtype, planes == 1) if need_input_grad else None
+    gw = result((V, D), weight_grad_dtype, one) if need_weight_grad else None
+    gb = torch.zeros(V, dtype=f32 if run else bias_grad_dtype, device=dev) if need_bias_grad else None
+    if run:
+        rows = min(step, N)
+        xbuf = torch.empty((rows, V), dtype=f32, device=dev) if saved_logits is None else None
+        gbuf = torch.empty(planes * rows * V, dtype=dt, device=dev)
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            n = r1 - r0
+            e = input[r0:r1]
+            src = mm_into(xbuf[:n], e, weight.t()) if saved_logits is None else saved_logits[r0:r1]
+            g = gbuf[: planes * n * V].view(planes * n, V)  # [hi; lo]: one matmul over both for grad_weight
+            write_grad(r0, r1, src, g[:n], g[n:] if planes == 2 else None)
+            if need_gi:
+                mm_into(gi[r0:r1], g[:n], weight)
+                if planes == 2:
+                    addmm_into(gi[r0:r1], g[n:], weight)
+            if need_gw:
+                e2 = e if planes == 1 else torch.cat([e, e])
+                (mm_into if r0 == 0 else addmm_into)(gw, g.t(), e2)
+            if need_bias_grad:
+                gb.add_(g.sum(0, dtype=f32))
+    return (
+        None if gi is None else gi.to(input_grad_dtype),
+        None if gw is None else gw.to(weight_grad_dtype),
+        None if gb is None else gb.to(bias_grad_dtype),
+    )

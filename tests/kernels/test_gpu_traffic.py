@@ -1,0 +1,179 @@
+"""What the Triton kernels move, counted through the interpreter (benchmarks/gpu_traffic.py): the README's and
+DESIGN.md's claims held as byte counts, and the counter's sampling checked against a full count."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from smxcompile.kernels import triton_helpers  # noqa: E402
+
+if not triton_helpers.interpreted():  # pragma: no cover - a GPU machine runs the real kernels
+    pytest.skip("counts need Triton's interpreter", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from gpu_traffic import count_traffic, strata  # noqa: E402
+
+from smxcompile.kernels.cross_entropy.triton_backward import lce_backward  # noqa: E402
+from smxcompile.kernels.cross_entropy.triton_forward import lce_forward  # noqa: E402
+from smxcompile.kernels.softmax.triton_kernels import MAX_FUSED_BLOCK, softmax_backward, softmax_forward  # noqa: E402
+from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_forward  # noqa: E402
+from smxcompile.kernels.triton_helpers import plan_for_sms  # noqa: E402
+
+FULL = dict(axis_cap=10**9, loop_cap=10**9)
+
+
+def _kernels(tr):
+    return [x for x in tr.launches if not x.kernel.startswith("aten.")]
+
+
+@pytest.mark.parametrize("n,cap", [(1, 3), (5, 6), (6, 6), (7, 6), (100, 6), (1000, 9)])
+def test_strata_cover_the_axis(n, cap):
+    s = strata(n, cap)
+    ids = [i for i, _ in s]
+    assert sum(w for _, w in s) == n and len(s) <= cap
+    assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] == n - 1
+    if n > cap:
+        assert s[0] == (0, 1) and s[-1] == (n - 1, 1)
+
+
+def test_strata_rejects_a_small_cap():
+    with pytest.raises(ValueError, match="cap"):
+        strata(10, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_row_in_one_block_loads_each_element_once(dtype):
+    """DESIGN.md: one load per element when a row fits in one block (up to MAX_FUSED_BLOCK columns)."""
+    R, C = 4, MAX_FUSED_BLOCK
+    x = torch.randn(R, C, dtype=dtype)
+    with count_traffic(**FULL) as tr:
+        y, _ = softmax_forward(x, -1)
+    (k,) = _kernels(tr)
+    s = x.element_size()
+    assert (k.bytes_loaded, k.bytes_stored, k.bytes_reread) == (R * C * s, R * C * s, 0)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=1e-2)
+
+
+def test_online_softmax_second_pass_reads_once_more_and_writes_once():
+    """The two-pass path: the online (max, sum) sweep reads the row, the writing sweep reads it once more and
+    writes once; the row's masked tail is not counted."""
+    R, C, block = 3, 1000, 256  # 4 blocks per row, the last one masked to 232 columns
+    x = torch.randn(R, C)
+    with count_traffic(**FULL) as tr:
+        softmax_forward(x, -1, block_size=block)
+    (k,) = _kernels(tr)
+    assert (k.bytes_loaded, k.bytes_stored) == (2 * R * C * 4, R * C * 4)
+    assert k.bytes_reread == R * C * 4  # every sector of the row once more, by the same program
+
+
+def test_softmax_backward_two_passes_when_the_row_does_not_fit():
+    R, C = 2, 1024
+    g, y = torch.randn(R, C), torch.rand(R, C)
+    with count_traffic(**FULL) as tr:
+        softmax_backward(g, y, -1, block_size=256)
+    (k,) = _kernels(tr)
+    assert (k.bytes_loaded, k.bytes_stored) == (4 * R * C * 4, R * C * 4)
+
+
+def test_softmax_topk_reads_the_row_once():
+    """softmax + top-k is one pass over the logits (a second small kernel merges the splits of long rows)."""
+    R, C, k = 4, 8192, 8
+    x = torch.randn(R, C)
+    with plan_for_sms(132), count_traffic(**FULL) as tr:
+        softmax_topk_forward(x, k)
+    kernels = _kernels(tr)
+    loaded = sum(x_.bytes_loaded for x_ in kernels)
+    assert R * C * 4 <= loaded <= 1.05 * R * C * 4
+    assert [x_.kernel for x_ in tr.launches] == ["_softmax_topk_fwd_kernel", "_softmax_topk_merge_kernel"]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_cut_cross_entropy_never_materializes_the_logits(backward):
+    """The forward stores per-row statistics only; neither pass holds an N x V buffer."""
+    N, D, V = 64, 32, 1024
+    x, w = torch.randn(N, D), torch.randn(V, D) * 0.1
+    y = torch.randint(0, V, (N,))
+    y[::7] = -100
+    with plan_for_sms(132), count_traffic() as tr:
+        if backward:
+            lse = torch.logsumexp(x @ w.T, -1)
+            lce_backward(x, w, None, y, lse, torch.rand(N), torch.rand(N), torch.rand(N), None, ignore_index=-100)
+        else:
+            lce_forward(x, w, None, y, ignore_index=-100)
+    stored = sum(k.bytes_stored for k in _kernels(tr))
+    if not backward:
+        assert stored < 0.05 * N * V * 4  # (max, sum, other, target) partials per split and the merged stats
+        assert len(tr.launches) == 2  # the statistics kernel and the split merge
+    flops = tr.flops
+    assert flops >= 2 * N * V * D  # the logits are recomputed, never read back
+
+
+def test_sampling_matches_the_full_count():
+    """Sampled grids and loops give the full count for kernels whose programs and iterations do equal work."""
+    x = torch.randn(40, 3000)
+
+    def count(**caps):
+        with plan_for_sms(132), count_traffic(**caps) as tr:  # a GPU's plan: one row per program
+            softmax_forward(x, -1, block_size=256)
+        (k,) = _kernels(tr)
+        return k, (k.bytes_loaded, k.bytes_stored, k.bytes_reread)
+
+    sampled, got = count(axis_cap=4, loop_cap=4)
+    full, want = count(**FULL)
+    assert sampled.programs_run < full.programs_run
+    assert got == pytest.approx(want, rel=0.01)
+
+
+def test_matmul_flops_and_sampled_loops_match_the_full_count():
+    N, D, V = 48, 96, 640
+    x, w = torch.randn(N, D), torch.randn(V, D) * 0.1
+    y = torch.randint(0, V, (N,))
+
+    def count(**caps):
+        with count_traffic(**caps) as tr:
+            lce_forward(x, w, None, y, ignore_index=-100, block_n=16, block_v=64, block_d=16)
+        k = _kernels(tr)[0]
+        return k.flops, k.bytes_loaded
+
+    flops, loaded = count(axis_cap=3, loop_cap=3)
+    assert flops == pytest.approx(2 * 48 * 640 * 96, rel=1e-9)  # every tile full: the exact matmul count
+    assert (flops, loaded) == pytest.approx(count(**FULL), rel=0.01)
+
+
+def test_counting_restores_the_interpreter():
+    from triton.runtime import interpreter as interp
+
+    before = (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load)
+    with count_traffic():
+        pass
+    assert (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load) == before
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(softmax_forward(x, -1)[0], torch.softmax(x, -1))
+
+
+def test_gpu_model_quick_cases_stay_within_their_documented_bounds(tmp_path):
+    """benchmarks/gpu_model.py --quick (one case per family): every case within the bound docs/PERFORMANCE.md
+    states for it, cut cross-entropy storing ~0 bytes of logits in two launches."""
+    out = tmp_path / "gm.json"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_model.py"), "--quick", "--families",
+                        "softmax,quant_softmax,attention,linear_ce,cross_entropy", "--json", str(out)],
+                       capture_output=True, text=True, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["family"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"softmax", "quant_softmax", "attention", "linear_ce", "cross_entropy"}
+    for row in rows.values():
+        assert row["within_bound"] and row["predicted_us"] > 0 and row["torch_predicted_us"] > 0, row
+    lce = rows["linear_ce"]
+    n, v = (int(t[1:]) for t in lce["shape"].split() if t[0] in "NV")
+    # per-row partial statistics of each vocabulary split (4 x splits x N fp32), never the N x V logits
+    assert lce["logits_bytes_stored"] < 0.05 * n * v * 2 and lce["launches"] == 2
+    assert rows["softmax"]["ratio"] == 1.0 and rows["softmax"]["launches"] == 1
