@@ -16,10 +16,10 @@ on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmar
                    Q and writes O once and reads K / V once per 128-row query tile, as FlashAttention-2 does
   ratio            (loaded + stored) / min: what the kernels ask of the memory system over the minimum
   launches         kernel launches (Triton and torch ops)
-  TFLOP            tl.dot FLOPs (2 M N K), recomputation and masked tiles included
+  TFLOP            tl.dot FLOPs (2 M N K), recomputation and masked tiles included, plus torch matmuls
   pred us          the roofline time on an H200: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s) + 3 us per launch
   torch us         the same prediction for torch's path on a GPU: its bytes, FLOPs and launches by formula
-                   (each case names the ATen kernels and the passes they make; see torch_path.py)
+                   (each case names the ATen kernels and the passes they make; see gpu_cases.py)
   x torch          torch us / pred us: above 1 is a predicted win
   roof             for the memory-bound softmax-like ops: (min / 4.3 TB/s + 3 us) / pred us, the fraction of the
                    copy roofline (moving the minimum bytes in one launch) the prediction reaches
@@ -171,7 +171,7 @@ def _families(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~1 minute)")
+    p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~25 s)")
     p.add_argument("--families", type=_families, metavar="LIST", help=f"comma-separated: {','.join(FAMILIES)}")
     p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
     p.add_argument("--axis-cap", type=int, default=6, help="programs counted per grid axis (default %(default)s)")

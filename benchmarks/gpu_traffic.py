@@ -141,7 +141,7 @@ def strata(n: int, cap: int) -> list[tuple[int, int]]:
     """``[(program id, weight)]`` along an axis of ``n`` programs: all of them when ``n <= cap``, else the first
     and the last alone and the middle of ``cap - 2`` equal strata of the ones between."""
     if cap < 3:
-        raise ValueError(f"axis_cap must be >= 3, got {cap}")
+        raise ValueError(f"cap must be >= 3, got {cap}")
     if n <= cap:
         return [(i, 1) for i in range(n)]
     m, k = n - 2, cap - 2
@@ -355,6 +355,21 @@ def _flop_formula(func):
     return formula
 
 
+def _flops(formula, args, kwargs, out) -> float:
+    """FLOPs by ``formula``; an overload the formula does not take (``addmm.dtype_out``'s ``out_dtype``) is
+    counted from its tensor arguments. A counting error must never reach the launcher (it could take another
+    path), so what still fails counts 2 * prod(out) * K from the first matrix operand."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for call in (lambda: formula(*args, **kwargs, out_val=out), lambda: formula(*tensors, out_val=out)):
+        try:
+            return float(call())
+        except Exception:  # noqa: BLE001 - next form
+            pass
+    mats = [t for t in tensors if t.dim() >= 2]
+    o = out if isinstance(out, torch.Tensor) else None
+    return 2.0 * o.numel() * mats[0].shape[-1] if mats and o is not None else 0.0
+
+
 def _shaped_like(func, args, kwargs):
     """What ``func`` would return, uninitialized: its output shapes from a run on meta tensors (an ``out=``
     argument is returned itself)."""
@@ -402,7 +417,7 @@ class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
         wrote = sum(_nbytes(o) for o in (written or outs))
         flops = 0.0
         if formula is not None:  # matmuls: torch's own FLOP formulas (torch.utils.flop_counter)
-            flops = float(formula(*args, **kwargs, out_val=out))
+            flops = _flops(formula, args, kwargs, out)
         g = Launch(kernel=f"aten.{name}", grid=(), num_warps=0, programs=1, resident=1, programs_run=1,
                    bytes_loaded=float(read), bytes_stored=float(wrote), bytes_written_back=float(wrote), flops=flops)
         g.first_touch, g.sizes = {0: float(read)}, {0: read}
@@ -427,7 +442,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
     decorated the kernels).
 
     Args:
-        gpu: the GPU whose L2 and occupancy decide which re-reads are misses (:attr:`Launch.bytes_reread_miss`).
+        gpu: the GPU whose L2 and occupancy decide which re-reads are misses (:attr:`Launch.bytes_capacity_miss`).
         axis_cap: programs run per grid axis at most (>= 3; see the module docstring); a large value runs every
             program.
         loop_cap: iterations run per ``for ... in range(...)`` loop of a kernel at most (>= 3, sampled like the
@@ -446,7 +461,9 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
         from triton.runtime import interpreter as interp
     except Exception as e:  # pragma: no cover - no triton
         raise RuntimeError(f"counting needs triton's interpreter: {e!r}") from e
-    strata(1, axis_cap), strata(1, loop_cap)  # validate the caps
+    for name, cap in (("axis_cap", axis_cap), ("loop_cap", loop_cap)):
+        if cap < 3:
+            raise ValueError(f"{name} must be >= 3, got {cap}")
     counter = _Counter(gpu, axis_cap, loop_cap)
     sampled_range = _SampledRange(counter)
     kernel_modules = [m for name, m in list(sys.modules.items())

@@ -115,7 +115,8 @@ if triton is not None:
         plane = S.to(tl.int64) * N
         big_m = tl.full([BLOCK], float("-inf"), tl.float32)
         for sp in range(0, S):
-            m = tl.load(part_ptr + sp * N + rows, mask=ok, other=float("-inf"))
+            off = (tl.zeros([BLOCK], tl.int64) + sp) * N + rows  # int64: S * N may pass 2**31
+            m = tl.load(part_ptr + off, mask=ok, other=float("-inf"))
             big_m = tl.maximum(big_m, m, propagate_nan=tl.PropagateNan.ALL)
         ms = safe_max(big_m)
         d = tl.zeros([BLOCK], tl.float32)
@@ -127,7 +128,8 @@ if triton is not None:
             am = tl.load(am_ptr + rows, mask=ok, other=0)  # split 0's when no split holds the max (NaN)
         found = tl.zeros([BLOCK], tl.int1)
         for sp in range(0, S):
-            base = part_ptr + sp * N + rows
+            off = (tl.zeros([BLOCK], tl.int64) + sp) * N + rows
+            base = part_ptr + off
             m = tl.load(base, mask=ok, other=float("-inf"))
             f = tl.exp(m - ms)
             d += tl.load(base + plane, mask=ok, other=0.0) * f
@@ -137,7 +139,7 @@ if triton is not None:
                 ws += tl.load(base + 4 * plane, mask=ok, other=0.0)
             if NEED_ARGMAX:
                 hit = (m == big_m) & ~found
-                am = tl.where(hit, tl.load(am_ptr + sp * N + rows, mask=ok & hit, other=0), am)
+                am = tl.where(hit, tl.load(am_ptr + off, mask=ok & hit, other=0), am)
                 found = found | hit
         y = tl.load(tgt_ptr + rows * tgt_s, mask=ok, other=0).to(tl.int64)
         ign = y == ignore_index
