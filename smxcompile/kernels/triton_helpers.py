@@ -277,7 +277,8 @@ def row_plan(R: int, C: int, device: torch.device, block_size: int | None, max_f
             per = max(1, R // (2 * sms))
             rows = min(rows, 1 << (per.bit_length() - 1))
     elems = rows * block
-    num_warps = 16 if elems >= 16384 else 8 if elems >= 4096 else 4 if elems >= 1024 else 2
+    # ~32 fp32 values per thread at most: a one-pass 32768-column row takes 32 warps (64 registers each)
+    num_warps = 32 if elems >= 32768 else 16 if elems >= 16384 else 8 if elems >= 4096 else 4 if elems >= 1024 else 2
     return rows, block, single, num_warps
 
 

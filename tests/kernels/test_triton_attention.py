@@ -441,45 +441,59 @@ def test_offsets_are_int64_in_source():
 def test_kernels_compile_for_cuda():
     """Compile the kernels for sm_90 (no GPU needed): the interpreter is lax about types. Check
     in the TTIR that every pointer offset is int64 (and, without Philox, that no int32 tensor
-    multiply exists), and the shared memory of the default tiles."""
+    multiply exists), and the shared memory of the default tiles: also as a launch on contiguous
+    tensors compiles them (unit strides constexpr, the others multiples of 16: vectorized loads,
+    deeper pipelining, more shared memory), for sm_90 and, where the budget is 96 KiB, sm_80."""
     compile_for_sm90(
         """
+        from triton.backends.compiler import GPUTarget
         from smxcompile.kernels.attention import triton_backward as b, triton_common as c, triton_forward as f
         FLOATS = {"scale", "softcap", "dropout_p", "log_skip"}
         def sig(fn, types, cs):
             return {n: "constexpr" if n in cs else types.get(n, "fp32" if n in FLOATS else
                     "*fp32" if n.endswith("_ptr") else "i64" if n == "seed" else "i32") for n in fn.arg_names}
         n = 0
-        def comp(fn, types, cs, limit_kib=96, **opts):
+        def comp(fn, types, cs, limit_kib=96, contiguous=False, tgt=target, **opts):
             global n
             cs = dict(cs, **{c: False for c in ("DOT_F32", "FIX_BF16") if c in fn.arg_names})
-            k = triton.compile(triton.compiler.ASTSource(fn, sig(fn, types, cs), constexprs=cs), target=target,
-                               options=opts)
-            for line in k.asm["ttir"].splitlines():
+            attrs = {}
+            if contiguous:  # what Triton specializes for contiguous tensors: unit strides, multiples of 16
+                cs.update({a: 1 for a in fn.arg_names if a.endswith("_se") or a == "mk_ss"})
+                s = sig(fn, types, cs)
+                div = [a for a in fn.arg_names if s[a] != "constexpr" and (
+                    a.endswith("_ptr") or a[-3:] in ("_sb", "_sh", "_sl", "_ss") or a in ("L", "S", "E", "EV"))]
+                attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
+            k = triton.compile(triton.compiler.ASTSource(fn, sig(fn, types, cs), constexprs=cs, attrs=attrs),
+                               target=tgt, options=opts)
+            for line in k.asm["ttir"].splitlines() if not contiguous else ():
                 mt = re.search(r"tt\\.addptr %[^,]+, %[^ ]+ : [^,]+, ([^ ]+?)(?: loc|$)", line.strip())
                 if mt:
                     assert mt.group(1).endswith("i64>") or mt.group(1) == "i64", line
                 if not cs.get("DROPOUT", True):  # Philox multiplies uint32 tensors
                     assert not ("arith.muli" in line and "xi32>" in line), line
-            assert k.metadata.shared <= limit_kib * 1024, (fn.__name__, cs, k.metadata.shared)
+            assert k.metadata.shared <= limit_kib * 1024, (fn.__name__, tgt.arch, contiguous, cs, k.metadata.shared)
             n += 1
+        sm80 = GPUTarget("cuda", 80, 32)
         for dt, norm, mask, e, drop, skip in [("bf16", 0, 1, 64, True, True), ("fp16", 8, 2, 128, False, False),
                                              ("fp32", 5, 0, 64, False, False), ("bf16", 6, 2, 256, True, False),
-                                             ("fp32", 7, 1, 256, False, False)]:
-            bm, bn = (c.BLOCKS_32 if dt == "fp32" else c.BLOCKS_16)[e]
-            opts = dict(num_warps=4 if e <= 64 else 8, num_stages=c.stages(e, dt == "fp32"))
+                                             ("fp32", 7, 1, 256, False, False), ("fp32", 6, 2, 128, True, False)]:
+            opts = dict(num_warps=4 if dt == "fp32" and e <= 64 else 8, num_stages=c.stages(e, dt == "fp32"))
             cs = dict(NORM=norm, HAS_PARAM=norm in (5, 6), MASK_KIND=mask, IS_CAUSAL=norm != 5, HAS_SOFTCAP=norm == 0,
-                      DROPOUT=drop, BLOCK_M=bm, BLOCK_N=bn, BLOCK_E=e, BLOCK_EV=e,
-                      PREC="tf32x3" if dt == "fp32" else "ieee")
+                      DROPOUT=drop, BLOCK_E=e, BLOCK_EV=e, PREC="tf32x3" if dt == "fp32" else "ieee")
+            fwd, pre, bwd = (dict(cs, BLOCK_M=t[dt == "fp32"][e][0], BLOCK_N=t[dt == "fp32"][e][1])
+                             for t in ((c.BLOCKS_16, c.BLOCKS_32), (c.PRE_BLOCKS_16, c.PRE_BLOCKS_32),
+                                       (c.BWD_BLOCKS_16, c.BWD_BLOCKS_32)))
             types = {p: "*" + dt for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
             types["mask_ptr"] = "*u8" if mask == 1 else "*bf16"
             # fp32 with head dims > 128: <= 160 KiB (sm_80 / sm_90; not sm_86 / sm_89)
             opts["limit_kib"] = 160 if dt == "fp32" and e > 128 else 96
-            comp(f._fwd_kernel, types, dict(cs, SKIP=skip), **opts)
-            comp(b._bwd_pre_kernel, types, cs, **opts)
-            comp(b._bwd_kernel, types, cs, **opts)
+            for kw in [{}, dict(contiguous=True)] + [dict(contiguous=True, tgt=sm80)] * (opts["limit_kib"] == 96):
+                comp(f._fwd_kernel, types, dict(fwd, SKIP=skip), **kw, **opts)
+                comp(b._bwd_pre_kernel, types, pre, **kw, **opts)
+                comp(b._bwd_kernel, types, bwd, **kw, **opts)
         comp(f._keep_kernel, {"out_ptr": "*u8"}, dict(BLOCK_M=16, BLOCK_N=64), num_warps=4)
         print("compiled", n)
         """,
-        compiled=16,
+        compiled=52,
+        timeout=900,
     )

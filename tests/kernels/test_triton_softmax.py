@@ -284,6 +284,27 @@ def test_empty(shape, dim):
         assert dz.shape == x.shape
 
 
+def test_wide_16bit_rows_take_one_pass(monkeypatch):
+    """A 16-bit row of up to MAX_FUSED_BLOCK_16 columns is reduced in one block of 32 warps (no mask, strided
+    rows, unit column stride, C and row stride multiples of 16); fp32, a mask, a column stride or an odd C keep
+    MAX_FUSED_BLOCK (two passes beyond it)."""
+    C = 20_000
+    plans = []
+    real = ts.row_plan
+    monkeypatch.setattr(ts, "row_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    x = _randn(2, C, dtype=torch.bfloat16, seed=13)
+    _check_fwd(x, -1)
+    _check_fwd(x, -1, log=True, softcap=5.0)
+    assert [p[1:] for p in plans] == [(ts.MAX_FUSED_BLOCK_16, True, 32)] * 2
+    plans.clear()
+    mask = torch.zeros(C, device=x.device)
+    _check_fwd(x, -1, mask=mask)
+    _check_fwd(x.float(), -1)
+    _check_fwd(x.t().contiguous().t(), -1)  # column stride 2
+    _check_fwd(x[:, 8:], -1)  # C % 16 != 0
+    assert [p[1:3] for p in plans] == [(ts.LOOP_BLOCK, False)] * 4
+
+
 def test_long_row_multiblock():
     """One row longer than 65536 (no column ceiling), fp16 input with fp32 accumulation."""
     C = 70_000
@@ -490,7 +511,32 @@ def test_kernels_compile_for_cuda():
             triton.compile(triton.compiler.ASTSource(fn, sig(fn, ptrs, ints(["g", "y", "dz"], ity), [], cs),
                                                      constexprs=cs), target=target)
             n += 2
+        # the one-pass 16-bit forward at MAX_FUSED_BLOCK_16 (32 warps), as launched on a contiguous x: ptxas
+        # (Triton's own, -v) fits the row in 64 registers per thread without spilling, on sm_90a and sm_80
+        import subprocess, tempfile
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import get_ptxas
+        fn = ts._softmax_fwd_kernel
+        for arch in (90, 80):
+            for log, softcap in ((False, False), (True, True)):
+                cs = dict(X_MODE=0, MASK_MODE=0, Y_MODE=0, HAS_MASK=False, HAS_SOFTCAP=softcap, LOG=log,
+                          WRITE_LSE=log, ROWS=1, BLOCK=ts.MAX_FUSED_BLOCK_16, SINGLE=True, x_cs=1, mask_cs=1, y_cs=1)
+                s = sig(fn, {"x_ptr": "*bf16", "x_rows": "*bf16", "mask_ptr": "*bf16", "mask_rows": "*bf16",
+                             "y_ptr": "*bf16", "y_rows": "*bf16", "lse_ptr": "*fp32"},
+                        ints(["x", "mask", "y"], "i32"), ["scale", "softcap"], cs)
+                div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # C and the row strides: % 16 == 0
+                       for a in ("x_ptr", "y_ptr", "x_s0", "y_s0", "C")}
+                k = triton.compile(triton.compiler.ASTSource(fn, s, constexprs=cs, attrs=div),
+                                   target=GPUTarget("cuda", arch, 32), options=dict(num_warps=32))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                    f.write(k.asm["ptx"])
+                    f.flush()
+                    gpu = "sm_90a" if arch == 90 else "sm_80"
+                    log_ = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}",
+                                           f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True).stderr
+                assert "0 bytes spill stores, 0 bytes spill loads" in log_, log_
+                n += 1
         print("compiled", n)
         """,
-        compiled=8,
+        compiled=12,
     )

@@ -233,7 +233,9 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
                        block_m: int | None = None, block_n: int | None = None,
                        num_warps: int | None = None, num_stages: int | None = None):
     """Gradients of :func:`attention_forward` (same arguments; ``out``, ``stats`` from it),
-    recomputing the score tiles.
+    recomputing the score tiles. ``block_m`` / ``block_n`` override the blocks of both kernels (defaults:
+    :data:`~.triton_common.PRE_BLOCKS_16` for the row pre-pass, :data:`~.triton_common.BWD_BLOCKS_16` for
+    the key-block kernel, ``*_32`` for fp32).
 
     Returns:
         ``(dq, dk, dv, dnorm_param)``: ``dq`` like q, ``dk`` / ``dv`` ``(B, Hkv, S, *)`` summed
@@ -252,7 +254,10 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
     if stats.dtype != torch.float32 or not stats.is_contiguous():
         raise TypeError("stats must be the contiguous fp32 tensor attention_forward returned")
     cs, opts, a = launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev,
-                                L, S, block_m, block_n, num_warps, num_stages, n_keys)
+                                L, S, block_m, block_n, num_warps, num_stages, n_keys, kernel="backward")
+    pre_cs, pre_opts, _ = launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p,
+                                        seed, E, Ev, L, S, block_m, block_n, num_warps, num_stages, n_keys,
+                                        kernel="pre")
     check_runtime(q, "attention")
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -271,15 +276,14 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
     delta = (torch.empty if pre else torch.zeros)((B, Hq, L), **f32)
     G = Hq // Hkv
     dpar_t = dpar if dpar is not None else delta
-    bm, bn = cs["BLOCK_M"], cs["BLOCK_N"]
     with on_device(q):
         if pre:
-            _bwd_pre_kernel[(B * Hq, cdiv(L, bm))](
+            _bwd_pre_kernel[(B * Hq, cdiv(L, pre_cs["BLOCK_M"]))](
                 q, k, v, a["mask_t"], a["par"], out, grad_out, stats, delta, dpar_t,
                 *q.stride(), *k.stride(), *v.stride(), *a["mk"], *out.stride(), *grad_out.stride(),
-                Hq, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"], **cs, **opts,
+                Hq, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"], **pre_cs, **pre_opts,
             )
-        _bwd_kernel[(B * Hkv, cdiv(S, bn))](
+        _bwd_kernel[(B * Hkv, cdiv(S, cs["BLOCK_N"]))](
             q, k, v, a["mask_t"], a["par"], a["n"], grad_out, stats, delta, dq, dk, dv, dpar_t,
             *q.stride(), *k.stride(), *v.stride(), *a["mk"], *grad_out.stride(),
             Hq, Hkv, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"],

@@ -96,7 +96,8 @@ import torch
 from ..triton_helpers import (dot_f32, dot_precision, launch_opts, next_pow2, pow2_block, tl,
                               triton)  # triton, tl: None without it
 
-__all__ = ["NORM_CODES", "SPARSE_ITERS", "BLOCKS_16", "BLOCKS_32", "check_args", "launch_config", "tensor4", "stages"]
+__all__ = ["NORM_CODES", "SPARSE_ITERS", "BLOCKS_16", "BLOCKS_32", "PRE_BLOCKS_16", "PRE_BLOCKS_32", "BWD_BLOCKS_16",
+           "BWD_BLOCKS_32", "check_args", "launch_config", "tensor4", "stages"]
 
 #: Normalizer name -> the kernels' NORM constexpr.
 NORM_CODES = {"softmax": 0, "softmax1": 1, "ssmax": 2, "sigmoid": 3, "relu": 4, "softpick": 5, "softplus": 6,
@@ -261,11 +262,30 @@ if triton is not None:
 # --------------------------------------------------------------------------------------
 
 # Default blocks (BLOCK_M, BLOCK_N) by the padded head dim (max of E, Ev), for 16-bit and fp32
-# inputs. Not tuned on a GPU yet; sized (compiled for sm_90) to use <= 96 KiB of shared memory
-# in every kernel, so they also fit sm_80 / sm_86 / sm_89 -- except fp32 with head dims > 128,
-# whose backward needs up to 160 KiB (sm_80 / sm_90 only).
-BLOCKS_16 = {64: (64, 64), 128: (64, 32), 256: (32, 32)}
+# inputs, per kernel: BLOCKS_* for the forward (K and V are read once per BLOCK_M query rows),
+# PRE_BLOCKS_* for the backward's row pre-pass (query blocks too; only the sparse normalizers
+# sweep K / V there), BWD_BLOCKS_* for the backward's key-block kernel (Q, dO and the dQ atomics
+# once per BLOCK_N keys). 8 warps, 4 for fp32 with head dims <= 64. Not tuned on a GPU yet;
+# sized by compiling for sm_90a and sm_80 (every normalizer; causal, masked, dropout variants;
+# also as Triton specializes a launch on contiguous tensors, which pipelines more and takes more
+# shared memory) to use <= 96 KiB of shared memory in every kernel, so they also fit sm_86 /
+# sm_89 -- except fp32 with head dims > 128, whose backward needs up to 160 KiB (sm_80 / sm_90
+# only) -- and, for the 16-bit head dims 64 / 128, to spill no registers in ptxas on contiguous
+# inputs (255 per thread at 8 warps). Larger 16-bit tiles spill or overflow: the forward's
+# (128, 64) spills (head dim 128: 112 KiB); the pre-pass at (128, 32), head dim 128, takes up to
+# 104 KiB; the backward spills with BLOCK_M >= 32 at BLOCK_N = 64 (head dim 128) or 128 (head
+# dim 64), and with BLOCK_N = 128 at head dim 128 (112 KiB). The 16-bit backward at head dim 256
+# still spills (up to ~200 bytes; (32, 32) spilled up to 6.5 KB and took 112 KiB on sm_80). fp32
+# spills at every size; its backward at head dim 128 takes 16 keys per program because (16, 32)
+# and (32, 32) take 112 / 128 KiB with tf32x3 products (``torch.set_float32_matmul_precision("high")``).
+BLOCKS_16 = {64: (128, 32), 128: (128, 32), 256: (32, 32)}
 BLOCKS_32 = {64: (32, 32), 128: (32, 32), 256: (16, 16)}
+PRE_BLOCKS_16 = {64: (128, 32), 128: (128, 16), 256: (32, 32)}
+PRE_BLOCKS_32 = BLOCKS_32
+BWD_BLOCKS_16 = {64: (16, 128), 128: (16, 64), 256: (16, 32)}
+BWD_BLOCKS_32 = {64: (32, 32), 128: (16, 16), 256: (16, 16)}
+_TABLES = {"forward": (BLOCKS_16, BLOCKS_32), "pre": (PRE_BLOCKS_16, PRE_BLOCKS_32),
+           "backward": (BWD_BLOCKS_16, BWD_BLOCKS_32)}
 STAGES = 2
 
 
@@ -357,20 +377,22 @@ def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_p
 
 
 def launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev, L, S,
-                  block_m, block_n, num_warps, num_stages, n_keys=None):
+                  block_m, block_n, num_warps, num_stages, n_keys=None, kernel="forward"):
     """The launch of one call, from :func:`check_args`' results: ``(constexprs, launch options, arguments)``
-    (blocks from :data:`BLOCKS_16` / :data:`BLOCKS_32` by the padded head dim unless overridden, warps,
-    stages; the mask / parameter / key-count tensors or q as a placeholder).
+    (blocks by the padded head dim unless overridden, from the ``kernel``'s table: "forward"
+    :data:`BLOCKS_16` / :data:`BLOCKS_32`, "pre" :data:`PRE_BLOCKS_16` / ..., "backward"
+    :data:`BWD_BLOCKS_16` / ...; warps, stages; the mask / parameter / key-count tensors or q as a placeholder).
 
     Raises:
         ValueError: a bad block size, ``num_warps`` / ``num_stages``, or ``n_keys`` not (B, Hq, L) on q's device.
     """
     be, bev = max(16, next_pow2(E)), max(16, next_pow2(Ev))
-    table = BLOCKS_32 if q.dtype == torch.float32 else BLOCKS_16
+    fp32 = q.dtype == torch.float32
+    table = _TABLES[kernel][1 if fp32 else 0]
     dm, dn = table[64 if max(be, bev) <= 64 else 128 if max(be, bev) <= 128 else 256]
     bm, bn = pow2_block("block_m", block_m, dm, L, 16), pow2_block("block_n", block_n, dn, S, 16)
     e_pad = max(be, bev)
-    opts = launch_opts(num_warps, num_stages, 4 if e_pad <= 64 else 8, stages(e_pad, q.dtype == torch.float32))
+    opts = launch_opts(num_warps, num_stages, 4 if fp32 and e_pad <= 64 else 8, stages(e_pad, fp32))
     cs = dict(NORM=code, HAS_PARAM=norm_param is not None, HAS_N=n_keys is not None, MASK_KIND=kind, IS_CAUSAL=is_causal,
               HAS_SOFTCAP=softcap is not None, DROPOUT=dropout_p > 0.0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_E=be,
               BLOCK_EV=bev, PREC=dot_precision(q.dtype), DOT_F32=dot_f32(q.dtype))

@@ -12,7 +12,9 @@ Backward computes the gradient w.r.t. ``z`` from ``y`` (and an optional ``grad_l
 
 Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018).
 When a row fits in one block it is loaded once and reduced in registers (one load
-and one store per element). Longer rows keep a running ``(m, d)`` pair per row,
+and one store per element): up to ``MAX_FUSED_BLOCK`` (16384) columns, and in the forward
+up to ``MAX_FUSED_BLOCK_16`` (32768, one program of 32 warps) for a 16-bit ``x`` without a
+mask whose rows are evenly strided with unit column stride (and 16-aligned). Longer rows keep a running ``(m, d)`` pair per row,
 updated block by block with ``m' = max(m, max(block))``,
 ``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
 ``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
@@ -41,13 +43,20 @@ from __future__ import annotations
 import torch
 
 from ..common import FLOAT_DTYPES
-from ..triton_helpers import check_runtime, on_device, row_layout, row_plan, tl, triton  # triton, tl: None without it
+from ..triton_helpers import (MODE_STRIDE, check_runtime, on_device, row_layout, row_plan, tl,
+                              triton)  # triton, tl: None without it
 
 __all__ = ["softmax_forward", "softmax_backward"]
 
 #: Largest row (in elements, a power of two) reduced in registers in one pass.
 #: Longer rows take the two-pass online path with blocks of ``LOOP_BLOCK``.
 MAX_FUSED_BLOCK = 16384
+#: The forward's one-pass limit for a 16-bit ``x`` without a mask, its rows in the strided layout
+#: (``MODE_STRIDE``) with unit column stride and, like C, a row stride that is a multiple of 16 (vectorized
+#: accesses): 32 warps hold the row's fp32 values (32 registers each), which ptxas fits in 64 registers per
+#: thread without spilling (sm_90a and sm_80). Not for fp32, a mask, other layouts or alignments, or the
+#: backward (g and y): those spilled 12-132 bytes per thread at 32768 columns.
+MAX_FUSED_BLOCK_16 = 32768
 #: Block (columns per step) of the multi-block path.
 LOOP_BLOCK = 4096
 
@@ -316,8 +325,11 @@ def softmax_forward(
             lse.fill_(float("-inf"))  # logsumexp over an empty dim
         return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
 
-    rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size, MAX_FUSED_BLOCK, LOOP_BLOCK)
     xl = row_layout(x, d)
+    wide = (x.dtype in (torch.float16, torch.bfloat16) and mask is None and xl[5] == MODE_STRIDE and xl[4] == 1
+            and C % 16 == 0 and xl[1] % 16 == 0)
+    rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size,
+                                                MAX_FUSED_BLOCK_16 if wide else MAX_FUSED_BLOCK, LOOP_BLOCK)
     yl = row_layout(y, d)
     ml = row_layout(mask, d) if mask is not None else xl
     mask_t = mask if mask is not None else x
