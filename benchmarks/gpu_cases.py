@@ -250,6 +250,22 @@ def quant_case(R, C, dtype, quick=False) -> Case:
         quick=quick)
 
 
+def torch_backward(build: Callable[[dict], tuple]) -> Callable[[dict], object]:
+    """``torch_run`` of a backward case: its first call (untimed on a GPU: compare_model's warm-up) runs torch's
+    forward, ``build(inputs) -> (output, tensors that need gradients, grad_output or None)``, and keeps the graph in
+    the inputs; every call then runs torch's backward alone through it (``retain_graph``)."""
+    def run(a):
+        if "torch_graph" not in a:
+            a["torch_graph"] = build(a)
+        out, wrt, grad = a["torch_graph"]
+        return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+    return run
+
+
+def _leaves(a: dict, *names: str) -> list[torch.Tensor]:
+    return [a[n].detach().requires_grad_() for n in names]
+
+
 def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="softmax", backward=False,
                    dtype=torch.bfloat16, quick=False) -> Case:
     s, S, Ev = _size(dtype), L, E
@@ -276,6 +292,14 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
                                       E ** -0.5, None, normalizer, None, 0.0, 0)
         return attention_forward(a["q"], a["k"], a["v"], a["mask"], causal, E ** -0.5, None, normalizer, None,
                                  0.0, 0)
+
+    def sdpa(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is None else mask[:, :1, :1], is_causal=causal, enable_gqa=Hq != Hkv)
+
+    def sdpa_graph(a):
+        wrt = _leaves(a, "q", "k", "v")
+        return sdpa(*wrt, a["mask"]), wrt, a["dout"]
 
     mask_b = 1 if padded else 0
     if backward:
@@ -308,10 +332,8 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
                 _short(dtype), make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, flops_min=tp.flops
                 if normalizer == "softmax" else attention_flops(B, Hq, L, S, E, Ev, causal, backward),
                 bound=ATTENTION_FLOP_BOUND.get(normalizer, ATTENTION_FLOP_BOUND["softmax"]),
-                torch_run=None if backward or normalizer != "softmax" else
-                lambda a: torch.nn.functional.scaled_dot_product_attention(
-                    a["q"], a["k"], a["v"], attn_mask=None if a["mask"] is None else a["mask"][:, :1, :1],
-                    is_causal=causal, enable_gqa=Hq != Hkv),
+                torch_run=None if normalizer != "softmax" else torch_backward(sdpa_graph) if backward else
+                lambda a: sdpa(a["q"], a["k"], a["v"], a["mask"]),
                 note={"sparsemax": "threshold normalizer: 10 bracketing passes re-read K (inherent: no L x S store)",
                       "entmax15": "threshold normalizer: bracketing passes re-read K"}.get(normalizer, ""),
                 quick=quick)
@@ -361,8 +383,9 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
                 make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, logits_stored=_stored,
                 flops_min=tp.flops, bound=LCE_FLOP_BOUND[backward],
                 note="never stores N x V", quick=quick,
-                torch_run=None if backward else lambda a: torch.nn.functional.cross_entropy(
-                    (a["x"] @ a["w"].T).float(), a["y"]))
+                torch_run=torch_backward(lambda a: (lambda x, w: (
+                    torch.nn.functional.cross_entropy((x @ w.T).float(), a["y"]), (x, w), None))(*_leaves(a, "x", "w")))
+                if backward else lambda a: torch.nn.functional.cross_entropy((a["x"] @ a["w"].T).float(), a["y"]))
 
 
 def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
@@ -389,7 +412,9 @@ def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
     return Case("cross_entropy", "ce_backward" if backward else "ce_forward",
                 f"cross_entropy {'bwd' if backward else 'fwd'}", f"{N}x{V}", _short(dtype), make=make, run=run,
                 bytes_min=bmin, torch=tp, quick=quick, bound=1.05,  # the split partials and merge
-                torch_run=None if backward else lambda a: torch.nn.functional.cross_entropy(a["z"].float(), a["y"]))
+                torch_run=torch_backward(lambda a: (lambda z: (
+                    torch.nn.functional.cross_entropy(z.float(), a["y"]), (z,), None))(*_leaves(a, "z")))
+                if backward else lambda a: torch.nn.functional.cross_entropy(a["z"].float(), a["y"]))
 
 
 def all_cases(quick: bool = False) -> list[Case]:

@@ -342,6 +342,12 @@ _WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "on
                "new_zeros", "new_full", "new_ones", "scalar_tensor"}
 
 
+#: in-place ops that write their destination without reading it
+_DEST_NOT_READ = {"copy_"}
+#: whether a count_traffic block is open (the interpreter's hooks are process-wide: blocks do not nest)
+_ACTIVE = []
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -413,6 +419,8 @@ class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
                    if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
         if isinstance(kwargs.get("out"), torch.Tensor):
             written.append(kwargs["out"])
+        if name in _DEST_NOT_READ:  # copy_ overwrites its destination
+            ins = [a for a in ins if not any(a is w for w in written)]
         read = 0 if name in _WRITE_ONLY else sum(_nbytes(a) for a in ins)
         wrote = sum(_nbytes(o) for o in (written or outs))
         flops = 0.0
@@ -455,7 +463,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
 
     Raises:
         RuntimeError: triton's interpreter is not importable; a kernel touched memory outside its tensor
-            arguments.
+            arguments; another ``count_traffic`` block is open.
     """
     try:
         from triton.runtime import interpreter as interp
@@ -464,6 +472,8 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
     for name, cap in (("axis_cap", axis_cap), ("loop_cap", loop_cap)):
         if cap < 3:
             raise ValueError(f"{name} must be >= 3, got {cap}")
+    if _ACTIVE:
+        raise RuntimeError("count_traffic blocks do not nest: close the open one first")
     counter = _Counter(gpu, axis_cap, loop_cap)
     sampled_range = _SampledRange(counter)
     kernel_modules = [m for name, m in list(sys.modules.items())
@@ -524,10 +534,12 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
     for m in kernel_modules:
         m.range = sampled_range
     glue = _GlueMode(counter) if count_torch else contextlib.nullcontext()
+    _ACTIVE.append(counter)
     try:
         with glue, np.errstate(all="ignore"):  # a sampled launch computes on skipped programs' garbage
             yield counter.traffic
     finally:
+        _ACTIVE.clear()
         for m in kernel_modules:
             if m in shadowed:
                 m.range = shadowed[m]

