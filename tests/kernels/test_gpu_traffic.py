@@ -100,6 +100,27 @@ def test_softmax_backward_two_passes_when_the_row_does_not_fit():
     assert (k.bytes_loaded, k.bytes_stored) == (4 * R * C * 4, R * C * 4)
 
 
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_softmax_backward_tail_in_registers_is_read_once(monkeypatch, log):
+    """The backward's default multi-block path reads only the head (up to the tail's block boundary) twice: the tail's
+    g and y are loaded once and kept in registers until its dz is stored; the tail holds twice the columns for 16-bit
+    g and y (constants shrunk for the interpreter). Log-softmax's first pass reads g alone: y once in any case."""
+    from smxcompile.kernels.softmax import triton_kernels as ts
+    for name, v in (("MAX_FUSED_BLOCK", 256), ("LOOP_BLOCK", 128), ("BWD_TAIL_BYTES", 2048)):
+        monkeypatch.setattr(ts, name, v)
+    R, C = 3, 1008  # (rows of whole 32-byte sectors in bf16: re-reads counted by sector)
+    for dtype, head in ((torch.float32, 768), (torch.bfloat16, 512)):  # tails of 256 and 512 columns
+        s = dtype.itemsize
+        g, y = torch.randn(R, C, dtype=dtype), torch.rand(R, C, dtype=dtype)
+        with count_traffic(**FULL) as tr:
+            softmax_backward(g, y, -1, log=log)
+        (k,) = _kernels(tr)
+        g_bytes = R * (C + head) * s  # the head twice, the tail once
+        y_bytes = R * C * s if log else g_bytes
+        assert (k.bytes_loaded, k.bytes_stored) == (g_bytes + y_bytes, R * C * s)
+        assert k.bytes_reread == (1 if log else 2) * R * head * s
+
+
 def test_softmax_topk_reads_the_row_once():
     """softmax + top-k is one pass over the logits (a second small kernel merges the splits of long rows)."""
     R, C, k = 4, 8192, 8

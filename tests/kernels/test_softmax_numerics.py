@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import smxcompile
+import smxcompile.backends.smx  # noqa: F401  (compiled_reports; the backend is imported lazily)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KINDS = ["softmax", "log_softmax"]

@@ -339,6 +339,40 @@ def test_multiblock_tail_in_registers(monkeypatch, dtype):
     assert {32, 64} <= set(tails)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_multiblock_tail_in_registers(monkeypatch, dtype):
+    """The backward's multi-block path keeps the last columns (from a block boundary) of a row's g and y in registers:
+    the largest power of two of columns that fits BWD_TAIL_BYTES of both, as loaded (16-bit: twice fp32's), at most
+    C. Constants shrunk so the interpreter sweeps many heads: a tail that starts mid-row, a head of 0 to several
+    blocks, NaN / inf in g or z in the head or the tail, all -inf rows; softmax and log-softmax, with and without
+    grad_lse."""
+    for name, v in (("MAX_FUSED_BLOCK", 8), ("LOOP_BLOCK", 8), ("BWD_TAIL_BYTES", 128)):
+        monkeypatch.setattr(ts, name, v)
+    tails = []
+    real = ts._softmax_bwd_kernel
+    monkeypatch.setattr(ts, "_softmax_bwd_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: lambda *a, **kw: tails.append(None if kw["SINGLE"] else kw["TAIL"])
+        or real[grid](*a, **kw)})())
+    tail = 128 // (2 * dtype.itemsize)  # 32 columns of 16-bit g and y, 16 of fp32
+    for C in (9, 16, 17, 24, 32, 33, 50, 64, 97, 160):
+        z = _randn(7, C, dtype=dtype, scale=4.0, seed=C)
+        g = _randn(7, C, dtype=dtype, scale=1.0, seed=C + 1)
+        z[1, C - 3] = NAN                # NaN rows of y
+        z[2, 0] = INF
+        z[3, :] = -INF
+        z[4, : C - 5] = -INF             # y zero but in the tail
+        z[5, C - 8:] = -INF              # y zero in the tail
+        g[5, 1] = NAN                    # in the head (or tail when the head is empty)
+        g[6, C - 2] = INF                # in the tail
+        n = len(tails)
+        for log in (False, True):
+            _check_bwd(g, z, -1, log=log, grad_lse=None, block_size=None)
+            _check_bwd(g, z, -1, log=log, grad_lse=_randn(7, seed=C + 2, scale=1.0).to(dtype), block_size=None)
+        want = None if C <= 8 else min(tail, 1 << (C.bit_length() - 1))
+        assert tails[n:] == [want] * 4, (C, tails[n:])
+    assert {8, 16, tail} <= set(tails)
+
+
 def test_long_row_multiblock():
     """One row longer than 65536 (no column ceiling), fp16 input with fp32 accumulation."""
     C = 70_000
@@ -538,28 +572,22 @@ def test_kernels_compile_for_cuda():
             fn = ts._softmax_fwd_kernel
             triton.compile(triton.compiler.ASTSource(fn, sig(fn, ptrs, ints(["x", "mask", "y"], ity),
                                                             ["scale", "softcap"], cs), constexprs=cs), target=target)
-            cs = dict(G_MODE=mode, Y_MODE=2, DZ_MODE=0, LOG=log, HAS_GLSE=single, ROWS=rows, BLOCK=64, SINGLE=single)
+            cs = dict(G_MODE=mode, Y_MODE=2, DZ_MODE=0, LOG=log, HAS_GLSE=single, ROWS=rows, BLOCK=64, SINGLE=single,
+                      TAIL=0 if single else 128)
             ptrs = {"g_ptr": "*fp32", "g_rows": rows_t, "y_ptr": "*" + dt, "y_rows": "*i64",
                     "dz_ptr": "*" + dt, "dz_rows": "*" + dt, "glse_ptr": "*fp32"}
             fn = ts._softmax_bwd_kernel
             triton.compile(triton.compiler.ASTSource(fn, sig(fn, ptrs, ints(["g", "y", "dz"], ity), [], cs),
                                                      constexprs=cs), target=target)
             n += 2
-        # the register-heavy forwards as launched on a contiguous x, through ptxas (Triton's own, -v): the one-pass
-        # 16-bit row at MAX_FUSED_BLOCK_16 (32 warps, 64 registers per thread) and the multi-block path's tails at
-        # TAIL_WARPS (128 registers): no spills on sm_90a and sm_80
+        # the register-heavy kernels as launched on contiguous tensors, through ptxas (Triton's own, -v): the
+        # one-pass 16-bit forward row at MAX_FUSED_BLOCK_16 (32 warps, 64 registers per thread) and the multi-block
+        # paths' tails at TAIL_WARPS (128 registers): no spills on sm_90a and sm_80
         import subprocess, tempfile
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import get_ptxas
-        fn = ts._softmax_fwd_kernel
-        def ptxas(dt, single, block, tail, warps, log, softcap, mask, arch):
-            cs = dict(X_MODE=0, MASK_MODE=0, Y_MODE=0, HAS_MASK=mask, HAS_SOFTCAP=softcap, LOG=log, WRITE_LSE=log,
-                      ROWS=1, BLOCK=block, SINGLE=single, TAIL=tail, x_cs=1, mask_cs=1, y_cs=1)
-            s = sig(fn, {"x_ptr": "*" + dt, "x_rows": "*" + dt, "mask_ptr": "*" + dt, "mask_rows": "*" + dt,
-                         "y_ptr": "*" + dt, "y_rows": "*" + dt, "lse_ptr": "*fp32"},
-                    ints(["x", "mask", "y"], "i32"), ["scale", "softcap"], cs)
-            div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # C and the row strides: % 16 == 0
-                   for a in ("x_ptr", "y_ptr", "x_s0", "y_s0", "C")}
+        def spills(fn, s, cs, aligned, warps, arch):
+            div = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}  # C, row strides: % 16 == 0
             k = triton.compile(triton.compiler.ASTSource(fn, s, constexprs=cs, attrs=div),
                                target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -568,7 +596,27 @@ def test_kernels_compile_for_cuda():
                 gpu = "sm_90a" if arch == 90 else "sm_80"
                 log_ = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}",
                                        f.name, "-o", "/dev/null"], capture_output=True, text=True, check=True).stderr
-            assert "0 bytes spill stores, 0 bytes spill loads" in log_, (dt, single, tail, log, softcap, mask, log_)
+            return "0 bytes spill stores, 0 bytes spill loads" in log_, log_
+        def ptxas(dt, single, block, tail, warps, log, softcap, mask, arch):
+            fn = ts._softmax_fwd_kernel
+            cs = dict(X_MODE=0, MASK_MODE=0, Y_MODE=0, HAS_MASK=mask, HAS_SOFTCAP=softcap, LOG=log, WRITE_LSE=log,
+                      ROWS=1, BLOCK=block, SINGLE=single, TAIL=tail, x_cs=1, mask_cs=1, y_cs=1)
+            s = sig(fn, {"x_ptr": "*" + dt, "x_rows": "*" + dt, "mask_ptr": "*" + dt, "mask_rows": "*" + dt,
+                         "y_ptr": "*" + dt, "y_rows": "*" + dt, "lse_ptr": "*fp32"},
+                    ints(["x", "mask", "y"], "i32"), ["scale", "softcap"], cs)
+            ok, log_ = spills(fn, s, cs, ("x_ptr", "y_ptr", "x_s0", "y_s0", "C"), warps, arch)
+            assert ok, (dt, single, tail, log, softcap, mask, log_)
+        def ptxas_bwd(dt, log, glse, arch):
+            # the tail softmax_backward picks for g and y of this dtype: 16384 columns in 16 bits, 8192 in fp32
+            fn, tail = ts._softmax_bwd_kernel, ts.BWD_TAIL_BYTES // (4 if dt == "bf16" else 8)
+            cs = dict(G_MODE=0, Y_MODE=0, DZ_MODE=0, LOG=log, HAS_GLSE=glse, ROWS=1, BLOCK=ts.LOOP_BLOCK,
+                      SINGLE=False, TAIL=tail, g_cs=1, y_cs=1, dz_cs=1)
+            s = sig(fn, {"g_ptr": "*" + dt, "g_rows": "*" + dt, "y_ptr": "*" + dt, "y_rows": "*" + dt,
+                         "dz_ptr": "*" + dt, "dz_rows": "*" + dt, "glse_ptr": "*fp32"},
+                    ints(["g", "y", "dz"], "i32"), [], cs)
+            ok, log_ = spills(fn, s, cs, ("g_ptr", "y_ptr", "dz_ptr", "g_s0", "y_s0", "dz_s0", "C"), ts.TAIL_WARPS,
+                              arch)
+            assert ok, (dt, tail, log, glse, log_)
         for arch in (90, 80):
             for log in (False, True):
                 ptxas("bf16", True, ts.MAX_FUSED_BLOCK_16, 0, 32, log, log, False, arch)
@@ -579,8 +627,11 @@ def test_kernels_compile_for_cuda():
                     if arch == 90 or log or dt == "fp32":
                         ptxas(dt, False, ts.LOOP_BLOCK, ts.TAIL_BLOCK, ts.TAIL_WARPS, log, True, True, arch)
                         n += 1
+                    for glse in (False, True):
+                        ptxas_bwd(dt, log, glse, arch)
+                        n += 1
                 n += 3
         print("compiled", n)
         """,
-        compiled=27,
+        compiled=43,
     )

@@ -20,7 +20,8 @@ updated block by block with ``m' = max(m, max(block))``,
 ``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
 limit on the row length. The forward keeps a longer row's last ``TAIL_BLOCK`` (or ``TAIL_BLOCK_WIDE``)
 columns in registers from its first load to the final store, so only the rest is read twice, and read
-again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model").
+again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model"); the backward keeps the last
+columns of g and y that fit ``BWD_TAIL_BYTES`` the same way.
 
 Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
 input. Each tensor (x, mask, output, and the backward's inputs) gets a row
@@ -69,6 +70,10 @@ TAIL_BLOCK = 16384
 TAIL_BLOCK_WIDE = 32768
 #: Warps of a forward program with a tail.
 TAIL_WARPS = 16
+#: Bytes of g and y per row that the backward's multi-block path keeps in registers (as loaded, TAIL_WARPS): the
+#: tail is the largest power of two of columns within it, 16384 for 16-bit g and y, 8192 for fp32. ptxas (sm_90a,
+#: sm_80) fits those in 128 registers per thread without spilling; fp32 at 16384 spilled 20-32 bytes.
+BWD_TAIL_BYTES = 65536
 
 
 # --------------------------------------------------------------------------------------
@@ -193,6 +198,7 @@ if triton is not None:
         G_MODE: tl.constexpr, Y_MODE: tl.constexpr, DZ_MODE: tl.constexpr,
         LOG: tl.constexpr, HAS_GLSE: tl.constexpr,
         ROWS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+        TAIL: tl.constexpr = 0,
     ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         row_ok = rows < R
@@ -220,7 +226,20 @@ if triton is not None:
             tl.store(dz_ptr + (dz_off[:, None] + cols[None, :] * dz_cs), dz.to(dz_ty), mask=ok)
         else:
             acc = tl.zeros([ROWS, BLOCK], tl.float32)
-            for start in range(0, C, BLOCK):
+            head = C
+            if TAIL > 0:
+                # As in the forward: the row's last columns (from a BLOCK boundary) stay in registers, as
+                # loaded, from the first load to the final store, and only the head [0, head) is read twice.
+                head = tl.multiple_of((C - TAIL + BLOCK - 1) // BLOCK * BLOCK, BLOCK)
+                t_cols = head + tl.arange(0, TAIL).to(tl.int64)
+                t_ok = row_ok[:, None] & (t_cols < C)[None, :]
+                g_tail = tl.load(g_ptr + (g_off[:, None] + t_cols[None, :] * g_cs), mask=t_ok, other=0.0)
+                if LOG:  # (y's tail is needed only at the end: loaded there, once)
+                    s_tail = tl.sum(g_tail.to(tl.float32), axis=1)
+                else:
+                    y_tail = tl.load(y_ptr + (y_off[:, None] + t_cols[None, :] * y_cs), mask=t_ok, other=0.0)
+                    s_tail = tl.sum(g_tail.to(tl.float32) * y_tail.to(tl.float32), axis=1)
+            for start in range(0, head, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
                 g = tl.load(g_ptr + (g_off[:, None] + cols[None, :] * g_cs), mask=ok, other=0.0).to(tl.float32)
@@ -229,8 +248,11 @@ if triton is not None:
                 else:
                     y = tl.load(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), mask=ok, other=0.0)
                     acc += g * y.to(tl.float32)
-            s = tl.sum(acc, axis=1) - gl
-            for start in range(0, C, BLOCK):
+            s = tl.sum(acc, axis=1)
+            if TAIL > 0:
+                s += s_tail
+            s -= gl
+            for start in range(0, head, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
                 g = tl.load(g_ptr + (g_off[:, None] + cols[None, :] * g_cs), mask=ok, other=0.0).to(tl.float32)
@@ -240,6 +262,14 @@ if triton is not None:
                 else:
                     dz = y * (g - s[:, None])
                 tl.store(dz_ptr + (dz_off[:, None] + cols[None, :] * dz_cs), dz.to(dz_ty), mask=ok)
+            if TAIL > 0:
+                g = g_tail.to(tl.float32)
+                if LOG:
+                    y = tl.load(y_ptr + (y_off[:, None] + t_cols[None, :] * y_cs), mask=t_ok, other=0.0)
+                    dz = g - tl.exp(y.to(tl.float32)) * s[:, None]
+                else:
+                    dz = y_tail.to(tl.float32) * (g - s[:, None])
+                tl.store(dz_ptr + (dz_off[:, None] + t_cols[None, :] * dz_cs), dz.to(dz_ty), mask=t_ok)
 
 
 # --------------------------------------------------------------------------------------
@@ -400,7 +430,8 @@ def softmax_backward(
     softmax: ``dz = y * (g - sum(g * y, dim))``; log-softmax: ``dz = g - exp(y) * sum(g, dim)``.
     With ``grad_lse`` (the gradient of ``lse = logsumexp(z, dim)``) it adds
     ``grad_lse.unsqueeze(dim) * p`` with ``p = y`` (softmax) or ``exp(y)`` (log-softmax).
-    One pass when a row fits a block, else two (row sums, then write). Companion of
+    One pass when a row fits a block, else two (row sums, then write) over all but the row's last columns,
+    which are held in registers in between. Companion of
     :func:`softmax_forward` ("Online normalizer calculation for softmax", Milakov &
     Gimelshein, 2018).
 
@@ -457,6 +488,12 @@ def softmax_backward(
     R = y.numel() // C
     glse = grad_lse.reshape(-1) if grad_lse is not None else dz  # [R], small; copies only if strided
     rows_n, block, single, num_warps = row_plan(R, C, y.device, block_size, MAX_FUSED_BLOCK, LOOP_BLOCK)
+    tail = 0
+    if not single and block_size is None:  # block_size: the plain two-pass path (tests)
+        # the tail starts at or after column 0: at most C (C > MAX_FUSED_BLOCK here)
+        tail = min(BWD_TAIL_BYTES // (grad_y.element_size() + y.element_size()), C)
+        tail = 1 << (tail.bit_length() - 1)
+        num_warps = TAIL_WARPS
     gl_ = row_layout(grad_y, d)
     yl = row_layout(y, d)
     dl = row_layout(dz, d)
@@ -469,6 +506,6 @@ def softmax_backward(
             glse, R, C,
             G_MODE=gl_[5], Y_MODE=yl[5], DZ_MODE=dl[5],
             LOG=bool(log), HAS_GLSE=grad_lse is not None,
-            ROWS=rows_n, BLOCK=block, SINGLE=single, num_warps=num_warps,
+            ROWS=rows_n, BLOCK=block, SINGLE=single, TAIL=tail, num_warps=num_warps,
         )
     return dz.reshape(shape)

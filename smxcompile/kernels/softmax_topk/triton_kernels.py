@@ -526,8 +526,8 @@ def softmax_topk_backward(
     else:
         dx = torch.empty((R, n), dtype=out_dtype, device=x.device)
     k_pad = next_pow2(k)
-    if renormalize:  # logd is unused (and may be empty)
-        logd = torch.zeros((1,), dtype=torch.float32, device=x.device).expand(R)
+    if renormalize:  # logd is never loaded (and may be empty): a placeholder without a fill launch
+        logd = torch.empty((1,), dtype=torch.float32, device=x.device).expand(R)
     sel_args = (grad_values, *grad_values.stride(), indices, *indices.stride(), logd, logd.stride(0), dx)
     with on_device(x):
         if not renormalize:
