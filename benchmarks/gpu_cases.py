@@ -191,6 +191,22 @@ def softmax_case(R, C, dtype, *, log=False, backward=False, quick=False) -> Case
         quick=quick)
 
 
+def torch_backward(build: Callable[[dict], tuple]) -> Callable[[dict], object]:
+    """``torch_run`` of a backward case: its first call (untimed on a GPU: compare_model's warm-up) runs torch's
+    forward, ``build(inputs) -> (output, tensors that need gradients, grad_output or None)``, and keeps the graph in
+    the inputs; every call then runs torch's backward alone through it (``retain_graph``)."""
+    def run(a):
+        if "torch_graph" not in a:
+            a["torch_graph"] = build(a)
+        out, wrt, grad = a["torch_graph"]
+        return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+    return run
+
+
+def _leaves(a: dict, *names: str) -> list[torch.Tensor]:
+    return [a[n].detach().requires_grad_() for n in names]
+
+
 def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32, quick=False, label="") -> Case:
     s = _size(dtype)
     sm = aten_softmax(R, C, s, s)
@@ -222,8 +238,8 @@ def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32
         bytes_min=R * C * s * (1 if renormalize else 2) + R * k * (2 * s + 8) + R * 4, bound=1.1,
         torch=TorchPath(bwd_torch, 0, 3 + (2 if renormalize else 0),
                         "zeros + scatter of the k gradients, ATen softmax backward"),
-        torch_run=lambda a: torch.ops.aten._softmax_backward_data(
-            torch.zeros_like(a["x"]).scatter_(-1, a["i"], a["g"]), torch.softmax(a["x"], -1), -1, a["x"].dtype),
+        torch_run=torch_backward(lambda a: (lambda x: (_torch_topk(x, k, renormalize)[0], (x,), a["g"]))(
+            *_leaves(a, "x"))),
         note="renormalized: a zero fill plus the k entries" if renormalize else "", quick=quick)
 
 
@@ -248,22 +264,6 @@ def quant_case(R, C, dtype, quick=False) -> Case:
         torch=TorchPath(aten_softmax(R, C, s, s) + R * C * (s + 1), 0, 2, "ATen softmax, then quantize_per_tensor"),
         torch_run=lambda a: _torch_quant(a["x"]),
         quick=quick)
-
-
-def torch_backward(build: Callable[[dict], tuple]) -> Callable[[dict], object]:
-    """``torch_run`` of a backward case: its first call (untimed on a GPU: compare_model's warm-up) runs torch's
-    forward, ``build(inputs) -> (output, tensors that need gradients, grad_output or None)``, and keeps the graph in
-    the inputs; every call then runs torch's backward alone through it (``retain_graph``)."""
-    def run(a):
-        if "torch_graph" not in a:
-            a["torch_graph"] = build(a)
-        out, wrt, grad = a["torch_graph"]
-        return torch.autograd.grad(out, wrt, grad, retain_graph=True)
-    return run
-
-
-def _leaves(a: dict, *names: str) -> list[torch.Tensor]:
-    return [a[n].detach().requires_grad_() for n in names]
 
 
 def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="softmax", backward=False,

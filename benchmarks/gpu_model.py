@@ -169,10 +169,10 @@ def _families(text: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~25 s)")
-    p.add_argument("--families", type=_families, metavar="LIST", help=f"comma-separated: {','.join(FAMILIES)}")
+    p.add_argument("--families", type=_families, metavar="LIST", help=f"comma-separated, of: {', '.join(FAMILIES)}")
     p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
     p.add_argument("--axis-cap", type=int, default=6, help="programs counted per grid axis (default %(default)s)")
     p.add_argument("--loop-cap", type=int, default=8, help="iterations counted per kernel loop (default %(default)s)")
@@ -210,7 +210,9 @@ def main(argv=None) -> int:
         print("\nBEYOND THE DOCUMENTED BOUND (memory-bound: bytes / min; tl.dot kernels: FLOPs / useful FLOPs): "
               + "; ".join(f"{r['case']} {r['shape']} {r['dtype']} {r['checked']:.2f} > {r['bound']:.2f}"
                           for r in beyond))
-    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s (H200 model: {H200})")
+    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s (the {H200.name} model: {H200.sms} SMs, "
+          f"{H200.l2_bytes / 2**20:.0f} MiB of L2, {H200.hbm_bytes_per_s / 1e12:.1f} TB/s, "
+          f"{H200.flops_per_s / 1e12:.0f} TFLOP/s, {H200.launch_us:g} us per launch)")
     if args.json:
         env = dict(torch=torch.__version__, python=platform.python_version(), gpu=H200.__dict__,
                    command=" ".join(["python", "benchmarks/gpu_model.py", *(argv if argv is not None else sys.argv[1:])]))

@@ -274,11 +274,11 @@ def measure_case(case, flush) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick cases (one small case per family)")
     p.add_argument("--families", metavar="LIST",
-                   help="comma-separated: softmax,softmax_topk,quant_softmax,attention,linear_ce,cross_entropy")
+                   help="comma-separated, of: softmax, softmax_topk, quant_softmax, attention, linear_ce, cross_entropy")
     p.add_argument("--only", metavar="TEXT", action="append",
                    help="cases whose name or shape contains TEXT (repeatable: any of them)")
     p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS",

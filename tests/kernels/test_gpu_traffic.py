@@ -79,10 +79,10 @@ def test_softmax_tail_in_registers_is_read_once(monkeypatch):
     tail is loaded once, kept in registers and stored at the end (constants shrunk for the interpreter)."""
     from smxcompile.kernels.softmax import triton_kernels as ts
     for name, v in (("MAX_FUSED_BLOCK", 256), ("MAX_FUSED_BLOCK_16", 256), ("LOOP_BLOCK", 128), ("TAIL_BLOCK", 256),
-                    ("TAIL_BLOCK_WIDE", 512)):
+                    ("TAIL_BLOCK_WIDE", 512), ("TAIL_BLOCK_ANY", 256)):
         monkeypatch.setattr(ts, name, v)
     R = 3
-    for C, head in ((1000, 768), (1024, 512)):  # C % 16 != 0: TAIL_BLOCK; aligned: TAIL_BLOCK_WIDE
+    for C, head in ((1000, 768), (1024, 512)):  # C % 16 != 0: TAIL_BLOCK_ANY; aligned: TAIL_BLOCK_WIDE
         x = torch.randn(R, C)
         with count_traffic(**FULL) as tr:
             softmax_forward(x, -1)
@@ -226,12 +226,13 @@ def test_gpu_model_quick_cases_stay_within_their_documented_bounds(tmp_path):
 def test_backward_cases_time_torchs_backward_alone():
     """Every case has torch's path to time on a GPU; a backward case's runs torch's forward once and then only its
     backward through the kept graph (gradients for the case's inputs, the graph reused)."""
-    from gpu_cases import all_cases, attention_case, ce_case, linear_ce_case
+    from gpu_cases import all_cases, attention_case, ce_case, linear_ce_case, topk_case
     assert all(c.torch_run is not None for c in all_cases() if c.kernel.endswith("backward"))
     f32 = torch.float32
     for case, names in ((attention_case(1, 4, 2, 32, 16, backward=True, dtype=f32), ("q", "k", "v")),
                         (linear_ce_case(16, 8, 64, backward=True, dtype=f32), ("x", "w")),
-                        (ce_case(16, 64, backward=True, dtype=f32), ("z",))):
+                        (ce_case(16, 64, backward=True, dtype=f32), ("z",)),
+                        (topk_case(4, 64, 5, renormalize=True, backward=True), ("x",))):
         a = case.make("cpu")
         first = case.torch_run(a)
         graph = a["torch_graph"]

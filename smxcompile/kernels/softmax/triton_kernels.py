@@ -13,15 +13,15 @@ Backward computes the gradient w.r.t. ``z`` from ``y`` (and an optional ``grad_l
 Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018).
 When a row fits in one block it is loaded once and reduced in registers (one load
 and one store per element): up to ``MAX_FUSED_BLOCK`` (16384) columns, and in the forward
-up to ``MAX_FUSED_BLOCK_16`` (32768, one program of 32 warps) for a 16-bit ``x`` without a
-mask whose rows are evenly strided with unit column stride (and 16-aligned). Longer rows keep a running ``(m, d)`` pair per row,
-updated block by block with ``m' = max(m, max(block))``,
+up to ``MAX_FUSED_BLOCK_16`` (32768, one program of 32 warps) for an aligned 16-bit ``x`` (evenly strided
+rows, unit column stride, 16-aligned: :func:`_aligned`) without a mask. Longer rows keep a running ``(m, d)``
+pair per row, updated block by block with ``m' = max(m, max(block))``,
 ``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
 ``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
-limit on the row length. The forward keeps a longer row's last ``TAIL_BLOCK`` (or ``TAIL_BLOCK_WIDE``)
-columns in registers from its first load to the final store, so only the rest is read twice, and read
-again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model"); the backward keeps the last
-columns of g and y that fit ``BWD_TAIL_BYTES`` the same way.
+limit on the row length. The forward keeps a longer row's last ``TAIL_BLOCK_WIDE``, ``TAIL_BLOCK`` or
+``TAIL_BLOCK_ANY`` columns (by layout) in registers from its first load to the final store, so only the rest
+is read twice, and read again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model"); the backward
+keeps the last columns of g and y that fit ``BWD_TAIL_BYTES`` the same way.
 
 Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
 input. Each tensor (x, mask, output, and the backward's inputs) gets a row
@@ -54,25 +54,29 @@ __all__ = ["softmax_forward", "softmax_backward"]
 #: Largest row (in elements, a power of two) reduced in registers in one pass.
 #: Longer rows take the two-pass online path with blocks of ``LOOP_BLOCK``.
 MAX_FUSED_BLOCK = 16384
-#: The forward's one-pass limit for a 16-bit ``x`` without a mask, its rows in the strided layout
-#: (``MODE_STRIDE``) with unit column stride and, like C, a row stride that is a multiple of 16 (vectorized
-#: accesses): 32 warps hold the row's fp32 values (32 registers each), which ptxas fits in 64 registers per
-#: thread without spilling (sm_90a and sm_80). Not for fp32, a mask, other layouts or alignments, or the
-#: backward (g and y): those spilled 12-132 bytes per thread at 32768 columns.
+#: The forward's one-pass limit for an aligned 16-bit ``x`` without a mask (:func:`_aligned`: rows in the strided
+#: layout with unit column stride; C, the row stride and the pointer multiples of 16): 32 warps hold the row's
+#: fp32 values (32 registers each), which ptxas fits in 64 registers per thread without spilling (sm_90a and
+#: sm_80). Not for fp32, a mask, other layouts or alignments, or the backward (g and y): those spilled 12-132
+#: bytes per thread at 32768 columns.
 MAX_FUSED_BLOCK_16 = 32768
 #: Block (columns per step) of the multi-block path.
 LOOP_BLOCK = 4096
-#: The forward's multi-block path keeps a row's last ``TAIL_BLOCK`` columns in registers (16 warps) and
-#: sweeps only the rest twice; ``TAIL_BLOCK_WIDE`` for an ``x`` in the strided layout with unit column stride
-#: and 16-aligned rows, without a mask or a soft-cap. ptxas (sm_90a, sm_80) fits both in 128 registers per
-#: thread without spilling; the wide tail spilled 16-56 bytes with a soft-cap or (fp32) a mask.
+#: The forward's multi-block path keeps a row's last columns in registers (16 warps) and sweeps only the rest
+#: twice: ``TAIL_BLOCK_WIDE`` (from that many columns, else ``TAIL_BLOCK``) for an aligned ``x`` (see
+#: :func:`_aligned`) without a mask or a soft-cap, ``TAIL_BLOCK_ANY`` otherwise. ptxas (sm_90a, sm_80) fits each
+#: in 128 registers per thread, with at most 32 bytes of spill, where it is used; 16384 columns spilled 4-192
+#: bytes with a soft-cap, a mask, an odd C or a column stride, 32768 16-56 bytes with a soft-cap or (fp32) a mask.
 TAIL_BLOCK = 16384
 TAIL_BLOCK_WIDE = 32768
+TAIL_BLOCK_ANY = 8192
 #: Warps of a forward program with a tail.
 TAIL_WARPS = 16
 #: Bytes of g and y per row that the backward's multi-block path keeps in registers (as loaded, TAIL_WARPS): the
-#: tail is the largest power of two of columns within it, 16384 for 16-bit g and y, 8192 for fp32. ptxas (sm_90a,
-#: sm_80) fits those in 128 registers per thread without spilling; fp32 at 16384 spilled 20-32 bytes.
+#: tail is the largest power of two of columns within it, 16384 for 16-bit g and y, 8192 for fp32, and at most
+#: ``TAIL_BLOCK_ANY`` unless g, y and dz are aligned (:func:`_aligned`). ptxas (sm_90a, sm_80) fits those in 128
+#: registers per thread (at most 32 bytes of spill); fp32 at 16384 spilled 20-32 bytes, unaligned 16-bit at 16384
+#: 132-192.
 BWD_TAIL_BYTES = 65536
 
 
@@ -286,6 +290,14 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % nd
 
 
+def _aligned(C: int, *tensors) -> bool:
+    """Whether every ``(tensor, row_layout)`` is launched as the kernels' ptxas checks compile the large-register
+    paths (tests/kernels/test_triton_softmax.py): rows in the strided layout with unit column stride, C, the row
+    strides and the data pointers multiples of 16 (what Triton specializes: vectorized accesses)."""
+    return C % 16 == 0 and all(lay[5] == MODE_STRIDE and lay[4] == 1 and lay[1] % 16 == 0 and t.data_ptr() % 16 == 0
+                               for t, lay in tensors)
+
+
 def _lse_shape(shape: torch.Size, dim: int) -> list[int]:
     return [s for i, s in enumerate(shape) if i != dim]
 
@@ -386,14 +398,16 @@ def softmax_forward(
         return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
 
     xl = row_layout(x, d)
-    aligned = mask is None and xl[5] == MODE_STRIDE and xl[4] == 1 and C % 16 == 0 and xl[1] % 16 == 0
+    aligned = mask is None and _aligned(C, (x, xl))
     wide = aligned and x.dtype in (torch.float16, torch.bfloat16)
     rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size,
                                                 MAX_FUSED_BLOCK_16 if wide else MAX_FUSED_BLOCK, LOOP_BLOCK)
     tail = 0
     if not single and block_size is None:  # block_size: the plain two-pass path (tests)
-        # the tail starts at or after column 0: C > MAX_FUSED_BLOCK = TAIL_BLOCK here
-        tail = TAIL_BLOCK_WIDE if aligned and softcap is None and C >= TAIL_BLOCK_WIDE else TAIL_BLOCK
+        tail = TAIL_BLOCK_ANY
+        if aligned and softcap is None:
+            tail = TAIL_BLOCK_WIDE if C >= TAIL_BLOCK_WIDE else TAIL_BLOCK
+        tail = min(tail, 1 << (C.bit_length() - 1))  # the tail starts at or after column 0
         num_warps = TAIL_WARPS
     yl = row_layout(y, d)
     ml = row_layout(mask, d) if mask is not None else xl
@@ -486,17 +500,21 @@ def softmax_backward(
         return dz.reshape(shape)
     C = y.shape[d]
     R = y.numel() // C
-    glse = grad_lse.reshape(-1) if grad_lse is not None else dz  # [R], small; copies only if strided
+    # [R] contiguous (the kernel reads glse_ptr + row): a 1-D expanded or sliced grad_lse (lse.sum()'s gradient
+    # is stride 0) reshapes to a view, so it is copied (R elements)
+    glse = grad_lse.reshape(-1).contiguous() if grad_lse is not None else dz
     rows_n, block, single, num_warps = row_plan(R, C, y.device, block_size, MAX_FUSED_BLOCK, LOOP_BLOCK)
+    gl_ = row_layout(grad_y, d)
+    yl = row_layout(y, d)
+    dl = row_layout(dz, d)
     tail = 0
     if not single and block_size is None:  # block_size: the plain two-pass path (tests)
         # the tail starts at or after column 0: at most C (C > MAX_FUSED_BLOCK here)
         tail = min(BWD_TAIL_BYTES // (grad_y.element_size() + y.element_size()), C)
+        if not _aligned(C, (grad_y, gl_), (y, yl), (dz, dl)):
+            tail = min(tail, TAIL_BLOCK_ANY)
         tail = 1 << (tail.bit_length() - 1)
         num_warps = TAIL_WARPS
-    gl_ = row_layout(grad_y, d)
-    yl = row_layout(y, d)
-    dl = row_layout(dz, d)
     grid = (triton.cdiv(R, rows_n),)
     with on_device(y):
         _softmax_bwd_kernel[grid](
