@@ -61,6 +61,18 @@ def test_op_routes_to_triton_forward_and_backward(triton_calls, log, dtype):
     assert triton_calls == {"softmax_forward": 1, "softmax_backward": 1}
 
 
+def test_lse_sum_gradient_through_triton(triton_calls):
+    """lse.sum() in a loss hands the backward a stride-0 grad_lse (autograd's expand): its gradient is p per row."""
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0)).to(DEVICE).requires_grad_()
+    w = torch.randn(8, 1000, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y, lse = smxcompile.log_softmax(x, -1, return_lse=True)
+    (gx,) = torch.autograd.grad((y * w).sum() + lse.sum(), x)
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad((torch.log_softmax(xr, -1) * w).sum() + torch.logsumexp(xr, -1).sum(), xr)
+    assert triton_calls == {"softmax_forward": 1, "softmax_backward": 1}
+    assert (gx.double() - gr).abs().max() < 1e-5
+
+
 def test_compiled_graph_runs_triton_kernels(triton_calls):
     torch.manual_seed(0)
 
