@@ -8,6 +8,8 @@ import torch
 
 #: The floating-point dtypes the ops accept.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The 16-bit ones (upcast for the math; their products accumulate in fp32).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:

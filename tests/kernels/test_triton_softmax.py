@@ -305,6 +305,21 @@ def test_wide_16bit_rows_take_one_pass(monkeypatch):
     assert [p[1:3] for p in plans] == [(ts.LOOP_BLOCK, False)] * 4
 
 
+def _record_tails(monkeypatch, kernel: str) -> list:
+    """Wrap ``ts.<kernel>``'s launches: the list gets each launch's TAIL (None for a one-pass launch)."""
+    tails, real = [], getattr(ts, kernel)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tails.append(None if kw["SINGLE"] else kw["TAIL"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ts, kernel, Recorder())
+    return tails
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_multiblock_tail_in_registers(monkeypatch, dtype):
     """The forward's multi-block path keeps a row's last columns (from a block boundary) in registers: for aligned
@@ -314,11 +329,7 @@ def test_multiblock_tail_in_registers(monkeypatch, dtype):
     for name, v in (("MAX_FUSED_BLOCK", 32), ("MAX_FUSED_BLOCK_16", 64), ("TAIL_BLOCK", 32), ("TAIL_BLOCK_WIDE", 64),
                     ("TAIL_BLOCK_ANY", 16), ("LOOP_BLOCK", 16)):
         monkeypatch.setattr(ts, name, v)
-    tails = []
-    real = ts._softmax_fwd_kernel
-    monkeypatch.setattr(ts, "_softmax_fwd_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: lambda *a, **kw: tails.append(None if kw["SINGLE"] else kw["TAIL"])
-        or real[grid](*a, **kw)})())
+    tails = _record_tails(monkeypatch, "_softmax_fwd_kernel")
     for C in (33, 48, 50, 64, 80, 97, 160):
         x = _randn(6, C, dtype=dtype, scale=4.0, seed=C)
         x[1, C - 3] = float("nan")       # in the tail
@@ -349,11 +360,7 @@ def test_backward_multiblock_tail_in_registers(monkeypatch, dtype):
     grad_lse."""
     for name, v in (("MAX_FUSED_BLOCK", 8), ("LOOP_BLOCK", 8), ("BWD_TAIL_BYTES", 128), ("TAIL_BLOCK_ANY", 16)):
         monkeypatch.setattr(ts, name, v)
-    tails = []
-    real = ts._softmax_bwd_kernel
-    monkeypatch.setattr(ts, "_softmax_bwd_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: lambda *a, **kw: tails.append(None if kw["SINGLE"] else kw["TAIL"])
-        or real[grid](*a, **kw)})())
+    tails = _record_tails(monkeypatch, "_softmax_bwd_kernel")
     tail = 128 // (2 * dtype.itemsize)  # 32 columns of 16-bit g and y, 16 of fp32
     for C in (9, 16, 17, 24, 32, 33, 50, 64, 97, 160):
         z = _randn(7, C, dtype=dtype, scale=4.0, seed=C)

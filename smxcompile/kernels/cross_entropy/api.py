@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from .. import config
-from ..common import FLOAT_DTYPES
-from .loss import (HALF_DTYPES, check_linear, check_options, compose_loss, finish_output, fp32_logit_operands,
+from ..common import FLOAT_DTYPES, HALF_DTYPES
+from .loss import (check_linear, check_options, compose_loss, finish_output, fp32_logit_operands,
                    is_dtensor, loss_dtype, needs_grad, prediction_outputs, shift_targets, split_targets, unshift_output)
 from .ops import ce_stats, linear_ce_loss, linear_ce_loss_argmax, linear_ce_stats, linear_ce_stats_argmax
 from .vocab_parallel import vocab_parallel_linear_cross_entropy

@@ -9,13 +9,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import FLOAT_DTYPES, autocast_on, autocast_operands
+from ..common import FLOAT_DTYPES, HALF_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
            "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
-           "prediction_outputs", "HALF_DTYPES", "fp32_logit_operands"]
+           "prediction_outputs", "fp32_logit_operands"]
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import FLOAT_DTYPES
+from ..common import FLOAT_DTYPES, HALF_DTYPES
 from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, launch_opts, on_device,
                               pow2_block, tl, triton)  # triton, tl: None without it
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
@@ -19,7 +19,6 @@ __all__ = ["MODES", "backward_mode", "lce_backward", "ce_backward"]
 
 #: The modes of :func:`lce_backward`.
 MODES = ("fused", "gemm")
-_HALF = (torch.float16, torch.bfloat16)
 
 # Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages (see triton_forward). The fp32
 # backward keeps two [BLOCK_N, BLOCK_V] fp32 operands in shared memory (three with tf32x3), hence its
@@ -373,7 +372,7 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
             NEED_GB=gb is not None, WRITE_GX=gx is not None,
-            SPLIT_GX=(gx_lo is not None) if gx is not None else (e is not None and e.dtype in _HALF),
+            SPLIT_GX=(gx_lo is not None) if gx is not None else (e is not None and e.dtype in HALF_DTYPES),
             GROUP_N=_GROUP_N,
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(e.dtype if e is not None else None),
             FIX_BF16=interpreted(), **opts,

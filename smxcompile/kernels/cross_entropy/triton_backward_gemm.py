@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import autocast_off
+from ..common import HALF_DTYPES, autocast_off
 from ..triton_helpers import planned_sms
 from .chunked import DEFAULT_CHUNK_BYTES
 
@@ -44,7 +44,6 @@ GEMM_CHUNK_BYTES = 2**30
 #: Chunks of at least two of these many rows are rounded down to a multiple of it (whole GEMM tiles).
 ROW_ALIGN = 128
 
-_HALF = (torch.float16, torch.bfloat16)
 #: Whether ``torch.addmm(..., out_dtype=torch.float32)`` (an fp32 accumulator with 16-bit operands) worked on
 #: CUDA; set to False after its first failure (an older torch), which falls back to upcast operands.
 _ADDMM_OUT_DTYPE = {"ok": True}
@@ -52,7 +51,7 @@ _ADDMM_OUT_DTYPE = {"ok": True}
 
 def _gpu(device: torch.device) -> bool:
     """A CUDA device, or launches planned as on one (:func:`~..triton_helpers.plan_for_sms`, for byte counts)."""
-    return device.type == "cuda" or planned_sms(device) is not None
+    return device.type == "cuda" or planned_sms(device) is not None  # (no SM query needed for CUDA)
 
 
 def gemm_rows(n: int, v: int, bytes_per_entry: int, chunk_bytes: int | None, device: torch.device) -> int:
@@ -86,7 +85,7 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += a @ b`` for an fp32 ``acc``: cuBLAS with 16-bit operands and the fp32 accumulator as C on CUDA
     (``torch.addmm(..., out_dtype=torch.float32)``; upcast operands on a torch without it); upcast on CPU."""
-    if a.dtype in _HALF and _gpu(a.device) and _ADDMM_OUT_DTYPE["ok"]:
+    if a.dtype in HALF_DTYPES and _gpu(a.device) and _ADDMM_OUT_DTYPE["ok"]:
         try:
             return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         except (RuntimeError, TypeError, NotImplementedError):  # pragma: no cover - torch without the overload
@@ -127,7 +126,7 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
     N, D = input.shape
     V = weight.shape[0]
     dev, dt = input.device, input.dtype
-    planes = 2 if (dt in _HALF if split is None else split) else 1
+    planes = 2 if (dt in HALF_DTYPES if split is None else split) else 1
     need_gi, need_gw = need_input_grad and D > 0, need_weight_grad and D > 0
     run = N > 0 and V > 0 and (need_gi or need_gw or need_bias_grad)
     step = gemm_rows(N, V, planes * dt.itemsize + (4 if saved_logits is None else 0), chunk_bytes, dev)

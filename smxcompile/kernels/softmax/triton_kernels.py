@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import FLOAT_DTYPES
+from ..common import FLOAT_DTYPES, HALF_DTYPES
 from ..triton_helpers import (MODE_STRIDE, check_runtime, on_device, row_layout, row_plan, tl,
                               triton)  # triton, tl: None without it
 
@@ -399,7 +399,7 @@ def softmax_forward(
 
     xl = row_layout(x, d)
     aligned = mask is None and _aligned(C, (x, xl))
-    wide = aligned and x.dtype in (torch.float16, torch.bfloat16)
+    wide = aligned and x.dtype in HALF_DTYPES
     rows_n, block, single, num_warps = row_plan(R, C, x.device, block_size,
                                                 MAX_FUSED_BLOCK_16 if wide else MAX_FUSED_BLOCK, LOOP_BLOCK)
     tail = 0
