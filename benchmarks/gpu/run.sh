@@ -9,14 +9,22 @@ OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-# Use the machine's torch (a CUDA build); install only what is missing, never torch itself.
+# The machine's torch (a CUDA build) and packages as they are: no pip (such machines may reach no index; an
+# editable install needs one for its build backend). The checkout is imported from here. torch may be older than
+# pyproject's range (the lent H200 image holds 2.11): these checks need only the kernels and the passes.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
-python -m pip install -q --no-deps -e . 2>&1 | tail -2
-python -m pip install -q "triton>=3.4" pytest pytest-timeout expecttest hypothesis rich tqdm 2>&1 | tail -2
+python -c "
+import importlib.util as u
+missing = [m for m in ('triton', 'pytest', 'pytest_timeout', 'xdist', 'hypothesis', 'rich', 'tqdm') if u.find_spec(m) is None]
+assert not missing, f'missing packages: {missing} (carry them as wheels)'
+import triton; print('triton', triton.__version__)" || exit 1
 
 # TRITON_INTERPRET stays unset: the real kernels run on the GPU.
 unset TRITON_INTERPRET
-timeout 185 python -m pytest -q -x tests/kernels/test_triton_softmax.py tests/kernels/test_softmax_numerics.py \
+# up to 25 failures, not the first one (device time is scarce: one run must name the failing tests), 8 workers;
+# the sm_90 / sm_80 compile checks need no GPU (CI runs them) and are left out
+timeout 200 python -m pytest -q -ra --maxfail 25 -n 8 -k "not compile_for_cuda and not compiles_for_cuda" tests/kernels/test_triton_softmax.py tests/kernels/test_softmax_numerics.py \
   tests/kernels/test_triton_linear_ce.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_softmax_topk.py \
   tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15

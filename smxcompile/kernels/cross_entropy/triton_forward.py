@@ -112,7 +112,7 @@ if triton is not None:
         weighted sum and the first argmax: one launch instead of a dozen small torch ops."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         ok = rows < N
-        plane = S.to(tl.int64) * N
+        plane = (tl.zeros([], tl.int64) + S) * N  # S == 1 arrives as a constexpr int (Triton's specialization)
         big_m = tl.full([BLOCK], float("-inf"), tl.float32)
         for sp in range(0, S):
             off = (tl.zeros([BLOCK], tl.int64) + sp) * N + rows  # int64: S * N may pass 2**31
