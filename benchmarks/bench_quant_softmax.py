@@ -36,10 +36,10 @@ Backends (columns), each compiled with dynamic=False and its own copy of the fun
                The reference of every check.
   inductor     torch.compile(f): the yardstick of every ratio (/ind).
   smx          torch.compile(f, backend="smx"), default options: on CPU the site is kept (Inductor
-               compiles the original: should read like inductor); on CUDA smx::quant_softmax (Triton).
-  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite"}): the site lowered to the
+               compiles the original: should read like inductor); kept on CUDA too (cuda="auto").
+  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite", "cuda": "rewrite"}): the site lowered to the
                opaque smx::quant_softmax call on CPU too (its CPU path: ATen's softmax + torch ops;
-               Inductor compiles the rest: the dequantize, the q @ k^T scale, the matmuls). CPU only.
+               Inductor compiles the rest: the dequantize, the q @ k^T scale, the matmuls); Triton on CUDA.
   op           torch.ops.smx.quant_softmax called directly, no compile (dequantize and matmuls in eager;
                attention passes the 0.125 as the op's logit_scale). Default on CUDA only (--backends
                adds it on CPU).
@@ -75,11 +75,10 @@ code resident; --no-memory skips it), MB = 10^6 bytes, next to the size of the f
 the uint8 codes. CPU: the process's peak RSS (VmHWM after clear_refs, freed heap returned to the OS first
 with malloc_trim; the least of 3 calls). CUDA: torch.cuda.max_memory_allocated.
 
-At the end: per case, the geometric mean and range of smx-rewrite / inductor on CPU (the opaque op
-against Inductor's fused loop: above 1 justifies keeping the site by default) and of smx / inductor and
+At the end: per case, the geometric mean and range of smx-rewrite / inductor (the op against Inductor's
+fused code: above 1 justifies keeping the site by default, as cpu="auto" and cuda="auto" do) and of
 op / inductor on CUDA; the rows where smx (default options) is slower than Inductor by > 5%. The exit
-status is 1 when a result failed its check, a case raised, or a site that must be rewritten
-(smx-rewrite on CPU, smx on CUDA) was not.
+status is 1 when a result failed its check, a case raised, or the smx-rewrite site was not rewritten.
 
 Usage:
   python benchmarks/bench_quant_softmax.py --quick       # 3 rows: qdq and attention at 4x16x512x512, codes
@@ -124,7 +123,7 @@ TIE_FRAC, TIE_MIN = 1e-4, 4            # rounding ties allowed: max(TIE_MIN, TIE
 CASES = ("qdq", "codes", "attention")
 ALL_BACKENDS = ("eager", "inductor", "smx", "smx-rewrite", "op")
 CPU_BACKENDS = ("eager", "inductor", "smx", "smx-rewrite")
-CUDA_BACKENDS = ("eager", "inductor", "smx", "op")
+CUDA_BACKENDS = ("eager", "inductor", "smx", "smx-rewrite", "op")
 
 #: name -> (dims, wide?, what it stands for); attention shapes are (batch, heads, queries, keys)
 SHAPES: dict[str, tuple[tuple[int, ...], bool, str]] = {
@@ -298,7 +297,7 @@ def bench(device: str, case: str, shape: str, backends: list[str], args, quiet: 
                 row.action[b] = act
                 if why:
                     row.reasons[b] = why
-                must = (b == "smx-rewrite" and device == "cpu") or (b == "smx" and device == "cuda")
+                must = b == "smx-rewrite"
                 if must and act != "rewritten":
                     errors.append(f"{device} {case} {shape}: {b} did not rewrite the site: {act} {why}")
             if b == "eager":
@@ -360,8 +359,8 @@ def summary(rows: list[QRow], stat: str) -> list[str]:
     out = []
     for device in ("cpu", "cuda"):
         for b in ("smx-rewrite", "smx", "op"):
-            if device == "cpu" and b == "smx":
-                continue   # kept on CPU by default: inductor's code
+            if b == "smx":
+                continue   # kept by default on CPU and CUDA: Inductor's code
             for case in CASES:
                 rs = [r for r in rows if r.device == device and r.case == case and r.ratio(b)]
                 if not rs:
@@ -423,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto (default): CPU, and CUDA too when available; or only one of them")
     p.add_argument("--backends", type=_list(ALL_BACKENDS), metavar="LIST",
                    help=f"comma-separated subset of {','.join(ALL_BACKENDS)} (default: {','.join(CPU_BACKENDS)} on "
-                        f"CPU, {','.join(CUDA_BACKENDS)} on CUDA; smx-rewrite is dropped on CUDA, where it equals smx). "
+                        f"CPU, {','.join(CUDA_BACKENDS)} on CUDA). "
                         "inductor is always added: it is the yardstick")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds per row (default 3, quick 1)")
     p.add_argument("--min-run-time", type=float,
@@ -507,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     def backends_for(device: str) -> list[str]:
         if args.backends:
             bs = [b for b in ALL_BACKENDS if b in args.backends or b == "inductor"]
-            return [b for b in bs if not (device == "cuda" and b == "smx-rewrite")]
+            return bs
         return list(CPU_BACKENDS if device == "cpu" else CUDA_BACKENDS)
 
     quiet = Quiet(args.wait_quiet, args.wait_budget, log)

@@ -12,8 +12,8 @@ it times the forward (inference: x does not require grad) and the forward + back
 
   eager        the plain PyTorch function
   inductor     torch.compile(f, backend="inductor")
-  smx          torch.compile(f, backend="smx")                              (default options, cpu="auto")
-  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite"})  (CPU only: forces smx ops)
+  smx          torch.compile(f, backend="smx")                              (default options: cpu / cuda "auto")
+  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite", "cuda": "rewrite"})  (forces smx ops)
 
 and prints milliseconds (median over all timed blocks) with the ratio to inductor (< 1 is faster),
 plus what smx did with the site (rewritten / kept). A last section compiles a small MLP with
@@ -61,7 +61,7 @@ QUICK_SHAPES = ["4096x1024", "8x262144"]
 CASES = ("softmax", "neighbours", "log_softmax")
 BACKENDS = ("eager", "inductor", "smx", "smx-rewrite")
 PASSES = ("fwd", "fwd+bwd")
-SMX_REWRITE = {"cpu": "rewrite"}
+SMX_REWRITE = {"cpu": "rewrite", "cuda": "rewrite"}
 
 
 # --------------------------------------------------------------------------- the functions measured
@@ -420,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     all_rows: list[Row] = []
     t0 = time.perf_counter()
     for device in devices:
-        # smx's `cpu` option only changes CPU sites: on CUDA smx-rewrite would repeat the smx column.
-        backends = list(BACKENDS) if device == "cpu" else [b for b in BACKENDS if b != "smx-rewrite"]
+        backends = list(BACKENDS)
         for shape in shapes:
             for case in args.cases:
                 rows = bench_case(device, shape, case, backends, args.threads, rounds, min_run_time)
@@ -438,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
 
     for device in devices:
-        backends = list(BACKENDS) if device == "cpu" else [b for b in BACKENDS if b != "smx-rewrite"]
+        backends = list(BACKENDS)
         rows = [r for r in all_rows if r.device == device]
         head, body = table_rows(rows, backends)
         print_table(f"softmax on {device} ({env['cuda'] if device == 'cuda' else env['cpu']}, "

@@ -32,8 +32,8 @@ Backends (columns), each compiled with dynamic=False and its own copy of the fun
   inductor     torch.compile(f) (backend="inductor"): the yardstick of every ratio (/ind).
   smx          torch.compile(f, backend="smx"), default options: on CPU the policy cpu="auto" rewrites
                every site with static shapes (it keeps only symbolic row lengths).
-  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite"}): every site rewritten.
-               CPU only (the option does not change CUDA sites).
+  smx-rewrite  torch.compile(f, backend="smx", options={"cpu": "rewrite", "cuda": "rewrite"}): every site rewritten
+               (smx::softmax_topk; Triton on CUDA).
 
 Columns of the tables:
 
@@ -714,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                               "min_run_time": args.min_run_time, "noisy_threshold_cores": NOISY, "rows": []}
     all_rows: list[TopkRow] = []
     for device in devices:
-        backends = list(BACKENDS) if device == "cpu" else [b for b in BACKENDS if b != "smx-rewrite"]
+        backends = list(BACKENDS)
         for case in cases:
             try:
                 if case.family == "moe":
@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, result)
 
     for device in devices:
-        backends = list(BACKENDS) if device == "cpu" else [b for b in BACKENDS if b != "smx-rewrite"]
+        backends = list(BACKENDS)
         where = env["cuda"] if device == "cuda" else env["cpu"]
         for fam in FAMILIES:
             rows = [r for r in all_rows if r.device == device and r.family == fam]

@@ -250,5 +250,5 @@ def add_export_parser(sub) -> None:
                    help="batch of the example input, at least 2 (the dim stays dynamic; 1 is raised to 2; default: 2)")
     x.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="sequence length of the example input (default: 32, at most the model's)")
-    x.add_argument("--options", help='backend options as JSON (default {"cpu": "rewrite"}: every fusion kept)')
+    x.add_argument("--options", help='backend options as JSON (over the default {"cpu": "rewrite", "cuda": "rewrite"}: every fusion kept)')
     x.set_defaults(func=_export_cmd)

@@ -15,7 +15,7 @@ REWRITE_KINDS = ("attention", "quant_softmax", "softmax_topk", "softmax", "log_s
 #: see :data:`smxcompile.kernels.attention.NORMALIZERS` for their formulas and papers.
 ATTENTION_NORMALIZERS = ("softmax", "softmax1", "sigmoid", "relu", "softpick", "ssmax", "softplus", "sparsemax", "entmax15")
 
-_CPU_POLICIES = ("auto", "rewrite", "keep")
+_DEVICE_POLICIES = ("auto", "rewrite", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,11 @@ class SmxOptions:
             only where smxcompile's CPU path was measured faster than Inductor's
             own C++ code (see docs/PERFORMANCE.md) and keeps the rest;
             ``"rewrite"`` rewrites every site; ``"keep"`` rewrites none.
+        cuda: the same for sites on CUDA tensors: ``"auto"`` (default) keeps the kinds
+            measured slower than Inductor on a GPU, or not yet timed against it
+            (``smxcompile.passes.policy.CUDA_RULES``: today every kind but attention) and
+            rewrites the rest. ``"keep"``, like ``cpu="keep"``, still rewrites the sites whose
+            rewrite deletes work or that Inductor would compute otherwise.
         attention_softmax: rewrite the softmax of an attention block (score matmul ->
             softmax -> value matmul) as a standalone ``smx::softmax`` when the
             attention rewrite does not take the block (kind ``attention`` disabled,
@@ -57,6 +62,7 @@ class SmxOptions:
     check_rtol: float = 1e-3
     check_atol: float = 1e-5
     cpu: str = "auto"
+    cuda: str = "auto"
     attention_softmax: bool = False
     attention_normalizer: str = "softmax"
     attention_norm_param: float | None = None
@@ -103,9 +109,10 @@ class SmxOptions:
         bad = sorted(disable - set(REWRITE_KINDS))
         if bad:
             raise ValueError(f"unknown rewrite kind(s) {bad} in 'disable'; known kinds: {list(REWRITE_KINDS)}")
-        cpu = options.get("cpu", "auto")
-        if cpu not in _CPU_POLICIES:
-            raise ValueError(f"smx option 'cpu' must be one of {_CPU_POLICIES}, got {cpu!r}")
+        for key in ("cpu", "cuda"):
+            v = options.get(key, "auto")
+            if not isinstance(v, str) or v not in _DEVICE_POLICIES:
+                raise ValueError(f"smx option {key!r} must be one of {_DEVICE_POLICIES}, got {options[key]!r}")
         normalizer = options.get("attention_normalizer", "softmax")
         if normalizer not in ATTENTION_NORMALIZERS:
             raise ValueError(f"smx option 'attention_normalizer' must be one of {ATTENTION_NORMALIZERS}, got {normalizer!r}")
@@ -125,7 +132,8 @@ class SmxOptions:
             check=bool(options.get("check", False)),
             check_rtol=float(options.get("check_rtol", 1e-3)),
             check_atol=float(options.get("check_atol", 1e-5)),
-            cpu=cpu,
+            cpu=options.get("cpu", "auto"),
+            cuda=options.get("cuda", "auto"),
             attention_softmax=bool(options.get("attention_softmax", False)),
             attention_normalizer=normalizer,
             attention_norm_param=norm_param,

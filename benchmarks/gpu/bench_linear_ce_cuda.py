@@ -1,4 +1,5 @@
-"""Linear + cross-entropy on CUDA (part of benchmarks/gpu/run.sh): eager, Inductor, smx's Triton cut CE.
+"""Linear + cross-entropy on CUDA (part of benchmarks/gpu/run.sh): eager, Inductor, smx (default options: the
+site kept by CUDA_RULES), smx-rewrite (cuda="rewrite": smx's Triton cut CE) and the op called directly.
 
 Prints, per vocabulary, the step time (fwd+bwd, median) and peak memory above the inputs
 (``torch.cuda.max_memory_allocated``), and checks loss and gradients against eager.
@@ -35,6 +36,7 @@ def main():
 
         variants = {"eager": eager, "inductor": torch.compile(eager),
                     "smx": torch.compile(eager, backend="smx"),
+                    "smx-rewrite": torch.compile(eager, backend="smx", options={"cuda": "rewrite"}),
                     "smx-op": lambda x, w, y: smxcompile.linear_cross_entropy(x, w, y, dtype=torch.float32)}
         ref = None
         for name, fn in variants.items():

@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backends", default="eager,inductor,smx", metavar="LIST",
                    help="comma-separated torch.compile backends, run in this order; 'eager' means "
                         "no compile and is the reference; 'smx-rewrite' is smx with options "
-                        "{'cpu': 'rewrite', 'attention': False, 'attention_softmax': True}, which rewrites every softmax to smx::softmax "
+                        "{'cpu': 'rewrite', 'cuda': 'rewrite', 'attention': False, 'attention_softmax': True}, which rewrites every softmax to smx::softmax "
                         "(default: eager,inductor,smx)")
     g.add_argument("--steps", type=positive_int, default=None, metavar="N",
                    help=f"training steps per backend {d('steps')}")

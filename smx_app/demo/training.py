@@ -21,7 +21,7 @@ EVAL_BATCHES = 4  # at most this many held-out batches are evaluated per backend
 #: Extra names ``--backends`` accepts: a backend with options.
 BACKEND_VARIANTS: dict[str, tuple[str, dict]] = {
     # every softmax rewritten to smx ops, attention and CPU included: shows the rewrite path training
-    "smx-rewrite": ("smx", {"cpu": "rewrite", "attention": False, "attention_softmax": True}),
+    "smx-rewrite": ("smx", {"cpu": "rewrite", "cuda": "rewrite", "attention": False, "attention_softmax": True}),
 }
 
 

@@ -26,12 +26,13 @@ from . import ExportError
 from .inputs import check_ranges, mark_dynamic, range_bound
 
 
-#: Backend options of an export unless given: every fusion kept, whatever Inductor's CPU policy is.
-DEFAULT_OPTIONS = {"cpu": "rewrite"}
+#: Backend options of an export unless given: every fusion kept, whatever the CPU / CUDA speed policy is.
+DEFAULT_OPTIONS = {"cpu": "rewrite", "cuda": "rewrite"}
 
 
 def export_options(options: dict | None, rewrites: str | Iterable[str]) -> dict:
-    """The backend options of an export: ``cpu="rewrite"`` unless given, the kinds outside ``rewrites`` disabled.
+    """The backend options of an export: ``cpu="rewrite"`` and ``cuda="rewrite"`` unless given (an ``SmxOptions``
+    instance gives every field), the kinds outside ``rewrites`` disabled.
 
     Args:
         options: ``smx`` backend options (a mapping or an :class:`~smxcompile.SmxOptions`), or None.
@@ -132,8 +133,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     Args:
         model: the model (eval mode is the caller's business). args, kwargs: one call's inputs (tensors of
             any shape and dtype, and other values, which are fixed as they were for this call).
-        options: the ``smx`` backend options; default :data:`DEFAULT_OPTIONS` (the deployed graph keeps
-            every fusion whatever CPU policy Inductor needs).
+        options: the ``smx`` backend options, over :data:`DEFAULT_OPTIONS` where a mapping leaves ``cpu`` /
+            ``cuda`` out (the deployed graph keeps every fusion whatever the speed policy); an ``SmxOptions``
+            instance is taken as it is.
         dynamic_shapes: dims captured as symbolic sizes (see :func:`smxcompile.export_onnx`).
 
     Returns:
@@ -149,7 +151,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: 
     from ..passes import SmxPass
 
     kwargs = kwargs or {}
-    opts = SmxOptions.from_mapping(DEFAULT_OPTIONS if options is None else options)
+    opts = SmxOptions.from_mapping(options if isinstance(options, SmxOptions) else {**DEFAULT_OPTIONS, **(options or {})})
     store: dict[str, Any] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):

@@ -8,11 +8,13 @@ The ladder (:func:`decide`), in order, for a site still marked ``rewritten`` by 
 4. the site's ``check`` failed -> ``kept``;
 5. the pass's own reasons to keep a site whatever the device (e.g. already torch's fused SDPA);
 6. the device: on CPU, ``cpu="keep"`` keeps, ``cpu="auto"`` keeps where :data:`CPU_RULES` measured
-   Inductor's own code as fast, ``cpu="rewrite"`` rewrites; CUDA rewrites; other devices keep;
+   Inductor's own code as fast, ``cpu="rewrite"`` rewrites; on CUDA the same with ``cuda=`` and
+   :data:`CUDA_RULES`; other devices keep;
 7. the pass's last checks (those that only matter for a rewrite that would happen).
 
 A pass supplies only what is its own through the hooks of :class:`Ladder`: its checks, its keep reasons, its
 CPU rule (a row of :data:`CPU_RULES`, with the benchmark command that set it; figures in docs/PERFORMANCE.md).
+A CUDA rule is a row of :data:`CUDA_RULES` for the site's kind: no pass hook, each kept whole on CUDA.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from typing import Callable
 
 from .protocol import Match, PassContext
 
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _size_hint
+except ImportError:  # torch before 2.12 names it size_hint (the GPU machines' images hold torch 2.11)
+    from torch.fx.experimental.symbolic_shapes import size_hint as _size_hint
+
 
 @dataclasses.dataclass(frozen=True)
-class CpuRule:
-    """One measured CPU decision of the ``cpu="auto"`` policy.
+class DeviceRule:
+    """One measured decision of the ``cpu="auto"`` / ``cuda="auto"`` policy.
 
     Attributes:
         kind: the rewrite kind it governs.
@@ -43,48 +50,76 @@ class CpuRule:
 
 
 #: Every CPU threshold and keep rule, one row each.
-CPU_RULES: dict[str, CpuRule] = {
-    "softmax_min_columns_inference": CpuRule(
+CPU_RULES: dict[str, DeviceRule] = {
+    "softmax_min_columns_inference": DeviceRule(
         "softmax", "an inference softmax (no gradient) of a plain input is rewritten from this many columns",
         16384, "python benchmarks/bench_softmax.py --rounds 3",
         "ATen's softmax through the op 0.78x Inductor at 256x16384, 0.87x at 64x32000; the op's ~10 us dispatch "
         "cost makes shorter rows as slow or slower"),
-    "softmax_min_columns": CpuRule(
+    "softmax_min_columns": DeviceRule(
         "softmax, log_softmax", "a training softmax (forward + backward) and a log-softmax are rewritten from this "
         "many columns", 131072, "python benchmarks/bench_softmax.py --rounds 3",
         "0.58-0.88x Inductor at 16x131072 and 8x262144; 1.1-1.2x below (unfused backward)"),
-    "softmax_neighbours": CpuRule(
+    "softmax_neighbours": DeviceRule(
         "softmax, log_softmax", "a site with absorbed neighbours (scale, mask, soft-cap, casts) or fed by a "
         "pointwise op is kept: Inductor fuses them into its C++ softmax loop", None,
         "python benchmarks/bench_softmax.py --rounds 3", "cpu='rewrite' up to 2.3x Inductor; kept: 1.00x"),
-    "attention_min_keys": CpuRule(
+    "attention_min_keys": DeviceRule(
         "attention", "a softmax attention without soft-cap is rewritten from this many keys", 512,
         "python benchmarks/bench_attention.py --models gpt2,llama --seq 128,256,512 --modes train,infer "
         "--variants inductor,smx --rounds 5 --batch 8 --layers 4; python benchmarks/bench_defaults.py",
         "0.99-1.07x Inductor at 128 and 256 keys, 0.90-0.99x at 512 (GPT-2 / Llama blocks); the bare 2x8x512x64 "
         "causal / GQA block 0.68-0.77x, 1x8x2048x64 0.28x / 0.35x (inference / training)"),
-    "cross_entropy": CpuRule(
+    "cross_entropy": DeviceRule(
         "cross_entropy", "cross-entropy on given logits is kept", None, "python benchmarks/bench_plain_ce.py",
         "the online CE op 2.5-3.1x Inductor's fused C++ cross-entropy"),
-    "linear_cross_entropy_min_vocab": CpuRule(
+    "linear_cross_entropy_min_vocab": DeviceRule(
         "linear_cross_entropy", "a training linear -> cross-entropy is rewritten from this many classes", 4096,
         "python benchmarks/bench_linear_ce.py; python benchmarks/bench_hf_head.py; python benchmarks/bench_defaults.py",
         "training steps 0.82-0.98x Inductor's time at 16384-50257 classes (N=1024-2048, D=256-512), 0.92x at "
         "131072; below 4096 the logits are small and Inductor's fused code is as fast"),
-    "linear_cross_entropy_inference": CpuRule(
+    "linear_cross_entropy_inference": DeviceRule(
         "linear_cross_entropy", "linear -> cross-entropy without a gradient (evaluation) is kept", None,
         "python benchmarks/bench_defaults.py --families linear_ce",
         "the cut-CE op 1.36-1.53x Inductor's time at 16384-50257 classes (N=1024, D=256): without a backward "
         "there is no gradient buffer to save, and Inductor's matmul + fused C++ loss is one pass"),
-    "softmax_topk": CpuRule(
+    "softmax_topk": DeviceRule(
         "softmax_topk", "every static shape is rewritten (to the two-pass decomposition); symbolic row lengths "
         "are kept", None, "python benchmarks/bench_softmax_topk.py --threads 1 --stat min --retry-noisy 1",
         "0.18-0.82x Inductor for 8-128 experts, 0.26-0.48x at 128K-256K vocabulary"),
-    "quant_softmax": CpuRule(
+    "quant_softmax": DeviceRule(
         "quant_softmax", "softmax -> quantize is kept: Inductor fuses softmax, quantize and dequantize into one "
         "C++ loop", None, "python benchmarks/bench_quant_softmax.py --threads 1 --stat min --retry-noisy 1",
         "cpu='rewrite' 1.5-2.1x Inductor; kept: 1.00-1.03x"),
 }
+
+#: What the default (``cuda="auto"``) keeps on CUDA, by rewrite kind: the kinds whose smx path was measured slower
+#: than Inductor's own code, side by side on an H200 (torch 2.11, Triton 3.6). A kind without a row is rewritten.
+_GPU_RUN = "bash benchmarks/gpu/run.sh:"
+CUDA_RULES: dict[str, DeviceRule] = {
+    kind: rule for rule in (
+        DeviceRule("softmax, log_softmax", "kept, Inductor's generated softmax measured faster", None,
+                   _GPU_RUN + " benchmarks/bench_softmax.py --device cuda, benchmarks/gpu/compare_model.py",
+                   "smx 2.0-5.0x Inductor's time at 4096x1024 and 64x32000, forward and forward + backward; the "
+                   "kernel alone 1.00x (bf16) / 0.68x (fp32) torch's speed at 4096x4096, its backward 0.77x"),
+        DeviceRule("softmax_topk", "kept, Inductor's softmax + top-k measured faster (a rewrite that deletes the "
+                   "softmax still happens)", None,
+                   _GPU_RUN + " benchmarks/bench_softmax_topk.py --device cuda",
+                   "routers of 8-64 experts 2.1-2.7x Inductor's time forward, 1.7-2.2x forward + backward; the "
+                   "128K-vocabulary sampler kernel 0.59-0.72x torch's speed"),
+        DeviceRule("quant_softmax", "kept, Inductor's fused softmax + quantize measured faster", None, _GPU_RUN + " benchmarks/bench_quant_softmax.py --device cuda",
+                   "smx 2.3-5.1x Inductor's time (fake-quant, uint8 codes, quantized attention)"),
+        DeviceRule("linear_cross_entropy", "kept, Inductor's matmul + fused loss measured faster and as lean", None,
+                   _GPU_RUN + " benchmarks/gpu/bench_linear_ce_cuda.py",
+                   "training step 2.1-2.2x Inductor's time at N=8192, D=2048, V=32000 / 128256 bf16, peak memory "
+                   "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB"),
+        DeviceRule("cross_entropy", "kept, not yet timed against Inductor on CUDA", None,
+                   _GPU_RUN + " benchmarks/gpu/compare_model.py",
+                   "the backward kernel 4.99x eager's speed at 8192x128256 bf16; the forward failed to compile "
+                   "there (fixed since); no side-by-side run against Inductor yet"),
+    ) for kind in rule.kind.split(", ")
+}
+
 
 
 def cpu_threshold(name: str) -> int:
@@ -94,14 +129,22 @@ def cpu_threshold(name: str) -> int:
     return t
 
 
+def policy_size(size, *, fallback: int) -> int:
+    """A size to decide a policy row on: an int as is; a symbolic size (``dynamic=True``) by its example's hint,
+    without a guard (a speed choice only), or ``fallback`` where it has no hint."""
+    return size if isinstance(size, int) else int(_size_hint(size, fallback=fallback))
+
+
 #: The reasons every pass gives for the same decision.
 FUNCTORCH_REASON = "the graph runs a torch.func transform ('{op}'); smx ops have no functorch rules yet"
 DISABLED_REASON = "rewrite kind '{kind}' disabled by options"
 CHECK_FAILED_REASON = ("check failed: the rewrite disagreed with eager on the example inputs, or they could not be run "
                        "(symbolic shapes after a recompile for a new shape, checkpoint regions; the log says which)")
 CPU_KEEP_REASON = "options cpu='keep'"
+CUDA_KEEP_REASON = "options cuda='keep'"
 DEVICE_REASON = "device '{device}' has no smx kernel"
 FORCE_HINT = "options cpu='rewrite' forces it"
+CUDA_RULE_REASON = "CUDA: {rule}: {measured} ({benchmark}, docs/PERFORMANCE.md); options cuda='rewrite' forces it"
 
 
 @dataclasses.dataclass
@@ -112,11 +155,12 @@ class Ladder:
         kind: the rewrite kind the options enable / disable (default: the match's ``kind``).
         checks: why the site cannot be rewritten safely (``""``: it can); may fill analysis fields of the match.
         keep: a reason to keep the site on any device (``""``: none).
-        device_free: the rewrite is right on every device (it deletes work): no device rule applies.
+        device_free: the site is rewritten whatever the device and its policy (the rewrite deletes work, or
+            Inductor would compute something else): no device rule applies.
         cpu_keep: under ``cpu="auto"``, why a CPU site is kept (``""``: rewrite it); see :data:`CPU_RULES`.
         last_checks: checks that only matter for a rewrite that will happen.
         keep_whole: which keeps claim the site's nodes (later passes leave them alone): any of
-            ``"disabled"``, ``"check"``, ``"cpu"``.
+            ``"disabled"``, ``"check"``, ``"cpu"`` (a CUDA rule's keep always does).
     """
 
     kind: str | None = None
@@ -161,7 +205,16 @@ def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
             if why:
                 m.keep(why, whole=whole)
                 return
-        elif m.device != "cuda":
+        elif m.device == "cuda":
+            if ctx.options.cuda == "keep":
+                m.keep(CUDA_KEEP_REASON, whole=True)
+                return
+            rule = CUDA_RULES.get(kind) if ctx.options.cuda == "auto" else None
+            if rule is not None:
+                m.keep(CUDA_RULE_REASON.format(rule=rule.rule, measured=rule.measured, benchmark=rule.benchmark),
+                       whole=True)
+                return
+        else:
             m.keep(DEVICE_REASON.format(device=m.device))
             return
     why = ladder.last_checks(m, ctx) if ladder.last_checks else ""
@@ -169,5 +222,6 @@ def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
         m.skip(why)
 
 
-__all__ = ["CpuRule", "CPU_RULES", "cpu_threshold", "Ladder", "decide", "FUNCTORCH_REASON", "DISABLED_REASON",
-           "CHECK_FAILED_REASON", "CPU_KEEP_REASON", "DEVICE_REASON", "FORCE_HINT"]
+__all__ = ["DeviceRule", "CPU_RULES", "CUDA_RULES", "cpu_threshold", "policy_size", "Ladder", "decide", "FUNCTORCH_REASON", "DISABLED_REASON",
+           "CHECK_FAILED_REASON", "CPU_KEEP_REASON", "CUDA_KEEP_REASON", "CUDA_RULE_REASON", "DEVICE_REASON",
+           "FORCE_HINT"]

@@ -384,13 +384,17 @@ def _keep(m: SoftmaxMatch, ctx: PassContext) -> str:
     return ""
 
 
+def _never_left_to_inductor(m: SoftmaxMatch) -> bool:
+    """fp16 ``exp(x) / sum``: exp overflows fp16 above 11.1, where eager gives NaN (inf / inf) and Inductor's
+    fused code 0 for the row; rewritten on every device and policy: smx::softmax gives the softmax."""
+    if m.spelling == "exp(x)/sum" and tensor_val(m.x).dtype == torch.float16:
+        m.absorbed.append("fp16 exp(x)/sum not left to Inductor (0 on overflow; eager NaN)")
+        return True
+    return False
+
+
 def _cpu_keep(m: SoftmaxMatch, ctx: PassContext) -> str:
     """Why a CPU site is kept under ``cpu="auto"`` (empty: rewrite it); rules ``softmax_*`` of ``CPU_RULES``."""
-    if m.spelling == "exp(x)/sum" and tensor_val(m.x).dtype == torch.float16:
-        # exp overflows fp16 above 11.1: eager gives NaN (inf / inf), Inductor's fused code 0 for the row;
-        # never left to Inductor: smx::softmax gives the softmax
-        m.absorbed.append("fp16 exp(x)/sum not left to Inductor (0 on overflow; eager NaN)")
-        return ""
     if not _is_plain(m):
         return ("CPU: Inductor fuses the neighbouring ops into its C++ softmax loop, faster than an "
                 f"unfused call (benchmarks/bench_softmax.py; {FORCE_HINT})")
@@ -409,7 +413,7 @@ def _cpu_keep(m: SoftmaxMatch, ctx: PassContext) -> str:
     )
 
 
-_LADDER = Ladder(checks=_checks, keep=_keep, cpu_keep=_cpu_keep)
+_LADDER = Ladder(checks=_checks, keep=_keep, device_free=_never_left_to_inductor, cpu_keep=_cpu_keep)
 
 
 # --------------------------------------------------------------------------- the pass

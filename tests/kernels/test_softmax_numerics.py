@@ -23,7 +23,7 @@ import smxcompile.backends.smx  # noqa: F401  (compiled_reports; the backend is 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KINDS = ["softmax", "log_softmax"]
-REWRITE = {"cpu": "rewrite"}
+REWRITE = {"cpu": "rewrite", "cuda": "rewrite"}
 
 
 # --------------------------------------------------------------------------- helpers

@@ -80,7 +80,7 @@ def test_compiled_graph_runs_triton_kernels(triton_calls):
         return torch.softmax(x, dim=-1) @ torch.ones(x.shape[-1], 3, device=x.device)
 
     x = torch.randn(16, 70, device=DEVICE, requires_grad=True)
-    cf = torch.compile(f, backend="smx", options={"cpu": "rewrite"})
+    cf = torch.compile(f, backend="smx", options={"cpu": "rewrite", "cuda": "rewrite"})
     y = cf(x)
     y.sum().backward()
     gx = x.grad.clone()
@@ -240,7 +240,7 @@ def test_compiled_router_runs_triton_softmax_topk(topk_calls):
     h = torch.randn(32, 16, device=DEVICE)
     w = torch.randn(64, 16, device=DEVICE, requires_grad=True)
     torch._dynamo.reset()
-    compiled = torch.compile(router, backend="smx", options={"cpu": "rewrite"})
+    compiled = torch.compile(router, backend="smx", options={"cpu": "rewrite", "cuda": "rewrite"})
     v, i = compiled(h, w)
     vr, ir = router(h, w)
     assert torch.equal(i, ir)

@@ -97,7 +97,7 @@ def export_mlir(model: nn.Module, args: tuple, *, kwargs: dict | None = None, ou
         dynamic_shapes: dims kept symbolic (``?`` in the module's tensor types), in torch.export's format
             keyed by ``forward`` argument names, as :func:`smxcompile.export_onnx` takes it:
             ``{"input_ids": {0: "batch", 1: "seq"}}``. Example sizes must be >= 2 there. Default: static.
-        options: the ``smx`` backend options (default ``{"cpu": "rewrite"}``: every fusion kept).
+        options: the ``smx`` backend options (over ``{"cpu": "rewrite", "cuda": "rewrite"}``: every fusion kept).
         decompose: replace each smx op by its reference ATen form before lowering (required for
             ``linalg-on-tensors`` and ``stablehlo``). False keeps them as ``torch.operator
             "torch.smx.<op>"`` in the ``torch`` dialect.

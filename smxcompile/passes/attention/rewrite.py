@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, is_mutation, mutation_inside, replace_anchor, same_shape, \
     tensor_val
-from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide
+from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
 from .operands import is_matmul, softmax_input, ungqa
@@ -221,9 +220,7 @@ def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
     if m.normalizer != "softmax" or m.softcap is not None:
         return ""
     need = cpu_threshold("attention_min_keys")
-    S = tensor_val(m.k).shape[-2]
-    if not isinstance(S, int):
-        S = optimization_hint(S, fallback=need)
+    S = policy_size(tensor_val(m.k).shape[-2], fallback=need)
     if S < need:
         return (f"CPU: {S} keys; below {need} torch's fused attention kernel was measured no faster than "
                 f"Inductor's code (benchmarks/bench_attention.py; {FORCE_HINT})")

@@ -7,10 +7,9 @@ import operator
 from typing import Any
 
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..patterns.graph import FLOAT_DTYPES, dedupe, dtype_of, is_number, mutation_inside, replace_anchor, tensor_val
-from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide
+from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import CEMatch, check_escapes, loss_call, walk_to_linear
 from .replacement import apply_row_ops, graph_cross_entropy, graph_linear_cross_entropy
@@ -75,10 +74,7 @@ def _cpu_keep(m: CEMatch, ctx: PassContext) -> str:
     if m.kind == "cross_entropy":
         return ("CPU: Inductor's fused C++ cross-entropy is faster on given logits (the online CE op "
                 f"measured 2.4-3x slower, docs/PERFORMANCE.md; {FORCE_HINT})")
-    v = tensor_val(m.weight).shape[1 if m.weight_t else 0]
-    if not isinstance(v, int):
-        # symbolic vocabulary (dynamic=True): decide on the example's size (a speed choice only)
-        v = optimization_hint(v, fallback=0)
+    v = policy_size(tensor_val(m.weight).shape[1 if m.weight_t else 0], fallback=0)
     logits = tensor_val(m.logits)
     if logits is not None and not logits.requires_grad:  # traced without grad mode or without a trainable input
         return (f"CPU: no gradient (evaluation); Inductor's matmul and fused C++ loss were measured faster "
