@@ -19,6 +19,9 @@ Families of cases (--families), all fp32, reduction over the last (contiguous) d
           4x131072 k=8.
   argmax  torch.argmax(torch.softmax(x, -1), -1) at 4x131072 and 8192x64, inference (the rewrite deletes
           the softmax).
+  top1    Switch Transformers' top-1 router, the row maximum read twice:
+              p = torch.softmax(x, -1); torch.max(p, -1).values[:, None], torch.argmax(p, -1)
+          at 8192x8 and 8192x64, inference and training (the rewrite: graph_top1, argmax + one sum of exp).
   moe     the whole transformers MixtralSparseMoeBlock (router + experts, HF's default experts
           implementation "grouped_mm") of a small MixtralConfig: hidden 256, intermediate 512, top-2 of
           8 and of 64 experts, 2048 tokens (1 x 2048 x 256 input), random weights (std 0.05);
@@ -117,7 +120,7 @@ from bench_softmax import (  # noqa: E402
 )
 from bench_linear_ce import NOISY, StepPeak, _busy_cpu_s, _children_cpu_s, wait_quiet  # noqa: E402
 
-FAMILIES = ("router", "vocab", "argmax", "moe")
+FAMILIES = ("router", "vocab", "argmax", "top1", "moe")
 MB = 1e6
 SLOWER = 1.05  # a ratio above this is called "slower than Inductor"
 
@@ -151,6 +154,8 @@ def all_cases() -> list[Case]:
     cases.append(Case("vocab", 4, 131072, 8, ("fwd+bwd",)))
     cases.append(Case("argmax", 4, 131072, 1, ("fwd",)))
     cases.append(Case("argmax", 8192, 64, 1, ("fwd",)))
+    for cols in (8, 64):
+        cases.append(Case("top1", 8192, cols, 1, ("fwd", "fwd+bwd")))
     cases.append(Case("moe", 2048, 8, 2, ("fwd", "fwd+bwd")))
     cases.append(Case("moe", 2048, 64, 2, ("fwd", "fwd+bwd")))
     return cases
@@ -185,6 +190,11 @@ def argmax_softmax(x):
     return torch.argmax(torch.softmax(x, -1), -1)
 
 
+def top1_router(x):
+    p = torch.softmax(x, -1)
+    return torch.max(p, -1).values[:, None], torch.argmax(p, -1)
+
+
 def make_fn(case: Case) -> Callable:
     if case.family == "router":
         return make_router(case.k)
@@ -192,6 +202,8 @@ def make_fn(case: Case) -> Callable:
         return make_sampler(case.k)
     if case.family == "argmax":
         return argmax_softmax
+    if case.family == "top1":
+        return top1_router
     raise ValueError(case.family)
 
 
@@ -518,6 +530,7 @@ TITLES = {
     "router": "router: v, i = topk(softmax(logits.float(), -1), k); v = v / v.sum(-1, keepdim=True)",
     "vocab": "vocab: topk(softmax(logits / 0.7, -1), k)",
     "argmax": "argmax: argmax(softmax(x, -1), -1)",
+    "top1": "top1: p = softmax(x, -1); max(p, -1).values[:, None], argmax(p, -1)",
     "moe": "MixtralSparseMoeBlock (hidden 256, intermediate 512), 2048 tokens",
 }
 

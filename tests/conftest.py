@@ -14,3 +14,7 @@ if not torch.cuda.is_available():
 
 # Keep compile-heavy tests inside the 2-core budget.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Tests read the backend's compiled-graph reports (smxcompile.backends.smx.compiled_reports): the submodule is
+# imported here, so a test file run alone finds it as the whole suite does.
+import smxcompile.backends.smx  # noqa: E402,F401

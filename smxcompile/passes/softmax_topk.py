@@ -40,6 +40,7 @@ from .patterns.arith import scalar_factor
 from .patterns.casts import widening_cast
 from .patterns.graph import (FLOAT_DTYPES, canon, dtype_name, erase_dead, mutation_inside,
                              norm_dim, replace_anchor, tensor_val)
+from .patterns.selections import no_op_copy, reads_top1, top1_readers
 from .patterns.softmax_call import SoftmaxCall, input_problem, softmax_call
 from .policy import FORCE_HINT, Ladder, decide
 from .protocol import Match, PassContext, RewritePass
@@ -58,7 +59,7 @@ class TopkMatch(Match):
     out_dtype: torch.dtype | None = None
     values_out: Node | None = None  # the node the values replace (getitem, renormalizing div, or softmax)
     indices_out: list[Node] = dataclasses.field(default_factory=list)   # nodes the indices replace
-    keepdim: bool = False           # argmax
+    reads: list = dataclasses.field(default_factory=list)   # max / argmax forms: the Top1Read uses of the softmax
     softmax: Node | None = None     # the softmax node of the pattern
     topk: Node | None = None        # the topk node (the fused call is inserted before it)
     dead: list[Node] = dataclasses.field(default_factory=list)
@@ -70,9 +71,14 @@ class TopkMatch(Match):
         """Only indices are used: the rewrite deletes the softmax (no op)."""
         return self.form in ("topk(softmax).indices", "argmax(softmax)")
 
+    @property
+    def top1(self) -> bool:
+        """The row maximum alone is read (argmax, max, amax, a gather at the argmax)."""
+        return self.form in ("argmax(softmax)", "max(softmax)")
+
     def detail(self) -> str:
         parts = [self.form, f"dim={self.dim}"]
-        if self.form != "argmax(softmax)":
+        if not self.top1:
             parts.append(f"k={self.k}")
         if self.renormalize and self.form == "topk(softmax)":
             parts.append("renormalized")
@@ -81,6 +87,8 @@ class TopkMatch(Match):
     def op_name(self) -> str:
         if self.deletes_softmax:
             return "softmax deleted"
+        if self.top1:
+            return "smx top-1 (argmax + one sum of exp)"
         return "smx::softmax_topk" if self.device == "cuda" or self.export else "smx softmax_topk (CPU two-pass)"
 
 
@@ -271,38 +279,38 @@ def _match_softmax_of_topk(node: Node) -> TopkMatch | None:
     return m
 
 
-def _match_argmax_of_softmax(node: Node) -> TopkMatch | None:
-    c = canon(node)
-    if c is None or c[0] not in ("argmax", "max"):
-        return None
-    a = c[1]
-    inp = a.get("input")
-    sm = _softmax_of(inp)
+def _match_top1(node: Node) -> TopkMatch | None:
+    """A softmax whose every use reads only its row maximum (:func:`top1_readers`: argmax, max, amax, a gather
+    at the argmax, behind no-op copies): the probabilities are never written."""
+    sm = _softmax_of(node)
     if sm is None:
         return None
-    if c[0] == "max":
-        if "dim" not in a:
-            return None
-        items = _getitem_users(node)
-        if items is None or 0 in items or 1 not in items:
-            return None   # max values are used (or nothing is): not an argmax
-        indices_out = [items[1]]
-        form_dead = [node]
-    else:
-        indices_out, form_dead = [node], []
-    m = TopkMatch(form="argmax(softmax)", anchor=node, x=sm.x, dim=sm.dim, softmax=inp,
-                  keepdim=bool(a.get("keepdim", False)), indices_out=indices_out)
+    nd = tensor_val(node).dim()
+    firsts = [u for t in (node, *[u for u in node.users if no_op_copy(u) is node]) for u in t.users if reads_top1(u)]
+    if not firsts:
+        return None
+    found = top1_readers(node, sm.dim, {sm.x})
+    reads = found[0] if found else []
+    values = any(r.what == "values" or (r.what == "max" and 0 in r.items) for r in reads)
+    m = TopkMatch(form="max(softmax)" if values else "argmax(softmax)", anchor=reads[0].node if reads else firsts[0],
+                  x=sm.x, dim=sm.dim, softmax=node, reads=reads)
+    if found is None:
+        c = canon(firsts[0])
+        d = c[1].get("dim") if c is not None else sm.dim
+        if d is None:
+            return _skip(m, "argmax without dim runs over the flattened tensor, not over the softmax rows")
+        if norm_dim(d if not isinstance(d, (list, tuple)) else d[0], nd) != sm.dim:
+            return _skip(m, f"argmax over dim {d!r}, softmax over dim {sm.dim}: not the same row")
+        return _skip(m, "the probabilities are also read beyond their row maximum (e.g. times a one-hot mask, or "
+                        "gathered at an index not known to be the row's argmax): computed anyway")
     if sm.problem:
         return _skip(m, f"softmax: {sm.problem}")
-    if a.get("dim") is None:
-        return _skip(m, "argmax without dim runs over the flattened tensor, not over the softmax rows")
-    if norm_dim(a.get("dim"), tensor_val(inp).dim()) != sm.dim:
-        return _skip(m, f"argmax over dim {a.get('dim')!r}, softmax over dim {sm.dim}: not the same row")
     if sm.pre_cast is not None:
-        return _skip(m, f"softmax dtype={dtype_name(sm.pre_cast)} casts its input first (rounding it to a narrower dtype, or fp64 math)")
-    if len(inp.users) != 1:
-        return _skip(m, "the softmax output is also used elsewhere: it is computed anyway")
-    m.dead = [inp, node, *form_dead]
+        return _skip(m, f"softmax dtype={dtype_name(sm.pre_cast)} casts its input first (rounding it to a narrower "
+                        "dtype, or fp64 math)")
+    m.out_dtype = sm.out_dtype
+    m.indices_out = [r.node for r in reads if r.what == "indices"] + [r.items[1] for r in reads if 1 in r.items]
+    m.dead = [node, *found[1], *[r.node for r in reads], *[g for r in reads for g in r.items.values()]]
     return m
 
 
@@ -311,7 +319,7 @@ def _checks(m: TopkMatch, ctx: PassContext) -> str:
     why = input_problem(m.x)
     if why:
         return why
-    if not m.deletes_softmax:
+    if not m.deletes_softmax and not m.top1:
         _absorb_input(m)
         if m.scale != 1.0:
             m.absorbed.append(f"scale={m.scale:.6g}")
@@ -363,6 +371,25 @@ def graph_argmax(x: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
     return i if keepdim else i.squeeze(dim)
 
 
+def _top1_uses(m: TopkMatch) -> list[tuple[Node, str, bool]]:
+    """``(node, "values" | "indices", keepdim)`` for every node a top-1 site's rewrite replaces."""
+    uses = [(r.node, r.what, r.keepdim) for r in m.reads if r.what != "max"]
+    return uses + [(g, "values" if i == 0 else "indices", r.keepdim) for r in m.reads for i, g in r.items.items()]
+
+
+def graph_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the row maximum of ``softmax(x, dim, dtype=dtype)``, keepdim, without the
+    probabilities: ``1 / sum(exp(x - x_i))`` at ``i``, the first maximum (as ``max(dim)`` returns it, and its
+    gradient goes there); NaN on rows whose softmax is all NaN (a NaN or ``+inf`` entry, or only ``-inf``)."""
+    xf = x.to(dtype) if dtype is not None else x
+    wide = xf.float() if xf.dtype in (torch.float16, torch.bfloat16) else xf
+    i = torch.argmax(wide, dim, keepdim=True)
+    top = torch.gather(wide, dim, i)
+    v = torch.exp(wide - top).sum(dim, keepdim=True).reciprocal()
+    v = torch.where(torch.isfinite(top), v, float("nan")).to(xf.dtype)
+    return v, torch.where(torch.isfinite(top), i, torch.zeros_like(i))
+
+
 class SoftmaxTopkPass(RewritePass):
     """Softmax followed by top-k / argmax -> the fused ``smx::softmax_topk`` (or no softmax at all), see the
     module docstring."""
@@ -375,7 +402,7 @@ class SoftmaxTopkPass(RewritePass):
         for node in graph.nodes:
             if node in claimed or node in exclude or node.op not in ("call_function", "call_method"):
                 continue
-            m = _match_topk_of_softmax(node) or _match_softmax_of_topk(node) or _match_argmax_of_softmax(node)
+            m = _match_topk_of_softmax(node) or _match_softmax_of_topk(node) or _match_top1(node)
             if m is None or any(n in claimed or n in exclude for n in (*m.dead, m.softmax)):
                 continue
             m.prefix, m.export = ctx.prefix, ctx.export
@@ -387,10 +414,8 @@ class SoftmaxTopkPass(RewritePass):
 
     def rewrite(self, graph: Graph, m: TopkMatch, ctx: PassContext) -> None:
         """Replace the site's values / indices by the fused op's (or delete the softmax) and erase the pattern."""
-        if m.form == "argmax(softmax)":
-            with graph.inserting_before(m.anchor):
-                call = graph.call_function(graph_argmax, (m.x, m.dim, m.keepdim))
-            replace_anchor(graph, m.indices_out[0], call, call, m.dead)
+        if m.top1:
+            self._rewrite_top1(graph, m, ctx)
             return
         if m.form == "topk(softmax).indices":
             # top-k of the logits: same indices (softmax is monotone), no probabilities
@@ -411,23 +436,51 @@ class SoftmaxTopkPass(RewritePass):
         if not idx.users:
             graph.erase_node(idx)
 
+    def _rewrite_top1(self, graph: Graph, m: TopkMatch, ctx: PassContext) -> None:
+        """Each read of the row maximum takes the fused values (``smx::softmax_topk`` with k = 1) or the logits'
+        argmax (the first index of the maximum, as ``argmax`` and ``max`` give it)."""
+        x, reads = m.x, _top1_uses(m)
+        order = {n: j for j, n in enumerate(graph.nodes)}
+        first = min((n for n, _, _ in reads), key=order.__getitem__)
+        with graph.inserting_before(first):
+            if len(reads) == 1 and reads[0][1] == "indices":
+                outs = {"indices": graph.call_function(graph_argmax, (x, m.dim, reads[0][2]))}
+                keep = reads[0][2]
+            else:
+                call = graph.call_function(graph_top1, (x, m.dim, m.out_dtype))
+                outs = {w: graph.call_function(operator.getitem, (call, j)) for j, w in enumerate(("values", "indices"))}
+                keep = True
+            for node, what, keepdim in reads:
+                out = outs[what] if keepdim == keep else graph.call_method("squeeze", (outs[what], m.dim))
+                for k in ("example_value", "val"):
+                    if k in node.meta:
+                        out.meta[k] = node.meta[k]
+                node.replace_all_uses_with(out)
+        erase_dead(graph, m.dead)
+
     def check_inputs(self, m: TopkMatch) -> list[Node]:
         return [m.x]
 
     def check_nodes(self, m: TopkMatch) -> list[Node]:
+        if m.top1:
+            return [n for n, _, _ in _top1_uses(m)]
         return [n for n in (m.values_out, *m.indices_out) if n is not None]
 
     def run_site(self, m: TopkMatch, values: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rewritten site's (values, indices) on captured input values."""
         x = values[m.x.name]
-        if m.form == "argmax(softmax)":
-            return None, graph_argmax(x, m.dim, m.keepdim)
+        if m.top1:
+            return graph_top1(x, m.dim, m.out_dtype)
         if m.form == "topk(softmax).indices":
             return None, torch.topk(x, m.k, m.dim).indices
         return graph_softmax_topk(x, m.k, m.dim, float(m.scale), m.renormalize, m.out_dtype)
 
     def agrees(self, m: TopkMatch, ours, values: dict[str, Any], close) -> bool:
         vals, idx = ours
+        if m.top1:
+            got = {"values": vals, "indices": idx}
+            return all(close(got[what] if keepdim else got[what].squeeze(m.dim), values[n.name])
+                       for n, what, keepdim in _top1_uses(m))
         ok = True
         if m.values_out is not None and vals is not None:
             ok = close(vals, values[m.values_out.name])
@@ -435,10 +488,8 @@ class SoftmaxTopkPass(RewritePass):
             # ties may pick other columns: compare the logits the indices point at
             p = values[m.x.name]
             ref_idx = values[m.indices_out[0].name]
-            if m.form == "argmax(softmax)" and not m.keepdim:
-                idx, ref_idx = idx.unsqueeze(m.dim), ref_idx.unsqueeze(m.dim)
             ok = idx.shape == ref_idx.shape and close(p.gather(m.dim, idx), p.gather(m.dim, ref_idx))
         return ok
 
 
-__all__ = ["TopkMatch", "SoftmaxTopkPass", "graph_softmax_topk", "graph_argmax"]
+__all__ = ["TopkMatch", "SoftmaxTopkPass", "graph_softmax_topk", "graph_argmax", "graph_top1"]

@@ -102,3 +102,29 @@ def rewrite(fn, *args, options=REWRITE, check_values: bool = True, atol: float =
             tol = rtol if rtol is not None else 1e-3 if w.dtype in (torch.float16, torch.bfloat16) else 1e-5
             torch.testing.assert_close(g, w, atol=atol, rtol=tol, equal_nan=True)
     return Rewrite(before, after, smx_pass.report, gm, example_inputs)
+
+
+def first_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _grads(fn, args, weight):
+    """Output and input gradients; float inputs that are finite (q, k, v, masks, biases) get gradients."""
+    ins = [a.detach().clone().requires_grad_(a.is_floating_point() and bool(a.isfinite().all())) for a in args]
+    out = first_output(fn(*ins))
+    (out.double() * weight).sum().backward()
+    return out.detach(), [i.grad if i.grad is not None else torch.zeros_like(i) for i in ins if i.requires_grad]
+
+
+def check_against_gold(r: Rewrite, fn, args, weight, *, tol: float) -> None:
+    """The rewritten graph's forward and input gradients (of ``sum(out * weight)``) satisfy
+    ``|ours - gold| <= |torch - gold| + tol * (1 + |gold|)`` per element, gold being ``fn`` in fp64."""
+    # the graph's placeholders are in Dynamo's order (first use), not the function's
+    order = [next(i for i, a in enumerate(args) if a is x) for x in r.inputs]
+    got, g_got = _grads(lambda *a: r.gm(*[a[i] for i in order]), args, weight)
+    ref, g_ref = _grads(fn, args, weight)
+    gold, g_gold = _grads(fn, [a.double() if a.is_floating_point() else a for a in args], weight)
+    for ours, torch_, gold_ in zip([got, *g_got], [ref, *g_ref], [gold, *g_gold]):
+        err_ours = (ours.double() - gold_).abs()
+        err_torch = (torch_.double() - gold_).abs()
+        assert bool((err_ours <= err_torch + tol * (1 + gold_.abs())).all()), (err_ours - err_torch).max()

@@ -122,8 +122,18 @@ def masked_fill_inplace(q, k, v, m):
     return s.softmax(-1) @ v
 
 
-def test_inplace_fill_is_skipped_with_its_reason():
+def masked_fill_inplace_observed(q, k, v, m):
+    s = q @ k.transpose(-2, -1)
+    raw = s.sum()                       # reads the scores before the fill: the fill must stay where it is
+    s.masked_fill_(m, float("-inf"))
+    return s.softmax(-1) @ v, raw
+
+
+def test_inplace_fill_on_fresh_scores_is_rewritten():
     q, k, v = _qkv()
     r = rewrite(masked_fill_inplace, q, k, v, ~CAUSAL)
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["rewritten"], str(r.report)
+    r = rewrite(masked_fill_inplace_observed, q, k, v, ~CAUSAL)
     att = [s for s in r.report if s.kind == "attention"]
     assert [s.action for s in att] == ["skipped"] and "in-place op" in att[0].reason, str(r.report)

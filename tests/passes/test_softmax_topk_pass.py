@@ -600,11 +600,6 @@ def gumbel_topk(logits):
     return v, i
 
 
-def max_values_used(x):
-    m = torch.max(torch.softmax(x, -1), -1)
-    return m.values, m.indices
-
-
 def negative_temperature(x):
     v, i = torch.softmax(x / -2.0, -1).topk(3)
     return v, i
@@ -725,22 +720,6 @@ return (getitem_2, getitem_1, mul)""")
         self.assertIn("random noise (Gumbel-softmax)", self.skipped(r))
         self.assertEqual(r.report.count(kind="softmax", action="rewritten"), 0)
         assert_matches_eager(r, gumbel_topk, x)
-
-    def test_torch_max_values_used_is_not_a_site(self):
-        x = logits(6, 64)
-        r = run_pass(max_values_used, x)
-        self.assertEqual(r.report.count(kind="softmax_topk"), 0)
-        self.assertNotRewrittenHere(r)
-        self.assertExpectedInline(r.after, """\
-def forward(self, L_x_ : torch.Tensor):
-l_x_ = L_x_
-softmax_default = torch.ops.smx.softmax.default(l_x_, 1, 1.0, None, None, None, False)
-getitem_2 = softmax_default[0]
-max_1 = torch.max(getitem_2, -1)
-getitem = max_1[0]
-getitem_1 = max_1[1]
-return (getitem, getitem_1)""")
-        assert_matches_eager(r, max_values_used, x)
 
     def test_negative_temperature_is_not_absorbed(self):
         x = logits(6, 64, grad=True)

@@ -1,55 +1,23 @@
-"""Attention sites: every spelling of ``softmax(q @ k^T * scale + mask) @ v`` becomes one fused attention call.
+"""Attention by meaning: ``softmax(f(Q K^T)) V``, matched in the Dynamo (pre-grad) graph from the value contraction
+(the anchor) upwards.
 
-Matched in the Dynamo (pre-grad) graph, from the value matmul ``P @ V`` (the anchor) upwards:
+* two batched contractions (:mod:`..patterns.contraction`: ``@``, ``bmm``, ``baddbmm``, ``einsum``, any operand
+  and output layout): Q with K over the head dim, then the weights with V over the key index;
+* between them, on the scores: a chain of pointwise changes with side inputs that broadcast to the scores and do
+  not depend on them: scales (numbers, 0-d tensors, or a factor constant along the key index such as a learned
+  per-head temperature, folded into q), soft-capping ``c * tanh(s / c)``, additive masks and biases (learned ones
+  keep their gradient), fills by ``masked_fill`` / ``where`` with a masking value, in place or not, in any view
+  that regroups the leading dims; exact casts;
+* a softmax over the key index, then casts, copies and dropout;
+* K and V repeated per query head are taken un-repeated (grouped-query attention); a constant mask equal to the
+  causal triangle becomes ``is_causal``; ``F.scaled_dot_product_attention`` itself is a site when a normalizer
+  is requested.
 
-* the value matmul: ``torch.matmul`` / ``@`` / ``torch.bmm`` / ``Tensor.matmul``, with the weights first;
-* between softmax and it: dtype casts (``.to``, ``.type``, ``.type_as``, ``.float()``), copies (``.clone()``,
-  ``.contiguous()``) and dropout (``F.dropout`` / ``nn.Dropout``; ``p`` taken into the op when training,
-  dropped otherwise);
-* the softmax over the last (key) dim, any spelling ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax``,
-  with ``dtype=`` (Llama: ``softmax(x, dim=-1, dtype=torch.float32)``) or an up-cast around it (T5);
-* masks: an additive mask ``scores + mask`` (also a learned bias such as T5's position bias, which keeps its
-  gradient; in place as ``scores += bias`` or ``scores.add_(mask)`` on a fresh score tensor nothing else reads;
-  a bool or integer mask takes the scores' dtype, as eager promotes it), ``scores.masked_fill(mask, value)``
-  and ``torch.where(keep, scores, value)`` with a masking value (``-inf`` or any number <= -1e4, e.g.
-  ``torch.finfo(dtype).min``), also followed by an additive mask (GPT-2 with a padding mask: merged into one
-  additive mask); a mask may take the scores' shape (``pad.expand_as(scores)``, DistilBERT);
-* logit soft-capping ``c * tanh(s / c)``; the scale as a Python number (``* 0.125``, ``/ 8``,
-  ``/ math.sqrt(d)``) or a 0-d tensor (``/ torch.full([], d ** 0.5)``), or already folded into q;
-* the score matmul ``q @ k.transpose(-2, -1)`` (also ``k.transpose(2, 3)`` on 4-D, ``k.mT``, a permute
-  that swaps only the last two dims, ``torch.bmm(q, k.transpose(1, 2))`` on 3-D; K^T through ``.contiguous()``
-  and with a scale of its own, ``(q * a) @ (k.transpose(-2, -1) * b)``), or
-  ``einsum("...qd,...kd->...qk", q, k)`` with ``einsum("...qk,...kd->...qd", p, v)``;
-* grouped-query attention: K and V repeated per query head by ``kv[:, :, None].expand(...).reshape(...)``
-  (transformers' ``repeat_kv``) or ``repeat_interleave(n, dim=1)`` are taken un-repeated (``enable_gqa``);
-* 3-D ``bmm`` attention whose scores are viewed ``(B*H, L, S) <-> (B, H, L, S)`` around the mask (MBart,
-  Marian, older BART): views that regroup only the leading dims (static shapes), anywhere between the matmuls;
-* ``F.scaled_dot_product_attention`` itself (kept as it is unless a normalizer is requested).
-
-These are the spellings of PyTorch's own fused-attention patterns (torch/_inductor/fx_passes/fuse_attention.py,
-``_sfdp_pattern_1`` to ``_28``) and of the transformers models that motivated them.
-
-A constant mask (built from ``arange`` comparisons only, as transformers builds its causal mask when no
-padding mask is given) is evaluated at compile time; when it is exactly the causal lower triangle the
-site becomes ``is_causal=True`` and the mask disappears, so the fused kernel skips the masked tiles.
-
-Not matched (tested near-misses): K permuted (e.g. ``k.permute(0, 2, 3, 1)``) rather than transposed
-in its last two dims, a softmax over any dim but the key dim, a mask computed from the scores, the
-weights also used elsewhere (``output_attentions``), a ``masked_fill`` value that does not mask (> -1e4),
-mixed q/k/v dtypes, an in-place add on scores something else reads or on a view, a view that regroups the
-key dim.
-
-Fully masked rows keep the original graph's values: eager softmax gives NaN on a row of ``-inf`` and a
-uniform average on a row of finite masking values, where fused attention (SDPA) gives 0; the rewrite
-adds the fix-up for such rows unless the mask provably has none (a causal mask, a finite ``where`` mask).
-Masks mixing fills and later additive masks (``where(causal, s, min) + mask``) merge, in graph order, into
-one additive mask; a row the fills mask whole reads only the masks in eager, so its query is zeroed.
-
-The rewritten site calls :func:`graph_attention`, which calls :func:`smxcompile.attention`:
-``F.scaled_dot_product_attention`` (torch's fused flash kernels, CPU and CUDA) for softmax, the
-``smx::attention`` op (Triton on CUDA, a query-chunked CPU path) for the other normalizers and softcap.
-FlashAttention: Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness"
-(2022); online softmax: Milakov & Gimelshein (2018).
+Not matched, with the reason in the report: weights mixed across heads or contracted over the query index, a
+mask computed from the scores, inner values read outside the site (users that reach no output do not count).
+Fully masked rows keep eager's values (NaN or the uniform average; see :func:`graph_attention`). The spellings
+this covers, PyTorch's fused-attention suite (torch/_inductor/fx_passes/fuse_attention.py) among them, are listed
+in docs/DESIGN.md. FlashAttention: Dao et al. (2022); online softmax: Milakov & Gimelshein (2018).
 """
 
 from __future__ import annotations
@@ -66,11 +34,13 @@ from ..patterns.arith import scale_stage, softcap
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
-    same_shape, static_shape, tensor_val
+    same_shape, same_size, static_shape, tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
 from ..protocol import Match
-from .operands import copy_of, dropout_call, einsum_kind, fresh_tensor, inplace_add_before, inplace_add_operands, \
-    is_matmul, key_side, lead_view, shape_of, softmax_input, transposed_last2, view_lead
+from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, view_lead
+from ..patterns.selections import no_op_copy
+from .operands import dropout_call, fresh_tensor, inplace_add_before, inplace_add_operands, inplace_fill, key_side, \
+    shape_of, softmax_input
 
 
 
@@ -102,6 +72,21 @@ class AttentionMatch(Match):
     safe_softmax: bool = False            # aten._safe_softmax: a row of -inf gives 0, not NaN
     lead: tuple | None = None             # leading dims q, k, v are regrouped to (views between the matmuls)
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
+    scale_levels: list = dataclasses.field(default_factory=list)  # [(scale tensor, score node it applies at)]
+    add_levels: list = dataclasses.field(default_factory=list)    # per additive mask: the score node it applies at
+    fill_levels: list = dataclasses.field(default_factory=list)   # per fill: the score node it applies at
+    mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
+    dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
+    layout: dict = dataclasses.field(default_factory=dict)  # role ("q", "k", "v", "out") -> permutation or None
+
+    def val(self, role: str):
+        """The fake tensor of q, k or v in the op's layout (..., L or S, E)."""
+        return Operand(getattr(self, role), self.layout.get(role)).val()
+
+    @property
+    def layouts(self) -> dict:
+        """The permutations the op applies (``graph_attention``'s ``layout``), identities left out."""
+        return {r: p for r, p in self.layout.items() if p is not None}
 
     @property
     def merged_masks(self) -> bool:
@@ -132,41 +117,54 @@ class AttentionMatch(Match):
 # --------------------------------------------------------------------------- matching
 
 
-def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None:
-    """Walk up from a ``P @ V`` matmul; None when P does not come from a softmax."""
-    if anchor.target is torch.einsum:
-        kind = einsum_kind(anchor)
-        if kind is None or kind[0] != "pv":
-            return None
-        p, v = kind[1], kind[2]
-    else:
-        p, v = anchor.args
-    dead: list[Node] = [anchor]
+def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
+    """The softmax whose output ``a`` is, through casts, copies, dropout and views of the leading dims:
+    ``(softmax, nodes between, dropout call)``, or None."""
+    if a.perm is not None:
+        return None
     chain: list[Node] = []
     dropout = None
-    n = p
-    for _ in range(6):   # casts and dropout between softmax and the value matmul
+    n = a.node
+    for _ in range(6):
         if not isinstance(n, Node):
             return None
         if softmax_input(n) is not None:
-            break
+            return n, chain, dropout
         d = dropout_call(n)
         if d is not None and dropout is None:
             chain.append(n)
             dropout = d
             n = d[0]
             continue
-        if cast_dtype(n) is not None or copy_of(n) is not None or lead_view(n) is not None:
+        if cast_dtype(n) is not None or no_op_copy(n) is not None or lead_view(n) is not None:
             chain.append(n)
             n = n.args[0]
             continue
         return None
+    return None
+
+
+def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None:
+    """Walk up from the contraction of the weights with V (either operand order, any layout of V or of the
+    output); None when neither operand is a softmax's output."""
+    c = contraction(anchor)
+    if c is None or c.bias is not None or c.alpha != 1.0:
+        return None
+    for pv in (c, c.transposed()):
+        views: list[Node] = []
+        found = _weights(peel(pv.a, views))
+        if found is not None:
+            break
     else:
         return None
-    sm = n
+    sm, chain, dropout = found
+    chain = views + chain
+    v = settle(pv.b)
     x, dim, sm_dtype = softmax_input(sm)
-    m = AttentionMatch(anchor=anchor, softmax=sm, v=v, safe_softmax=is_safe_softmax(sm))
-    m.dead = dead + chain + [sm]
+    m = AttentionMatch(anchor=anchor, softmax=sm, v=v.node, safe_softmax=is_safe_softmax(sm))
+    m.layout.update(v=v.perm, out=pv.out_perm)
+    m.dead = [anchor, *chain, sm]
+    m.dropped += [pv.a.node, pv.b.node]     # reordering views of the operands, erased once unused
     if dropout is not None:
         _, pdrop, training = dropout
         if training and pdrop > 0:
@@ -181,7 +179,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     if d is None or d != nd - 1:
         # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
         m.guarded = d is not None and not m.safe_softmax   # smx::softmax would give NaN where it gives 0
-        return _skip(m, f"softmax over dim={dim!r}, not the key (last) dim" + (
+        return _skip(m, "the softmax runs over the query index (or another index), not the key index" + (
             "; its softmax is handed to Inductor as smx::softmax, which Inductor's attention fusion cannot "
             "take for attention over the last dim (pytorch#196468)" if m.guarded else ""))
     xd = tensor_val(x).dtype
@@ -195,11 +193,12 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         if not isinstance(n, Node) or n.op in ("placeholder", "get_attr"):
             return None   # the scores come from outside the graph: nothing says this is attention
         u = None if n in consumed else inplace_add_before(n, consumer)
-        if u is not None:   # ``s.add_(mask)`` as a statement: what ``consumer`` reads is s + mask
+        if u is not None:   # ``s.add_(mask)`` / ``s.masked_fill_(...)`` as a statement: ``consumer`` reads the result
             consumed.add(n)
-            stages.append(("add", (u, tuple(inplace_add_operands(u)))))
+            fill = inplace_fill(u)
+            stages.append(("fill", (u, fill)) if fill is not None else ("add", (u, tuple(inplace_add_operands(u)))))
             continue
-        if is_matmul(n):
+        if contraction(n) is not None:
             break
         consumer = n
         dt = cast_dtype(n)
@@ -217,7 +216,8 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             # ``s += mask`` (T5): taken when the old s is a fresh tensor nothing else reads
             step = _mask_stage(n) if fresh_tensor(n.args[0]) and len(n.args[0].users) == 1 else None
         else:
-            step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n))
+            step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n)
+                                                 or _row_scale_stage(n))
         if step is None and is_mutation(n):
             return _skip(m, f"in-place op '{n.name}' ({n.target}) on the scores: not matched "
                             "(write it out of place, e.g. s = s + mask)")
@@ -232,34 +232,46 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         n = nxt
     else:
         return _skip(m, "too many ops between the scores and the softmax")
-    qk = n
-    if qk.target is torch.einsum:
-        kind = einsum_kind(qk)
-        if kind is None or kind[0] != "qk":
-            return _skip(m, "the scores come from an einsum that is not q k^T")
-        m.q, m.k = kind[1], kind[2]
-        m.dead += [qk]
-        m.spelling = "einsum(q, k)"
-        return _assemble(m, stages, qk, consts)
-    q, kt = qk.args
-    kt, key_scales = key_side(kt)
-    k, why = transposed_last2(kt) if isinstance(kt, Node) else (None, "K^T is not a tensor")
-    if k is None:
-        return _skip(m, why)
-    m.q, m.k = q, k
-    m.dead += [qk, kt]
+    return _scores(m, contraction(n), stages, consts)
+
+
+def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvaluator) -> AttentionMatch:
+    """Q and K from the score contraction (Q (..., L, E) @ K^T (..., E, S), any layout), then the score chain."""
+    if qk.out_perm is not None:        # the softmax says which index is the key: the roles of q and k may swap
+        qk = qk.transposed()
+    if qk.out_perm is not None:
+        return _skip(m, "the scores' last two dims are not the query and key indices")
+    q = settle(qk.a)
+    kt, key_scales = key_side(qk.b.node) if qk.b.perm is None else (qk.b.node, [])
+    k = settle(Operand(kt, qk.b.perm).mT)
+    m.q, m.k = q.node, k.node
+    m.layout.update(q=q.perm, k=k.perm)
+    m.dropped += [qk.a.node, kt]
+    m.dead.append(qk.node)
     for node, kind, data in key_scales:   # (q @ (k^T * b)) = (q @ k^T) * b
         m.dead.append(node)
         if kind != "copy":
             _take_scale(m, kind, data, consts)
-    m.spelling = "bmm(q, k^T)" if qk.target in (torch.bmm, "bmm") else "matmul(q, k^T)"
-    return _assemble(m, stages, qk, consts)
+    if qk.alpha != 1.0:
+        m.scale *= qk.alpha
+    if qk.bias is not None:      # baddbmm(bias, q, k^T, beta=1): the bias is an additive mask
+        if qk.beta != 1.0:
+            return _skip(m, f"the scores add the mask times beta={qk.beta:g}")
+        why = _take_add_mask(m, qk.bias, qk.node, qk.node, level=qk.node)
+        if why:
+            return _skip(m, why)
+    m.spelling = f"{_target_name(qk.node)}(q, k^T)"
+    return _assemble(m, stages, qk.node, consts)
+
+
+def _target_name(n: Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
 
 
 def _matmul_upstream(n: Any, depth: int) -> bool:
     if not isinstance(n, Node) or depth < 0:
         return False
-    return is_matmul(n) or any(_matmul_upstream(a, depth - 1) for a in n.all_input_nodes)
+    return contraction(n) is not None or any(_matmul_upstream(a, depth - 1) for a in n.all_input_nodes)
 
 
 def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
@@ -287,7 +299,7 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
     """``n`` is computed from a matmul through the ops a score chain may hold (casts, scale, mask, soft-cap)."""
     if not isinstance(n, Node) or depth < 0:
         return False
-    if is_matmul(n):
+    if contraction(n) is not None:
         return True
     if cast_dtype(n) is not None or lead_view(n) is not None:
         return _reaches_matmul(n.args[0], depth - 1)
@@ -301,6 +313,25 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
     if fill is not None:
         return _reaches_matmul(fill[1], depth - 1)
     return False
+
+
+def _row_scale_stage(n: Node):
+    """``s * t`` / ``s / t`` with ``t`` a tensor constant along the key index (last dim 1) that does not widen the
+    scores, e.g. a learned per-head temperature (H, 1, 1): a factor of q's rows, folded into q ->
+    ``("scale_t", (t, op), s)``."""
+    c = canon(n)
+    if c is None or c[0] not in ("mul", "div"):
+        return None
+    a, b = c[1].get("input"), c[1].get("other")
+    if c[0] == "mul" and _reaches_matmul(b) and not _reaches_matmul(a):
+        a, b = b, a
+    av, bv, nv = tensor_val(a), tensor_val(b), tensor_val(n)
+    if not isinstance(b, Node) or av is None or bv is None or nv is None or not _reaches_matmul(a):
+        return None
+    if bv.dim() == 0 or bv.dim() > av.dim() or bv.shape[-1] != 1 or not bv.dtype.is_floating_point \
+            or not same_shape(tuple(nv.shape), tuple(av.shape)):
+        return None
+    return ("scale_t", (b, c[0]), a)
 
 
 def _softcap_stage(n: Node):
@@ -331,6 +362,8 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             continue
         if kind in ("add", "fill"):
             mask_levels.add(level)
+        if kind == "scale_t":
+            m.scale_levels.append((data[0], level))
         if kind in ("scale", "scale_t"):
             if phase >= 2:
                 return _skip(m, "the scores are scaled after the mask is applied")
@@ -364,21 +397,9 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             mask = b if a is prev else a if b is prev else None
             if mask is None:
                 return _skip(m, f"cannot tell the scores from the mask in '{node.name}'")
-            mv, sv = tensor_val(mask), tensor_val(node)
-            if mv is None or mv.is_complex():
-                return _skip(m, "the additive mask is not a real tensor")
-            # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
-            if not (sv is not None and sv.dtype.is_floating_point):
-                return _skip(m, "the masked scores are not floating-point")
-            why = _mask_depends(m, mask, qk)
+            why = _take_add_mask(m, mask, node, qk, level=level)
             if why:
                 return _skip(m, why)
-            if not broadcasts_to(tuple(mv.shape), tuple(sv.shape)):
-                return _skip(m, "the mask does not broadcast to the scores")
-            if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
-                return _skip(m, f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores")
-            m.add_masks.append(mask)
-            m.mask_order += "a"
             phase = 2
             seen_mask = True
             continue
@@ -399,6 +420,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})")
             m.masked.append((cond, true_masks, val))
             m.mask_order += "f"
+            m.fill_levels.append(level)
             if isinstance(value, Node):
                 m.dropped.append(value)
             phase = 2
@@ -419,6 +441,28 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     return m
 
 
+def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level: Node) -> str:
+    """Take ``mask``, added to the scores at ``node`` (viewed as ``level`` is), as an additive mask; why it cannot
+    be, or ""."""
+    mv, sv = tensor_val(mask), tensor_val(node)
+    if mv is None or mv.is_complex():
+        return "the additive mask is not a real tensor"
+    # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
+    if not (sv is not None and sv.dtype.is_floating_point):
+        return "the masked scores are not floating-point"
+    why = _mask_depends(m, mask, qk)
+    if why:
+        return why
+    if not broadcasts_to(tuple(mv.shape), tuple(sv.shape)):
+        return "the mask does not broadcast to the scores"
+    if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
+        return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
+    m.add_masks.append(mask)
+    m.mask_order += "a"
+    m.add_levels.append(level)
+    return ""
+
+
 def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> None:
     """Fold one scale stage (see :func:`scale_stage`) into the site: a number, or a 0-d tensor constant at compile
     time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time)."""
@@ -437,23 +481,37 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
     """Views regroup the leading dims between the score matmul, the masks and the value matmul: the op runs
     with q, k, v regrouped as the masks see the scores (else as V is), and returns its output grouped as V.
     Why this cannot be done, or ""."""
+    if m.layouts:
+        return "views regroup the leading dims of operands read in another layout"
     vals = [tensor_val(x) for x in (m.q, m.k, m.v, qk, m.anchor)]
     if any(v is None for v in vals):
         return "views between the attention matmuls without shape information"
     qs, ks, vs, qks, outs = (tuple(v.shape[:-2]) for v in vals)
-    if len(mask_levels) > 1:
-        return "masks applied to the scores viewed in different shapes"
     # the views are valid in the graph and keep the last two dims, so every level holds as many (L, S)
     # slices as q; the op needs q, k and the scores grouped alike, and returns in V's grouping
     if not (same_shape(qs, ks) and same_shape(qs, qks) and same_shape(vs, outs)):
         return "q, k and v are not regrouped alike by the views between the attention matmuls"
     if not mask_levels:
         lead = vs
+    elif len(mask_levels) > 1:      # masks on differently viewed scores: each regrouped as q is, at run time
+        lead = qs
+        for level in m.add_levels + m.fill_levels:
+            shape = None if level is qk else static_shape(tensor_val(level))
+            if level is not qk and shape is None:
+                return "masks applied to the scores viewed in different shapes, with symbolic sizes"
+            m.mask_shapes.append(None if shape is None else tuple(shape))
     else:
         level = next(iter(mask_levels))
         lead = qs if level is qk else view_lead(level)
     if lead is None:
         return "the view before the mask gives its shape in a form that cannot be replayed"
+    for t, level in m.scale_levels:     # a per-row factor keeps its place in the dims the regrouping keeps
+        tv = tensor_val(t)
+        at = tuple(tensor_val(level).shape[:-2])
+        if tv is not None and tv.dim() > 2 and not all(
+                same_size(d, 1) or (len(g) >= i and same_size(d, g[-i]))
+                for g in (at, tuple(lead)) for i, d in enumerate(reversed(tuple(tv.shape[:-2])), 1)):
+            return "views regroup the head dims that a per-row factor of the scores reads"
     m.lead = tuple(lead)
     m.absorbed.append("views")
     return ""

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..patterns.contraction import apply_perm
 from ..patterns.masks import MASK_VALUE, is_masking_value
 
 
@@ -18,9 +19,9 @@ _ABSORBING = -1e30
 
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
-                    dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, sdpa_scale_default: bool = False,
+                    dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param,
                     export: bool = False, mask_order: str = "", lead: tuple | None = None,
-                    safe_softmax: bool = False):
+                    safe_softmax: bool = False, layout: dict | None = None, mask_shapes: list | None = None):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
     ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
@@ -34,11 +35,32 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
     fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
     attention), and return the output grouped as ``v`` was. ``safe_softmax``: the site's softmax was
-    ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN)."""
+    ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN). ``layout``: ``{"q" | "k" | "v": perm}`` gives
+    the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's.
+    ``mask_shapes``: per mask (``add_masks``, then ``masked``), the shape of the scores' view it applies to (None:
+    q's grouping); such a mask is expanded to it and regrouped as ``lead``."""
+    layout = layout or {}
+    q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    out = _attention(q, k, v, add_masks, masked, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
+                     dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
+                     export=export, mask_order=mask_order, lead=lead, safe_softmax=safe_softmax,
+                     mask_shapes=mask_shapes or [])
+    return apply_perm(out, layout.get("out"))
+
+
+def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
+               normalizer, norm_param, export, mask_order, lead, safe_softmax, mask_shapes):
     v_lead = None
     if lead is not None:
         v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
+    if mask_shapes:
+        def regroup(t, shape):
+            return t if shape is None else t.expand(shape).reshape(*lead, *shape[-2:])
+
+        n_add = len(add_masks)
+        add_masks = [regroup(a, s) for a, s in zip(add_masks, mask_shapes[:n_add])]
+        masked = [(regroup(c, s), t, val) for (c, t, val), s in zip(masked, mask_shapes[n_add:])]
     for t, op in scale_tensors:
         if isinstance(t, torch.Tensor):
             t = t.to(q.dtype)

@@ -13,12 +13,13 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.graph import FLOAT_DTYPES, erase_unused_pure, is_mutation, mutation_inside, replace_anchor, same_shape, \
-    tensor_val
+from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
+    mutation_inside, replace_anchor, same_shape, tensor_val
 from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
-from .operands import is_matmul, softmax_input, ungqa
+from ..patterns.contraction import contraction
+from .operands import softmax_input, ungqa
 from .replacement import graph_attention, graph_sdpa
 
 
@@ -27,7 +28,7 @@ def _differ(a, b) -> bool:
 
 
 def _check_shapes(m: AttentionMatch) -> str:
-    qv, kv, vv = tensor_val(m.q), tensor_val(m.k), tensor_val(m.v)
+    qv, kv, vv = m.val("q"), m.val("k"), m.val("v")
     if qv is None or kv is None or vv is None:
         return "q, k or v has no shape information"
     if qv.dim() < 2 or kv.dim() != qv.dim() or vv.dim() != qv.dim():
@@ -46,8 +47,8 @@ def _check_shapes(m: AttentionMatch) -> str:
 
 def _gqa(m: AttentionMatch) -> None:
     """Take K and V un-repeated when both were repeated per query head the same way."""
-    if m.lead is not None:
-        return   # regrouped by views: K and V stay as the graph repeats them
+    if m.lead is not None or m.layouts:
+        return   # regrouped by views or read in another layout: K and V stay as the graph repeats them
     gk, gv = ungqa(m.k), ungqa(m.v)
     if gk is None or gv is None or gk[1] != gv[1] or gk[1] < 2:
         return
@@ -69,7 +70,7 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     """A constant mask that is exactly the causal lower triangle becomes ``is_causal``; an all-zero one goes."""
     if len(m.add_masks) + len(m.masked) != 1:
         return
-    qv, kv = tensor_val(m.q), tensor_val(m.k)
+    qv, kv = m.val("q"), m.val("k")
     L, S = qv.shape[-2], kv.shape[-2]
     if not isinstance(L, int) or not isinstance(S, int):
         return
@@ -150,8 +151,12 @@ def _extras(m: AttentionMatch) -> dict:
     out: dict = {"mask_order": m.mask_order} if m.merged_masks else {}
     if m.lead is not None:
         out.update(lead=m.lead)
+    if m.mask_shapes:
+        out.update(mask_shapes=m.mask_shapes)
     if m.safe_softmax:
         out.update(safe_softmax=True)
+    if m.layouts:
+        out.update(layout=m.layouts)
     return out
 
 
@@ -169,33 +174,36 @@ def _static_shape_ref(r: Node) -> None:
         r.target, r.args = r.target[:-3], (x, tuple(int(d) for d in ref.shape))
 
 
-def _interior_escapes(m: AttentionMatch) -> str:
+def _interior_escapes(m: AttentionMatch, live: set) -> str:
+    """Why an inner value of the site is needed outside it, or "" (users that reach no output are recorded in
+    ``m.dead_ends``, erased with the site)."""
     interior = set(m.dead) | set(m.shape_refs)
     for n in m.dead:
         if n is m.anchor:
             continue
-        out = [u for u in n.users if u not in interior]
+        m.dead_ends += [u for u in n.users if u not in interior and u not in live]
+        out = [u for u in n.users if u not in interior and u in live]
         if out:
             writes = next((u for u in out if is_mutation(u)), None)
             if writes is not None:
                 return (f"in-place op '{writes.name}' writes the scores ('{n.name}'): not matched; an out-of-place "
                         "masked_fill / where / add is")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
-            what = "the attention weights" if weights else f"'{n.name}'"
-            return f"{what} are also used outside the attention (e.g. output_attentions): kept"
+            what = "the attention weights" if weights else f"the scores ('{n.name}')"
+            return f"{what} are also read outside the attention (returned to the caller, e.g. output_attentions): kept"
     return ""
 
 
 # --------------------------------------------------------------------------- policy
 
 
-def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator) -> str:
+def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: set) -> str:
     why = _check_shapes(m)
     if why:
         return why
     m.device = tensor_val(m.q).device.type
     if not m.is_sdpa:
-        why = _interior_escapes(m)
+        why = _interior_escapes(m, live)
         if why:
             return why
         mut = mutation_inside(m.anchor, m.dead)
@@ -220,7 +228,7 @@ def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
     if m.normalizer != "softmax" or m.softcap is not None:
         return ""
     need = cpu_threshold("attention_min_keys")
-    S = policy_size(tensor_val(m.k).shape[-2], fallback=need)
+    S = policy_size(m.val("k").shape[-2], fallback=need)
     if S < need:
         return (f"CPU: {S} keys; below {need} torch's fused attention kernel was measured no faster than "
                 f"Inductor's code (benchmarks/bench_attention.py; {FORCE_HINT})")
@@ -250,14 +258,15 @@ class AttentionPass(RewritePass):
 
     def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[AttentionMatch]:
         consts = ConstEvaluator()   # dropped with this analysis: no evaluated mask outlives it
-        ladder = dataclasses.replace(_LADDER, checks=lambda m, c: _checks(m, c, consts))
+        live = live_nodes(graph)
+        ladder = dataclasses.replace(_LADDER, checks=lambda m, c: _checks(m, c, consts, live))
         out: list[AttentionMatch] = []
         claimed: set[Node] = set()
         for n in graph.nodes:
             if n in exclude or n in claimed:
                 continue
             m = None
-            if is_matmul(n):
+            if contraction(n) is not None:
                 m = match_from_pv(n, consts)
             elif n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention:
                 m = match_sdpa(n)
@@ -273,6 +282,7 @@ class AttentionPass(RewritePass):
     def rewrite(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
         """Replace the site by a :func:`graph_attention` / :func:`graph_sdpa` call and delete the dead pattern."""
         export = {"export": True} if ctx.export else {}
+        erase_dead_ends(graph, m.dead_ends, set())
         dead = set(m.dead)
         for r in m.shape_refs:
             if r.args[1] in dead:

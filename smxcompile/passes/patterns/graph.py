@@ -283,21 +283,74 @@ def is_mutation(node: Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+# ops whose result is a new tensor (never a view of an input): what a mutation of it writes, nothing else sees
+_FRESH = {"exp", "log", "tanh", "sub", "add", "mul", "div", "sum", "amax", "logsumexp", "matmul", "softmax",
+          "log_softmax"}
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
+              torch.empty_like, torch.full_like, torch.stack, torch.cat, torch.tensor}
+
+
+def _fresh_root(n: Any) -> Node | None:
+    """The node that allocated ``n``'s storage, when ``n`` is a new tensor or a view of one (walking up through
+    any single-input op that may alias: views, getitem, casts, in-place ops); None when it may alias a graph
+    input or an unknown tensor."""
+    for _ in range(32):
+        if not isinstance(n, Node) or n.op not in ("call_function", "call_method"):
+            return None
+        c = canon(n)
+        if (c is not None and c[0] in _FRESH and not is_mutation(n)) or n.target in _FACTORIES:
+            return n
+        n = n.args[0] if n.args else None
+    return None
+
+
 def mutation_inside(anchor: Node, pattern) -> Node | None:
-    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern`` and runs between
-    the pattern's first node and ``anchor``, or None.
+    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern``, runs between the
+    pattern's first node and ``anchor``, and may write what the pattern reads; or None.
 
     A fused op replacing a pattern sits where its anchor was and reads the pattern's inputs there; the
-    original read them at its first node. A mutation in between (of an input, or a view of one: FX has
-    no alias information here, so any mutation counts) could change what is read.
+    original read them at its first node. FX has no alias information here: a mutation counts unless it writes
+    a tensor allocated in the graph (or a view of one) that no input of the pattern views.
     """
     pattern = set(pattern)
+    inputs = {i for p in pattern for i in p.all_input_nodes if i not in pattern}
+    roots = {_fresh_root(i) for i in inputs}
     n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
     while n is not None and n is not anchor:
         if n not in pattern and is_mutation(n):
-            return n
+            written = _fresh_root(n.kwargs.get("out", n.args[0] if n.args else None))
+            if written is None or written in roots or written in inputs:
+                return n
         n = n.next
     return None
+
+
+def live_nodes(graph: Graph) -> set[Node]:
+    """The nodes whose results reach the graph's output or a side effect (a mutation, a random draw, a module
+    call, anything FX calls impure), with their inputs: a user outside this set computes what nobody reads (a copy
+    of the scores kept for optional intermediates, say)."""
+    roots = [n for n in graph.nodes if n.op == "output" or n.op == "call_module" or is_mutation(n)
+             or is_random(n) or n.is_impure()]
+    live: set[Node] = set()
+    while roots:
+        n = roots.pop()
+        if n not in live:
+            live.add(n)
+            roots.extend(n.all_input_nodes)
+    return live
+
+
+def erase_dead_ends(graph: Graph, nodes, live: set[Node]) -> None:
+    """Erase ``nodes`` (none in ``live``) and their users, users first."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    todo, seen = [n for n in nodes if n.graph is graph and not getattr(n, "_erased", False)], set()
+    while todo:
+        n = todo.pop()
+        if n not in seen and n not in live:
+            seen.add(n)
+            todo.extend(n.users)
+    for n in sorted(seen, key=order.__getitem__, reverse=True):
+        graph.erase_node(n)
 
 
 def stack_trace(node: Node) -> str | None:

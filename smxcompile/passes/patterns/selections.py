@@ -1,0 +1,130 @@
+"""Readers of a tensor's largest entries along one dim, whatever the spelling: ``argmax``, ``max(dim)`` (values,
+indices or both), a ``gather`` at the argmax of the same row, and the uses behind no-op copies
+(``.to(same dtype)``, ``.contiguous()``, ``.clone()``). :func:`top1_readers` says whether every use of a tensor
+is one of them: then only its largest entry per row is ever read."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from .graph import canon, cast_dtype, norm_dim, tensor_val
+
+
+@dataclasses.dataclass
+class Top1Read:
+    """One use of the row maximum: ``node`` gives ``"values"``, ``"indices"`` or both (``"max"``: a
+    ``max(dim)`` pair whose ``getitem`` users are ``items``); ``keepdim`` as the call has it."""
+
+    node: Node
+    what: str                       # "values" | "indices" | "max"
+    keepdim: bool
+    items: dict = dataclasses.field(default_factory=dict)   # max(dim): {0: values getitem, 1: indices getitem}
+
+
+def no_op_copy(n: Node) -> Node | None:
+    """``x.to(x.dtype)`` / ``x.float()`` of fp32 / ``.contiguous()`` / ``.clone()`` -> x (the same values)."""
+    if not n.args or not isinstance(n.args[0], Node):
+        return None
+    x = n.args[0]
+    if (n.op == "call_method" and n.target in ("clone", "contiguous")) or (
+            n.op == "call_function" and n.target is torch.clone):
+        return x
+    dt, xv = cast_dtype(n), tensor_val(x)
+    return x if dt is not None and xv is not None and dt == xv.dtype else None
+
+
+def _argument(n: Node, names: tuple, name: str, default: Any = None) -> Any:
+    a = dict(zip(names, n.args))
+    a.update(n.kwargs)
+    return a.get(name, default)
+
+
+def _gather_index(n: Node, x: Node, dim: int) -> Node | None:
+    """``x.gather(dim, index)`` / ``torch.gather(x, dim, index)`` -> index; None otherwise."""
+    is_gather = (n.op == "call_method" and n.target == "gather") or (
+        n.op == "call_function" and n.target is torch.gather)
+    if not is_gather or n.args[0] is not x or _argument(n, ("input", "dim", "index"), "sparse_grad", False):
+        return None
+    d, index = _argument(n, ("input", "dim", "index"), "dim"), _argument(n, ("input", "dim", "index"), "index")
+    xv = tensor_val(x)
+    return index if isinstance(index, Node) and xv is not None and norm_dim(d, xv.dim()) == dim else None
+
+
+def _read(n: Node, x: Node, dim: int, sources: set) -> Top1Read | None:
+    """``n`` (a user of ``x``) as a read of the row maximum over ``dim``; indices must come from an argmax of one
+    of ``sources`` (``x`` and the tensors it equals up to a monotone map)."""
+    c = canon(n)
+    nd = tensor_val(x).dim()
+    # (not amax: its gradient is split between tied maxima, where max(dim)'s goes to the index it returns)
+    if c is not None and c[0] in ("argmax", "max") and c[1].get("input") is x:
+        d = c[1].get("dim")
+        if isinstance(d, (list, tuple)):
+            d = d[0] if len(d) == 1 else None
+        if d is None or norm_dim(d, nd) != dim:
+            return None
+        keepdim = bool(c[1].get("keepdim", False))
+        if c[0] == "argmax":
+            return Top1Read(n, "indices", keepdim)
+        items = {}
+        for u in n.users:
+            if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1) \
+                    or u.args[1] in items:
+                return None
+            items[u.args[1]] = u
+        return Top1Read(n, "max", keepdim, items)
+    index = _gather_index(n, x, dim)
+    if index is not None and _argmax_of(index, dim, sources):
+        return Top1Read(n, "values", True)
+    return None
+
+
+def _argmax_of(index: Node, dim: int, sources: set) -> bool:
+    """``index`` is ``argmax(s, dim, keepdim=True)`` or ``max(s, dim, keepdim=True).indices`` of some ``s`` in
+    ``sources``."""
+    if index.op == "call_function" and index.target is operator.getitem and index.args[1] == 1:
+        index = index.args[0]
+    c = canon(index)
+    if c is None or c[0] not in ("argmax", "max") or c[1].get("input") not in sources:
+        return False
+    d = c[1].get("dim")
+    v = tensor_val(c[1]["input"])
+    return d is not None and v is not None and norm_dim(d, v.dim()) == dim and bool(c[1].get("keepdim", False))
+
+
+def reads_top1(n: Node) -> bool:
+    """``n`` is an ``argmax`` / ``max`` / ``gather`` call: a use that may read a row maximum."""
+    c = canon(n)
+    return (c is not None and c[0] in ("argmax", "max")) or (n.op == "call_method" and n.target == "gather") or (
+        n.op == "call_function" and n.target is torch.gather)
+
+
+def top1_readers(x: Node, dim: int, sources: set) -> tuple[list[Top1Read], list[Node]] | None:
+    """``(reads, copies)`` when every use of ``x`` (through no-op copies, listed in ``copies``) reads only its
+    maximum over ``dim``; an argmax of an element of ``sources`` (and of ``x`` and its copies) may index a gather.
+    None when some use reads more."""
+    seen = {x} | set(sources)
+    stack, reads, copies = [x], [], []
+    while stack:
+        t = stack.pop()
+        for u in list(t.users):
+            if no_op_copy(u) is t:
+                copies.append(u)
+                seen.add(u)
+                stack.append(u)
+    for t in [x, *copies]:
+        for u in t.users:
+            if u in copies:
+                continue
+            r = _read(u, t, dim, seen)
+            if r is None:
+                return None
+            reads.append(r)
+    return reads, copies
+
+
+__all__ = ["Top1Read", "no_op_copy", "reads_top1", "top1_readers"]

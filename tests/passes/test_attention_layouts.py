@@ -1,0 +1,128 @@
+"""Attention read by meaning: a contraction of q and k over the head dim, a softmax over the key index, a
+contraction of the weights with v over the key index, whatever the layout of q, k, v and of the output and
+whichever op spells the contraction (``@``, ``bmm``, ``baddbmm``, ``einsum``).
+
+The layouts are those of libraries' own code, written here in our own words: diffusers' classic attention
+processor (``baddbmm`` on (B*H, L, E) with ``beta=0`` or an additive mask), LeViT (K permuted (0, 2, 3, 1)),
+CoAtNet-style (B, H, E, N) tensors (``(q * s).transpose(-2, -1) @ k`` then ``v @ attn.transpose(-2, -1)``), einsums
+that read or write (B, L, H, E). Each is rewritten, gives eager's forward, and its gradients pass
+``|ours - gold| <= |torch - gold| + tol`` against an fp64 gold; the near-misses (weights mixed across heads after
+the softmax, weights contracted over the query index) are not rewritten."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pass_helpers import check_against_gold, first_output, rewrite
+
+B, H, L, S, E = 2, 3, 5, 7, 4
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def diffusers_baddbmm(q, k, v):                 # (B*H, L, E), no mask: beta=0 ignores the empty input
+    empty = torch.empty(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype)
+    s = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=E ** -0.5)
+    return torch.bmm(s.softmax(dim=-1), v)
+
+
+def diffusers_baddbmm_mask(q, k, v, mask):      # the padding mask is baddbmm's input, beta=1
+    s = torch.baddbmm(mask, q, k.transpose(-1, -2), beta=1, alpha=E ** -0.5)
+    return torch.bmm(s.softmax(dim=-1), v)
+
+
+def levit_permuted_k(q, k, v):                  # k (B, S, H, E) permuted to K^T (B, H, E, S)
+    s = q @ k.permute(0, 2, 3, 1) * E ** -0.5
+    return s.softmax(-1) @ v
+
+
+def channels_first(q, k, v):                    # q, k, v (B, H, E, N): the output comes back (B, H, E, L)
+    s = (q * E ** -0.5).transpose(-2, -1) @ k
+    return v @ s.softmax(-1).transpose(-2, -1)
+
+
+def einsum_blhe(q, k, v):                       # q, k, v and the output as (B, L, H, E)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * E ** -0.5
+    return torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v)
+
+
+def k_other_dims(q, k, v):                      # k (B, E, S, H): swapping dims 1 and 3 gives K^T
+    return torch.softmax(q @ k.transpose(1, 3) * E ** -0.5, -1) @ v
+
+
+def intermediates_kept(q, k, v):               # copies kept for optional intermediates, never returned
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    kept = {"sim": s.clone()}
+    p = s.softmax(-1)
+    kept["post_softmax"] = p.clone()
+    return p @ v
+
+
+def inplace_fill(q, k, v, pad):                # masked_fill_ on the fresh scores
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    s.masked_fill_(pad, float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def bhle(seed=0, lk=S):
+    return _randn(B, H, L, E, seed=seed), _randn(B, H, lk, E, seed=seed + 1), _randn(B, H, lk, E, seed=seed + 2)
+
+
+CASES = {
+    "diffusers_baddbmm": (diffusers_baddbmm, lambda: tuple(t.reshape(B * H, -1, E) for t in bhle())),
+    "diffusers_baddbmm_mask": (diffusers_baddbmm_mask, lambda: (
+        *(t.reshape(B * H, -1, E) for t in bhle()),
+        torch.zeros(B * H, 1, S).masked_fill(torch.arange(S) >= S - 2, -10000.0))),
+    "levit_permuted_k": (levit_permuted_k, lambda: (bhle()[0], bhle()[1].permute(0, 2, 1, 3), bhle()[2])),
+    "channels_first": (channels_first, lambda: tuple(t.transpose(-2, -1) for t in bhle())),
+    "einsum_blhe": (einsum_blhe, lambda: tuple(t.transpose(1, 2) for t in bhle())),
+    "intermediates_kept": (intermediates_kept, bhle),
+    "inplace_fill": (inplace_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
+    "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
+                                            _randn(B, H, E, E, seed=2))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_is_rewritten_and_exact(name):
+    fn, make = CASES[name]
+    args = make()
+    r = rewrite(fn, *args)
+    assert [(s.kind, s.action) for s in r.report if s.kind == "attention"] == [("attention", "rewritten")], \
+        str(r.report)
+    assert "graph_attention" in r.after
+    w = _randn(*first_output(fn(*args)).shape, seed=11).double()
+    check_against_gold(r, fn, args, w, tol=1e-5)
+
+
+def talking_heads(q, k, v, mix):                # weights mixed across heads after the softmax: not one attention
+    p = torch.einsum("bhij,hg->bgij", (q @ k.transpose(-2, -1)).softmax(-1), mix)
+    return p @ v
+
+
+def weights_over_queries(q, k, v):              # the weights contracted over the query index, not the key index
+    p = (q @ k.transpose(-2, -1)).softmax(-1)
+    return p.transpose(-2, -1) @ v
+
+
+def intermediates_returned(q, k, v):           # the same copies returned to the caller
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    p = s.softmax(-1)
+    return p @ v, p.clone()
+
+
+NEAR_MISSES = {
+    "intermediates_returned": (intermediates_returned, lambda: bhle()),
+    "talking_heads": (talking_heads, lambda: (*bhle(lk=L), _randn(H, H, seed=5))),
+    "weights_over_queries": (weights_over_queries, lambda: bhle(lk=L)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_near_miss_is_not_rewritten(name):
+    fn, make = NEAR_MISSES[name]
+    r = rewrite(fn, *make())
+    assert not any(s.kind == "attention" and s.action == "rewritten" for s in r.report), str(r.report)
