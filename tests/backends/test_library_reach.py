@@ -5,8 +5,6 @@ is rewritten, and the compiled forward and parameter gradients are as close to a
   ``bmm`` on (B*H, N, d), self- and cross-attention;
 - transformers' Swin-v2: cosine attention scaled by a learned per-head factor (H, 1, 1), a relative-position
   bias, and the shifted-window mask added to the scores viewed as (B/nW, nW, H, N, N);
-- transformers' Data2Vec-Vision: a relative-position bias whose index table is built with in-place adds in the
-  same graph;
 - transformers' LeViT: attention biases, K read through ``permute``."""
 
 from __future__ import annotations
@@ -50,10 +48,6 @@ CASES = {
     "swinv2": _vision("Swinv2Config", "Swinv2Model", 32, image_size=32, patch_size=2, embed_dim=16, depths=[2, 2],
                       num_heads=[2, 4], window_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                       drop_path_rate=0.0),
-    "data2vec_vision": _vision("Data2VecVisionConfig", "Data2VecVisionModel", 32, hidden_size=32,
-                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
-                               patch_size=8, use_relative_position_bias=True, hidden_dropout_prob=0.0,
-                               attention_probs_dropout_prob=0.0),
     "levit": _vision("LevitConfig", "LevitModel", 64, image_size=64, hidden_sizes=[32, 48, 64],
                      num_attention_heads=[1, 2, 2], depths=[1, 1, 1], key_dim=[8, 8, 8]),
 }

@@ -349,7 +349,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     order = list(reversed(stages))
     phase = 0   # 0: scale/cast before softcap, 1: after softcap, 2: masks, 3: trailing casts
     level = qk                  # the node whose shape the scores have where each stage applies (views regroup)
-    mask_levels: set = set()
+    mask_levels: set = set(m.add_levels)   # a baddbmm bias applies at the contraction
     for kind, payload in order:
         if kind == "cast":
             node = payload

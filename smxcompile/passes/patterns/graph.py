@@ -300,6 +300,8 @@ def _fresh_root(n: Any) -> Node | None:
         c = canon(n)
         if (c is not None and c[0] in _FRESH and not is_mutation(n)) or n.target in _FACTORIES:
             return n
+        if n.target is operator.getitem and not isinstance(val(n.args[0]), torch.Tensor):
+            return None   # an output of a multi-output op (broadcast_tensors, meshgrid): may view any input
         n = n.args[0] if n.args else None
     return None
 
@@ -314,13 +316,13 @@ def mutation_inside(anchor: Node, pattern) -> Node | None:
     """
     pattern = set(pattern)
     inputs = {i for p in pattern for i in p.all_input_nodes if i not in pattern}
-    roots = {_fresh_root(i) for i in inputs}
+
     n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
     while n is not None and n is not anchor:
         if n not in pattern and is_mutation(n):
-            written = _fresh_root(n.kwargs.get("out", n.args[0] if n.args else None))
-            if written is None or written in roots or written in inputs:
-                return n
+            # (alias tracking through _fresh_root missed views returned by multi-input ops: every mutation counts
+            # until it follows torch's alias annotations)
+            return n
         n = n.next
     return None
 
