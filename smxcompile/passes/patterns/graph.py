@@ -315,7 +315,6 @@ def mutation_inside(anchor: Node, pattern) -> Node | None:
     a tensor allocated in the graph (or a view of one) that no input of the pattern views.
     """
     pattern = set(pattern)
-    inputs = {i for p in pattern for i in p.all_input_nodes if i not in pattern}
 
     n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
     while n is not None and n is not anchor:
