@@ -282,7 +282,7 @@ class AttentionPass(RewritePass):
     def rewrite(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
         """Replace the site by a :func:`graph_attention` / :func:`graph_sdpa` call and delete the dead pattern."""
         export = {"export": True} if ctx.export else {}
-        erase_dead_ends(graph, m.dead_ends, set())
+        erase_dead_ends(graph, m.dead_ends)
         dead = set(m.dead)
         for r in m.shape_refs:
             if r.args[1] in dead:

@@ -283,44 +283,18 @@ def is_mutation(node: Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-# ops whose result is a new tensor (never a view of an input): what a mutation of it writes, nothing else sees
-_FRESH = {"exp", "log", "tanh", "sub", "add", "mul", "div", "sum", "amax", "logsumexp", "matmul", "softmax",
-          "log_softmax"}
-_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
-              torch.empty_like, torch.full_like, torch.stack, torch.cat, torch.tensor}
-
-
-def _fresh_root(n: Any) -> Node | None:
-    """The node that allocated ``n``'s storage, when ``n`` is a new tensor or a view of one (walking up through
-    any single-input op that may alias: views, getitem, casts, in-place ops); None when it may alias a graph
-    input or an unknown tensor."""
-    for _ in range(32):
-        if not isinstance(n, Node) or n.op not in ("call_function", "call_method"):
-            return None
-        c = canon(n)
-        if (c is not None and c[0] in _FRESH and not is_mutation(n)) or n.target in _FACTORIES:
-            return n
-        if n.target is operator.getitem and not isinstance(val(n.args[0]), torch.Tensor):
-            return None   # an output of a multi-output op (broadcast_tensors, meshgrid): may view any input
-        n = n.args[0] if n.args else None
-    return None
-
-
 def mutation_inside(anchor: Node, pattern) -> Node | None:
-    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern``, runs between the
-    pattern's first node and ``anchor``, and may write what the pattern reads; or None.
+    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern`` and runs between
+    the pattern's first node and ``anchor``, or None.
 
     A fused op replacing a pattern sits where its anchor was and reads the pattern's inputs there; the
-    original read them at its first node. FX has no alias information here: a mutation counts unless it writes
-    a tensor allocated in the graph (or a view of one) that no input of the pattern views.
+    original read them at its first node. A mutation in between (of an input, or a view of one: FX has
+    no alias information here, so any mutation counts) could change what is read.
     """
     pattern = set(pattern)
-
     n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
     while n is not None and n is not anchor:
         if n not in pattern and is_mutation(n):
-            # (alias tracking through _fresh_root missed views returned by multi-input ops: every mutation counts
-            # until it follows torch's alias annotations)
             return n
         n = n.next
     return None
@@ -341,13 +315,13 @@ def live_nodes(graph: Graph) -> set[Node]:
     return live
 
 
-def erase_dead_ends(graph: Graph, nodes, live: set[Node]) -> None:
-    """Erase ``nodes`` (none in ``live``) and their users, users first."""
+def erase_dead_ends(graph: Graph, nodes) -> None:
+    """Erase ``nodes`` (results that reach no output, see :func:`live_nodes`) and their users, users first."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     todo, seen = [n for n in nodes if n.graph is graph and not getattr(n, "_erased", False)], set()
     while todo:
         n = todo.pop()
-        if n not in seen and n not in live:
+        if n not in seen:
             seen.add(n)
             todo.extend(n.users)
     for n in sorted(seen, key=order.__getitem__, reverse=True):
