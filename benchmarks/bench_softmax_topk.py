@@ -21,7 +21,7 @@ Families of cases (--families), all fp32, reduction over the last (contiguous) d
           the softmax).
   top1    Switch Transformers' top-1 router, the row maximum read twice:
               p = torch.softmax(x, -1); torch.max(p, -1).values[:, None], torch.argmax(p, -1)
-          at 8192x8 and 8192x64, inference and training (the rewrite: graph_top1, argmax + one sum of exp).
+          at 8192x8 and 8192x64, fp32 and bf16, inference and training (the rewrite: graph_top1).
   moe     the whole transformers MixtralSparseMoeBlock (router + experts, HF's default experts
           implementation "grouped_mm") of a small MixtralConfig: hidden 256, intermediate 512, top-2 of
           8 and of 64 experts, 2048 tokens (1 x 2048 x 256 input), random weights (std 0.05);
@@ -132,10 +132,12 @@ class Case:
     cols: int           # columns (moe: experts)
     k: int
     passes: tuple[str, ...]
+    dtype: torch.dtype = torch.float32
 
     @property
     def shape(self) -> str:
-        return f"{self.rows}x{self.cols}"
+        suffix = "" if self.dtype is torch.float32 else f" {str(self.dtype).removeprefix('torch.')}"
+        return f"{self.rows}x{self.cols}{suffix}"
 
     @property
     def label(self) -> str:
@@ -154,8 +156,9 @@ def all_cases() -> list[Case]:
     cases.append(Case("vocab", 4, 131072, 8, ("fwd+bwd",)))
     cases.append(Case("argmax", 4, 131072, 1, ("fwd",)))
     cases.append(Case("argmax", 8192, 64, 1, ("fwd",)))
-    for cols in (8, 64):
-        cases.append(Case("top1", 8192, cols, 1, ("fwd", "fwd+bwd")))
+    for dtype, columns in ((torch.float32, (8, 64)), (torch.bfloat16, (8, 32, 64))):
+        for cols in columns:
+            cases.append(Case("top1", 8192, cols, 1, ("fwd", "fwd+bwd"), dtype))
     cases.append(Case("moe", 2048, 8, 2, ("fwd", "fwd+bwd")))
     cases.append(Case("moe", 2048, 64, 2, ("fwd", "fwd+bwd")))
     return cases
@@ -380,7 +383,7 @@ def peak_mb(call: Callable, device: str) -> float:
 
 def bench_case(device: str, case: Case, backends: list[str], args, quiet: Quiet, log) -> list[TopkRow]:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(case.rows, case.cols, generator=gen).to(device)
+    x = torch.randn(case.rows, case.cols, generator=gen).to(device, case.dtype)
     fn = make_fn(case)
     probs = eager_probs(case, x)
     rows: list[TopkRow] = []
@@ -391,7 +394,7 @@ def bench_case(device: str, case: Case, backends: list[str], args, quiet: Quiet,
                       family=case.family, k=case.k)
         train = pass_ == "fwd+bwd"
         xg = x.clone().requires_grad_(True)
-        g = torch.randn(case.rows, case.k, generator=gen).to(device)
+        g = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
         gscale = 0.0
         if train:
             ref_v, ref_i = fn(xg)

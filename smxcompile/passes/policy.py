@@ -84,10 +84,15 @@ CPU_RULES: dict[str, DeviceRule] = {
         "the cut-CE op 1.36-1.53x Inductor's time at 16384-50257 classes (N=1024, D=256): without a backward "
         "there is no gradient buffer to save, and Inductor's matmul + fused C++ loss is one pass"),
     "softmax_topk": DeviceRule(
-        "softmax_topk", "every static shape is rewritten (to the two-pass decomposition; top-1 reads to argmax + one "
-        "sum of exp); symbolic row lengths are kept", None,
+        "softmax_topk", "every static shape is rewritten (to the two-pass decomposition; top-1 reads to max, one "
+        "sum of exp and the first maximum); symbolic row lengths are kept", None,
         "python benchmarks/bench_softmax_topk.py --threads 1 --stat min --retry-noisy 1",
-        "0.18-0.82x Inductor for 8-128 experts, 0.26-0.48x at 128K-256K vocabulary, 0.72-0.89x for top-1 reads"),
+        "0.18-0.82x Inductor for 8-128 experts, 0.26-0.48x at 128K-256K vocabulary, 0.68-0.90x for top-1 reads"),
+    "softmax_topk_top1_half_max_columns": DeviceRule(
+        "softmax_topk", "a top-1 read of fp16 / bf16 probabilities is rewritten below this many columns", 16,
+        "python benchmarks/bench_softmax_topk.py --families top1 --rounds 5",
+        "bf16 0.66-0.75x Inductor at 8192x8, 0.96-1.32x at 8192x32 and 8192x64 (inference and training); "
+        "fp32 0.68-0.90x at 8 and 64"),
     "quant_softmax": DeviceRule(
         "quant_softmax", "softmax -> quantize is kept: Inductor fuses softmax, quantize and dequantize into one "
         "C++ loop", None, "python benchmarks/bench_quant_softmax.py --threads 1 --stat min --retry-noisy 1",

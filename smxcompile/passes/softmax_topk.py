@@ -42,7 +42,7 @@ from .patterns.graph import (FLOAT_DTYPES, canon, dtype_name, erase_dead, mutati
                              norm_dim, replace_anchor, tensor_val)
 from .patterns.selections import no_op_copy, reads_top1, top1_readers
 from .patterns.softmax_call import SoftmaxCall, input_problem, softmax_call
-from .policy import FORCE_HINT, Ladder, decide
+from .policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from .protocol import Match, PassContext, RewritePass
 
 
@@ -85,10 +85,10 @@ class TopkMatch(Match):
         return ", ".join(parts + self.absorbed)
 
     def op_name(self) -> str:
-        if self.deletes_softmax:
+        if self.form == "topk(softmax).indices":
             return "softmax deleted"
         if self.top1:
-            return "smx top-1 (argmax + one sum of exp)"
+            return "smx top-1 (probabilities never written)"
         return "smx::softmax_topk" if self.device == "cuda" or self.export else "smx softmax_topk (CPU two-pass)"
 
 
@@ -334,7 +334,11 @@ def _cpu_keep(m: TopkMatch, ctx: PassContext) -> str:
     n = tensor_val(m.x).shape[m.dim]
     if not isinstance(n, int):
         return f"CPU: row length is symbolic (dynamic shapes); Inductor's softmax + top-k is kept ({FORCE_HINT})"
-    return ""   # every static shape measured faster: 8-128 experts and 32K-256K vocab (docs/PERFORMANCE.md)
+    half = (m.out_dtype or tensor_val(m.x).dtype) in (torch.float16, torch.bfloat16)
+    if m.top1 and half and n >= cpu_threshold("softmax_topk_top1_half_max_columns"):
+        return (f"CPU: top-1 read of {n} fp16 / bf16 probabilities; from "
+                f"{cpu_threshold('softmax_topk_top1_half_max_columns')} columns Inductor's softmax + max is as fast")
+    return ""   # every other static shape measured faster: 8-128 experts and 32K-256K vocab (docs/PERFORMANCE.md)
 
 
 # deleting the softmax is faster everywhere; a site kept by the CPU policy keeps its softmax too
@@ -362,13 +366,26 @@ def graph_softmax_topk(x: torch.Tensor, k: int, dim: int, scale: float, renormal
     return v, i
 
 
-def graph_argmax(x: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
-    """``argmax(softmax(x, dim), dim)`` without the softmax: 0 where the softmax row is all NaN (a NaN or
-    ``+inf`` entry, or only ``-inf``), as eager."""
-    i = torch.argmax(x, dim, keepdim=True)
-    top = torch.gather(x, dim, i)
-    i = torch.where(torch.isfinite(top), i, torch.zeros_like(i))
+def graph_argmax(x: torch.Tensor, dim: int, keepdim: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``argmax(softmax(x, dim, dtype=dtype), dim)`` without writing the probabilities; see :func:`graph_top1`."""
+    i = _softmax_top1(x, dim, dtype)[1]
     return i if keepdim else i.squeeze(dim)
+
+
+def _softmax_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None):
+    """``(p_i, i)``, keepdim: ``i`` the first maximal logit of ``x`` cast to ``dtype`` (0 where the softmax row is
+    all NaN), ``p_i = 1 / sum(exp(x - x_i))`` its probability, with its gradient.
+
+    ``i`` is fp64's answer, and Inductor's. Eager's argmax of fp16 / bf16 probabilities takes the first of those
+    that round to the same value, so it may pick a smaller logit a rounding below (docs/DESIGN.md, "Top-1")."""
+    xf = x.to(dtype) if dtype is not None else x
+    wide = xf.float() if xf.dtype in (torch.float16, torch.bfloat16) else xf
+    i = torch.argmax(wide, dim, keepdim=True)
+    top = torch.gather(wide, dim, i)
+    p_i = torch.exp(wide - top.detach()).sum(dim, keepdim=True).reciprocal()   # NaN where top is not finite
+    # d p_i / d x = p_i (onehot_i - p): the exp term above gives -p_i p, this one p_i at i (one reduction less)
+    p_i = p_i + (top - top.detach()) * p_i.detach()
+    return p_i, torch.where(torch.isfinite(top), i, torch.zeros_like(i))
 
 
 def _top1_uses(m: TopkMatch) -> list[tuple[Node, str, bool]]:
@@ -378,16 +395,11 @@ def _top1_uses(m: TopkMatch) -> list[tuple[Node, str, bool]]:
 
 
 def graph_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, indices)`` of the row maximum of ``softmax(x, dim, dtype=dtype)``, keepdim, without the
-    probabilities: ``1 / sum(exp(x - x_i))`` at ``i``, the first maximum (as ``max(dim)`` returns it, and its
-    gradient goes there); NaN on rows whose softmax is all NaN (a NaN or ``+inf`` entry, or only ``-inf``)."""
-    xf = x.to(dtype) if dtype is not None else x
-    wide = xf.float() if xf.dtype in (torch.float16, torch.bfloat16) else xf
-    i = torch.argmax(wide, dim, keepdim=True)
-    top = torch.gather(wide, dim, i)
-    v = torch.exp(wide - top).sum(dim, keepdim=True).reciprocal()
-    v = torch.where(torch.isfinite(top), v, float("nan")).to(xf.dtype)
-    return v, torch.where(torch.isfinite(top), i, torch.zeros_like(i))
+    """``(values, indices)`` of the row maximum of ``softmax(x, dim, dtype=dtype)``, keepdim, without writing
+    the probabilities: the index as :func:`_softmax_top1` picks it (eager's), the probability there with its
+    gradient; NaN and index 0 on rows whose softmax is all NaN (a NaN or ``+inf``, or only ``-inf``)."""
+    p_i, i = _softmax_top1(x, dim, dtype)
+    return p_i.to(x.dtype if dtype is None else dtype), i
 
 
 class SoftmaxTopkPass(RewritePass):
@@ -444,7 +456,7 @@ class SoftmaxTopkPass(RewritePass):
         first = min((n for n, _, _ in reads), key=order.__getitem__)
         with graph.inserting_before(first):
             if len(reads) == 1 and reads[0][1] == "indices":
-                outs = {"indices": graph.call_function(graph_argmax, (x, m.dim, reads[0][2]))}
+                outs = {"indices": graph.call_function(graph_argmax, (x, m.dim, reads[0][2], m.out_dtype))}
                 keep = reads[0][2]
             else:
                 call = graph.call_function(graph_top1, (x, m.dim, m.out_dtype))

@@ -419,9 +419,9 @@ return (getitem_1,)""")
         self.assertExpectedInline(r.after, """\
 def forward(self, L_x_ : torch.Tensor):
 l_x_ = L_x_
-graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, False)
+graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, False, None)
 return (graph_argmax,)""")
-        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | softmax deleted | argmax(softmax), dim=1""")
+        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | smx top-1 (probabilities never written) | argmax(softmax), dim=1""")
         assert_matches_eager(r, argmax_of_softmax, x)
 
     def test_argmax_keepdim(self):
@@ -430,9 +430,9 @@ return (graph_argmax,)""")
         self.assertExpectedInline(r.after, """\
 def forward(self, L_x_ : torch.Tensor):
 l_x_ = L_x_
-graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, True)
+graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, True, None)
 return (graph_argmax,)""")
-        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | softmax deleted | argmax(softmax), dim=1""")
+        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | smx top-1 (probabilities never written) | argmax(softmax), dim=1""")
         assert_matches_eager(r, argmax_keepdim, x)
 
     def test_max_indices(self):
@@ -448,9 +448,9 @@ return (getitem_1,)""")
         self.assertExpectedInline(r.after, """\
 def forward(self, L_x_ : torch.Tensor):
 l_x_ = L_x_
-graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, False)
+graph_argmax = smxcompile_passes_softmax_topk_graph_argmax(l_x_, 1, False, None)
 return (graph_argmax,)""")
-        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | softmax deleted | argmax(softmax), dim=1""")
+        self.assertExpectedInline(site_repr(r), """softmax_topk | rewritten | smx top-1 (probabilities never written) | argmax(softmax), dim=1""")
         assert_matches_eager(r, max_indices, x)
 
     def test_argmax_special_rows_give_index_0_like_eager(self):
@@ -773,8 +773,27 @@ class TestPolicy(TestCase):
         for fn in (argmax_of_softmax, indices_only, max_indices):
             r = run_pass(fn, x, options={})
             self.assertEqual(topk_site(r).action, "rewritten")
-            self.assertEqual(topk_site(r).op, "softmax deleted")
+            self.assertIn(topk_site(r).op, ("softmax deleted", "smx top-1 (probabilities never written)"))
             assert_matches_eager(r, fn, x)
+
+    def test_half_top1_reads_kept_from_the_policy_threshold(self):
+        """fp16 / bf16 top-1 reads of 16+ columns measured as fast under Inductor: kept, with the reason."""
+        from smxcompile.passes.policy import cpu_threshold
+
+        def router(x):
+            p = torch.softmax(x, -1)
+            return p.max(-1).values, p.argmax(-1)
+
+        n = cpu_threshold("softmax_topk_top1_half_max_columns")
+        for dtype in (torch.bfloat16, torch.float16):
+            self.assertEqual(topk_site(run_pass(router, logits(4, 8, dtype=dtype), options={})).action, "rewritten")
+            s = topk_site(run_pass(router, logits(4, n, dtype=dtype), options={}))
+            self.assertEqual(s.action, "kept")
+            self.assertIn(f"top-1 read of {n} fp16 / bf16 probabilities", s.reason)
+            # the indices alone need no probabilities at all: rewritten whatever the length
+            self.assertEqual(topk_site(run_pass(argmax_of_softmax, logits(4, n, dtype=dtype), options={})).action,
+                             "rewritten")
+        self.assertEqual(topk_site(run_pass(router, logits(4, n), options={})).action, "rewritten")
 
     def test_disabled_by_option(self):
         for fn in (top2, argmax_of_softmax):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any
 
@@ -273,14 +275,39 @@ def is_mutation(node: Node) -> bool:
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_module":   # nn.ReLU(inplace=True) and the like
+        owner = node.graph.owning_module
+        return owner is not None and getattr(owner.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
         return False
-    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
         return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
     if (getattr(node.target, "__module__", "") or "") in ("_operator", "operator"):
         return False   # operator.and_ / or_ / not_ are not in-place despite the trailing underscore
     name = getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
+
+
+def _inplace_flag(node: Node) -> bool:
+    """Whether a call passes ``inplace=True`` (``F.relu(x, True)``, ``F.dropout(..., inplace=True)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        position = _inplace_position(node.target)
+    except TypeError:   # an unhashable target
+        return False
+    return position is not None and position < len(node.args) and node.args[position] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(target) -> int | None:
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):   # builtins and C functions have no Python signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
 def mutation_inside(anchor: Node, pattern) -> Node | None:

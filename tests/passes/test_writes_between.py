@@ -1,0 +1,77 @@
+"""An in-place write between a site's first node and its last, to a tensor the site reads, keeps the site: the
+fused op would read the tensor after the write, the original read it before. Every way a graph spells a write
+counts: a method or function with a trailing underscore, an ATen overload whose schema mutates
+(``aten.relu_.default``), ``inplace=True`` by keyword or position, and an ``nn.Module`` built with
+``inplace=True``. Compiled values equal eager's whatever the pass decides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pass_helpers import rewrite
+
+_RELU = nn.ReLU(inplace=True)
+
+WRITES = {
+    "aten overload": lambda t: torch.ops.aten.relu_.default(t),
+    "aten packet": lambda t: torch.ops.aten.relu_(t),
+    "inplace keyword": lambda t: F.relu(t, inplace=True),
+    "inplace positional": lambda t: F.relu(t, True),
+    "module built inplace": _RELU,
+    "dropout inplace positional": lambda t: F.dropout(t, 0.0, False, True),
+}
+
+
+def _attention_writing_k(write):
+    def attention(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.5
+        write(k)                     # k changes after the scores read it
+        return torch.softmax(s, -1) @ v, k
+    return attention
+
+
+def _top1_writing_logits(write):
+    def top1(x):
+        p = torch.softmax(x, -1)
+        write(x)                     # the logits change after the softmax read them
+        return p.argmax(-1), p.max(-1).values
+    return top1
+
+
+@pytest.mark.parametrize("spelling", list(WRITES))
+@pytest.mark.parametrize("site", ["attention", "softmax_topk"])
+def test_write_between_keeps_the_site(site, spelling):
+    gen = torch.Generator().manual_seed(0)
+    if site == "attention":
+        fn = _attention_writing_k(WRITES[spelling])
+        args = [torch.randn(2, 3, 6, 8, generator=gen) for _ in range(3)]
+    else:
+        fn = _top1_writing_logits(WRITES[spelling])
+        args = [torch.randn(4, 16, generator=gen)]
+    traced = [a.clone() for a in args]
+    r = rewrite(fn, *traced, check_values=False)
+    assert site in [s.kind for s in r.report.sites]
+    assert all(s.action != "rewritten" for s in r.report.sites if s.kind == site), str(r.report)
+    # the graph's placeholders are in Dynamo's order (first use); the written tensor is returned by Dynamo itself
+    order = [next(i for i, a in enumerate(traced) if a is x) for x in r.inputs]
+    fresh = [a.clone() for a in args]
+    got = r.gm(*[fresh[i] for i in order])
+    want = fn(*[a.clone() for a in args])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_writes_elsewhere_do_not_keep_the_site():
+    """A write to a tensor the site never reads, after it: the site is still rewritten."""
+    def attention(q, k, v, other):
+        out = torch.softmax(q @ k.transpose(-2, -1) * 0.5, -1) @ v
+        F.relu(other, inplace=True)
+        return out + other.sum()
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 3, 6, 8, generator=gen) for _ in range(4)]
+    r = rewrite(attention, *args)
+    assert [s.action for s in r.report.sites if s.kind == "attention"] == ["rewritten"]
