@@ -34,7 +34,7 @@ from ..patterns.arith import scale_stage, softcap
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
-    same_shape, same_size, static_shape, tensor_val
+    op_label, same_shape, same_size, static_shape, tensor_val
 from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, view_lead
@@ -219,13 +219,13 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n)
                                                  or _row_scale_stage(n))
         if step is None and is_mutation(n):
-            return _skip(m, f"in-place op '{n.name}' ({n.target}) on the scores: not matched "
+            return _skip(m, f"in-place op '{n.name}' ({op_label(n)}) on the scores: not matched "
                             "(write it out of place, e.g. s = s + mask)")
         if step is None:
             if not _matmul_upstream(n, 4):
                 return None   # softmax(...) @ W without a score matmul: not attention
             c = canon(n)
-            return _skip(m, f"'{n.name}' ({c[0] if c else n.target}) between the scores and the softmax is not "
+            return _skip(m, f"'{n.name}' ({c[0] if c else op_label(n)}) between the scores and the softmax is not "
                             "a scale, soft-cap, mask or cast")
         kind, payload, nxt = step
         stages.append((kind, (n, payload)))

@@ -38,7 +38,7 @@ from torch.fx import Node
 
 from ..patterns.arith import scalar_factor, softcap
 from ..patterns.casts import widening_cast
-from ..patterns.graph import canon, cast_dtype, dtype_of, is_mutation, same_shape, same_size, tensor_val
+from ..patterns.graph import canon, cast_dtype, dtype_of, is_mutation, op_label, same_shape, same_size, tensor_val
 from ..protocol import Match
 
 _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
@@ -328,7 +328,7 @@ def walk_to_linear(m: CEMatch) -> str:
             # a graph input (the model and the loss in different graphs, or a loss function compiled alone)
             return f"logits come from '{n.name}' ({n.op}), not a linear layer"
         if not n.args:
-            return f"logits come from '{n.name}' ({n.target}), not a linear layer"
+            return f"logits come from '{n.name}' ({op_label(n)}), not a linear layer"
         nv = tensor_val(n)
         if nv is None:
             return f"'{n.name}' has no recorded value"

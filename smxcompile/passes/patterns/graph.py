@@ -270,6 +270,15 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.setitem}
 
 
+def op_label(node: Node) -> str:
+    """A short name of what ``node`` calls, for reports: ``add``, ``masked_fill_``, ``aten.mul_.Tensor``."""
+    if node.op in ("call_method", "call_module"):
+        return str(node.target)
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(node.target)
+    return getattr(node.target, "__name__", None) or str(node.target)
+
+
 def is_mutation(node: Node) -> bool:
     """Whether ``node`` may write to a tensor in place (``x.add_()``, ``x += y``, ``x[i] = v``, ``out=``)."""
     if node.op == "call_method":
