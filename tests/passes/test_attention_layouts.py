@@ -5,7 +5,7 @@ whichever op spells the contraction (``@``, ``bmm``, ``baddbmm``, ``einsum``).
 The layouts are those of libraries' own code, written here in our own words: diffusers' classic attention
 processor (``baddbmm`` on (B*H, L, E) with ``beta=0`` or an additive mask), LeViT (K permuted (0, 2, 3, 1)),
 CoAtNet-style (B, H, E, N) tensors (``(q * s).transpose(-2, -1) @ k`` then ``v @ attn.transpose(-2, -1)``), einsums
-that read or write (B, L, H, E). Each is rewritten, gives eager's forward, and its gradients pass
+that read or write (B, L, H, E); a padding bias or a learned bias subtracted from the scores (Funnel). Each is rewritten, gives eager's forward, and its gradients pass
 ``|ours - gold| <= |torch - gold| + tol`` against an fp64 gold; the near-misses (weights mixed across heads after
 the softmax, weights contracted over the query index) are not rewritten."""
 
@@ -67,6 +67,16 @@ def inplace_fill(q, k, v, pad):                # masked_fill_ on the fresh score
     return s.softmax(-1) @ v
 
 
+def subtracted_padding(q, k, v, keep):         # Funnel: s - big * (1 - keep), the padding bias subtracted
+    s = torch.einsum("bhid,bhjd->bhij", q * E ** -0.5, k)
+    s = s - 1e6 * (1 - keep[:, None, None].float())
+    return torch.einsum("bhij,bhjd->bhid", s.softmax(-1), v)
+
+
+def subtracted_bias(q, k, v, bias):             # a learned bias subtracted: its gradient is negated too
+    return (q @ k.transpose(-2, -1) - bias).softmax(-1) @ v
+
+
 def bhle(seed=0, lk=S):
     return _randn(B, H, L, E, seed=seed), _randn(B, H, lk, E, seed=seed + 1), _randn(B, H, lk, E, seed=seed + 2)
 
@@ -81,6 +91,8 @@ CASES = {
     "einsum_blhe": (einsum_blhe, lambda: tuple(t.transpose(1, 2) for t in bhle())),
     "intermediates_kept": (intermediates_kept, bhle),
     "inplace_fill": (inplace_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
+    "subtracted_padding": (subtracted_padding, lambda: (*bhle(), (torch.arange(S) < S - 2).float().expand(B, S))),
+    "subtracted_bias": (subtracted_bias, lambda: (*bhle(), _randn(H, L, S, seed=7))),
     "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
                                             _randn(B, H, E, E, seed=2))),
 }
@@ -114,7 +126,12 @@ def intermediates_returned(q, k, v):           # the same copies returned to the
     return p @ v, p.clone()
 
 
+def scores_subtracted(q, k, v, bias):           # bias - s: the scores negated, not masked
+    return (bias - q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
 NEAR_MISSES = {
+    "scores_subtracted": (scores_subtracted, lambda: (*bhle(), _randn(H, L, S, seed=7))),
     "intermediates_returned": (intermediates_returned, lambda: bhle()),
     "talking_heads": (talking_heads, lambda: (*bhle(lk=L), _randn(H, H, seed=5))),
     "weights_over_queries": (weights_over_queries, lambda: bhle(lk=L)),

@@ -74,6 +74,7 @@ class AttentionMatch(Match):
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
     scale_levels: list = dataclasses.field(default_factory=list)  # [(scale tensor, score node it applies at)]
     add_levels: list = dataclasses.field(default_factory=list)    # per additive mask: the score node it applies at
+    negated_masks: tuple = ()             # indices of the additive masks subtracted from the scores
     fill_levels: list = dataclasses.field(default_factory=list)   # per fill: the score node it applies at
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
@@ -280,7 +281,7 @@ def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
 
 
 def _mask_stage(n: Node):
-    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); a fill (see :func:`fill_mask`) -> ("fill", (cond,
+    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); ``s - mask`` -> ("sub", (s, mask), s); a fill (see :func:`fill_mask`) -> ("fill", (cond,
     True if True masks, value), s). The scores side of an addition is the operand computed from the score matmul."""
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
@@ -289,7 +290,13 @@ def _mask_stage(n: Node):
         if ra == rb:
             return None    # two score tensors, or no scores at all
         return ("add", (a, b), a if ra else b)
-    if canon(n) is not None and canon(n)[0] == "add":
+    c = canon(n)
+    if c is not None and c[0] == "sub":
+        a, b = c[1].get("input"), c[1].get("other")
+        if isinstance(b, Node) and _reaches_matmul(a) and not _reaches_matmul(b):
+            return ("sub", (a, b), a)      # s - bias: the bias negated is an additive mask
+        return None
+    if c is not None and c[0] == "add":
         return None
     fill = fill_mask(n)
     return None if fill is None else ("fill", fill[0], fill[1])
@@ -360,7 +367,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
         if kind == "view":
             level = data
             continue
-        if kind in ("add", "fill"):
+        if kind in ("add", "sub", "fill"):
             mask_levels.add(level)
         if kind == "scale_t":
             m.scale_levels.append((data[0], level))
@@ -390,14 +397,14 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             seen_cap = True
             phase = 1
             continue
-        if kind == "add":
+        if kind in ("add", "sub"):
             a, b = data
             # the scores side is the one the chain came through: the previous stage's node
             prev = _prev_node(order, node, qk)
-            mask = b if a is prev else a if b is prev else None
+            mask = b if a is prev else a if b is prev and kind == "add" else None
             if mask is None:
                 return _skip(m, f"cannot tell the scores from the mask in '{node.name}'")
-            why = _take_add_mask(m, mask, node, qk, level=level)
+            why = _take_add_mask(m, mask, node, qk, level=level, negated=kind == "sub")
             if why:
                 return _skip(m, why)
             phase = 2
@@ -441,9 +448,9 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     return m
 
 
-def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level: Node) -> str:
-    """Take ``mask``, added to the scores at ``node`` (viewed as ``level`` is), as an additive mask; why it cannot
-    be, or ""."""
+def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level: Node, negated: bool = False) -> str:
+    """Take ``mask``, added to the scores at ``node`` (subtracted with ``negated``; viewed as ``level`` is), as an
+    additive mask; why it cannot be, or ""."""
     mv, sv = tensor_val(mask), tensor_val(node)
     if mv is None or mv.is_complex():
         return "the additive mask is not a real tensor"
@@ -457,6 +464,10 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
         return "the mask does not broadcast to the scores"
     if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
         return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
+    if negated:
+        if mv.dtype == torch.bool:
+            return "a bool mask is subtracted from the scores"
+        m.negated_masks += (len(m.add_masks),)
     m.add_masks.append(mask)
     m.mask_order += "a"
     m.add_levels.append(level)

@@ -21,7 +21,8 @@ _ABSORBING = -1e30
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
                     dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param,
                     export: bool = False, mask_order: str = "", lead: tuple | None = None,
-                    safe_softmax: bool = False, layout: dict | None = None, mask_shapes: list | None = None):
+                    safe_softmax: bool = False, layout: dict | None = None, mask_shapes: list | None = None,
+                    negated: tuple = ()):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
     ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
@@ -38,8 +39,11 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN). ``layout``: ``{"q" | "k" | "v": perm}`` gives
     the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's.
     ``mask_shapes``: per mask (``add_masks``, then ``masked``), the shape of the scores' view it applies to (None:
-    q's grouping); such a mask is expanded to it and regrouped as ``lead``."""
+    q's grouping); such a mask is expanded to it and regrouped as ``lead``. ``negated``: the indices of the
+    additive masks the scores subtract."""
     layout = layout or {}
+    add_masks = [(-(a if a.is_floating_point() else a.to(q.dtype)) if i in negated else a)
+                 for i, a in enumerate(add_masks)]
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
     out = _attention(q, k, v, add_masks, masked, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,

@@ -78,9 +78,11 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
         c = consts.value(m.add_masks[0])
         if not isinstance(c, torch.Tensor):
             return
+        if m.negated_masks:
+            c = -c
         if bool((c == 0).all()):
             m.dropped += m.add_masks
-            m.add_masks = []
+            m.add_masks, m.negated_masks = [], ()
             m.absorbed = [a for a in m.absorbed if a != "mask"] + ["zero mask dropped"]
             return
         keep = additive_keep(c)
@@ -95,7 +97,7 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     if is_causal_keep(keep, L, S):
         m.is_causal = True
         m.dropped += list(m.add_masks) + [c for c, _, _ in m.masked]
-        m.add_masks, m.masked = [], []
+        m.add_masks, m.masked, m.negated_masks = [], [], ()
         m.absorbed = [a for a in m.absorbed if a not in ("mask", "masks")]
 
 
@@ -153,6 +155,8 @@ def _extras(m: AttentionMatch) -> dict:
         out.update(lead=m.lead)
     if m.mask_shapes:
         out.update(mask_shapes=m.mask_shapes)
+    if m.negated_masks:
+        out.update(negated=m.negated_masks)
     if m.safe_softmax:
         out.update(safe_softmax=True)
     if m.layouts:
