@@ -323,10 +323,23 @@ def _checks(m: TopkMatch, ctx: PassContext) -> str:
         _absorb_input(m)
         if m.scale != 1.0:
             m.absorbed.append(f"scale={m.scale:.6g}")
-    mutated = mutation_inside(m.anchor, m.dead)
+    # a top-1 site's reads all become values computed at the first: a write up to the last read counts, and
+    # from a gather index's own argmax on (it may read the logits before the softmax does)
+    last = max(m.dead, key=_graph_order(m.anchor)) if m.top1 else m.anchor
+    mutated = mutation_inside(last, [*m.dead, *(_index_nodes(r.index) for r in m.reads if r.index is not None)])
     if mutated is not None:
         return f"in-place op '{mutated.name}' runs inside the pattern; the fused op reads its input once"
     return ""
+
+
+def _graph_order(n: Node):
+    order = {x: i for i, x in enumerate(n.graph.nodes)}
+    return order.__getitem__
+
+
+def _index_nodes(index: Node) -> Node:
+    """The argmax / max call behind a gather's index (its ``getitem`` for ``max``)."""
+    return index.args[0] if index.op == "call_function" and index.target is operator.getitem else index
 
 
 def _cpu_keep(m: TopkMatch, ctx: PassContext) -> str:

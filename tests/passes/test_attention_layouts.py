@@ -5,7 +5,8 @@ whichever op spells the contraction (``@``, ``bmm``, ``baddbmm``, ``einsum``).
 The layouts are those of libraries' own code, written here in our own words: diffusers' classic attention
 processor (``baddbmm`` on (B*H, L, E) with ``beta=0`` or an additive mask), LeViT (K permuted (0, 2, 3, 1)),
 CoAtNet-style (B, H, E, N) tensors (``(q * s).transpose(-2, -1) @ k`` then ``v @ attn.transpose(-2, -1)``), einsums
-that read or write (B, L, H, E); a padding bias or a learned bias subtracted from the scores (Funnel). Each is rewritten, gives eager's forward, and its gradients pass
+that read or write (B, L, H, E); a padding bias or a learned bias subtracted from the scores (Funnel); masked scores clamped at
+``finfo.min`` (XGLM), fully masked rows included. Each is rewritten, gives eager's forward, and its gradients pass
 ``|ours - gold| <= |torch - gold| + tol`` against an fp64 gold; the near-misses (weights mixed across heads after
 the softmax, weights contracted over the query index) are not rewritten."""
 
@@ -77,6 +78,22 @@ def subtracted_bias(q, k, v, bias):             # a learned bias subtracted: its
     return (q @ k.transpose(-2, -1) - bias).softmax(-1) @ v
 
 
+def floored_padding(q, k, v, mask):            # XGLM / older BART code: masked scores clamped at finfo.min
+    s = q @ k.transpose(-2, -1) * E ** -0.5 + mask
+    s = torch.max(s, torch.full((), torch.finfo(s.dtype).min, dtype=s.dtype))
+    return s.softmax(-1) @ v
+
+
+def floored_by_clamp(q, k, v, mask):
+    s = (q @ k.transpose(-2, -1) + mask).clamp(min=torch.finfo(q.dtype).min)
+    return s.softmax(-1) @ v
+
+
+def _padding(value):                            # batch 1 has every key masked: eager's rows are uniform
+    keep = torch.arange(S).expand(B, S) < torch.tensor([[S - 2], [0]])
+    return torch.zeros(B, 1, 1, S).masked_fill(~keep[:, None, None], value)
+
+
 def bhle(seed=0, lk=S):
     return _randn(B, H, L, E, seed=seed), _randn(B, H, lk, E, seed=seed + 1), _randn(B, H, lk, E, seed=seed + 2)
 
@@ -93,6 +110,8 @@ CASES = {
     "inplace_fill": (inplace_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
     "subtracted_padding": (subtracted_padding, lambda: (*bhle(), (torch.arange(S) < S - 2).float().expand(B, S))),
     "subtracted_bias": (subtracted_bias, lambda: (*bhle(), _randn(H, L, S, seed=7))),
+    "floored_padding": (floored_padding, lambda: (*bhle(), _padding(torch.finfo(torch.float32).min))),
+    "floored_inf_padding": (floored_by_clamp, lambda: (*bhle(), _padding(float("-inf")))),
     "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
                                             _randn(B, H, E, E, seed=2))),
 }
@@ -130,7 +149,19 @@ def scores_subtracted(q, k, v, bias):           # bias - s: the scores negated, 
     return (bias - q @ k.transpose(-2, -1)).softmax(-1) @ v
 
 
+def clamped_at_zero(q, k, v):                    # max(s, 0) changes the scores: not a floor of masked entries
+    s = q @ k.transpose(-2, -1)
+    return torch.max(s, torch.zeros(())).softmax(-1) @ v
+
+
+def mask_after_floor(q, k, v, mask):            # the floor would have to apply before this mask only
+    s = torch.max(q @ k.transpose(-2, -1), torch.full((), -1e30)) + mask
+    return s.softmax(-1) @ v
+
+
 NEAR_MISSES = {
+    "clamped_at_zero": (clamped_at_zero, lambda: bhle()),
+    "mask_after_floor": (mask_after_floor, lambda: (*bhle(), _padding(float("-inf")))),
     "scores_subtracted": (scores_subtracted, lambda: (*bhle(), _randn(H, L, S, seed=7))),
     "intermediates_returned": (intermediates_returned, lambda: bhle()),
     "talking_heads": (talking_heads, lambda: (*bhle(lk=L), _randn(H, H, seed=5))),

@@ -1,8 +1,9 @@
 """An in-place write between a site's first node and its last, to a tensor the site reads, keeps the site: the
 fused op would read the tensor after the write, the original read it before. Every way a graph spells a write
-counts: a method or function with a trailing underscore, an ATen overload whose schema mutates
-(``aten.relu_.default``), ``inplace=True`` by keyword or position, and an ``nn.Module`` built with
-``inplace=True``. Compiled values equal eager's whatever the pass decides."""
+counts: a method or function with a trailing underscore or an in-place dunder (``__imul__``), an ATen
+overload or packet whose schema mutates, a true ``inplace`` by keyword or position, an ``nn.Module`` built with
+``inplace=True``, batch norm's running statistics. For a top-1 read, the range runs from a gather index's own
+argmax to the last read. Compiled values equal eager's whatever the pass decides."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ WRITES = {
     "inplace positional": lambda t: F.relu(t, True),
     "module built inplace": _RELU,
     "dropout inplace positional": lambda t: F.dropout(t, 0.0, False, True),
+    "inplace flag truthy, not True": lambda t: F.relu(t, 1),
+    "in-place dunder method": lambda t: t.__imul__(-1.0),
+    "batch norm running statistics": lambda t: F.batch_norm(t.new_full((2, t.numel()), 3.0), t.view(-1),
+                                                            t.new_ones(t.numel()), training=True, momentum=1.0),
+    "aten packet with a writing overload": lambda t: torch.ops.aten._native_batch_norm_legit(
+        t.new_full((2, t.numel()), 3.0), None, None, t.view(-1), t.new_ones(t.numel()), True, 1.0, 1e-5),
 }
 
 
@@ -75,3 +82,24 @@ def test_writes_elsewhere_do_not_keep_the_site():
     args = [torch.randn(2, 3, 6, 8, generator=gen) for _ in range(4)]
     r = rewrite(attention, *args)
     assert [s.action for s in r.report.sites if s.kind == "attention"] == ["rewritten"]
+
+
+def gather_at_an_earlier_argmax(x):
+    i = x.argmax(-1, keepdim=True)          # the index is taken before the logits change
+    x.mul_(-1)
+    return torch.softmax(x, -1).gather(-1, i)
+
+
+def index_written_before_gather(x):
+    p = torch.softmax(x, -1)
+    i = p.argmax(-1, keepdim=True)
+    i.clamp_(max=2)                          # the gather no longer reads the row maximum
+    return p.gather(-1, i)
+
+
+@pytest.mark.parametrize("fn", [gather_at_an_earlier_argmax, index_written_before_gather])
+def test_top1_range_covers_the_gather_index(fn):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    r = rewrite(fn, x.clone(), check_values=False)
+    assert not r.report.count(kind="softmax_topk", action="rewritten"), str(r.report)
+    torch.testing.assert_close(r.gm(x.clone())[0], fn(x.clone()))

@@ -35,7 +35,7 @@ from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
     op_label, same_shape, same_size, static_shape, tensor_val
-from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value
+from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value, mask_floor
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, view_lead
 from ..patterns.selections import no_op_copy
@@ -75,6 +75,7 @@ class AttentionMatch(Match):
     scale_levels: list = dataclasses.field(default_factory=list)  # [(scale tensor, score node it applies at)]
     add_levels: list = dataclasses.field(default_factory=list)    # per additive mask: the score node it applies at
     negated_masks: tuple = ()             # indices of the additive masks subtracted from the scores
+    mask_floor: float | None = None       # max(s, floor) after the masks: masking values clamped there
     fill_levels: list = dataclasses.field(default_factory=list)   # per fill: the score node it applies at
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
@@ -299,7 +300,12 @@ def _mask_stage(n: Node):
     if c is not None and c[0] == "add":
         return None
     fill = fill_mask(n)
-    return None if fill is None else ("fill", fill[0], fill[1])
+    if fill is not None:
+        return ("fill", fill[0], fill[1])
+    floor = mask_floor(n)
+    if floor is not None and _reaches_matmul(floor[0]) and not _reaches_matmul(floor[1]):
+        return ("floor", floor[1], floor[0])     # max(s, finfo.min): masked scores clamped
+    return None
 
 
 def _reaches_matmul(n: Any, depth: int = 12) -> bool:
@@ -319,7 +325,8 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
     fill = fill_mask(n)
     if fill is not None:
         return _reaches_matmul(fill[1], depth - 1)
-    return False
+    floor = mask_floor(n)
+    return floor is not None and _reaches_matmul(floor[0], depth - 1)
 
 
 def _row_scale_stage(n: Node):
@@ -368,6 +375,8 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             level = data
             continue
         if kind in ("add", "sub", "fill"):
+            if m.mask_floor is not None:
+                return _skip(m, "a mask is applied after the scores are clamped below")
             mask_levels.add(level)
         if kind == "scale_t":
             m.scale_levels.append((data[0], level))
@@ -387,6 +396,14 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 m.scale *= a
                 continue
             _take_scale(m, kind, data, consts)
+            continue
+        if kind == "floor":
+            floor = consts.number(data)
+            if floor is None or not is_masking_value(floor) or m.masked:
+                return _skip(m, "the scores are clamped below at a value that is not a masking value, or after a fill")
+            m.mask_floor = floor if m.mask_floor is None else max(m.mask_floor, floor)
+            m.dropped += [data] if isinstance(data, Node) else []
+            phase = 2
             continue
         if kind == "softcap":
             if phase >= 1 or seen_cap:

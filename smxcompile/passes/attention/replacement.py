@@ -22,7 +22,7 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
                     dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param,
                     export: bool = False, mask_order: str = "", lead: tuple | None = None,
                     safe_softmax: bool = False, layout: dict | None = None, mask_shapes: list | None = None,
-                    negated: tuple = ()):
+                    negated: tuple = (), mask_floor: float | None = None):
     """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
 
     ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
@@ -40,7 +40,8 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's.
     ``mask_shapes``: per mask (``add_masks``, then ``masked``), the shape of the scores' view it applies to (None:
     q's grouping); such a mask is expanded to it and regrouped as ``lead``. ``negated``: the indices of the
-    additive masks the scores subtract."""
+    additive masks the scores subtract. ``mask_floor``: the scores are clamped below there after the
+    masks (``max(s, finfo.min)``): the masks' values are."""
     layout = layout or {}
     add_masks = [(-(a if a.is_floating_point() else a.to(q.dtype)) if i in negated else a)
                  for i, a in enumerate(add_masks)]
@@ -48,12 +49,12 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     out = _attention(q, k, v, add_masks, masked, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
                      export=export, mask_order=mask_order, lead=lead, safe_softmax=safe_softmax,
-                     mask_shapes=mask_shapes or [])
+                     mask_shapes=mask_shapes or [], mask_floor=mask_floor)
     return apply_perm(out, layout.get("out"))
 
 
 def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
-               normalizer, norm_param, export, mask_order, lead, safe_softmax, mask_shapes):
+               normalizer, norm_param, export, mask_order, lead, safe_softmax, mask_shapes, mask_floor):
     v_lead = None
     if lead is not None:
         v_lead = v.shape[:-2]
@@ -75,6 +76,8 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
         add_masks = [mk.unsqueeze(0) if mk.dim() >= q.dim() else mk for mk in add_masks]
         masked = [(c.unsqueeze(0) if c.dim() >= q.dim() else c, t, val) for c, t, val in masked]
         squeeze += 1
+    if mask_floor is not None and add_masks:
+        q, add_masks = _floored(q, add_masks, mask_floor)
     bq = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if tuple(q.shape[:-3]) != tuple(bq):
         q = q.expand(*bq, *q.shape[-3:])
@@ -172,6 +175,16 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
+
+
+def _floored(q, add_masks, floor: float):
+    """``max(s + masks, floor)`` as ``s + max(sum of masks, floor)`` (equal wherever ``|s|`` is below ``ulp(floor) / 2``,
+    about 1e31 for ``finfo.min``); a row whose every entry the floor lifts reads no score in eager (uniform
+    weights, no gradient to q or k): its query and its mask are zeroed."""
+    total = sum(mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks)
+    lifted = (total < floor).all(-1, keepdim=True)
+    # and a mask of 0 there: the fused CPU backward recomputes exp(s - lse), where lse = floor + log(n) rounds to floor
+    return torch.where(lifted, 0.0, q), [torch.where(lifted, 0.0, total.clamp(min=floor))]
 
 
 def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):

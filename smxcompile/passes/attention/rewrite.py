@@ -157,6 +157,8 @@ def _extras(m: AttentionMatch) -> dict:
         out.update(mask_shapes=m.mask_shapes)
     if m.negated_masks:
         out.update(negated=m.negated_masks)
+    if m.mask_floor is not None:
+        out.update(mask_floor=m.mask_floor)
     if m.safe_softmax:
         out.update(safe_softmax=True)
     if m.layouts:

@@ -280,10 +280,11 @@ def op_label(node: Node) -> str:
 
 
 def is_mutation(node: Node) -> bool:
-    """Whether ``node`` may write to a tensor in place (``x.add_()``, ``x += y``, ``x[i] = v``, ``out=``)."""
+    """Whether ``node`` may write to a tensor in place (``x.add_()``, ``x += y``, ``x[i] = v``, ``out=``,
+    ``inplace=True``, an ATen op whose schema writes, batch norm's running statistics...)."""
     if node.op == "call_method":
         name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
+        return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
     if node.op == "call_module":   # nn.ReLU(inplace=True) and the like
         owner = node.graph.owning_module
         return owner is not None and getattr(owner.get_submodule(node.target), "inplace", False) is True
@@ -293,6 +294,10 @@ def is_mutation(node: Node) -> bool:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
+    if isinstance(node.target, torch._ops.OpOverloadPacket):   # any overload that writes
+        return any(getattr(node.target, o)._schema.is_mutable for o in node.target.overloads())
+    if node.target in _WRITES_ARGUMENTS and _WRITES_ARGUMENTS[node.target](_bound(node)):
+        return True
     if (getattr(node.target, "__module__", "") or "") in ("_operator", "operator"):
         return False   # operator.and_ / or_ / not_ are not in-place despite the trailing underscore
     name = getattr(node.target, "__name__", "")
@@ -300,14 +305,37 @@ def is_mutation(node: Node) -> bool:
 
 
 def _inplace_flag(node: Node) -> bool:
-    """Whether a call passes ``inplace=True`` (``F.relu(x, True)``, ``F.dropout(..., inplace=True)``)."""
-    if node.kwargs.get("inplace") is True:
-        return True
+    """Whether a call passes a true ``inplace`` (``F.relu(x, True)``, ``F.dropout(..., inplace=1)``)."""
+    flag = node.kwargs.get("inplace")
+    if flag is None:
+        try:
+            position = _inplace_position(node.target)
+        except TypeError:   # an unhashable target
+            return False
+        flag = node.args[position] if position is not None and position < len(node.args) else None
+    return flag is not None and (isinstance(flag, Node) or bool(flag))
+
+
+def _bound(node: Node) -> dict:
+    """``node``'s arguments by parameter name, for a function with a Python signature."""
     try:
-        position = _inplace_position(node.target)
-    except TypeError:   # an unhashable target
-        return False
-    return position is not None and position < len(node.args) and node.args[position] is True
+        return dict(inspect.signature(node.target).bind_partial(*node.args, **node.kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(node.kwargs)
+
+
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+
+# functions that write an argument without a trailing underscore or an ``inplace`` flag, and when
+_WRITES_ARGUMENTS = {
+    F.batch_norm: lambda a: bool(a.get("training", False)) and a.get("running_mean") is not None,
+    F.instance_norm: lambda a: bool(a.get("use_input_stats", True)) and a.get("running_mean") is not None,
+    F.embedding: lambda a: a.get("max_norm") is not None,
+    torch.batch_norm: lambda a: True,
+    torch.instance_norm: lambda a: True,
+    torch.embedding_renorm_: lambda a: True,
+}
 
 
 @functools.lru_cache(maxsize=None)

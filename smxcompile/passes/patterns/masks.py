@@ -1,5 +1,6 @@
 """Masks in front of a softmax: an additive float mask ``scores + mask`` and a boolean mask applied with
-``scores.masked_fill(mask, value)`` / ``torch.where(keep, scores, value)``.
+``scores.masked_fill(mask, value)`` / ``torch.where(keep, scores, value)``; and a floor ``max(scores, c)``
+with ``c`` a masking value (older BART-family code clamps masked scores at ``finfo.min``).
 
 Which operand of an addition is the mask is the caller's rule (a standalone softmax: the operand with the
 output's full shape is the scores; attention: the operand computed from the score matmul).
@@ -80,4 +81,26 @@ def is_masking_value(v):
     return v <= MASK_VALUE
 
 
-__all__ = ["MASK_VALUE", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value"]
+def mask_floor(n: Node) -> tuple[Node, Any] | None:
+    """``max(x, c)`` / ``maximum(x, c)`` with ``c`` a 0-d tensor, ``clamp(x, min=c)`` / ``clamp_min(x, c)`` with
+    ``c`` a number or a 0-d tensor -> ``(x, c)``; whether ``x`` is the scores is the caller's rule."""
+    fn = n.target if n.op == "call_function" else getattr(torch, str(n.target), None) if n.op == "call_method" else None
+    if fn in (torch.max, torch.maximum):     # torch.max(x, 1) is a reduction: the bound must be a tensor
+        if len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
+            return None
+        x, c = n.args
+    elif fn in (torch.clamp, torch.clamp_min):
+        bound = dict(zip(("input", "min", "max"), n.args))
+        bound.update(n.kwargs)
+        if bound.get("max") is not None or set(bound) - {"input", "min", "max"}:
+            return None
+        x, c = bound.get("input"), bound.get("min")
+    else:
+        return None
+    cv = tensor_val(c) if isinstance(c, Node) else None
+    if not isinstance(x, Node) or not (isinstance(c, (int, float)) or (cv is not None and cv.dim() == 0)):
+        return None
+    return x, c
+
+
+__all__ = ["MASK_VALUE", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]

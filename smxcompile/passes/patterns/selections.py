@@ -24,6 +24,7 @@ class Top1Read:
     what: str                       # "values" | "indices" | "max"
     keepdim: bool
     items: dict = dataclasses.field(default_factory=dict)   # max(dim): {0: values getitem, 1: indices getitem}
+    index: Node | None = None       # a gather's index (an argmax, possibly of the logits)
 
 
 def no_op_copy(n: Node) -> Node | None:
@@ -79,7 +80,7 @@ def _read(n: Node, x: Node, dim: int, sources: set) -> Top1Read | None:
         return Top1Read(n, "max", keepdim, items)
     index = _gather_index(n, x, dim)
     if index is not None and _argmax_of(index, dim, sources):
-        return Top1Read(n, "values", True)
+        return Top1Read(n, "values", True, index=index)
     return None
 
 
