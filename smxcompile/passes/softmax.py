@@ -29,10 +29,11 @@ from torch.fx import Graph, Node
 
 from .patterns.arith import scalar_factor, softcap
 from .patterns.casts import widening_cast
-from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, dtype_name, mutation_inside,
+from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, dtype_name,
                              norm_dim, replace_anchor, single_user, tensor_val)
 from .patterns.masks import static_additive_mask
 from .patterns.softmax_call import input_problem, softmax_call
+from .patterns.writes import mutation_inside
 from .policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from .protocol import Match, PassContext, RewritePass
 

@@ -38,10 +38,11 @@ from torch.fx import Graph, Node
 
 from .patterns.arith import scalar_factor
 from .patterns.casts import widening_cast
-from .patterns.graph import (FLOAT_DTYPES, canon, dtype_name, erase_dead, mutation_inside,
+from .patterns.graph import (FLOAT_DTYPES, canon, dtype_name, erase_dead,
                              norm_dim, replace_anchor, tensor_val)
 from .patterns.selections import no_op_copy, reads_top1, top1_readers
 from .patterns.softmax_call import SoftmaxCall, input_problem, softmax_call
+from .patterns.writes import mutation_inside
 from .policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from .protocol import Match, PassContext, RewritePass
 

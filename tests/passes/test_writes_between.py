@@ -103,3 +103,53 @@ def test_top1_range_covers_the_gather_index(fn):
     r = rewrite(fn, x.clone(), check_values=False)
     assert not r.report.count(kind="softmax_topk", action="rewritten"), str(r.report)
     torch.testing.assert_close(r.gm(x.clone())[0], fn(x.clone()))
+
+
+def bias_built_in_place(q, k, v, table):      # DeBERTa: the bias is summed in place before the scores read it
+    s = q @ k.transpose(-2, -1)
+    bias = table / 2.0
+    bias += table.transpose(-2, -1) / 2.0
+    return torch.softmax(s + bias, -1) @ v
+
+
+def index_built_in_place(q, k, v, table):     # Data2Vec-Vision: a bias index table shifted through a view
+    s = q @ k.transpose(-2, -1)
+    coords = torch.arange(q.shape[-2])[:, None] - torch.arange(k.shape[-2])[None, :]
+    coords = coords.contiguous()
+    coords[:, :] += k.shape[-2] - 1
+    return torch.softmax(s + table[coords], -1) @ v
+
+
+def bias_mlp_in_place(q, k, v, table):        # Swin-v2: nn.ReLU(inplace=True) on the bias MLP's fresh linear
+    s = q @ k.transpose(-2, -1)
+    bias = F.linear(F.relu(F.linear(table, table), inplace=True), table)
+    return torch.softmax(s + bias, -1) @ v
+
+
+def bias_written_after_its_read(q, k, v, table):   # the scores read the bias, then it changes: kept
+    bias = table * 2.0
+    s = q @ k.transpose(-2, -1) + bias
+    bias += 1.0
+    return torch.softmax(s, -1) @ v, bias
+
+
+def view_written_after_its_read(q, k, v, table):
+    bias = table * 2.0
+    s = q @ k.transpose(-2, -1) + bias[0]
+    bias[0].mul_(3.0)
+    return torch.softmax(s, -1) @ v, bias
+
+
+@pytest.mark.parametrize("fn,rewritten", [(bias_built_in_place, True), (index_built_in_place, True),
+                                          (bias_mlp_in_place, True),
+                                          (bias_written_after_its_read, False),
+                                          (view_written_after_its_read, False)])
+def test_writes_to_fresh_tensors(fn, rewritten):
+    """A write to a tensor the graph allocated keeps the site only if the site read (an alias of) it before."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=gen) for _ in range(3))
+    shape = {index_built_in_place: (11,)}.get(fn, (6, 6))
+    table = torch.randn(*shape, generator=gen)
+    r = rewrite(fn, q, k, v, table)
+    assert [s.action for s in r.report.sites if s.kind == "attention"] == ["rewritten" if rewritten else "skipped"], \
+        str(r.report)

@@ -262,12 +262,8 @@ def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvalu
         why = _take_add_mask(m, qk.bias, qk.node, qk.node, level=qk.node)
         if why:
             return _skip(m, why)
-    m.spelling = f"{_target_name(qk.node)}(q, k^T)"
+    m.spelling = f"{op_label(qk.node)}(q, k^T)"
     return _assemble(m, stages, qk.node, consts)
-
-
-def _target_name(n: Node) -> str:
-    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
 
 
 def _matmul_upstream(n: Any, depth: int) -> bool:
@@ -588,7 +584,6 @@ def match_sdpa(n: Node) -> AttentionMatch | None:
     if a.get("is_causal"):
         m.is_causal = True
     return m
-
 
 
 __all__ = ["AttentionMatch", "match_from_pv", "match_sdpa"]

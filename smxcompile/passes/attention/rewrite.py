@@ -14,7 +14,8 @@ from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
-    mutation_inside, replace_anchor, same_shape, tensor_val
+    replace_anchor, same_shape, tensor_val
+from ..patterns.writes import mutation_inside
 from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa

@@ -8,7 +8,8 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ..patterns.graph import FLOAT_DTYPES, dedupe, dtype_of, is_number, mutation_inside, replace_anchor, tensor_val
+from ..patterns.graph import FLOAT_DTYPES, dedupe, dtype_of, is_number, replace_anchor, tensor_val
+from ..patterns.writes import mutation_inside
 from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import CEMatch, check_escapes, loss_call, walk_to_linear

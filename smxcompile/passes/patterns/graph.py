@@ -290,7 +290,7 @@ def is_mutation(node: Node) -> bool:
         return owner is not None and getattr(owner.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
         return False
-    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or inplace_flag(node):
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
@@ -304,7 +304,7 @@ def is_mutation(node: Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def _inplace_flag(node: Node) -> bool:
+def inplace_flag(node: Node) -> bool:
     """Whether a call passes a true ``inplace`` (``F.relu(x, True)``, ``F.dropout(..., inplace=1)``)."""
     flag = node.kwargs.get("inplace")
     if flag is None:
@@ -345,23 +345,6 @@ def _inplace_position(target) -> int | None:
     except (TypeError, ValueError):   # builtins and C functions have no Python signature
         return None
     return names.index("inplace") if "inplace" in names else None
-
-
-def mutation_inside(anchor: Node, pattern) -> Node | None:
-    """The first in-place op (``add_``, ``+=``, ``out=``...) that is not part of ``pattern`` and runs between
-    the pattern's first node and ``anchor``, or None.
-
-    A fused op replacing a pattern sits where its anchor was and reads the pattern's inputs there; the
-    original read them at its first node. A mutation in between (of an input, or a view of one: FX has
-    no alias information here, so any mutation counts) could change what is read.
-    """
-    pattern = set(pattern)
-    n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
-    while n is not None and n is not anchor:
-        if n not in pattern and is_mutation(n):
-            return n
-        n = n.next
-    return None
 
 
 def live_nodes(graph: Graph) -> set[Node]:

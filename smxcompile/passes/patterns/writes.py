@@ -1,0 +1,85 @@
+"""Whether an in-place write between a site's nodes can change what the fused op reads.
+
+A fused op replacing a pattern sits where its anchor was and reads the pattern's inputs there; the original read
+them where its nodes consume them. A write in between matters unless the tensor it writes is provably private: a
+fresh result of an allocating op (arithmetic, a factory, ``clone``), with every alias of it (its views, anything
+not known to allocate) read by the pattern only after the write. DeBERTa builds its relative-position bias as
+``score = c2p / s; score += p2c / s`` before adding it to the scores; Data2Vec-Vision its bias index with ``+=``;
+Swin-v2 its bias MLP with ``nn.ReLU(inplace=True)`` on a fresh ``linear``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from .graph import canon, inplace_flag, is_mutation
+
+# canonical ops (graph.canon) whose result is always new memory
+_ALLOCATING_OPS = {"add", "sub", "mul", "div", "exp", "log", "tanh", "softmax", "log_softmax", "matmul", "sum",
+                   "amax", "logsumexp"}
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.zeros_like,
+              torch.ones_like, torch.full_like, torch.empty_like, torch.rand, torch.randn, torch.cat, torch.stack,
+              torch.clone, torch.nn.functional.linear, torch._C._nn.linear}
+# in-place forms whose written tensor is their first argument
+_WRITE_FIRST = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+                operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
+
+
+def mutation_inside(anchor: Node, pattern) -> Node | None:
+    """The first in-place op not part of ``pattern`` that runs between the pattern's first node and ``anchor``
+    and may change what the pattern reads (see the module docstring), or None."""
+    pattern = set(pattern)
+    n = next((x for x in anchor.graph.nodes if x in pattern or x is anchor), None)
+    order = {x: i for i, x in enumerate(anchor.graph.nodes)}
+    while n is not None and n is not anchor:
+        if n not in pattern and is_mutation(n) and not _private_write(n, pattern, order):
+            return n
+        n = n.next
+    return None
+
+
+def _allocates(n: Node) -> bool:
+    if "out" in n.kwargs or n.target is torch.einsum:   # out= returns its argument; einsum("ij->ji") is a view
+        return False
+    c = canon(n)
+    return (c is not None and c[0] in _ALLOCATING_OPS) or (n.op == "call_function" and n.target in _FACTORIES) or (
+        n.op == "call_method" and n.target == "clone")
+
+
+def _written(n: Node) -> Node | None:
+    """The tensor an in-place op writes, when it is its first argument and the op writes nothing else
+    (``set_`` makes its argument share another tensor's storage: not one of them)."""
+    if not n.args or not isinstance(n.args[0], Node) or "out" in n.kwargs:
+        return None
+    if (n.op == "call_method" and n.target != "set_") or (n.op == "call_function" and n.target in _WRITE_FIRST):
+        return n.args[0]
+    if n.op == "call_function" and inplace_flag(n):    # F.relu(x, inplace=True) writes its input
+        return n.args[0]
+    return None
+
+
+def _private_write(write: Node, pattern: set, order: dict) -> bool:
+    """``write`` changes a fresh tensor whose every alias the pattern reads only after ``write``."""
+    base = _written(write)
+    while base is not None and not _allocates(base):   # back through views (one tensor input) and earlier writes
+        if is_mutation(base):
+            base = _written(base)
+        elif base.op in ("call_function", "call_method") and base.all_input_nodes == [base.args[0]]:
+            base = base.args[0]
+        else:
+            return False
+    if base is None:
+        return False
+    aliases, stack = {base}, [base]
+    while stack:   # anything computed from an alias by an op not known to allocate may be a view of it
+        for u in stack.pop().users:
+            if u not in aliases and not _allocates(u):
+                aliases.add(u)
+                stack.append(u)
+    return all(order[p] > order[write] for p in pattern if any(a in aliases for a in p.all_input_nodes))
+
+
+__all__ = ["mutation_inside"]
