@@ -424,25 +424,9 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             seen_mask = True
             continue
         if kind == "fill":
-            cond, true_masks, value = data
-            cv = tensor_val(cond)
-            if cv is None or cv.dtype != torch.bool:
-                return _skip(m, "the masked_fill / where condition is not a bool tensor")
-            why = _mask_depends(m, cond, qk)
+            why = _take_fill(m, data, node, qk, consts, level=level)
             if why:
                 return _skip(m, why)
-            if not broadcasts_to(tuple(cv.shape), shape_of(node)):
-                return _skip(m, "the mask does not broadcast to the scores")
-            val = consts.number(value)
-            if val is None:
-                return _skip(m, "the masked_fill / where value is not a constant")
-            if not is_masking_value(val):
-                return _skip(m, f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})")
-            m.masked.append((cond, true_masks, val))
-            m.mask_order += "f"
-            m.fill_levels.append(level)
-            if isinstance(value, Node):
-                m.dropped.append(value)
             phase = 2
             seen_mask = True
             continue
@@ -484,6 +468,31 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
     m.add_masks.append(mask)
     m.mask_order += "a"
     m.add_levels.append(level)
+    return ""
+
+
+def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:
+    """Take ``fill = (cond, True if True masks, value)``, applied to the scores at ``node`` (viewed as ``level``
+    is); why it cannot be, or ""."""
+    cond, true_masks, value = fill
+    cv = tensor_val(cond)
+    if cv is None or cv.dtype != torch.bool:
+        return "the masked_fill / where condition is not a bool tensor"
+    why = _mask_depends(m, cond, qk)
+    if why:
+        return why
+    if not broadcasts_to(tuple(cv.shape), shape_of(node)):
+        return "the mask does not broadcast to the scores"
+    val = consts.number(value)
+    if val is None:
+        return "the masked_fill / where value is not a constant"
+    if not is_masking_value(val):
+        return f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})"
+    m.masked.append((cond, true_masks, val))
+    m.mask_order += "f"
+    m.fill_levels.append(level)
+    if isinstance(value, Node):
+        m.dropped.append(value)
     return ""
 
 
