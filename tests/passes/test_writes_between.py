@@ -153,3 +153,44 @@ def test_writes_to_fresh_tensors(fn, rewritten):
     r = rewrite(fn, q, k, v, table)
     assert [s.action for s in r.report.sites if s.kind == "attention"] == ["rewritten" if rewritten else "skipped"], \
         str(r.report)
+
+
+def constant_mask_written(q, k, v):           # the mask's factory value is not what the scores read
+    mask = torch.zeros(6, 6)
+    mask[:, 3:] = float("-inf")
+    return torch.softmax(q @ k.transpose(-2, -1) + mask, -1) @ v
+
+
+def repeated_v_written(q, k, v):              # the op would read v un-repeated, after the write
+    v = v * 1.0
+    v2 = v.repeat_interleave(3, dim=1)
+    s = q @ k.repeat_interleave(3, dim=1).transpose(-2, -1)
+    v.mul_(2.0)
+    return torch.softmax(s, -1) @ v2
+
+
+def storage_shared_by_set(q, k, v):           # c comes to share k's storage
+    c = torch.zeros(0)
+    c.set_(k)
+    s = q @ k.transpose(-2, -1)
+    c.mul_(2.0)
+    return torch.softmax(s, -1) @ v
+
+
+def view_by_keywords(q, k, v):                # a view called with keywords only
+    s = q @ k.transpose(-2, -1)
+    t = torch.transpose(input=k, dim0=-2, dim1=-1)
+    t.mul_(2.0)
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("fn", [constant_mask_written, repeated_v_written, storage_shared_by_set, view_by_keywords])
+def test_aliasing_corner_cases_give_eager_values(fn):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3 if fn is not repeated_v_written else 6, 6, 8, generator=gen)
+    k, v = (torch.randn(2, 3 if fn is not repeated_v_written else 2, 6, 8, generator=gen) for _ in range(2))
+    r = rewrite(fn, q.clone(), k.clone(), v.clone(), check_values=False)
+    want = fn(q.clone(), k.clone(), v.clone())
+    args = {"L_q_": q.clone(), "L_k_": k.clone(), "L_v_": v.clone()}   # the graph's placeholders, by name
+    got = r.gm(*[args[n.target] for n in r.gm.graph.nodes if n.op == "placeholder"])
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)

@@ -35,7 +35,7 @@ from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
     op_label, same_shape, same_size, static_shape, tensor_val
-from ..patterns.masks import MASK_VALUE, add_operands, fill_mask, is_masking_value, mask_floor
+from ..patterns.masks import ABSORBING, MASK_VALUE, add_operands, fill_mask, is_masking_value, mask_floor
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, view_lead
 from ..patterns.selections import no_op_copy
@@ -395,8 +395,10 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             continue
         if kind == "floor":
             floor = consts.number(data)
-            if floor is None or not is_masking_value(floor) or m.masked:
-                return _skip(m, "the scores are clamped below at a value that is not a masking value, or after a fill")
+            grads = any(x is not None and x.requires_grad for x in map(tensor_val, (m.q, m.k, m.v, *m.add_masks)))
+            if floor is None or floor > ABSORBING or m.masked or grads:   # rows lifted whole: eager's gradient differs
+                return _skip(m, f"the scores are clamped below at a value above {ABSORBING:g}, after a fill, or with "
+                                "gradients")
             m.mask_floor = floor if m.mask_floor is None else max(m.mask_floor, floor)
             m.dropped += [data] if isinstance(data, Node) else []
             phase = 2
@@ -449,8 +451,8 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
     """Take ``mask``, added to the scores at ``node`` (subtracted with ``negated``; viewed as ``level`` is), as an
     additive mask; why it cannot be, or ""."""
     mv, sv = tensor_val(mask), tensor_val(node)
-    if mv is None or mv.is_complex():
-        return "the additive mask is not a real tensor"
+    if mv is None or mv.is_complex() or mv.dim() == 0:
+        return "the additive mask is not a real tensor of scores (a 0-d one shifts every score alike)"
     # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
     if not (sv is not None and sv.dtype.is_floating_point):
         return "the masked scores are not floating-point"

@@ -11,11 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patterns.contraction import apply_perm
-from ..patterns.masks import MASK_VALUE, is_masking_value
-
-
-# an additive mask value at or below this absorbs any finite score in fp32 (ulp(1e30) / 2 ~ 4e22)
-_ABSORBING = -1e30
+from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 
 
 def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
@@ -110,7 +106,7 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
             # fills, reads only the masks in eager (where() drops the scores and their gradient): a zero query
             # gives exactly that, s = 0
             top = torch.where(filled, mask, float("-inf")).amax(-1, keepdim=True)
-            dead = (filled | (mask <= _ABSORBING) | (mask <= top + MASK_VALUE)).all(-1, keepdim=True)
+            dead = (filled | (mask <= ABSORBING) | (mask <= top + MASK_VALUE)).all(-1, keepdim=True)
             q = torch.where(dead, 0.0, q)
             # and such a row's mask shifted to a max of 0 (softmax is shift-invariant): the fused CPU backward
             # recomputes exp(s - lse), and lse = min + log(n) rounds back to min, giving weights of 1

@@ -213,10 +213,10 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         why = _interior_escapes(m, live)
         if why:
             return why
+        _gqa(m)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
         mut = mutation_inside(m.anchor, m.dead)
         if mut is not None:
             return f"in-place op '{mut.name}' runs inside the attention pattern"
-        _gqa(m)
         _causal_or_const(m, consts)
         if _needs_fixup(m, consts):
             m.fixup = "auto"

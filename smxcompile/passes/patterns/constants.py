@@ -15,6 +15,7 @@ import torch
 from torch.fx import Node
 
 from .graph import is_mutation, is_number, is_random, static_shape, tensor_val
+from .writes import may_be_written
 from .masks import MASK_VALUE
 
 #: Largest constant tensor (elements) evaluated at compile time (a causal mask of 8192 x 8192 tokens).
@@ -26,8 +27,9 @@ _MISSING = object()
 
 
 def evaluable(node: Node) -> bool:
-    """A pure torch / operator call that may be run at compile time (no mutation, no randomness, no I/O)."""
-    if is_random(node) or is_mutation(node):
+    """A pure torch / operator call that may be run at compile time (no mutation, no randomness, no I/O), whose
+    result no later write changes."""
+    if is_random(node) or is_mutation(node) or may_be_written(node):
         return False
     if node.op == "call_method":
         return isinstance(node.target, str) and not node.target.startswith("_") or node.target in (

@@ -18,6 +18,8 @@ from .graph import broadcasts_to, canon, same_shape, single_user, static_shape, 
 #: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
 #: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
 MASK_VALUE = -1e4
+#: An additive mask value at or below this absorbs any finite fp32 score (ulp(1e30) / 2 ~ 4e22).
+ABSORBING = -1e30
 
 
 def add_operands(n: Node) -> tuple[Node, Node] | None:
@@ -103,4 +105,4 @@ def mask_floor(n: Node) -> tuple[Node, Any] | None:
     return x, c
 
 
-__all__ = ["MASK_VALUE", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]
+__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]

@@ -5,7 +5,8 @@ them where its nodes consume them. A write in between matters unless the tensor 
 fresh result of an allocating op (arithmetic, a factory, ``clone``), with every alias of it (its views, anything
 not known to allocate) read by the pattern only after the write. DeBERTa builds its relative-position bias as
 ``score = c2p / s; score += p2c / s`` before adding it to the scores; Data2Vec-Vision its bias index with ``+=``;
-Swin-v2 its bias MLP with ``nn.ReLU(inplace=True)`` on a fresh ``linear``.
+Swin-v2 its bias MLP with ``nn.ReLU(inplace=True)`` on a fresh ``linear``; Funnel multiplies a view of its
+positional scores in place.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def mutation_inside(anchor: Node, pattern) -> Node | None:
 
 
 def _allocates(n: Node) -> bool:
-    if "out" in n.kwargs or n.target is torch.einsum:   # out= returns its argument; einsum("ij->ji") is a view
+    if "out" in n.kwargs:   # out= returns its argument
         return False
+    if n.target is torch.einsum:   # a one-operand einsum ("ij->ji") may be a view
+        return len(n.all_input_nodes) >= 2
     c = canon(n)
     return (c is not None and c[0] in _ALLOCATING_OPS) or (n.op == "call_function" and n.target in _FACTORIES) or (
         n.op == "call_method" and n.target == "clone")
@@ -61,25 +64,46 @@ def _written(n: Node) -> Node | None:
     return None
 
 
-def _private_write(write: Node, pattern: set, order: dict) -> bool:
-    """``write`` changes a fresh tensor whose every alias the pattern reads only after ``write``."""
-    base = _written(write)
-    while base is not None and not _allocates(base):   # back through views (one tensor input) and earlier writes
-        if is_mutation(base):
-            base = _written(base)
-        elif base.op in ("call_function", "call_method") and base.all_input_nodes == [base.args[0]]:
-            base = base.args[0]
+def _base(n: Node | None) -> Node | None:
+    """The allocating node ``n`` views (back through single-input ops and earlier writes), or None."""
+    while n is not None and not _allocates(n):
+        if is_mutation(n):
+            n = _written(n)
+        elif n.op in ("call_function", "call_method") and n.args and n.all_input_nodes == [n.args[0]]:
+            n = n.args[0]
         else:
-            return False
-    if base is None:
-        return False
+            return None
+    return n
+
+
+def _aliases(base: Node) -> set | None:
+    """``base`` and everything computed from it by an op not known to allocate (it may be a view of it); None when
+    one of them may come to share another tensor's storage (``set_``)."""
     aliases, stack = {base}, [base]
-    while stack:   # anything computed from an alias by an op not known to allocate may be a view of it
+    while stack:
         for u in stack.pop().users:
+            if u.op == "call_method" and u.target == "set_":
+                return None
             if u not in aliases and not _allocates(u):
                 aliases.add(u)
                 stack.append(u)
+    return aliases
+
+
+def may_be_written(n: Node) -> bool:
+    """Whether some node of the graph may write ``n`` or a tensor sharing its memory in place."""
+    base = _base(n) or n
+    aliases = _aliases(base)
+    return aliases is None or any(is_mutation(a) for a in aliases)
+
+
+def _private_write(write: Node, pattern: set, order: dict) -> bool:
+    """``write`` changes a fresh tensor whose every alias the pattern reads only after ``write``."""
+    base = _base(_written(write))
+    aliases = _aliases(base) if base is not None else None
+    if aliases is None:
+        return False
     return all(order[p] > order[write] for p in pattern if any(a in aliases for a in p.all_input_nodes))
 
 
-__all__ = ["mutation_inside"]
+__all__ = ["mutation_inside", "may_be_written"]
