@@ -23,7 +23,7 @@ _ALLOCATING_OPS = {"add", "sub", "mul", "div", "exp", "log", "tanh", "softmax", 
                    "amax", "logsumexp"}
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.zeros_like,
               torch.ones_like, torch.full_like, torch.empty_like, torch.rand, torch.randn, torch.cat, torch.stack,
-              torch.clone, torch.nn.functional.linear, torch._C._nn.linear}
+              torch.clone, torch.where, torch.nn.functional.linear, torch._C._nn.linear}
 # in-place forms whose written tensor is their first argument
 _WRITE_FIRST = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
                 operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
