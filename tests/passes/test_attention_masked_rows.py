@@ -137,3 +137,23 @@ def test_inplace_fill_on_fresh_scores_is_rewritten():
     r = rewrite(masked_fill_inplace_observed, q, k, v, ~CAUSAL)
     att = [s for s in r.report if s.kind == "attention"]
     assert [s.action for s in att] == ["skipped"] and "in-place op" in att[0].reason, str(r.report)
+
+
+def _additive(q, k, v, mask):
+    return torch.softmax(q @ k.transpose(-2, -1) + mask, -1) @ v
+
+
+@pytest.mark.parametrize("value", [-1e9, torch.finfo(torch.float32).min])
+def test_additive_mask_row_wholly_absorbing_gradients(value):
+    """A row whose additive mask absorbs the scores: eager's fp32 weights are uniform where fp64's are not, and
+    torch's fused CPU backward recomputes exp(s - lse) with lse rounded to the mask value; the gradients of q, k
+    and v must still be no further from fp64 than eager's."""
+    from pass_helpers import check_against_gold
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=gen) for _ in range(3))
+    mask = torch.zeros(6, 6)
+    mask[2] = value
+    r = rewrite(_additive, q, k, v, mask)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"]
+    check_against_gold(r, _additive, (q, k, v, mask), torch.randn(2, 3, 6, 8, generator=gen).double(), tol=1e-5)
