@@ -410,8 +410,8 @@ def _top1_uses(m: TopkMatch) -> list[tuple[Node, str, bool]]:
 
 def graph_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, indices)`` of the row maximum of ``softmax(x, dim, dtype=dtype)``, keepdim, without writing
-    the probabilities: the index as :func:`_softmax_top1` picks it (eager's), the probability there with its
-    gradient; NaN and index 0 on rows whose softmax is all NaN (a NaN or ``+inf``, or only ``-inf``)."""
+    the probabilities: the index as :func:`_softmax_top1` picks it (the first maximal logit), the probability
+    there with its gradient; NaN and index 0 on rows whose softmax is all NaN (a NaN or ``+inf``, or only ``-inf``)."""
     p_i, i = _softmax_top1(x, dim, dtype)
     return p_i.to(x.dtype if dtype is None else dtype), i
 

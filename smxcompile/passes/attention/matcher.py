@@ -278,8 +278,9 @@ def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
 
 
 def _mask_stage(n: Node):
-    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); ``s - mask`` -> ("sub", (s, mask), s); a fill (see :func:`fill_mask`) -> ("fill", (cond,
-    True if True masks, value), s). The scores side of an addition is the operand computed from the score matmul."""
+    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); ``s - mask`` -> ("sub", (s, mask), s); a fill
+    (see :func:`fill_mask`) -> ("fill", (cond, True if True masks, value), s); ``max(s, c)`` -> ("floor", c, s).
+    The scores side is the operand computed from the score matmul."""
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         a, b = pair
@@ -464,8 +465,6 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
     if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
         return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
     if negated:
-        if mv.dtype == torch.bool:
-            return "a bool mask is subtracted from the scores"
         m.negated_masks += (len(m.add_masks),)
     m.add_masks.append(mask)
     m.mask_order += "a"

@@ -174,12 +174,12 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
 
 
 def _floored(q, add_masks, floor: float):
-    """``max(s + masks, floor)`` as ``s + max(sum of masks, floor)`` (equal wherever ``|s|`` is below ``ulp(floor) / 2``,
-    about 1e31 for ``finfo.min``); a row whose every entry the floor lifts reads no score in eager (uniform
-    weights, no gradient to q or k): its query and its mask are zeroed."""
+    """``max(s + masks, floor)`` as ``s + max(sum of masks, floor)`` (equal wherever ``|s|`` is below
+    ``ulp(floor) / 2``, about 1e31 for ``finfo.min``); a row whose every entry the floor lifts reads no score in
+    eager (uniform weights): its query and its mask are zeroed."""
     total = sum(mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks)
     lifted = (total < floor).all(-1, keepdim=True)
-    # and a mask of 0 there: the fused CPU backward recomputes exp(s - lse), where lse = floor + log(n) rounds to floor
+    # and a mask of 0 there: the fused CPU backward recomputes exp(s - lse), lse = floor + log(n) rounding to floor
     return torch.where(lifted, 0.0, q), [torch.where(lifted, 0.0, total.clamp(min=floor))]
 
 

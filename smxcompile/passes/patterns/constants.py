@@ -15,8 +15,8 @@ import torch
 from torch.fx import Node
 
 from .graph import is_mutation, is_number, is_random, static_shape, tensor_val
-from .writes import may_be_written
 from .masks import MASK_VALUE
+from .writes import may_be_written
 
 #: Largest constant tensor (elements) evaluated at compile time (a causal mask of 8192 x 8192 tokens).
 MAX_CONST_ELEMENTS = 1 << 26

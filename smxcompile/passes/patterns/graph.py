@@ -265,7 +265,8 @@ def depends_on_random(node: Node, depth: int = 64) -> bool:
     return False
 
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+#: ``operator`` functions that write their first argument (``x += y``, ``x[i] = v``).
+INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.imatmul,
                       operator.setitem}
 
@@ -290,7 +291,7 @@ def is_mutation(node: Node) -> bool:
         return owner is not None and getattr(owner.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
         return False
-    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or inplace_flag(node):
+    if node.target in INPLACE_OPERATORS or "out" in node.kwargs or inplace_flag(node):
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable

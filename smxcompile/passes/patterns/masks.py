@@ -86,7 +86,9 @@ def is_masking_value(v):
 def mask_floor(n: Node) -> tuple[Node, Any] | None:
     """``max(x, c)`` / ``maximum(x, c)`` with ``c`` a 0-d tensor, ``clamp(x, min=c)`` / ``clamp_min(x, c)`` with
     ``c`` a number or a 0-d tensor -> ``(x, c)``; whether ``x`` is the scores is the caller's rule."""
-    fn = n.target if n.op == "call_function" else getattr(torch, str(n.target), None) if n.op == "call_method" else None
+    if n.op not in ("call_function", "call_method"):
+        return None
+    fn = n.target if n.op == "call_function" else getattr(torch, str(n.target), None)
     if fn in (torch.max, torch.maximum):     # torch.max(x, 1) is a reduction: the bound must be a tensor
         if len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
             return None
@@ -105,4 +107,5 @@ def mask_floor(n: Node) -> tuple[Node, Any] | None:
     return x, c
 
 
-__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]
+__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value",
+           "mask_floor"]

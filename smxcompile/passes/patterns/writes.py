@@ -11,12 +11,10 @@ positional scores in place.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.fx import Node
 
-from .graph import canon, inplace_flag, is_mutation
+from .graph import INPLACE_OPERATORS, canon, inplace_flag, is_mutation
 
 # canonical ops (graph.canon) whose result is always new memory
 _ALLOCATING_OPS = {"add", "sub", "mul", "div", "exp", "log", "tanh", "softmax", "log_softmax", "matmul", "sum",
@@ -24,9 +22,6 @@ _ALLOCATING_OPS = {"add", "sub", "mul", "div", "exp", "log", "tanh", "softmax", 
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.zeros_like,
               torch.ones_like, torch.full_like, torch.empty_like, torch.rand, torch.randn, torch.cat, torch.stack,
               torch.clone, torch.where, torch.nn.functional.linear, torch._C._nn.linear}
-# in-place forms whose written tensor is their first argument
-_WRITE_FIRST = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
-                operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
 
 
 def mutation_inside(anchor: Node, pattern) -> Node | None:
@@ -57,7 +52,7 @@ def _written(n: Node) -> Node | None:
     (``set_`` makes its argument share another tensor's storage: not one of them)."""
     if not n.args or not isinstance(n.args[0], Node) or "out" in n.kwargs:
         return None
-    if (n.op == "call_method" and n.target != "set_") or (n.op == "call_function" and n.target in _WRITE_FIRST):
+    if (n.op == "call_method" and n.target != "set_") or (n.op == "call_function" and n.target in INPLACE_OPERATORS):
         return n.args[0]
     if n.op == "call_function" and inplace_flag(n):    # F.relu(x, inplace=True) writes its input
         return n.args[0]
