@@ -5,7 +5,9 @@ is rewritten, and the compiled forward and parameter gradients are as close to a
   ``bmm`` on (B*H, N, d), self- and cross-attention;
 - transformers' Swin-v2: cosine attention scaled by a learned per-head factor (H, 1, 1), a relative-position
   bias, and the shifted-window mask added to the scores viewed as (B/nW, nW, H, N, N);
-- transformers' LeViT: attention biases, K read through ``permute``."""
+- transformers' LeViT: attention biases, K read through ``permute``;
+- transformers' VitDet: decomposed relative positions (MViT-v2), a bias computed from q per grid axis and added
+  to the scores viewed as (B*H, Lh, Lw, Sh, Sw)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ CASES = {
                       drop_path_rate=0.0),
     "levit": _vision("LevitConfig", "LevitModel", 64, image_size=64, hidden_sizes=[32, 48, 64],
                      num_attention_heads=[1, 2, 2], depths=[1, 1, 1], key_dim=[8, 8, 8]),
+    "vitdet": _vision("VitDetConfig", "VitDetModel", 32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      image_size=32, patch_size=8, pretrain_image_size=32, use_relative_position_embeddings=True,
+                      window_size=2, window_block_indices=[0], drop_path_rate=0.0),
 }
 
 

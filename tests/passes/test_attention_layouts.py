@@ -89,6 +89,20 @@ def floored_by_clamp(q, k, v, mask):
     return s.softmax(-1) @ v
 
 
+def decomposed_rel_pos(q, k, v, table_h, table_w):   # MViT-v2 / SAM / VitDet: a bias per grid axis, from q
+    s = (q * E ** -0.5) @ k.transpose(-2, -1)        # (B*H, 6, 6): a 2 x 3 grid of queries and of keys
+    grid = q.reshape(-1, 2, 3, E)
+    bias_h = torch.einsum("bhwc,hkc->bhwk", grid, table_h)
+    bias_w = torch.einsum("bhwc,wkc->bhwk", grid, table_w)
+    s = (s.view(-1, 2, 3, 2, 3) + bias_h[..., None] + bias_w[..., None, :]).view(-1, 6, 6)
+    return s.softmax(-1) @ v
+
+
+def _grid_case(seed=0):
+    q, k, v = (_randn(B * H, 6, E, seed=seed + i) for i in range(3))
+    return q, k, v, _randn(2, 2, E, seed=seed + 3), _randn(3, 3, E, seed=seed + 4)
+
+
 def _padding(value):                            # batch 1 has every key masked: eager's rows are uniform
     keep = torch.arange(S).expand(B, S) < torch.tensor([[S - 2], [0]])
     return torch.zeros(B, 1, 1, S).masked_fill(~keep[:, None, None], value)
@@ -112,6 +126,7 @@ CASES = {
     "subtracted_bias": (subtracted_bias, lambda: (*bhle(), _randn(H, L, S, seed=7))),
     "floored_padding": (floored_padding, lambda: (*bhle(), _padding(torch.finfo(torch.float32).min))),
     "floored_inf_padding": (floored_by_clamp, lambda: (*bhle(), _padding(float("-inf")))),
+    "decomposed_rel_pos": (decomposed_rel_pos, _grid_case),
     "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
                                             _randn(B, H, E, E, seed=2))),
 }
@@ -167,7 +182,25 @@ def zero_dim_subtracted(q, k, v):                # a 0-d tensor shifts every sco
     return (q @ k.transpose(-2, -1) - torch.tensor(2.0)).softmax(-1) @ v
 
 
+def view_mixing_indices(q, k, v, bias):        # (B*H, 6, 6) viewed as (B*H, 4, 9): rows mix queries and keys
+    s = ((q @ k.transpose(-2, -1)).view(-1, 4, 9) + bias).view(-1, 6, 6)
+    return s.softmax(-1) @ v
+
+
+def softmax_over_split_keys(q, k, v):            # the softmax runs over 3 of each query's 6 keys
+    s = (q @ k.transpose(-2, -1)).view(-1, 6, 2, 3).softmax(-1)
+    return s.view(-1, 6, 6) @ v
+
+
+def factor_on_split_view(q, k, v, t):            # a factor constant along 3 keys only: not a factor of q's rows
+    s = ((q @ k.transpose(-2, -1)).view(-1, 6, 2, 3) * t).view(-1, 6, 6)
+    return s.softmax(-1) @ v
+
+
 NEAR_MISSES = {
+    "view_mixing_indices": (view_mixing_indices, lambda: (*_grid_case()[:3], _randn(4, 9, seed=5))),
+    "softmax_over_split_keys": (softmax_over_split_keys, lambda: _grid_case()[:3]),
+    "factor_on_split_view": (factor_on_split_view, lambda: (*_grid_case()[:3], _randn(6, 2, 1, seed=5))),
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
     "floor_cutting_through": (floor_cutting_through, lambda: (*bhle(), _padding(-1e4 - 2))),
     "clamped_at_zero": (clamped_at_zero, lambda: bhle()),

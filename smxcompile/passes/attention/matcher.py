@@ -35,12 +35,14 @@ from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
     op_label, same_shape, same_size, static_shape, tensor_val
-from ..patterns.masks import ABSORBING, MASK_VALUE, add_operands, fill_mask, is_masking_value, mask_floor
+from ..patterns.masks import ABSORBING, MASK_VALUE, add_operands, fill_mask, inplace_add_operands, inplace_fill, \
+    is_masking_value, mask_floor
 from ..protocol import Match
-from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, view_lead
+from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, reshape_input, settle, \
+    split_view, view_lead
 from ..patterns.selections import no_op_copy
-from .operands import dropout_call, fresh_tensor, inplace_add_before, inplace_add_operands, inplace_fill, key_side, \
-    shape_of, softmax_input
+from ..patterns.writes import fresh_tensor, inplace_add_before
+from .operands import dropout_call, key_side, shape_of, softmax_input
 
 
 
@@ -210,7 +212,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             stages.append(("cast", n))
             n = n.args[0]
             continue
-        if lead_view(n) is not None:   # (B*H, L, S) <-> (B, H, L, S), as 3-D bmm attention writes it
+        if lead_view(n) is not None or _static_view(n):   # (B*H, L, S) <-> (B, H, L, S), or (B, Lh, Lw, Sh, Sw)
             stages.append(("view", (n, n)))
             n = n.args[0]
             continue
@@ -311,7 +313,7 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
         return False
     if contraction(n) is not None:
         return True
-    if cast_dtype(n) is not None or lead_view(n) is not None:
+    if cast_dtype(n) is not None or reshape_input(n) is not None:
         return _reaches_matmul(n.args[0], depth - 1)
     ip = inplace_add_operands(n)
     if ip is not None:
@@ -324,6 +326,11 @@ def _reaches_matmul(n: Any, depth: int = 12) -> bool:
         return _reaches_matmul(fill[1], depth - 1)
     floor = mask_floor(n)
     return floor is not None and _reaches_matmul(floor[0], depth - 1)
+
+
+def _static_view(n: Node) -> bool:
+    x = reshape_input(n)
+    return x is not None and static_shape(tensor_val(x)) is not None and static_shape(tensor_val(n)) is not None
 
 
 def _row_scale_stage(n: Node):
@@ -361,6 +368,7 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
     phase = 0   # 0: scale/cast before softcap, 1: after softcap, 2: masks, 3: trailing casts
     level = qk                  # the node whose shape the scores have where each stage applies (views regroup)
     mask_levels: set = set(m.add_levels)   # a baddbmm bias applies at the contraction
+    split: set = set()          # views splitting the query and key indices (B, Lh, Lw, Sh, Sw)
     for kind, payload in order:
         if kind == "cast":
             node = payload
@@ -370,12 +378,19 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
         m.dead.append(node)
         if kind == "view":
             level = data
+            if lead_view(node) is None:     # a static view: it must split the query and key indices, not mix them
+                rows, cols = (static_shape(tensor_val(qk)) or (None, None))[-2:]
+                if rows is None or split_view(node, rows, cols) is None:
+                    return _skip(m, "the scores are viewed in a shape that mixes the query and key indices")
+                split.add(level)
             continue
         if kind in ("add", "sub", "fill"):
             if m.mask_floor is not None:
                 return _skip(m, "a mask is applied after the scores are clamped below")
             mask_levels.add(level)
         if kind == "scale_t":
+            if level in split:
+                return _skip(m, "a factor of the scores viewed with the key index split is not a factor of q's rows")
             m.scale_levels.append((data[0], level))
         if kind in ("scale", "scale_t"):
             if phase >= 2:
@@ -433,8 +448,11 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
             phase = 2
             seen_mask = True
             continue
+    if split and not same_shape(tuple(tensor_val(softmax_input(m.softmax)[0]).shape[-2:]),
+                                tuple(tensor_val(qk).shape[-2:])):
+        return _skip(m, "the softmax runs over a part of the key index (the scores viewed with it split)")
     if any(k == "view" for k, _ in stages) or any(lead_view(n) is not None for n in m.dead):
-        why = _regroup(m, qk, mask_levels)
+        why = _regroup(m, qk, mask_levels, split)
         if why:
             return _skip(m, why)
     if m.scale != 1.0:
@@ -511,10 +529,10 @@ def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator)
         m.scale_tensors.append((t, op))
 
 
-def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
-    """Views regroup the leading dims between the score matmul, the masks and the value matmul: the op runs
-    with q, k, v regrouped as the masks see the scores (else as V is), and returns its output grouped as V.
-    Why this cannot be done, or ""."""
+def _regroup(m: AttentionMatch, qk: Node, mask_levels: set, split: set) -> str:
+    """Views regroup the leading dims between the score matmul, the masks and the value matmul (or split the
+    query and key indices, the levels in ``split``): the op runs with q, k, v regrouped as the masks see the
+    scores (else as V is), and returns its output grouped as V. Why this cannot be done, or ""."""
     if m.layouts:
         return "views regroup the leading dims of operands read in another layout"
     vals = [tensor_val(x) for x in (m.q, m.k, m.v, qk, m.anchor)]
@@ -527,7 +545,7 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set) -> str:
         return "q, k and v are not regrouped alike by the views between the attention matmuls"
     if not mask_levels:
         lead = vs
-    elif len(mask_levels) > 1:      # masks on differently viewed scores: each regrouped as q is, at run time
+    elif len(mask_levels) > 1 or mask_levels & split:   # each mask expanded to its view, regrouped as q is
         lead = qs
         for level in m.add_levels + m.fill_levels:
             shape = None if level is qk else static_shape(tensor_val(level))

@@ -1,6 +1,5 @@
 """The operands of an attention block, read from the Dynamo graph: K^T's copies and own scale, K / V repeated per
-query head (GQA), views that regroup only the leading dims, copies, dropout, the softmax call, and in-place adds
-and fills on the scores. Used by :mod:`.matcher`, which assembles them into a site."""
+query head (GQA), copies, dropout and the softmax call. Used by :mod:`.matcher`, which assembles them into a site."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ..patterns.arith import scale_stage
-from ..patterns.contraction import contraction
 from ..patterns.selections import no_op_copy
 from ..patterns.graph import canon, same_size, tensor_val
 
@@ -121,47 +119,12 @@ def softmax_input(n: Node) -> tuple[Node, Any, Any] | None:
     return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
 
 
-def inplace_add_operands(n: Any) -> tuple[Node, Node] | None:
-    """``operator.iadd(s, m)`` (``s += m``) or ``s.add_(m)`` with a tensor ``m`` -> (s, m)."""
-    if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
-        return None
-    if (n.op == "call_function" and n.target is operator.iadd) or (n.op == "call_method" and n.target == "add_"):
-        return n.args[0], n.args[1]
-    return None
 
 
-def fresh_tensor(n: Any) -> bool:
-    """``n`` is a new tensor (a matmul or an out-of-place arithmetic result), not a view or an alias of another:
-    an in-place add on it changes nothing else."""
-    if not isinstance(n, Node):
-        return False
-    c = canon(n)
-    return contraction(n) is not None or (c is not None and c[0] in ("add", "sub", "mul", "div", "tanh"))
 
 
-def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
-    """``s.masked_fill_(mask, value)`` -> ``(mask, True, value)``."""
-    if isinstance(n, Node) and n.op == "call_method" and n.target == "masked_fill_" and len(n.args) == 3 \
-            and not n.kwargs and isinstance(n.args[1], Node):
-        return n.args[1], True, n.args[2]
-    return None
 
 
-def inplace_add_before(n: Node, consumer: Node) -> Node | None:
-    """The in-place add or fill ``u = n.add_(mask)`` / ``n.masked_fill_(mask, value)`` that runs before
-    ``consumer`` reads ``n``, when ``n`` is a fresh tensor used only by ``u`` and ``consumer`` (so ``consumer``
-    reads ``n + mask``, or ``n`` filled), else None."""
-    users = set(n.users)
-    us = [u for u in users if u is not consumer and u.args and u.args[0] is n
-          and (inplace_add_operands(u) is not None or inplace_fill(u) is not None)]
-    if len(us) != 1 or users != {us[0], consumer} or not fresh_tensor(n) or us[0].args[1] is n:
-        return None
-    u = us[0]
-    x = u.next
-    while x is not None and x is not consumer:   # u must run before consumer
-        x = x.next
-    return u if x is consumer else None
 
 
-__all__ = ["shape_of", "key_side", "ungqa",
-           "dropout_call", "softmax_input", "inplace_add_operands", "inplace_fill", "fresh_tensor", "inplace_add_before"]
+__all__ = ["shape_of", "key_side", "ungqa", "dropout_call", "softmax_input"]

@@ -57,7 +57,7 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
     if mask_shapes:
         def regroup(t, shape):
-            return t if shape is None else t.expand(shape).reshape(*lead, *shape[-2:])
+            return t if shape is None else t.expand(shape).reshape(*lead, q.shape[-2], k.shape[-2])
 
         n_add = len(add_masks)
         add_masks = [regroup(a, s) for a, s in zip(add_masks, mask_shapes[:n_add])]

@@ -69,7 +69,7 @@ def _repeat_nodes(n: Node) -> list[Node]:
 
 def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     """A constant mask that is exactly the causal lower triangle becomes ``is_causal``; an all-zero one goes."""
-    if len(m.add_masks) + len(m.masked) != 1:
+    if len(m.add_masks) + len(m.masked) != 1 or any(m.mask_shapes):   # a mask on a view: not in (L, S) form
         return
     qv, kv = m.val("q"), m.val("k")
     L, S = qv.shape[-2], kv.shape[-2]

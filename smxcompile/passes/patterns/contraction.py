@@ -110,15 +110,42 @@ def settle(op: Operand) -> Operand:
     return p if p.perm is None else op
 
 
-def lead_view(n: Any) -> Node | None:
-    """``x.view(shape)`` / ``x.reshape(shape)`` that only regroups the leading (batch, head) dims of ``x``
-    (the last two dims kept, provably also for symbolic sizes) -> x."""
+def reshape_input(n: Any) -> Node | None:
+    """``x`` for ``x.view(shape)``, ``x.reshape(shape)``, ``torch.reshape(x, shape)``."""
     if not isinstance(n, Node) or not ((n.op == "call_method" and n.target in _REGROUPS) or (
             n.op == "call_function" and n.target is torch.reshape)):
         return None
-    x = n.args[0]
+    return n.args[0] if isinstance(n.args[0], Node) else None
+
+
+def split_view(n: Any, rows: int, cols: int) -> Node | None:
+    """``x.view(shape)`` / ``x.reshape(shape)`` of (..., rows, cols) entries, static sizes, that keeps each entry's
+    (leading, row, column) indices: ``shape`` is (leading dims, dims splitting ``rows``, dims splitting ``cols``),
+    e.g. (B, L, S) -> (B, Lh, Lw, Sh, Sw) -> x. Row-major index maps: both shapes flatten alike."""
+    x = reshape_input(n)
+    if x is None:
+        return None
+    for shape in (static_shape(tensor_val(x)), static_shape(tensor_val(n))):
+        if shape is None:
+            return None
+        dims = list(shape)
+        for size in (cols, rows):
+            prod = 1
+            while prod < size and dims:
+                prod *= dims.pop()
+            if prod != size:
+                return None
+    return x
+
+
+def lead_view(n: Any) -> Node | None:
+    """``x.view(shape)`` / ``x.reshape(shape)`` that only regroups the leading (batch, head) dims of ``x``
+    (the last two dims kept, provably also for symbolic sizes) -> x."""
+    x = reshape_input(n)
+    if x is None:
+        return None
     xv, nv = tensor_val(x), tensor_val(n)
-    if not isinstance(x, Node) or xv is None or nv is None or xv.dim() < 3 and nv.dim() < 3:
+    if xv is None or nv is None or xv.dim() < 3 and nv.dim() < 3:
         return None
     if xv.dim() < 2 or nv.dim() < 2 or not same_shape(tuple(xv.shape[-2:]), tuple(nv.shape[-2:])):
         return None
@@ -241,4 +268,4 @@ def _einsum(n: Node) -> Contraction | None:
                        out_perm=None if po == tuple(range(len(po))) else po)
 
 
-__all__ = ["Operand", "Contraction", "contraction", "peel", "settle", "lead_view", "view_lead", "reorder_of", "apply_perm", "inverse_perm"]
+__all__ = ["Operand", "Contraction", "contraction", "peel", "settle", "lead_view", "split_view", "reshape_input", "view_lead", "reorder_of", "apply_perm", "inverse_perm"]

@@ -8,6 +8,7 @@ output's full shape is the scores; attention: the operand computed from the scor
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -107,5 +108,23 @@ def mask_floor(n: Node) -> tuple[Node, Any] | None:
     return x, c
 
 
-__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "static_additive_mask", "fill_mask", "is_masking_value",
+def inplace_add_operands(n: Any) -> tuple[Node, Node] | None:
+    """``operator.iadd(s, m)`` (``s += m``) or ``s.add_(m)`` with a tensor ``m`` -> (s, m)."""
+    if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
+        return None
+    if (n.op == "call_function" and n.target is operator.iadd) or (n.op == "call_method" and n.target == "add_"):
+        return n.args[0], n.args[1]
+    return None
+
+
+def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
+    """``s.masked_fill_(mask, value)`` -> ``(mask, True, value)``."""
+    if isinstance(n, Node) and n.op == "call_method" and n.target == "masked_fill_" and len(n.args) == 3 \
+            and not n.kwargs and isinstance(n.args[1], Node):
+        return n.args[1], True, n.args[2]
+    return None
+
+
+
+__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_fill", "static_additive_mask", "fill_mask", "is_masking_value",
            "mask_floor"]
