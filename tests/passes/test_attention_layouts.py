@@ -98,6 +98,27 @@ def decomposed_rel_pos(q, k, v, table_h, table_w):   # MViT-v2 / SAM / VitDet: a
     return s.softmax(-1) @ v
 
 
+def keys_first_padding(q, k, v, pad):           # scores laid out (keys, queries): the softmax over dim -2
+    s = (k @ q.transpose(-2, -1) * E ** -0.5).masked_fill(pad, -1e9)
+    return s.softmax(-2).transpose(-2, -1) @ v
+
+
+def keys_first_einsum(q, k, v, mask):          # the same in einsum, a float mask with a row per key
+    s = torch.einsum("bhjd,bhid->bhji", k, q) + mask
+    return torch.einsum("bhji,bhjd->bhid", s.softmax(-2), v)
+
+
+def keys_first_causal(q, k, v):                 # a causal mask written for (keys, queries) scores
+    keep = torch.arange(L)[None, :] >= torch.arange(L)[:, None]   # keep[j, i]: key j at or before query i
+    s = torch.where(keep, k @ q.mT, float("-inf"))
+    return s.softmax(-2).mT @ v
+
+
+def keys_first_blind_query(q, k, v):            # a constant mask that hides every key from query 0
+    blind = (torch.arange(L) == 0).expand(S, L)
+    return (k @ q.mT).masked_fill(blind, -1e9).softmax(-2).mT @ v
+
+
 def _grid_case(seed=0):
     q, k, v = (_randn(B * H, 6, E, seed=seed + i) for i in range(3))
     return q, k, v, _randn(2, 2, E, seed=seed + 3), _randn(3, 3, E, seed=seed + 4)
@@ -127,6 +148,11 @@ CASES = {
     "floored_padding": (floored_padding, lambda: (*bhle(), _padding(torch.finfo(torch.float32).min))),
     "floored_inf_padding": (floored_by_clamp, lambda: (*bhle(), _padding(float("-inf")))),
     "decomposed_rel_pos": (decomposed_rel_pos, _grid_case),
+    "keys_first_padding": (keys_first_padding, lambda: (*bhle(), torch.stack(   # batch 1: every key masked
+        [torch.arange(S) >= S - 2, torch.ones(S, dtype=torch.bool)]).view(B, 1, S, 1))),
+    "keys_first_einsum": (keys_first_einsum, lambda: (*bhle(), _randn(B, 1, S, L, seed=9))),
+    "keys_first_causal": (keys_first_causal, lambda: bhle(lk=L)),
+    "keys_first_blind_query": (keys_first_blind_query, bhle),
     "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
                                             _randn(B, H, E, E, seed=2))),
 }

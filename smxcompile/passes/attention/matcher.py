@@ -81,7 +81,7 @@ class AttentionMatch(Match):
     fill_levels: list = dataclasses.field(default_factory=list)   # per fill: the score node it applies at
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
-    layout: dict = dataclasses.field(default_factory=dict)  # role ("q", "k", "v", "out") -> permutation or None
+    layout: dict = dataclasses.field(default_factory=dict)  # "q", "k", "v", "out", "scores" -> permutation or None
 
     def val(self, role: str):
         """The fake tensor of q, k or v in the op's layout (..., L or S, E)."""
@@ -122,9 +122,10 @@ class AttentionMatch(Match):
 
 
 def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
-    """The softmax whose output ``a`` is, through casts, copies, dropout and views of the leading dims:
-    ``(softmax, nodes between, dropout call)``, or None."""
-    if a.perm is not None:
+    """The softmax whose output ``a`` is (as it is, or with its last two dims swapped: scores laid out (keys,
+    queries)), through casts, copies, dropout and views of the leading dims: ``(softmax, nodes between, dropout
+    call)``, or None."""
+    if a.perm is not None and a.perm != _swap(len(a.perm)):
         return None
     chain: list[Node] = []
     dropout = None
@@ -148,6 +149,10 @@ def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
     return None
 
 
+def _swap(nd: int) -> tuple[int, ...]:
+    return tuple(range(nd - 2)) + (nd - 1, nd - 2)
+
+
 def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None:
     """Walk up from the contraction of the weights with V (either operand order, any layout of V or of the
     output); None when neither operand is a softmax's output."""
@@ -156,12 +161,14 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         return None
     for pv in (c, c.transposed()):
         views: list[Node] = []
-        found = _weights(peel(pv.a, views))
+        weights = peel(pv.a, views)
+        found = _weights(weights)
         if found is not None:
             break
     else:
         return None
     sm, chain, dropout = found
+    keys_first = weights.perm is not None      # the weights are read transposed: the key index is dim -2
     chain = views + chain
     v = settle(pv.b)
     x, dim, sm_dtype = softmax_input(sm)
@@ -180,7 +187,11 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
         return _skip(m, "the softmax input has no shape information")
     nd = tensor_val(x).dim()
     d = norm_dim(dim, nd)
-    if d is None or d != nd - 1:
+    if keys_first:
+        if d != nd - 2:
+            return None        # the weights summed over the query index
+        m.layout["scores"] = _swap(nd)
+    elif d is None or d != nd - 1:
         # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
         m.guarded = d is not None and not m.safe_softmax   # smx::softmax would give NaN where it gives 0
         return _skip(m, "the softmax runs over the query index (or another index), not the key index" + (
@@ -241,9 +252,10 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
 
 def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvaluator) -> AttentionMatch:
     """Q and K from the score contraction (Q (..., L, E) @ K^T (..., E, S), any layout), then the score chain."""
-    if qk.out_perm is not None:        # the softmax says which index is the key: the roles of q and k may swap
+    want = m.layout.get("scores")      # the softmax says which index is the key: the roles of q and k may swap
+    if qk.out_perm != want:
         qk = qk.transposed()
-    if qk.out_perm is not None:
+    if qk.out_perm != want:
         return _skip(m, "the scores' last two dims are not the query and key indices")
     q = settle(qk.a)
     kt, key_scales = key_side(qk.b.node) if qk.b.perm is None else (qk.b.node, [])
@@ -389,8 +401,9 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "a mask is applied after the scores are clamped below")
             mask_levels.add(level)
         if kind == "scale_t":
-            if level in split:
-                return _skip(m, "a factor of the scores viewed with the key index split is not a factor of q's rows")
+            if level in split or m.layout.get("scores"):
+                return _skip(m, "a factor of the scores viewed with the key index split or first is not a factor "
+                                "of q's rows")
             m.scale_levels.append((data[0], level))
         if kind in ("scale", "scale_t"):
             if phase >= 2:

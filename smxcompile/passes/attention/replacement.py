@@ -33,7 +33,8 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
     attention), and return the output grouped as ``v`` was. ``safe_softmax``: the site's softmax was
     ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN). ``layout``: ``{"q" | "k" | "v": perm}`` gives
-    the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's.
+    the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's, ``{"scores": perm}``
+    the masks' (scores laid out (..., S, L)).
     ``mask_shapes``: per mask (``add_masks``, then ``masked``), the shape of the scores' view it applies to (None:
     q's grouping); such a mask is expanded to it and regrouped as ``lead``. ``negated``: the indices of the
     additive masks the scores subtract. ``mask_floor``: the scores are clamped below there after the
@@ -42,6 +43,9 @@ def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, 
     add_masks = [(-(a if a.is_floating_point() else a.to(q.dtype)) if i in negated else a)
                  for i, a in enumerate(add_masks)]
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    if "scores" in layout:     # masks of scores laid out (keys, queries)
+        add_masks = [keys_last(a) for a in add_masks]
+        masked = [(keys_last(c), t, val) for c, t, val in masked]
     out = _attention(q, k, v, add_masks, masked, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
                      export=export, mask_order=mask_order, lead=lead, safe_softmax=safe_softmax,
@@ -173,6 +177,11 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
 
 
+def keys_last(t: torch.Tensor) -> torch.Tensor:
+    """A mask of (..., S, L) scores, as a mask of (..., L, S) scores (broadcast dims kept)."""
+    return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)).mT
+
+
 def _floored(q, add_masks, floor: float):
     """``max(s + masks, floor)`` as ``s + max(sum of masks, floor)`` (equal wherever ``|s|`` is below
     ``ulp(floor) / 2``, about 1e31 for ``finfo.min``); a row whose every entry the floor lifts reads no score in
@@ -229,4 +238,4 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     return attention(q, k, v, **kw, normalizer=normalizer, norm_param=norm_param)
 
 
-__all__ = ["graph_attention", "graph_sdpa"]
+__all__ = ["graph_attention", "graph_sdpa", "keys_last"]

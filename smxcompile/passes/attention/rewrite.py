@@ -21,7 +21,7 @@ from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
 from ..patterns.contraction import contraction
 from .operands import softmax_input, ungqa
-from .replacement import graph_attention, graph_sdpa
+from .replacement import graph_attention, graph_sdpa, keys_last
 
 
 def _differ(a, b) -> bool:
@@ -95,6 +95,8 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
         if not isinstance(c, torch.Tensor):
             return
         keep = ~c if true_masks else c
+    if "scores" in m.layout:
+        keep = keys_last(keep)
     if is_causal_keep(keep, L, S):
         m.is_causal = True
         m.dropped += list(m.add_masks) + [c for c, _, _ in m.masked]
@@ -134,6 +136,7 @@ def _fill_may_mask_a_row(m: AttentionMatch, consts: ConstEvaluator) -> bool:
         if not isinstance(c, torch.Tensor):
             return True
         c = c if true_masks else ~c
+        c = keys_last(c) if "scores" in m.layout else c
         masked_any = c if masked_any is None else masked_any | c
     return masked_any is not None and bool(masked_any.all(-1).any())
 
