@@ -26,6 +26,10 @@ that also has an fp32 row except linear_ce's):
                            T=512
                    gqa     8 query heads, 2 kv heads, k / v expanded with repeat_interleave (as HF), T=512
                  bf16: causal T=512.
+  score_mod      attention whose scores go through another pointwise change (FlexAttention's score_mod), 8
+                 heads, head dim 64, inference only: "silu" softmax(s * sigmoid(s)) at T = 512 (B=2), 1024 and
+                 2048 (B=1); "gate" s * sigmoid(gate), a learned (H, T, T) gate, and "silu+pad" with an additive
+                 [B, 1, 1, T] padding mask, both at T=1024.
   linear_ce      F.cross_entropy(F.linear(x, w), y) (bench_linear_ce.py's loss_fn), N=1024 tokens, D=256,
                  V = 16384, 50257, 131072 (262144 with --big). bf16: N=128, D=128, V=16384 (small: ATen's
                  bf16 matmuls are up to 40x slower than fp32 on CPUs without bf16 instructions).
@@ -93,7 +97,7 @@ from bench_softmax_topk import make_sampler, sites_since  # noqa: E402
 from bench_quant_softmax import f_qdq  # noqa: E402
 from bench_linear_ce import loss_fn  # noqa: E402
 
-FAMILIES = ("softmax", "router", "sampler", "attention", "linear_ce", "cross_entropy", "quant_softmax")
+FAMILIES = ("softmax", "router", "sampler", "attention", "score_mod", "linear_ce", "cross_entropy", "quant_softmax")
 SLOW = 1 / 0.97          # a time ratio above this (and above the noise) is "below 0.97x Inductor"
 BACKENDS = ["eager", "inductor", "smx"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -132,6 +136,11 @@ def all_cases() -> list[Case]:
            C("attention", "causal", "1x8x2048x64"), C("attention", "causal", "1x8x4096x64", big=True),
            C("attention", "padded", "2x8x512x64"), C("attention", "gqa 8q/2kv", "2x8x512x64"),
            C("attention", "causal", "2x8x512x64", "bf16")]
+    cs += [C("score_mod", "silu", "2x8x512x64", passes=("infer",)),
+           C("score_mod", "silu", "1x8x1024x64", passes=("infer",), quick=True),
+           C("score_mod", "silu", "1x8x2048x64", passes=("infer",)),
+           C("score_mod", "gate", "1x8x1024x64", passes=("infer",)),
+           C("score_mod", "silu+pad", "2x8x1024x64", passes=("infer",))]
     for v in (16384, 50257, 131072, 262144):
         cs.append(C("linear_ce", "linear+ce", f"1024x256x{v}", quick=v == 16384, big=v == 262144))
     cs.append(C("linear_ce", "linear+ce", "128x128x16384", "bf16"))   # ATen's bf16 matmuls are slow on some CPUs
@@ -147,6 +156,7 @@ TITLES = {
     "router": "router: v, i = torch.topk(torch.softmax(logits, -1), k) [; v = v / v.sum(-1, keepdim=True)]",
     "sampler": "sampler: torch.topk(torch.softmax(logits / 0.7, -1), 50)",
     "attention": "attention: softmax(q @ k^T * D**-0.5, causal masked_fill [+ pad mask]) @ v, B x H x T x D",
+    "score_mod": "score_mod: softmax(f(q @ k^T * D**-0.5)) @ v, f pointwise, B x H x T x D",
     "linear_ce": "linear_ce: F.cross_entropy(F.linear(x, w), y), N x D x V",
     "cross_entropy": "cross_entropy: F.cross_entropy(logits, y)",
     "quant_softmax": "quant_softmax: dequantize(quantize(softmax(x, -1), 1/255, 0, 0, 255, uint8))",
@@ -200,6 +210,16 @@ def attn_gqa(q, k, v):
     return attn_causal(q, k, v)
 
 
+def attn_silu(q, k, v, *side):
+    s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+    return torch.softmax(s * torch.sigmoid(s) + (side[0] if side else 0.0), -1) @ v
+
+
+def attn_gate(q, k, v, gate):
+    s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+    return torch.softmax(s * torch.sigmoid(gate), -1) @ v
+
+
 def f_ce(logits, y):
     return F.cross_entropy(logits, y)
 
@@ -241,6 +261,16 @@ def build(c: Case) -> Built:
             pad[-1, :, :, T - 64:] = torch.finfo(torch.float32).min   # HF-style additive padding mask
             return Built(attn_padded, [q, k, v, pad.to(dt)], (0, 1, 2))
         return Built(attn_gqa if hkv != H else attn_causal, [q, k, v], (0, 1, 2))
+    if c.family == "score_mod":
+        B, H, T, D = dims
+        q, k, v = rnd(B, H, T, D), rnd(B, H, T, D), rnd(B, H, T, D)
+        if c.name == "gate":
+            return Built(attn_gate, [q, k, v, rnd(H, T, T)], (0, 1, 2))
+        if c.name == "silu+pad":
+            pad = torch.zeros(B, 1, 1, T)
+            pad[-1, :, :, T - 64:] = torch.finfo(torch.float32).min
+            return Built(attn_silu, [q, k, v, pad.to(dt)], (0, 1, 2))
+        return Built(attn_silu, [q, k, v], (0, 1, 2))
     if c.family == "linear_ce":
         N, D, V = dims
         x, w = rnd(N, D), rnd(V, D, scale=D ** -0.5)

@@ -14,7 +14,8 @@ The ladder (:func:`decide`), in order, for a site still marked ``rewritten`` by 
 
 A pass supplies only what is its own through the hooks of :class:`Ladder`: its checks, its keep reasons, its
 CPU rule (a row of :data:`CPU_RULES`, with the benchmark command that set it; figures in docs/PERFORMANCE.md).
-A CUDA rule is a row of :data:`CUDA_RULES` for the site's kind: no pass hook, each kept whole on CUDA.
+A CUDA rule is a row of :data:`CUDA_RULES` for the site's kind (or its ``route``): no pass hook, each kept whole
+on CUDA.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ CPU_RULES: dict[str, DeviceRule] = {
         "--variants inductor,smx --rounds 5 --batch 8 --layers 4; python benchmarks/bench_defaults.py",
         "0.99-1.07x Inductor at 128 and 256 keys, 0.90-0.99x at 512 (GPT-2 / Llama blocks); the bare 2x8x512x64 "
         "causal / GQA block 0.68-0.77x, 1x8x2048x64 0.28x / 0.35x (inference / training)"),
+    "attention_score_mod_min_keys": DeviceRule(
+        "attention", "an inference attention whose scores go through other pointwise changes of the scores alone "
+        "(FlexAttention's score_mod, no side input) is rewritten from this many keys", 1024,
+        "python benchmarks/bench_defaults.py --families score_mod",
+        "s * sigmoid(s): 1.26x Inductor's time at 2x8x512x64, 0.71x at 1x8x1024x64, 0.83-0.85x at 2048 keys"),
+    "attention_score_mod_sides": DeviceRule(
+        "attention", "a score_mod that reads side inputs (a gate, a bias, a padding mask) is kept", None,
+        "python benchmarks/bench_defaults.py --families score_mod",
+        "FlexAttention's CPU template 1.16-1.83x Inductor's time with an (H, L, S) gate at 512-2048 keys, "
+        "0.89-1.70x with a padding mask"),
     "cross_entropy": DeviceRule(
         "cross_entropy", "cross-entropy on given logits is kept", None, "python benchmarks/bench_plain_ce.py",
         "the online CE op 2.5-3.1x Inductor's fused C++ cross-entropy"),
@@ -99,6 +110,9 @@ CPU_RULES: dict[str, DeviceRule] = {
         "cpu='rewrite' 1.5-2.1x Inductor; kept: 1.00-1.03x"),
 }
 
+#: The lowerings ruled apart from their kind (a ``Match.route``), and the kind each belongs to.
+ROUTES = {"attention_score_mod": "attention"}
+
 #: What the default (``cuda="auto"``) keeps on CUDA, by rewrite kind: the kinds whose smx path was measured slower
 #: than Inductor's own code, side by side on an H200 (torch 2.11, Triton 3.6). A kind without a row is rewritten.
 _GPU_RUN = "bash benchmarks/gpu/run.sh:"
@@ -119,6 +133,9 @@ CUDA_RULES: dict[str, DeviceRule] = {
                    _GPU_RUN + " benchmarks/gpu/bench_linear_ce_cuda.py",
                    "training step 2.1-2.2x Inductor's time at N=8192, D=2048, V=32000 / 128256 bf16, peak memory "
                    "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB"),
+        DeviceRule("attention_score_mod", "kept, FlexAttention with a score_mod not yet timed against Inductor on "
+                   "CUDA", None, _GPU_RUN + " benchmarks/bench_attention.py --score-mod --device cuda",
+                   "no GPU run yet"),
         DeviceRule("cross_entropy", "kept, not yet timed against Inductor on CUDA", None,
                    _GPU_RUN + " benchmarks/gpu/compare_model.py",
                    "the backward kernel 4.99x eager's speed at 8192x128256 bf16; the forward failed to compile "
@@ -215,7 +232,7 @@ def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
             if ctx.options.cuda == "keep":
                 m.keep(CUDA_KEEP_REASON, whole=True)
                 return
-            rule = CUDA_RULES.get(kind) if ctx.options.cuda == "auto" else None
+            rule = CUDA_RULES.get(m.route or kind) if ctx.options.cuda == "auto" else None
             if rule is not None:
                 m.keep(CUDA_RULE_REASON.format(rule=rule.rule, measured=rule.measured, benchmark=rule.benchmark),
                        whole=True)
@@ -228,6 +245,6 @@ def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
         m.skip(why)
 
 
-__all__ = ["DeviceRule", "CPU_RULES", "CUDA_RULES", "cpu_threshold", "policy_size", "Ladder", "decide", "FUNCTORCH_REASON", "DISABLED_REASON",
+__all__ = ["DeviceRule", "CPU_RULES", "CUDA_RULES", "ROUTES", "cpu_threshold", "policy_size", "Ladder", "decide", "FUNCTORCH_REASON", "DISABLED_REASON",
            "CHECK_FAILED_REASON", "CPU_KEEP_REASON", "CUDA_KEEP_REASON", "CUDA_RULE_REASON", "DEVICE_REASON",
            "FORCE_HINT"]

@@ -56,6 +56,7 @@ class Match:
         guarded: a site not rewritten that Inductor is known to mis-compile as written: the pass's
             :meth:`RewritePass.guard` hands it over in a form Inductor cannot (the reason says how); its nodes
             are claimed.
+        route: the lowering, for a kind that has several ruled apart on CUDA (a key of ``CUDA_RULES``).
     """
 
     action: str = "rewritten"
@@ -64,6 +65,7 @@ class Match:
     prefix: str = ""
     keep_whole: bool = False
     guarded: bool = False
+    route: str = ""
 
     @property
     def key(self) -> str:

@@ -6,9 +6,11 @@ The layouts are those of libraries' own code, written here in our own words: dif
 processor (``baddbmm`` on (B*H, L, E) with ``beta=0`` or an additive mask), LeViT (K permuted (0, 2, 3, 1)),
 CoAtNet-style (B, H, E, N) tensors (``(q * s).transpose(-2, -1) @ k`` then ``v @ attn.transpose(-2, -1)``), einsums
 that read or write (B, L, H, E); a padding bias or a learned bias subtracted from the scores (Funnel); masked scores clamped at
-``finfo.min`` (XGLM), fully masked rows included. Each is rewritten, gives eager's forward, and its gradients pass
-``|ours - gold| <= |torch - gold| + tol`` against an fp64 gold; the near-misses (weights mixed across heads after
-the softmax, weights contracted over the query index) are not rewritten."""
+``finfo.min`` (XGLM), fully masked rows included; decomposed relative positions on a view splitting the query and key
+indices (VitDet); scores laid out (keys, queries). Each is rewritten, gives eager's forward, and its gradients pass
+``|ours - gold| <= |torch - gold| + tol`` against an fp64 gold. Other pointwise changes (``bias - s``, ``max(s, 0)``,
+a floor that may cut through the scores) go to FlexAttention. The near-misses (weights mixed across heads after the
+softmax, weights contracted over the query index, views mixing the two indices) are not rewritten."""
 
 from __future__ import annotations
 
@@ -223,15 +225,28 @@ def factor_on_split_view(q, k, v, t):            # a factor constant along 3 key
     return s.softmax(-1) @ v
 
 
-NEAR_MISSES = {
-    "view_mixing_indices": (view_mixing_indices, lambda: (*_grid_case()[:3], _randn(4, 9, seed=5))),
-    "softmax_over_split_keys": (softmax_over_split_keys, lambda: _grid_case()[:3]),
-    "factor_on_split_view": (factor_on_split_view, lambda: (*_grid_case()[:3], _randn(6, 2, 1, seed=5))),
+# other pointwise changes than a scale, soft-cap or mask: FlexAttention replays them (a score_mod)
+SCORE_MODS = {
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
     "floor_cutting_through": (floor_cutting_through, lambda: (*bhle(), _padding(-1e4 - 2))),
     "clamped_at_zero": (clamped_at_zero, lambda: bhle()),
     "mask_after_floor": (mask_after_floor, lambda: (*bhle(), _padding(float("-inf")))),
     "scores_subtracted": (scores_subtracted, lambda: (*bhle(), _randn(H, L, S, seed=7))),
+}
+
+
+@pytest.mark.parametrize("name", list(SCORE_MODS))
+def test_other_changes_go_to_flex_attention(name):
+    fn, make = SCORE_MODS[name]
+    r = rewrite(fn, *make())     # eager's values, rows of NaN included
+    assert [(s.action, s.op) for s in r.report if s.kind == "attention"] == [("rewritten", "flex_attention")], \
+        str(r.report)
+
+
+NEAR_MISSES = {
+    "view_mixing_indices": (view_mixing_indices, lambda: (*_grid_case()[:3], _randn(4, 9, seed=5))),
+    "softmax_over_split_keys": (softmax_over_split_keys, lambda: _grid_case()[:3]),
+    "factor_on_split_view": (factor_on_split_view, lambda: (*_grid_case()[:3], _randn(6, 2, 1, seed=5))),
     "intermediates_returned": (intermediates_returned, lambda: bhle()),
     "talking_heads": (talking_heads, lambda: (*bhle(lk=L), _randn(H, H, seed=5))),
     "weights_over_queries": (weights_over_queries, lambda: bhle(lk=L)),

@@ -75,7 +75,10 @@ def test_every_cuda_rule_names_a_rewrite_kind_and_a_benchmark_that_exists():
     from smxcompile.options import REWRITE_KINDS
 
     repo = Path(__file__).resolve().parents[2]
-    assert set(CUDA_RULES) <= set(REWRITE_KINDS) and "attention" not in CUDA_RULES
+    from smxcompile.passes.policy import ROUTES
+
+    assert set(CUDA_RULES) <= set(REWRITE_KINDS) | set(ROUTES) and "attention" not in CUDA_RULES
+    assert set(ROUTES.values()) <= set(REWRITE_KINDS)
     for kind, rule in CUDA_RULES.items():
         scripts = [w.strip(",") for w in rule.benchmark.split() if w.startswith("benchmarks/")]
         assert scripts and all((repo / s.rstrip(":")).is_file() for s in scripts), (kind, rule.benchmark)

@@ -1,23 +1,9 @@
 """Attention by meaning: ``softmax(f(Q K^T)) V``, matched in the Dynamo (pre-grad) graph from the value contraction
-(the anchor) upwards.
-
-* two batched contractions (:mod:`..patterns.contraction`: ``@``, ``bmm``, ``baddbmm``, ``einsum``, any operand
-  and output layout): Q with K over the head dim, then the weights with V over the key index;
-* between them, on the scores: a chain of pointwise changes with side inputs that broadcast to the scores and do
-  not depend on them: scales (numbers, 0-d tensors, or a factor constant along the key index such as a learned
-  per-head temperature, folded into q), soft-capping ``c * tanh(s / c)``, additive masks and biases (learned ones
-  keep their gradient), fills by ``masked_fill`` / ``where`` with a masking value, in place or not, in any view
-  that regroups the leading dims; exact casts;
-* a softmax over the key index, then casts, copies and dropout;
-* K and V repeated per query head are taken un-repeated (grouped-query attention); a constant mask equal to the
-  causal triangle becomes ``is_causal``; ``F.scaled_dot_product_attention`` itself is a site when a normalizer
-  is requested.
-
-Not matched, with the reason in the report: weights mixed across heads or contracted over the query index, a
-mask computed from the scores, inner values read outside the site (users that reach no output do not count).
-Fully masked rows keep eager's values (NaN or the uniform average; see :func:`graph_attention`). The spellings
-this covers, PyTorch's fused-attention suite (torch/_inductor/fx_passes/fuse_attention.py) among them, are listed
-in docs/DESIGN.md. FlashAttention: Dao et al. (2022); online softmax: Milakov & Gimelshein (2018).
+(the anchor) upwards: a contraction of Q and K over the head dim (:mod:`..patterns.contraction`, any spelling and
+layout); pointwise changes of the scores with side inputs that do not depend on them (scales, a soft-cap, masks
+and biases by add, sub, fill or floor, in place or not, on any view that keeps each entry's indices); a softmax
+over the index the value contraction sums over (the key index); casts, copies, dropout. What is refused, and the
+spellings covered: docs/DESIGN.md, "Attention". FlashAttention: Dao et al. (2022).
 """
 
 from __future__ import annotations
@@ -30,18 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..patterns.arith import scale_stage, softcap
+from ..patterns.arith import scale_stage
 from ..patterns.casts import exact_cast, holds
 from ..patterns.constants import ConstEvaluator, depends_on
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
-    op_label, same_shape, same_size, static_shape, tensor_val
-from ..patterns.masks import ABSORBING, MASK_VALUE, add_operands, fill_mask, inplace_add_operands, inplace_fill, \
-    is_masking_value, mask_floor
+    op_label, pointwise, same_shape, same_size, static_shape, tensor_val
+from ..patterns.masks import ABSORBING, MASK_VALUE, inplace_add_operands, inplace_fill, is_masking_value
 from ..protocol import Match
-from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, reshape_input, settle, \
-    split_view, view_lead
+from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
 from ..patterns.writes import fresh_tensor, inplace_add_before
+from .score_mod import score_chain, score_mod_recipe
+from .stages import mask_stage, matmul_upstream, row_scale_stage, softcap_stage, static_view
 from .operands import dropout_call, key_side, shape_of, softmax_input
 
 
@@ -82,6 +68,8 @@ class AttentionMatch(Match):
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
     layout: dict = dataclasses.field(default_factory=dict)  # "q", "k", "v", "out", "scores" -> permutation or None
+    recipe: tuple = ()                    # other pointwise changes of the scores, replayed as a score_mod
+    sides: list = dataclasses.field(default_factory=list)   # their side inputs
 
     def val(self, role: str):
         """The fake tensor of q, k or v in the op's layout (..., L or S, E)."""
@@ -115,7 +103,7 @@ class AttentionMatch(Match):
         return ", ".join(p for p in parts if p)
 
     def op_name(self) -> str:
-        return "smx::attention"
+        return "flex_attention" if self.recipe else "smx::attention"
 
 
 # --------------------------------------------------------------------------- matching
@@ -153,9 +141,10 @@ def _swap(nd: int) -> tuple[int, ...]:
     return tuple(range(nd - 2)) + (nd - 1, nd - 2)
 
 
-def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None:
+def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = False) -> AttentionMatch | None:
     """Walk up from the contraction of the weights with V (either operand order, any layout of V or of the
-    output); None when neither operand is a softmax's output."""
+    output); None when neither operand is a softmax's output. With ``score_mod``, every change of the scores is
+    read as a FlexAttention ``score_mod`` (for a chain the other forms do not take)."""
     c = contraction(anchor)
     if c is None or c.bias is not None or c.alpha != 1.0:
         return None
@@ -200,6 +189,8 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
     xd = tensor_val(x).dtype
     if sm_dtype is not None and (sm_dtype not in FLOAT_DTYPES or xd not in FLOAT_DTYPES or not holds(sm_dtype, xd)):
         return _skip(m, f"softmax dtype={sm_dtype} rounds its input")
+    if score_mod:
+        return _score_mod(m, x, consts)
     # walk up the score chain: casts, masks, softcap, scale, until the score matmul
     n = x
     stages: list[tuple[str, Any]] = []
@@ -223,31 +214,48 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator) -> AttentionMatch | None
             stages.append(("cast", n))
             n = n.args[0]
             continue
-        if lead_view(n) is not None or _static_view(n):   # (B*H, L, S) <-> (B, H, L, S), or (B, Lh, Lw, Sh, Sw)
+        if lead_view(n) is not None or static_view(n):   # (B*H, L, S) <-> (B, H, L, S), or (B, Lh, Lw, Sh, Sw)
             stages.append(("view", (n, n)))
             n = n.args[0]
             continue
         if inplace_add_operands(n) is not None:
             # ``s += mask`` (T5): taken when the old s is a fresh tensor nothing else reads
-            step = _mask_stage(n) if fresh_tensor(n.args[0]) and len(n.args[0].users) == 1 else None
+            step = mask_stage(n) if fresh_tensor(n.args[0]) and len(n.args[0].users) == 1 else None
         else:
-            step = None if is_mutation(n) else (_mask_stage(n) or _softcap_stage(n) or scale_stage(n)
-                                                 or _row_scale_stage(n))
+            step = None if is_mutation(n) else (mask_stage(n) or softcap_stage(n) or scale_stage(n)
+                                                 or row_scale_stage(n))
         if step is None and is_mutation(n):
             return _skip(m, f"in-place op '{n.name}' ({op_label(n)}) on the scores: not matched "
                             "(write it out of place, e.g. s = s + mask)")
         if step is None:
-            if not _matmul_upstream(n, 4):
+            if not matmul_upstream(n, 4):
                 return None   # softmax(...) @ W without a score matmul: not attention
+            if pointwise(n):  # any other change entry by entry: FlexAttention's score_mod
+                return _score_mod(m, x, consts)
             c = canon(n)
             return _skip(m, f"'{n.name}' ({c[0] if c else op_label(n)}) between the scores and the softmax is not "
-                            "a scale, soft-cap, mask or cast")
+                            "entry by entry (not a pointwise op)")
         kind, payload, nxt = step
         stages.append((kind, (n, payload)))
         n = nxt
     else:
         return _skip(m, "too many ops between the scores and the softmax")
     return _scores(m, contraction(n), stages, consts)
+
+
+def _score_mod(m: AttentionMatch, x: Node, consts: ConstEvaluator) -> AttentionMatch:
+    found = score_chain(x)
+    if isinstance(found, str):
+        return _skip(m, found)
+    qk, path, m.sides = found
+    m.recipe = score_mod_recipe(qk, path, m.sides)
+    m.dead += path
+    m = _scores(m, contraction(qk), [], consts)
+    if m.add_masks or m.lead is not None:
+        return _skip(m, "a score_mod with a baddbmm input or views between the matmuls")
+    m.absorbed.append(f"score_mod of {len(path)} ops")
+    m.route = "attention_score_mod"
+    return m
 
 
 def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvaluator) -> AttentionMatch:
@@ -280,10 +288,6 @@ def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvalu
     return _assemble(m, stages, qk.node, consts)
 
 
-def _matmul_upstream(n: Any, depth: int) -> bool:
-    if not isinstance(n, Node) or depth < 0:
-        return False
-    return contraction(n) is not None or any(_matmul_upstream(a, depth - 1) for a in n.all_input_nodes)
 
 
 def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
@@ -291,85 +295,14 @@ def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
     return m
 
 
-def _mask_stage(n: Node):
-    """``s + mask`` (also ``s += mask``) -> ("add", (a, b), s); ``s - mask`` -> ("sub", (s, mask), s); a fill
-    (see :func:`fill_mask`) -> ("fill", (cond, True if True masks, value), s); ``max(s, c)`` -> ("floor", c, s).
-    The scores side is the operand computed from the score matmul."""
-    pair = add_operands(n) or inplace_add_operands(n)
-    if pair is not None:
-        a, b = pair
-        ra, rb = _reaches_matmul(a), _reaches_matmul(b)
-        if ra == rb:
-            return None    # two score tensors, or no scores at all
-        return ("add", (a, b), a if ra else b)
-    c = canon(n)
-    if c is not None and c[0] == "sub":
-        a, b = c[1].get("input"), c[1].get("other")
-        if isinstance(b, Node) and _reaches_matmul(a) and not _reaches_matmul(b):
-            return ("sub", (a, b), a)      # s - bias: the bias negated is an additive mask
-        return None
-    if c is not None and c[0] == "add":
-        return None
-    fill = fill_mask(n)
-    if fill is not None:
-        return ("fill", fill[0], fill[1])
-    floor = mask_floor(n)
-    if floor is not None and _reaches_matmul(floor[0]) and not _reaches_matmul(floor[1]):
-        return ("floor", floor[1], floor[0])     # max(s, finfo.min): masked scores clamped
-    return None
 
 
-def _reaches_matmul(n: Any, depth: int = 12) -> bool:
-    """``n`` is computed from a matmul through the ops a score chain may hold (casts, scale, mask, soft-cap)."""
-    if not isinstance(n, Node) or depth < 0:
-        return False
-    if contraction(n) is not None:
-        return True
-    if cast_dtype(n) is not None or reshape_input(n) is not None:
-        return _reaches_matmul(n.args[0], depth - 1)
-    ip = inplace_add_operands(n)
-    if ip is not None:
-        return any(_reaches_matmul(a, depth - 1) for a in ip)
-    c = canon(n)
-    if c is not None and c[0] in ("add", "mul", "div", "tanh", "sub"):
-        return any(_reaches_matmul(a, depth - 1) for a in (c[1].get("input"), c[1].get("other")))
-    fill = fill_mask(n)
-    if fill is not None:
-        return _reaches_matmul(fill[1], depth - 1)
-    floor = mask_floor(n)
-    return floor is not None and _reaches_matmul(floor[0], depth - 1)
 
 
-def _static_view(n: Node) -> bool:
-    x = reshape_input(n)
-    return x is not None and static_shape(tensor_val(x)) is not None and static_shape(tensor_val(n)) is not None
 
 
-def _row_scale_stage(n: Node):
-    """``s * t`` / ``s / t`` with ``t`` a tensor constant along the key index (last dim 1) that does not widen the
-    scores, e.g. a learned per-head temperature (H, 1, 1): a factor of q's rows, folded into q ->
-    ``("scale_t", (t, op), s)``."""
-    c = canon(n)
-    if c is None or c[0] not in ("mul", "div"):
-        return None
-    a, b = c[1].get("input"), c[1].get("other")
-    if c[0] == "mul" and _reaches_matmul(b) and not _reaches_matmul(a):
-        a, b = b, a
-    av, bv, nv = tensor_val(a), tensor_val(b), tensor_val(n)
-    if not isinstance(b, Node) or av is None or bv is None or nv is None or not _reaches_matmul(a):
-        return None
-    if bv.dim() == 0 or bv.dim() > av.dim() or bv.shape[-1] != 1 or not bv.dtype.is_floating_point \
-            or not same_shape(tuple(nv.shape), tuple(av.shape)):
-        return None
-    return ("scale_t", (b, c[0]), a)
 
 
-def _softcap_stage(n: Node):
-    r = softcap(n)
-    if r is None:
-        return None
-    y, cap, nodes = r
-    return ("softcap", (cap, nodes[1:]), y)
 
 
 def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator) -> AttentionMatch:

@@ -5,6 +5,7 @@ soft-capping, with eager's values restored on fully masked rows and for NaN inpu
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -225,6 +226,67 @@ def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
     return q_bad, k, (seen.to(q.dtype) @ k_nf[..., None].to(q.dtype)) > 0
 
 
+def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale: float, n_rep: int,
+                         safe_softmax: bool = False, layout: dict | None = None):
+    """A site whose scores go through other pointwise changes: FlexAttention with ``score_mod`` replaying
+    ``recipe`` (:func:`..score_mod.score_mod_recipe`) on each score, ``sides`` indexed at its entry. Eager's
+    NaN (0 after ``_safe_softmax``) on rows whose every changed score is -inf, where FlexAttention gives 0: V
+    gets a column of ones, whose output is each row's sum of weights (1, or 0 on such a row)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    layout = layout or {}
+    q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    for t, op in scale_tensors:
+        q = q * t.to(q.dtype) if op == "mul" else q / t.to(q.dtype)
+    # one (B, H) grid for all three (FlexAttention does not broadcast); GQA's K and V keep their kv heads
+    lead = tuple(q.shape[:-2]) if n_rep > 1 else torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    shape = (*lead, q.shape[-2], k.shape[-2])
+    q = q.expand(*lead, *q.shape[-2:])
+    if n_rep == 1:
+        k, v = k.expand(*lead, *k.shape[-2:]), v.expand(*lead, *v.shape[-2:])
+    pad = (1,) * (4 - len(shape))
+    q, k, v = (t.reshape(*pad, *t.shape) for t in (q, k, v))
+    # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
+    # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
+    sides = [sd.reshape((1,) * (4 - sd.dim()) + tuple(sd.shape)) for sd in sides]
+    sides = [torch.ops.prims.inductor_force_stride_order(sd, sd.stride()) for sd in sides]
+    spans = [tuple(n > 1 for n in sd.shape) for sd in sides]
+
+    steps = [(op, target if op == "call_method" else _resolve(target), args, kwargs)
+             for op, target, args, kwargs in recipe]
+
+    def score_mod(score, b, h, i, j):
+        values: list = []
+        at = (b, h, i, j)
+        take = lambda a: score if a == ("@path", -1) else values[a[1]] if a[0] == "@path" else sides[a[1]][  # noqa: E731
+            tuple(x if wide else 0 for x, wide in zip(at, spans[a[1]]))]
+        for op, fn, args, kwargs in steps:
+            args, kwargs = _replay_args(args, take), _replay_args(kwargs, take)
+            values.append(getattr(args[0], fn)(*args[1:], **kwargs) if op == "call_method" else fn(*args, **kwargs))
+        return values[-1]
+
+    ones = torch.ones((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
+    out = flex_attention(q, k, torch.cat([v, ones], -1), score_mod=score_mod, scale=scale, enable_gqa=n_rep > 1)
+    dead = out[..., -1:] < 0.5
+    out = out[..., :-1].masked_fill(dead, 0.0 if safe_softmax else float("nan"))
+    return apply_perm(out.reshape(*shape[:-1], out.shape[-1]), layout.get("out"))
+
+
+def _replay_args(a, take):
+    if isinstance(a, tuple) and len(a) == 2 and a[0] in ("@path", "@side"):
+        return take(a)
+    if isinstance(a, (tuple, list)):
+        return type(a)(_replay_args(x, take) for x in a)
+    if isinstance(a, dict):
+        return {key: _replay_args(x, take) for key, x in a.items()}
+    return a
+
+
+def _resolve(path: str):
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     """A rewritten ``F.scaled_dot_product_attention`` site with a requested normalizer."""
     from ...kernels.attention import attention
@@ -238,4 +300,4 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     return attention(q, k, v, **kw, normalizer=normalizer, norm_param=norm_param)
 
 
-__all__ = ["graph_attention", "graph_sdpa", "keys_last"]
+__all__ = ["graph_attention", "graph_flex_attention", "graph_sdpa", "keys_last"]

@@ -16,12 +16,12 @@ from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
     replace_anchor, same_shape, tensor_val
 from ..patterns.writes import mutation_inside
-from ..policy import FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
+from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
 from ..patterns.contraction import contraction
 from .operands import softmax_input, ungqa
-from .replacement import graph_attention, graph_sdpa, keys_last
+from .replacement import graph_attention, graph_flex_attention, graph_sdpa, keys_last
 
 
 def _differ(a, b) -> bool:
@@ -170,6 +170,11 @@ def _extras(m: AttentionMatch) -> dict:
     return out
 
 
+def _flex_kwargs(m: AttentionMatch) -> dict:
+    out = {"recipe": m.recipe, "scale": float(m.scale), "n_rep": m.n_rep}
+    return out | ({"safe_softmax": True} if m.safe_softmax else {}) | ({"layout": m.layouts} if m.layouts else {})
+
+
 def _static_shape_ref(r: Node) -> None:
     """Read no score node: ``x.expand_as(s)`` -> ``x`` (the op broadcasts masks), ``x.view_as(s)`` /
     ``reshape_as`` -> ``x.view(shape)`` / ``reshape`` with ``s``'s static shape, ``x.type_as(s)`` -> ``x.to(dtype)``;
@@ -234,18 +239,37 @@ def _keep(m: AttentionMatch, ctx: PassContext) -> str:
 
 
 def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
-    """Rule ``attention_min_keys`` of ``CPU_RULES`` (softmax without soft-cap only)."""
-    if m.normalizer != "softmax" or m.softcap is not None:
+    """Rules ``attention_min_keys`` (softmax without soft-cap), ``attention_score_mod_sides`` and
+    ``attention_score_mod_min_keys`` of ``CPU_RULES``."""
+    if (m.normalizer != "softmax" or m.softcap is not None) and not m.recipe:
         return ""
-    need = cpu_threshold("attention_min_keys")
+    if m.sides:
+        rule = CPU_RULES["attention_score_mod_sides"]
+        return f"CPU: {rule.rule}: {rule.measured} ({rule.benchmark}; {FORCE_HINT})"
+    name = "attention_score_mod_min_keys" if m.recipe else "attention_min_keys"
+    need = cpu_threshold(name)
     S = policy_size(m.val("k").shape[-2], fallback=need)
     if S < need:
-        return (f"CPU: {S} keys; below {need} torch's fused attention kernel was measured no faster than "
-                f"Inductor's code (benchmarks/bench_attention.py; {FORCE_HINT})")
+        kernel = "FlexAttention" if m.recipe else "torch's fused attention kernel"
+        return (f"CPU: {S} keys; below {need} {kernel} was measured no faster than Inductor's code "
+                f"({CPU_RULES[name].benchmark.split(';')[0]}; {FORCE_HINT})")
+    return ""
+
+
+def _flex_checks(m: AttentionMatch, ctx: PassContext) -> str:
+    """Why a site with a score_mod cannot go to FlexAttention, or ""."""
+    if m.normalizer != "softmax" or m.dropout_p or "scores" in m.layout or ctx.export:
+        return "a score_mod with a normalizer, dropout, scores laid out (keys, queries), or in an export"
+    if m.val("q").dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"FlexAttention on {m.val('q').dtype}"
+    if m.device == "cpu" and tensor_val(softmax_input(m.softmax)[0]).requires_grad:
+        return "FlexAttention has no CPU backward (torch 2.13): a score_mod site that needs gradients is kept"
     return ""
 
 
 def _last_checks(m: AttentionMatch, ctx: PassContext) -> str:
+    if m.recipe:
+        return _flex_checks(m, ctx)
     op_route = m.normalizer != "softmax" or m.softcap is not None
     masks = list(m.add_masks) + ([m.sdpa_kwargs.get("attn_mask")] if m.sdpa_kwargs else [])
     if op_route and any(tensor_val(a) is not None and tensor_val(a).requires_grad for a in masks):
@@ -278,6 +302,9 @@ class AttentionPass(RewritePass):
             m = None
             if contraction(n) is not None:
                 m = match_from_pv(n, consts)
+                if m is not None and m.action == "skipped":   # a score chain of other pointwise changes
+                    alt = match_from_pv(n, consts, score_mod=True)
+                    m = alt if alt is not None and alt.action == "rewritten" else m
             elif n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention:
                 m = match_sdpa(n)
             if m is None or any(d in exclude for d in m.dead):
@@ -301,6 +328,9 @@ class AttentionPass(RewritePass):
             if m.is_sdpa:
                 call = graph.call_function(graph_sdpa, (m.q, m.k, m.v, dict(m.sdpa_kwargs)),
                                            {"normalizer": m.normalizer, "norm_param": m.norm_param})
+            elif m.recipe:
+                call = graph.call_function(graph_flex_attention, (
+                    m.q, m.k, m.v, list(m.sides), [tuple(t) for t in m.scale_tensors]), _flex_kwargs(m))
             else:
                 call = graph.call_function(graph_attention, (
                     m.q, m.k, m.v, list(m.add_masks), [tuple(t) for t in m.masked],
@@ -326,7 +356,7 @@ class AttentionPass(RewritePass):
         return m.action == "rewritten" and m.normalizer == "softmax"
 
     def check_inputs(self, m: AttentionMatch) -> list[Node]:
-        ins = [m.q, m.k, m.v, *m.add_masks, *(c for c, _, _ in m.masked), *(t for t, _ in m.scale_tensors)]
+        ins = [m.q, m.k, m.v, *m.add_masks, *m.sides, *(c for c, _, _ in m.masked), *(t for t, _ in m.scale_tensors)]
         if m.is_sdpa:
             ins += [a for a in m.sdpa_kwargs.values() if isinstance(a, Node)]
         return [n for n in ins if isinstance(n, Node)]
@@ -337,6 +367,9 @@ class AttentionPass(RewritePass):
         if m.is_sdpa:
             kw = {k: g(v) for k, v in m.sdpa_kwargs.items()}
             return graph_sdpa(g(m.q), g(m.k), g(m.v), kw, normalizer=m.normalizer, norm_param=m.norm_param)
+        if m.recipe:
+            return graph_flex_attention(g(m.q), g(m.k), g(m.v), [g(x) for x in m.sides],
+                                        [(g(t), op) for t, op in m.scale_tensors], **_flex_kwargs(m))
         return graph_attention(g(m.q), g(m.k), g(m.v), [g(a) for a in m.add_masks],
                                [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
                                scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,

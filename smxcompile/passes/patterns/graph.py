@@ -271,6 +271,37 @@ INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itrue
                       operator.setitem}
 
 
+_OPERATOR_NAMES = {operator.truediv: "div", operator.floordiv: "floor_divide"}
+
+
+def aten_name(node: Node) -> str | None:
+    """The ATen op a Dynamo node's call names (``operator.mul``, ``torch.sigmoid``, ``F.gelu``, ``x.__rsub__``,
+    ``x.tanh()``: ``mul``, ``sigmoid``, ``gelu``, ``rsub``, ``tanh``), or None."""
+    if node.op == "call_method" and isinstance(node.target, str):
+        name = node.target.strip("_") if node.target.startswith("__") else node.target
+    elif node.op == "call_function":
+        name = _OPERATOR_NAMES.get(node.target) or getattr(node.target, "__name__", None)
+    else:
+        return None
+    if name in ("max", "min") and len(node.args) == 2 and isinstance(node.args[1], Node):
+        name += "imum"      # the elementwise overload: torch.max(a, b) is torch.maximum(a, b)
+    return _METHOD_ALIASES.get(name, name) if name else None
+
+
+@functools.lru_cache(maxsize=None)
+def _pointwise_name(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def pointwise(node: Node) -> bool:
+    """The node computes each output entry from the same entry of its (broadcast) inputs: its ATen op carries
+    ``torch.Tag.pointwise``. In-place calls are not taken (they write)."""
+    name = aten_name(node)
+    return bool(name) and not name.endswith("_") and not is_mutation(node) and _pointwise_name(name)
+
+
 def op_label(node: Node) -> str:
     """A short name of what ``node`` calls, for reports: ``add``, ``masked_fill_``, ``aten.mul_.Tensor``."""
     if node.op in ("call_method", "call_module"):

@@ -1,0 +1,133 @@
+"""Attention whose scores go through other pointwise changes (a gate, ``s * sigmoid(s)``...): rewritten to
+FlexAttention with a ``score_mod`` replaying the changes, for inference. Eager's values hold on rows that every
+key masks (NaN), for 3-D and GQA layouts and half dtypes; a change that reads the scores beyond their own entry, a
+write to them, or a need for gradients on CPU is not rewritten; the CPU policy rows decide the defaults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import smxcompile
+from pass_helpers import rewrite
+
+B, H, L, S, E = 2, 3, 5, 7, 4
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def qkv(lq=L, lk=S, heads=H, kv_heads=H):
+    return _randn(B, heads, lq, E, seed=0), _randn(B, kv_heads, lk, E, seed=1), _randn(B, kv_heads, lk, E, seed=2)
+
+
+def silu_scores(q, k, v):
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    return torch.softmax(s * torch.sigmoid(s), -1) @ v
+
+
+def gated(q, k, v, gate):                        # a gate computed in the graph: a side the kernel reads per entry
+    return ((q @ k.mT) * torch.sigmoid(gate)).softmax(-1) @ v
+
+
+def silu_padded(q, k, v, pad):                   # batch 1 masks every key with -inf: eager's rows are NaN
+    s = q @ k.mT
+    return (torch.nn.functional.silu(s) + pad).softmax(-1) @ v
+
+
+def bmm_3d(q, k, v):                             # (B*H, L, E) with torch.bmm
+    s = torch.bmm(q, k.transpose(1, 2))
+    return torch.bmm(torch.softmax(s.abs().sqrt(), -1), v)
+
+
+def gqa(q, k, v):                                # K and V repeated per query head
+    k, v = k.repeat_interleave(H // k.size(1), 1), v.repeat_interleave(H // v.size(1), 1)
+    s = q @ k.transpose(-2, -1)
+    return torch.softmax(s * torch.sigmoid(s), -1) @ v
+
+
+def _pad():
+    pad = torch.zeros(B, 1, 1, S)
+    pad[0, ..., -2:] = float("-inf")
+    pad[1] = float("-inf")
+    return pad
+
+
+CASES = {
+    "silu_scores": (silu_scores, qkv),
+    "gated": (gated, lambda: (*qkv(), _randn(H, L, S, seed=5))),
+    "silu_padded": (silu_padded, lambda: (*qkv(), _pad())),
+    "bmm_3d": (bmm_3d, lambda: tuple(t.reshape(B * H, -1, E) for t in qkv())),
+    "gqa": (gqa, lambda: qkv(kv_heads=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_score_mod_is_rewritten_to_flex_attention(name):
+    fn, make = CASES[name]
+    r = rewrite(fn, *make())      # values against eager, NaN rows included
+    assert [(s.kind, s.action, s.op) for s in r.report if s.kind == "attention"] == [
+        ("attention", "rewritten", "flex_attention")], str(r.report)
+    assert "graph_flex_attention" in r.after
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_at_the_gold_rule(dtype):
+    """Compiled through Inductor's FlexAttention template; a computed side (the gate) is realized for it."""
+    args = [t.to(dtype) for t in CASES["gated"][1]()]
+    with torch.no_grad():
+        got = torch.compile(gated, backend="smx", options={"cpu": "rewrite"}, fullgraph=True)(*args)
+        eager = gated(*args)
+        gold = gated(*[t.double() for t in args])
+    tol = {torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    assert bool(((got.double() - gold).abs() <= (eager.double() - gold).abs() + tol).all())
+
+
+def test_compiled_rows_masked_whole_stay_nan():
+    args = CASES["silu_padded"][1]()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(silu_padded, backend="smx", options={"cpu": "rewrite"}, fullgraph=True)(*args)
+    want = silu_padded(*args)
+    torch.testing.assert_close(got, want, equal_nan=True, atol=1e-6, rtol=1e-5)
+    assert bool(got[1].isnan().all()) and not bool(got[0].isnan().any())
+
+
+def shifted_by_row_max(q, k, v):                 # a change that reads the whole row of scores
+    s = torch.sigmoid(q @ k.mT)
+    return (s - s.amax(-1, keepdim=True)).softmax(-1) @ v
+
+
+def cumulative(q, k, v):                         # not entry by entry
+    return torch.softmax(torch.sigmoid(q @ k.mT).cumsum(-1), -1) @ v
+
+
+def written_in_place(q, k, v):                   # the changed scores are written after the change
+    s = torch.sigmoid(q @ k.mT)
+    s.mul_(2.0)
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [shifted_by_row_max, cumulative, written_in_place])
+def test_near_misses_are_not_rewritten(fn):
+    r = rewrite(fn, *qkv())
+    assert not any(s.kind == "attention" and s.action == "rewritten" for s in r.report), str(r.report)
+
+
+def test_cpu_training_is_left_to_inductor():
+    """FlexAttention has no CPU backward in torch 2.13."""
+    q, k, v = (t.requires_grad_() for t in qkv())
+    r = rewrite(silu_scores, q, k, v, check_values=False)
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["skipped"] and "backward" in att[0].reason, str(r.report)
+
+
+@pytest.mark.parametrize("keys, side, action", [(512, False, "kept"), (1024, False, "rewritten"),
+                                                 (1024, True, "kept")])
+def test_cpu_policy_rows(keys, side, action):
+    """Rows ``attention_score_mod_min_keys`` and ``attention_score_mod_sides`` (default options)."""
+    q, k, v = (torch.zeros(1, 1, n, 8) for n in (4, keys, keys))
+    fn, args = (gated, (q, k, v, torch.zeros(1, 4, keys))) if side else (silu_scores, (q, k, v))
+    report = smxcompile.explain(fn, *args)
+    assert [s.action for s in report if s.kind == "attention"] == [action], str(report)
