@@ -10,6 +10,8 @@ output against an fp32 materialized reference. Variants:
   smx        torch.compile(eager, backend="smx"): the rewrite (-> SDPA for softmax)
   smx-<nz>   smxcompile.attention(..., normalizer=<nz>) on the Triton kernel: softmax with softcap (the
              op's own path), sigmoid, softpick, sparsemax
+  *-silu     the same causal block with the scores changed to s * sigmoid(s) before the mask: Inductor, and
+             smx with cuda="rewrite" (FlexAttention with a score_mod; the default keeps it until this is timed)
 """
 
 import math
@@ -25,6 +27,13 @@ def eager(q, k, v):
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     L = q.shape[-2]
     s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+def eager_silu(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    L = q.shape[-2]
+    s = (s * torch.sigmoid(s)).masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
 
@@ -52,6 +61,7 @@ def main():
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         ref = eager(q.float(), k.float(), v.float())
+        ref_silu = eager_silu(q.float(), k.float(), v.float())
         variants = {
             "eager": eager, "inductor": torch.compile(eager),
             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -60,10 +70,13 @@ def main():
             "smx-sigmoid": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sigmoid"),
             "smx-softpick": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="softpick"),
             "smx-sparsemax": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sparsemax"),
+            "inductor-silu": torch.compile(eager_silu),
+            "smx-silu": torch.compile(eager_silu, backend="smx", options={"cuda": "rewrite"}),
         }
         if L * L * B * H * 4 > 8e9:
             variants.pop("eager")
             variants.pop("inductor")
+            variants.pop("inductor-silu")
         for name, fn in variants.items():
             try:
                 qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -74,8 +87,9 @@ def main():
                 step_ms, _ = timed(lambda: fn(qq, kk, vv), backward=True, rounds=3)
                 peak = (torch.cuda.max_memory_allocated() - base) / 1e6
                 # the other normalizers compute another function: no softmax reference to hold them to
-                err = (f"{(out.float() - ref).abs().max().item():.2e}" if name in ("eager", "inductor", "sdpa", "smx")
-                       or name.startswith("smx-softmax") else "-")
+                want = ref_silu if name.endswith("-silu") else ref
+                err = (f"{(out.float() - want).abs().max().item():.2e}" if name in ("eager", "inductor", "sdpa", "smx")
+                       or name.startswith("smx-softmax") or name.endswith("-silu") else "-")
                 print(f"| {B},{H},{L},{E} | {name} | {fwd_ms:.2f} | {step_ms:.2f} | {peak:.0f} | {err} |")
             except Exception as e:  # report and go on: one failing variant must not hide the others
                 print(f"| {B},{H},{L},{E} | {name} | error: {type(e).__name__}: {str(e)[:120]} | | | |")

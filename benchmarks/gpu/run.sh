@@ -30,8 +30,8 @@ timeout 200 python -m pytest -q -ra --maxfail 25 -n 8 -k "not compile_for_cuda a
   | tee "$OUT/pytest.txt" | tail -15
 # vocabulary-parallel cut cross-entropy: the Triton kernels per shard (2 gloo ranks on this GPU) vs the unsharded op
 timeout 40 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8
-# attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers
-timeout 65 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
+# attention on CUDA: torch SDPA / eager / Inductor / the smx rewrite / the Triton kernel's normalizers / a score_mod
+timeout 90 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
 # cut cross-entropy on CUDA: the Triton path against eager and Inductor (loss, grads, time, peak memory)
 timeout 65 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
 # a subset of shapes keeps compile time (one compile per backend x case x pass) inside the budget

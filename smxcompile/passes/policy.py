@@ -134,7 +134,7 @@ CUDA_RULES: dict[str, DeviceRule] = {
                    "training step 2.1-2.2x Inductor's time at N=8192, D=2048, V=32000 / 128256 bf16, peak memory "
                    "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB"),
         DeviceRule("attention_score_mod", "kept, FlexAttention with a score_mod not yet timed against Inductor on "
-                   "CUDA", None, _GPU_RUN + " benchmarks/bench_attention.py --score-mod --device cuda",
+                   "CUDA", None, _GPU_RUN + " benchmarks/gpu/bench_attention_cuda.py (the -silu rows)",
                    "no GPU run yet"),
         DeviceRule("cross_entropy", "kept, not yet timed against Inductor on CUDA", None,
                    _GPU_RUN + " benchmarks/gpu/compare_model.py",
