@@ -131,3 +131,40 @@ def test_cpu_policy_rows(keys, side, action):
     fn, args = (gated, (q, k, v, torch.zeros(1, 4, keys))) if side else (silu_scores, (q, k, v))
     report = smxcompile.explain(fn, *args)
     assert [s.action for s in report if s.kind == "attention"] == [action], str(report)
+
+
+def through_float64(q, k, v):                    # FlexAttention's score_mod runs in float32
+    s = (q @ k.mT).double()
+    return torch.softmax(s * s.sigmoid(), -1).float() @ v
+
+
+def five_dims(q, k, v):                          # (B, G, H, L, E): FlexAttention takes (B, H, L, E)
+    s = q @ k.mT
+    return torch.softmax(s * torch.sigmoid(s), -1) @ v
+
+
+@pytest.mark.parametrize("fn, args", [
+    (through_float64, qkv()),
+    (five_dims, tuple(t.unsqueeze(1).expand(B, 2, *t.shape[1:]).contiguous() for t in qkv())),
+    (silu_scores, (qkv()[0], *(t[:, :, :0] for t in qkv()[1:]))),          # no keys
+], ids=["float64", "five_dims", "no_keys"])
+def test_forms_flex_attention_does_not_take_are_left_as_written(fn, args):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = smxcompile.explain(fn, *args, options={"cpu": "rewrite"})
+        assert [s.action for s in report if s.kind == "attention"] == ["skipped"], str(report)
+        torch.testing.assert_close(torch.compile(fn, backend="smx", options={"cpu": "rewrite"})(*args), fn(*args))
+
+
+def test_a_gradient_for_v_alone_keeps_the_site_on_cpu():
+    q, k, v = qkv()
+    report = smxcompile.explain(silu_scores, q, k, v.requires_grad_(), options={"cpu": "rewrite"})
+    assert [s.action for s in report if s.kind == "attention"] == ["skipped"], str(report)
+
+
+def test_dynamic_shapes_are_left_to_inductor():
+    args = qkv()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(gated, backend="smx", dynamic=True, options={"cpu": "rewrite"})(*args, _randn(H, L, S, seed=5))
+    torch.testing.assert_close(got, gated(*args, _randn(H, L, S, seed=5)))

@@ -234,7 +234,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
                 return _score_mod(m, x, consts)
             c = canon(n)
             return _skip(m, f"'{n.name}' ({c[0] if c else op_label(n)}) between the scores and the softmax is not "
-                            "entry by entry (not a pointwise op)")
+                            "a scale, soft-cap, mask, cast or op ATen tags pointwise")
         kind, payload, nxt = step
         stages.append((kind, (n, payload)))
         n = nxt

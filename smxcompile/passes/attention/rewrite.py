@@ -14,7 +14,7 @@ from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
-    replace_anchor, same_shape, tensor_val
+    replace_anchor, same_shape, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
 from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
@@ -43,6 +43,8 @@ def _check_shapes(m: AttentionMatch) -> str:
     # ones, such as a KV cache's length under dynamic shapes, agree at run time or the graph would not run)
     if _differ(kv.shape[-2], vv.shape[-2]) or _differ(qv.shape[-1], kv.shape[-1]):
         return "q/k/v sizes do not line up"
+    if kv.shape[-2] == 0 or qv.shape[-2] == 0:
+        return "no keys or no queries: nothing to fuse"
     return ""
 
 
@@ -262,7 +264,10 @@ def _flex_checks(m: AttentionMatch, ctx: PassContext) -> str:
         return "a score_mod with a normalizer, dropout, scores laid out (keys, queries), or in an export"
     if m.val("q").dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"FlexAttention on {m.val('q').dtype}"
-    if m.device == "cpu" and tensor_val(softmax_input(m.softmax)[0]).requires_grad:
+    vals = [m.val("q"), m.val("k"), m.val("v"), *map(tensor_val, m.sides)]
+    if any(static_shape(x) is None for x in vals) or tensor_val(m.anchor).dim() > 4:
+        return "a score_mod under symbolic shapes or with more than 4 dims: FlexAttention's (B, H, L, E) not taken"
+    if m.device == "cpu" and tensor_val(m.anchor).requires_grad:
         return "FlexAttention has no CPU backward (torch 2.13): a score_mod site that needs gradients is kept"
     return ""
 

@@ -33,7 +33,7 @@ def score_chain(x: Node) -> tuple[Node, list[Node], list[Node]] | str:
         inner.add(n)
         stack += n.all_input_nodes
     if len(found) != 1:
-        return "the changed scores come from several contractions, or from none"
+        return "the changes do not lead back to one contraction through pointwise ops and casts (views not followed)"
     qk = found.pop()
     path = [n for n in x.graph.nodes if n in inner and depends_on(n, qk)]
     if any(is_mutation(u) for n in (qk, *path) for u in n.users):
@@ -47,6 +47,8 @@ def score_chain(x: Node) -> tuple[Node, list[Node], list[Node]] | str:
             return f"'{n.name}' changes the scores' shape"
         if not tensor_val(n).dtype.is_floating_point:
             return f"'{n.name}' is a mask computed from the scores"
+        if tensor_val(n).dtype == torch.float64:
+            return f"'{n.name}' computes the scores in float64: FlexAttention's score_mod runs in float32"
         for a in n.all_input_nodes:
             if a is qk or a in path or a in sides:
                 continue
