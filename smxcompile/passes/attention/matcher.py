@@ -165,13 +165,11 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     m.layout.update(v=v.perm, out=pv.out_perm)
     m.dead = [anchor, *chain, sm]
     m.dropped += [pv.a.node, pv.b.node]     # reordering views of the operands, erased once unused
-    if dropout is not None:
-        _, pdrop, training = dropout
-        if training and pdrop > 0:
-            m.dropout_p = pdrop
-            m.absorbed.append(f"dropout p={pdrop:g}")
-            if pdrop >= 1.0:
-                return _skip(m, "dropout p=1 zeroes every weight: left to Inductor")
+    if dropout is not None and dropout[2] and dropout[1] > 0:    # F.dropout(p, training=True)
+        m.dropout_p = dropout[1]
+        m.absorbed.append(f"dropout p={m.dropout_p:g}")
+        if m.dropout_p >= 1.0:
+            return _skip(m, "dropout p=1 zeroes every weight: left to Inductor")
     if not isinstance(x, Node) or tensor_val(x) is None:
         return _skip(m, "the softmax input has no shape information")
     nd = tensor_val(x).dim()
@@ -343,26 +341,14 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "the scores are scaled after the mask is applied")
             if kind == "scale_t" and depends_on(data[0], qk):
                 return _skip(m, "the scale depends on the scores")
-            if seen_cap:
-                # a scale after the soft-cap scales the cap: a * c * tanh(s / c) = (a c) * tanh(a s / (a c))
-                a = data if kind == "scale" else consts.number(data[0])
-                if kind == "scale_t" and data[1] == "div" and a:
-                    a = 1.0 / a
-                if a is None or not math.isfinite(a) or a <= 0:
-                    return _skip(m, "a scale after the soft-cap that is not a positive number known at compile time")
-                m.softcap *= a
-                m.scale *= a
-                continue
-            _take_scale(m, kind, data, consts)
+            why = _scale_cap(m, kind, data, consts) if seen_cap else _take_scale(m, kind, data, consts)
+            if why:
+                return _skip(m, why)
             continue
         if kind == "floor":
-            floor = consts.number(data)
-            grads = any(x is not None and x.requires_grad for x in map(tensor_val, (m.q, m.k, m.v, *m.add_masks)))
-            if floor is None or floor > ABSORBING or m.masked or grads:   # rows lifted whole: eager's gradient differs
-                return _skip(m, f"the scores are clamped below at a value above {ABSORBING:g}, after a fill, or with "
-                                "gradients")
-            m.mask_floor = floor if m.mask_floor is None else max(m.mask_floor, floor)
-            m.dropped += [data] if isinstance(data, Node) else []
+            why = _take_floor(m, data, consts)
+            if why:
+                return _skip(m, why)
             phase = 2
             continue
         if kind == "softcap":
@@ -461,18 +447,44 @@ def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: Con
     return ""
 
 
-def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> None:
+def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> str:
     """Fold one scale stage (see :func:`scale_stage`) into the site: a number, or a 0-d tensor constant at compile
-    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time)."""
+    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time). Always
+    taken: returns "" (the stage takers' "why not")."""
     if kind == "scale":
         m.scale *= data
-        return
+        return ""
     t, op = data
     c = consts.number(t)
     if c is not None and c != 0 and math.isfinite(c):
         m.scale = m.scale * c if op == "mul" else m.scale / c
     else:
         m.scale_tensors.append((t, op))
+    return ""
+
+
+def _scale_cap(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> str:
+    """A scale after the soft-cap scales the cap: a * c * tanh(s / c) = (a c) * tanh(a s / (a c))."""
+    a = data if kind == "scale" else consts.number(data[0])
+    if kind == "scale_t" and data[1] == "div" and a:
+        a = 1.0 / a
+    if a is None or not math.isfinite(a) or a <= 0:
+        return "a scale after the soft-cap that is not a positive number known at compile time"
+    m.softcap *= a
+    m.scale *= a
+    return ""
+
+
+def _take_floor(m: AttentionMatch, data: Any, consts: ConstEvaluator) -> str:
+    """``max(s, floor)`` after the masks, ``floor`` at or below ``ABSORBING``: the masks are clamped there. Not with
+    gradients (rows lifted whole: eager's gradient through the tie differs) or after a fill."""
+    floor = consts.number(data)
+    grads = any(x is not None and x.requires_grad for x in map(tensor_val, (m.q, m.k, m.v, *m.add_masks)))
+    if floor is None or floor > ABSORBING or m.masked or grads:
+        return f"the scores are clamped below at a value above {ABSORBING:g}, after a fill, or with gradients"
+    m.mask_floor = floor if m.mask_floor is None else max(m.mask_floor, floor)
+    m.dropped += [data] if isinstance(data, Node) else []
+    return ""
 
 
 def _regroup(m: AttentionMatch, qk: Node, mask_levels: set, split: set) -> str:

@@ -90,34 +90,8 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
         v = v.expand(*bq, *v.shape[-3:])
     mask = hidden = None     # hidden: the entries a masked_fill / where selects away (True = not seen)
     if mask_order:
-        # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
-        # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
-        adds, fills = iter(add_masks), iter(masked)
-        filled = None
-        for stage in mask_order:
-            if stage == "a":
-                mk = next(adds)
-                mk = mk if mk.is_floating_point() else mk.to(q.dtype)
-                mask = mk if mask is None else mask + mk
-            else:
-                c, true_masks, val = next(fills)
-                mc = c if true_masks else ~c
-                filled = mc if filled is None else filled | mc
-                mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device),
-                                   0.0 if mask is None else mask)
-        if fixup and normalizer == "softmax" and not export:
-            # (an export keeps the masks as they are: 0 * inf in a zeroed row would be NaN there, with no guard)
-            # a row whose every entry is filled, or absorbs any score, or lies a masking margin below the row's
-            # fills, reads only the masks in eager (where() drops the scores and their gradient): a zero query
-            # gives exactly that, s = 0
-            top = torch.where(filled, mask, float("-inf")).amax(-1, keepdim=True)
-            dead = (filled | (mask <= ABSORBING) | (mask <= top + MASK_VALUE)).all(-1, keepdim=True)
-            q = torch.where(dead, 0.0, q)
-            # and such a row's mask shifted to a max of 0 (softmax is shift-invariant): the fused CPU backward
-            # recomputes exp(s - lse), and lse = min + log(n) rounds back to min, giving weights of 1
-            peak = mask.amax(-1, keepdim=True).detach()
-            peak = peak.masked_fill(peak == float("-inf"), 0.0)          # a row of -inf stays one (NaN below)
-            mask = torch.where(dead, mask - peak, mask)
+        q, mask, filled = _merged_mask(q, add_masks, masked, mask_order,
+                                       zero_dead_rows=bool(fixup) and normalizer == "softmax" and not export)
         masked, hidden = [], filled
     else:
         for mk in add_masks:
@@ -176,6 +150,39 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
+
+
+def _merged_mask(q, add_masks, masked, mask_order: str, *, zero_dead_rows: bool):
+    """The masks merged in graph order into one additive mask: ``(q, mask, filled)``, ``filled`` the entries a
+    fill replaced. With ``zero_dead_rows``, rows that read only the masks in eager get a zero query."""
+    # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
+    # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
+    adds, fills = iter(add_masks), iter(masked)
+    mask = filled = None
+    for stage in mask_order:
+        if stage == "a":
+            mk = next(adds)
+            mk = mk if mk.is_floating_point() else mk.to(q.dtype)
+            mask = mk if mask is None else mask + mk
+        else:
+            c, true_masks, val = next(fills)
+            mc = c if true_masks else ~c
+            filled = mc if filled is None else filled | mc
+            mask = torch.where(mc, torch.full((), val, dtype=q.dtype, device=q.device),
+                               0.0 if mask is None else mask)
+    if zero_dead_rows:     # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard)
+        # a row whose every entry is filled, or absorbs any score, or lies a masking margin below the row's
+        # fills, reads only the masks in eager (where() drops the scores and their gradient): a zero query
+        # gives exactly that, s = 0
+        top = torch.where(filled, mask, float("-inf")).amax(-1, keepdim=True)
+        dead = (filled | (mask <= ABSORBING) | (mask <= top + MASK_VALUE)).all(-1, keepdim=True)
+        q = torch.where(dead, 0.0, q)
+        # and such a row's mask shifted to a max of 0 (softmax is shift-invariant): the fused CPU backward
+        # recomputes exp(s - lse), and lse = min + log(n) rounds back to min, giving weights of 1
+        peak = mask.amax(-1, keepdim=True).detach()
+        peak = peak.masked_fill(peak == float("-inf"), 0.0)          # a row of -inf stays one (NaN below)
+        mask = torch.where(dead, mask - peak, mask)
+    return q, mask, filled
 
 
 def keys_last(t: torch.Tensor) -> torch.Tensor:
