@@ -7,7 +7,8 @@ is rewritten, and the compiled forward and parameter gradients are as close to a
   bias, and the shifted-window mask added to the scores viewed as (B/nW, nW, H, N, N);
 - transformers' LeViT: attention biases, K read through ``permute``;
 - transformers' VitDet: decomposed relative positions (MViT-v2), a bias computed from q per grid axis and added
-  to the scores viewed as (B*H, Lh, Lw, Sh, Sw)."""
+  to the scores viewed as (B*H, Lh, Lw, Sh, Sw);
+- XLNet and SqueezeBERT, which no issue named."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def _vision(config_cls: str, model_cls: str, size: int, **cfg):
         torch.manual_seed(0)
         x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
         return getattr(transformers, model_cls)(c), {"pixel_values": x}
+    return make
+
+
+def _text(config_cls: str, model_cls: str, **cfg):
+    def make():
+        c = getattr(transformers, config_cls)(**cfg)
+        c._attn_implementation = "eager"
+        torch.manual_seed(0)
+        ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+        return getattr(transformers, model_cls)(c), {"input_ids": ids}
     return make
 
 
@@ -55,6 +66,12 @@ CASES = {
     "vitdet": _vision("VitDetConfig", "VitDetModel", 32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       image_size=32, patch_size=8, pretrain_image_size=32, use_relative_position_embeddings=True,
                       window_size=2, window_block_indices=[0], drop_path_rate=0.0),
+    # libraries no issue named: XLNet's relative attention (einsums over (L, B, H, E), three score terms),
+    # SqueezeBERT's (B, H, E, N) layout
+    "xlnet": _text("XLNetConfig", "XLNetModel", vocab_size=64, d_model=32, n_layer=2, n_head=4, d_inner=64,
+                   dropout=0.0),
+    "squeezebert": _text("SqueezeBertConfig", "SqueezeBertModel", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=64, embedding_size=32),
 }
 
 
