@@ -31,7 +31,6 @@ from .stages import mask_stage, matmul_upstream, row_scale_stage, softcap_stage,
 from .operands import dropout_call, key_side, shape_of, softmax_input
 
 
-
 @dataclasses.dataclass
 class AttentionMatch(Match):
     anchor: Node                          # the P @ V matmul (or the SDPA call)
@@ -286,21 +285,9 @@ def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvalu
     return _assemble(m, stages, qk.node, consts)
 
 
-
-
 def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
     m.skip(why)
     return m
-
-
-
-
-
-
-
-
-
-
 
 
 def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator) -> AttentionMatch:
@@ -341,7 +328,10 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
                 return _skip(m, "the scores are scaled after the mask is applied")
             if kind == "scale_t" and depends_on(data[0], qk):
                 return _skip(m, "the scale depends on the scores")
-            why = _scale_cap(m, kind, data, consts) if seen_cap else _take_scale(m, kind, data, consts)
+            if not seen_cap:
+                _take_scale(m, kind, data, consts)
+                continue
+            why = _scale_cap(m, kind, data, consts)
             if why:
                 return _skip(m, why)
             continue
@@ -447,20 +437,18 @@ def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: Con
     return ""
 
 
-def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> str:
+def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> None:
     """Fold one scale stage (see :func:`scale_stage`) into the site: a number, or a 0-d tensor constant at compile
-    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time). Always
-    taken: returns "" (the stage takers' "why not")."""
+    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time)."""
     if kind == "scale":
         m.scale *= data
-        return ""
+        return
     t, op = data
     c = consts.number(t)
     if c is not None and c != 0 and math.isfinite(c):
         m.scale = m.scale * c if op == "mul" else m.scale / c
     else:
         m.scale_tensors.append((t, op))
-    return ""
 
 
 def _scale_cap(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> str:

@@ -119,12 +119,4 @@ def softmax_input(n: Node) -> tuple[Node, Any, Any] | None:
     return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
 
 
-
-
-
-
-
-
-
-
 __all__ = ["shape_of", "key_side", "ungqa", "dropout_call", "softmax_input"]

@@ -1,7 +1,7 @@
 """Any other pointwise change of the attention scores, read as FlexAttention's ``score_mod``: the nodes between
 the score contraction and the softmax, each computing an entry of the scores from the same entry of its inputs
 (ATen's ``pointwise`` tag) or casting it, with side inputs that do not depend on the scores. The run-time side is
-:func:`smxcompile.kernels.attention.flex.flex_site` (FlexAttention: Dong et al., 2024, torch.nn.attention)."""
+:func:`.replacement.graph_flex_attention` (FlexAttention: Dong et al., 2024, torch.nn.attention)."""
 
 from __future__ import annotations
 

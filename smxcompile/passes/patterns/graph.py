@@ -299,7 +299,7 @@ def pointwise(node: Node) -> bool:
     """The node computes each output entry from the same entry of its (broadcast) inputs: its ATen op carries
     ``torch.Tag.pointwise``. In-place calls are not taken (they write)."""
     name = aten_name(node)
-    return bool(name) and not name.endswith("_") and not is_mutation(node) and _pointwise_name(name)
+    return bool(name) and not is_mutation(node) and _pointwise_name(name)
 
 
 def op_label(node: Node) -> str:

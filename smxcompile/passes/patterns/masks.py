@@ -125,6 +125,5 @@ def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
     return None
 
 
-
 __all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_fill", "static_additive_mask", "fill_mask", "is_masking_value",
            "mask_floor"]
