@@ -137,7 +137,7 @@ def test_inplace_fill_on_fresh_scores_is_rewritten():
     assert [s.action for s in att] == ["rewritten"], str(r.report)
     r = rewrite(masked_fill_inplace_observed, q, k, v, ~CAUSAL)
     att = [s for s in r.report if s.kind == "attention"]
-    assert [s.action for s in att] == ["skipped"] and "in-place op" in att[0].reason, str(r.report)
+    assert [s.action for s in att] == ["skipped"] and "read outside" in att[0].reason, str(r.report)
 
 
 def _additive(q, k, v, mask):

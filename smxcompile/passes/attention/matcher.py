@@ -16,18 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..patterns.arith import scale_stage
-from ..patterns.casts import exact_cast, holds
+from ..patterns.casts import holds
 from ..patterns.constants import ConstEvaluator, depends_on
-from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_mutation, is_safe_softmax, norm_dim, \
-    op_label, pointwise, same_shape, same_size, static_shape, tensor_val
-from ..patterns.masks import ABSORBING, MASK_VALUE, inplace_add_operands, inplace_fill, is_masking_value
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_safe_softmax, norm_dim, \
+    op_label, same_shape, same_size, static_shape, tensor_val
+from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
-from ..patterns.writes import fresh_tensor, inplace_add_before
-from .score_mod import score_chain, score_mod_recipe
-from .stages import mask_stage, matmul_upstream, row_scale_stage, softcap_stage, static_view
+from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
 from .operands import dropout_call, key_side, shape_of, softmax_input
 
 
@@ -186,66 +183,21 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     xd = tensor_val(x).dtype
     if sm_dtype is not None and (sm_dtype not in FLOAT_DTYPES or xd not in FLOAT_DTYPES or not holds(sm_dtype, xd)):
         return _skip(m, f"softmax dtype={sm_dtype} rounds its input")
-    if score_mod:
-        return _score_mod(m, x, consts)
-    # walk up the score chain: casts, masks, softcap, scale, until the score matmul
-    n = x
-    stages: list[tuple[str, Any]] = []
-    consumer, consumed = sm, set()
-    for _ in range(16):
-        if not isinstance(n, Node) or n.op in ("placeholder", "get_attr"):
-            return None   # the scores come from outside the graph: nothing says this is attention
-        u = None if n in consumed else inplace_add_before(n, consumer)
-        if u is not None:   # ``s.add_(mask)`` / ``s.masked_fill_(...)`` as a statement: ``consumer`` reads the result
-            consumed.add(n)
-            fill = inplace_fill(u)
-            stages.append(("fill", (u, fill)) if fill is not None else ("add", (u, tuple(inplace_add_operands(u)))))
-            continue
-        if contraction(n) is not None:
-            break
-        consumer = n
-        dt = cast_dtype(n)
-        if dt is not None:
-            if exact_cast(n) is None:
-                return _skip(m, f"the scores are rounded by a cast to {dt} before the softmax")
-            stages.append(("cast", n))
-            n = n.args[0]
-            continue
-        if lead_view(n) is not None or static_view(n):   # (B*H, L, S) <-> (B, H, L, S), or (B, Lh, Lw, Sh, Sw)
-            stages.append(("view", (n, n)))
-            n = n.args[0]
-            continue
-        if inplace_add_operands(n) is not None:
-            # ``s += mask`` (T5): taken when the old s is a fresh tensor nothing else reads
-            step = mask_stage(n) if fresh_tensor(n.args[0]) and len(n.args[0].users) == 1 else None
-        else:
-            step = None if is_mutation(n) else (mask_stage(n) or softcap_stage(n) or scale_stage(n)
-                                                 or row_scale_stage(n))
-        if step is None and is_mutation(n):
-            return _skip(m, f"in-place op '{n.name}' ({op_label(n)}) on the scores: not matched "
-                            "(write it out of place, e.g. s = s + mask)")
-        if step is None:
-            if not matmul_upstream(n, 4):
-                return None   # softmax(...) @ W without a score matmul: not attention
-            if pointwise(n):  # any other change entry by entry: FlexAttention's score_mod
-                return _score_mod(m, x, consts)
-            c = canon(n)
-            return _skip(m, f"'{n.name}' ({c[0] if c else op_label(n)}) between the scores and the softmax is not "
-                            "a scale, soft-cap, mask, cast or op ATen tags pointwise")
-        kind, payload, nxt = step
-        stages.append((kind, (n, payload)))
-        n = nxt
-    else:
-        return _skip(m, "too many ops between the scores and the softmax")
-    return _scores(m, contraction(n), stages, consts)
+    found = score_graph(x, sm)
+    if not isinstance(found, tuple):
+        return None if found is None else _skip(m, found)
+    qk, path = found
+    steps = None if score_mod else score_steps(qk, path, x)
+    if steps is None:
+        return _score_mod(m, qk, path, consts)
+    return _scores(m, contraction(qk), steps, consts)
 
 
-def _score_mod(m: AttentionMatch, x: Node, consts: ConstEvaluator) -> AttentionMatch:
-    found = score_chain(x)
-    if isinstance(found, str):
-        return _skip(m, found)
-    qk, path, m.sides = found
-    m.recipe = score_mod_recipe(qk, path, m.sides)
+def _score_mod(m: AttentionMatch, qk: Node, path: list[Node], consts: ConstEvaluator) -> AttentionMatch:
+    sides = flex_sides(qk, path)
+    if isinstance(sides, str):
+        return _skip(m, sides)
+    m.recipe, m.sides = score_mod_recipe(qk, path, sides), sides
     m.dead += path
     m = _scores(m, contraction(qk), [], consts)
     if m.add_masks or m.lead is not None:
@@ -255,7 +207,7 @@ def _score_mod(m: AttentionMatch, x: Node, consts: ConstEvaluator) -> AttentionM
     return m
 
 
-def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvaluator) -> AttentionMatch:
+def _scores(m: AttentionMatch, qk: Contraction, steps: list, consts: ConstEvaluator) -> AttentionMatch:
     """Q and K from the score contraction (Q (..., L, E) @ K^T (..., E, S), any layout), then the score chain."""
     want = m.layout.get("scores")      # the softmax says which index is the key: the roles of q and k may swap
     if qk.out_perm != want:
@@ -282,7 +234,7 @@ def _scores(m: AttentionMatch, qk: Contraction, stages: list, consts: ConstEvalu
         if why:
             return _skip(m, why)
     m.spelling = f"{op_label(qk.node)}(q, k^T)"
-    return _assemble(m, stages, qk.node, consts)
+    return _assemble(m, steps, qk.node, consts)
 
 
 def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
@@ -290,90 +242,61 @@ def _skip(m: AttentionMatch, why: str) -> AttentionMatch:
     return m
 
 
-def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator) -> AttentionMatch:
-    """Turn the score chain (softmax-side first) into the op's scale / softcap / masks, or skip."""
-    seen_mask = seen_cap = False
-    # walk from the matmul downwards: scale* softcap? scale* mask* cast*  (scale after a mask scales the mask)
-    order = list(reversed(stages))
-    phase = 0   # 0: scale/cast before softcap, 1: after softcap, 2: masks, 3: trailing casts
-    level = qk                  # the node whose shape the scores have where each stage applies (views regroup)
+def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) -> AttentionMatch:
+    """Turn the chain of score steps (:func:`.scores.score_steps`) into the op's scale, soft-cap and masks, or skip:
+    scales, then ``tanh`` (a soft-cap; scales after it scale the cap), then masks."""
+    phase = 0                   # 0: before a soft-cap, 1: after it, 2: after a mask
+    level = qk                  # the node whose shape the scores have where each step applies (views regroup)
     mask_levels: set = set(m.add_levels)   # a baddbmm bias applies at the contraction
     split: set = set()          # views splitting the query and key indices (B, Lh, Lw, Sh, Sw)
-    for kind, payload in order:
-        if kind == "cast":
-            node = payload
-            m.dead.append(node)
-            continue
-        node, data = payload
+    views = False
+    for node, s in steps:
         m.dead.append(node)
+        step = score_step(node, s)
+        if step is None:
+            c = canon(node)
+            return _skip(m, f"'{node.name}' ({c[0] if c else op_label(node)}) between the scores and the softmax is "
+                            "not a scale, soft-cap, mask, cast or view")
+        kind, data = step
+        if kind == "cast" and not data:
+            return _skip(m, f"the scores are rounded by a cast to {cast_dtype(node)} before the softmax")
         if kind == "view":
-            level = data
-            if lead_view(node) is None:     # a static view: it must split the query and key indices, not mix them
+            level, views = node, True
+            if lead_view(node) is None:     # it must split the query and key indices, not mix them
                 rows, cols = (static_shape(tensor_val(qk)) or (None, None))[-2:]
                 if rows is None or split_view(node, rows, cols) is None:
                     return _skip(m, "the scores are viewed in a shape that mixes the query and key indices")
                 split.add(level)
             continue
-        if kind in ("add", "sub", "fill"):
-            if m.mask_floor is not None:
-                return _skip(m, "a mask is applied after the scores are clamped below")
-            mask_levels.add(level)
-        if kind == "scale_t":
-            if level in split or m.layout.get("scores"):
-                return _skip(m, "a factor of the scores viewed with the key index split or first is not a factor "
-                                "of q's rows")
-            m.scale_levels.append((data[0], level))
+        if kind in ("add", "sub", "fill") and m.mask_floor is not None:
+            return _skip(m, "a mask is applied after the scores are clamped below")
+        why = ""
         if kind in ("scale", "scale_t"):
-            if phase >= 2:
-                return _skip(m, "the scores are scaled after the mask is applied")
-            if kind == "scale_t" and depends_on(data[0], qk):
-                return _skip(m, "the scale depends on the scores")
-            if not seen_cap:
-                _take_scale(m, kind, data, consts)
-                continue
-            why = _scale_cap(m, kind, data, consts)
-            if why:
-                return _skip(m, why)
-            continue
-        if kind == "floor":
-            why = _take_floor(m, data, consts)
-            if why:
-                return _skip(m, why)
-            phase = 2
-            continue
-        if kind == "softcap":
-            if phase >= 1 or seen_cap:
-                return _skip(m, "soft-capping after another soft-cap or a mask")
-            cap, inner = data
-            m.softcap = cap
-            m.dead += inner
-            seen_cap = True
-            phase = 1
-            continue
-        if kind in ("add", "sub"):
-            a, b = data
-            # the scores side is the one the chain came through: the previous stage's node
-            prev = _prev_node(order, node, qk)
-            mask = b if a is prev else a if b is prev and kind == "add" else None
-            if mask is None:
-                return _skip(m, f"cannot tell the scores from the mask in '{node.name}'")
-            why = _take_add_mask(m, mask, node, qk, level=level, negated=kind == "sub")
-            if why:
-                return _skip(m, why)
-            phase = 2
-            seen_mask = True
-            continue
-        if kind == "fill":
+            why = "the scores are scaled after the mask is applied" if phase == 2 else \
+                _scale_tensor(m, data[0], level in split, qk, level=level) if kind == "scale_t" else ""
+            why = why or (_scale_cap(m, kind, data, consts) if phase == 1 else _take_scale(m, kind, data, consts))
+        elif kind == "tanh":
+            why = "soft-capping after another soft-cap or a mask" if phase else ""
+            m.softcap, phase = 1.0, 1
+        elif kind in ("add", "sub"):
+            why = _take_add_mask(m, data, node, qk, level=level, negated=kind == "sub")
+        elif kind == "fill":
             why = _take_fill(m, data, node, qk, consts, level=level)
-            if why:
-                return _skip(m, why)
-            phase = 2
-            seen_mask = True
-            continue
+        elif kind == "floor":
+            why = _take_floor(m, data, consts)
+        if why:
+            return _skip(m, why)
+        if kind in ("add", "sub", "fill"):
+            mask_levels.add(level)
+        phase = 2 if kind in ("add", "sub", "fill", "floor") else phase
+    return _finish(m, qk, views, mask_levels, split)
+
+
+def _finish(m: AttentionMatch, qk: Node, views: bool, mask_levels: set, split: set) -> AttentionMatch:
     if split and not same_shape(tuple(tensor_val(softmax_input(m.softmax)[0]).shape[-2:]),
                                 tuple(tensor_val(qk).shape[-2:])):
         return _skip(m, "the softmax runs over a part of the key index (the scores viewed with it split)")
-    if any(k == "view" for k, _ in stages) or any(lead_view(n) is not None for n in m.dead):
+    if views or any(lead_view(n) is not None for n in m.dead):
         why = _regroup(m, qk, mask_levels, split)
         if why:
             return _skip(m, why)
@@ -383,9 +306,20 @@ def _assemble(m: AttentionMatch, stages: list, qk: Node, consts: ConstEvaluator)
         m.absorbed.append("runtime scale folded into q")
     if m.softcap is not None:
         m.absorbed.append(f"softcap={m.softcap:g}")
-    if seen_mask:
+    if m.add_masks or m.masked:
         m.absorbed.append("mask" if len(m.add_masks) + len(m.masked) == 1 else "masks")
     return m
+
+
+def _scale_tensor(m: AttentionMatch, t: Node, split: bool, qk: Node, *, level: Node) -> str:
+    """Checks for a tensor factor ``t`` of the scores viewed as ``level`` (``split``: with the key index split)."""
+    if depends_on(t, qk):
+        return "the scale depends on the scores"
+    tv = tensor_val(t)
+    if tv is not None and tv.dim() > 0 and (split or "scores" in m.layout):
+        return "a factor of the scores viewed with the key index split or first is not a factor of q's rows"
+    m.scale_levels.append((t, level))
+    return ""
 
 
 def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level: Node, negated: bool = False) -> str:
@@ -533,17 +467,6 @@ def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
             return "the mask takes the scores' shape, which is symbolic (dynamic shapes)"
     m.shape_refs += [r for r in refs if r not in m.shape_refs]
     return ""
-
-
-def _prev_node(order: list, node: Node, qk: Node) -> Node:
-    """The chain node just above ``node`` (towards the score matmul)."""
-    prev = qk
-    for kind, payload in order:
-        cur = payload if kind == "cast" else payload[0]
-        if cur is node:
-            return prev
-        prev = cur
-    return prev
 
 
 def match_sdpa(n: Node) -> AttentionMatch | None:

@@ -18,7 +18,6 @@ from torch.fx import Node
 
 from .contraction import contraction
 from .graph import INPLACE_OPERATORS, canon, inplace_flag, is_mutation
-from .masks import inplace_add_operands, inplace_fill
 
 # canonical ops (graph.canon) whose result is always new memory
 _ALLOCATING_OPS = {"add", "sub", "mul", "div", "exp", "log", "tanh", "softmax", "log_softmax", "matmul", "sum",
@@ -111,20 +110,4 @@ def fresh_tensor(n: Any) -> bool:
     return isinstance(n, Node) and (contraction(n) is not None or _allocates(n))
 
 
-def inplace_add_before(n: Node, consumer: Node) -> Node | None:
-    """The in-place add or fill ``u = n.add_(mask)`` / ``n.masked_fill_(mask, value)`` that runs before
-    ``consumer`` reads ``n``, when ``n`` is a fresh tensor used only by ``u`` and ``consumer`` (so ``consumer``
-    reads ``n + mask``, or ``n`` filled), else None."""
-    users = set(n.users)
-    us = [u for u in users if u is not consumer and u.args and u.args[0] is n
-          and (inplace_add_operands(u) is not None or inplace_fill(u) is not None)]
-    if len(us) != 1 or users != {us[0], consumer} or not fresh_tensor(n) or us[0].args[1] is n:
-        return None
-    u = us[0]
-    x = u.next
-    while x is not None and x is not consumer:   # u must run before consumer
-        x = x.next
-    return u if x is consumer else None
-
-
-__all__ = ["mutation_inside", "may_be_written", "fresh_tensor", "inplace_add_before"]
+__all__ = ["mutation_inside", "may_be_written", "fresh_tensor"]
