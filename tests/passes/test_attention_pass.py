@@ -166,7 +166,7 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor)
 l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], mask_kinds = [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertEqual(sites(r), [("attention", "rewritten")])
         self.assertEqual(attn_site(r).detail, "matmul(q, k^T), scale=0.25")
@@ -184,7 +184,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
 full = torch.full([], 4.0, dtype = torch.float32, device = device(type='cpu'))
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], mask_kinds = [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_runtime_tensor_scale_folded_into_q(self):
@@ -195,7 +195,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_t_ = L_t_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [(l_t_, 'mul')], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [(l_t_, 'mul')], mask_kinds = [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_prescaled_q(self):
@@ -206,7 +206,7 @@ l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
 q = l_q_ * 0.25
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(q, l_k_, l_v_, [], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(q, l_k_, l_v_, [], [], mask_kinds = [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_additive_mask(self):
@@ -218,7 +218,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_mask_ = L_mask_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_mask_], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_mask_], [], mask_kinds = [('add', None, None)], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_masked_fill_neg_inf_keeps_nan_rows(self):
@@ -233,7 +233,7 @@ l_q_ = L_q_
 l_pad_ = L_pad_
 l_v_ = L_v_
 getitem = l_pad_[(slice(None, None, None), None, None, slice(None, None, None))]
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [(getitem, True, -inf)], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [getitem], [], mask_kinds = [('fill', -inf, None)], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         out = r.gm(*r.inputs)[0]
         torch.testing.assert_close(out, masked_fill_neg_inf(*qkv(), pad), atol=1e-5, rtol=1e-5, equal_nan=True)
@@ -252,7 +252,7 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
 l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = True, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], mask_kinds = [], scale = 0.25, softcap = None, is_causal = True, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertEqual(attn_site(r).detail, "matmul(q, k^T), causal, scale=0.25")
 
@@ -266,7 +266,7 @@ l_k_ = L_k_
 l_q_ = L_q_
 l_bias_ = L_bias_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_bias_], [], [], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [l_bias_], [], mask_kinds = [('add', None, None)], scale = 1.0, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = 'auto', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         # bf16: the fused kernel keeps the scores in fp32, eager rounds them to bf16 first
         gold = t5_upcast(*(t.double() for t in (q, k, v, bias)))
@@ -290,7 +290,7 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_v_ : torch.Tensor)
 l_k_ = L_k_
 l_q_ = L_q_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], mask_kinds = [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 1, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
 
     def test_bshd_permuted(self):
@@ -305,7 +305,7 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
 l_q_ = L_q_
 l_k_ = L_k_
 l_v_ = L_v_
-graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 2, fixup = '', normalizer = 'softmax', norm_param = None)
+graph_attention = smxcompile_passes_attention_replacement_graph_attention(l_q_, l_k_, l_v_, [], [], mask_kinds = [], scale = 0.25, softcap = None, is_causal = False, dropout_p = 0.0, n_rep = 2, fixup = '', normalizer = 'softmax', norm_param = None)
 return (graph_attention,)""")
         self.assertIn("GQA 2 q heads per kv head", attn_site(r).detail)
 
@@ -468,8 +468,8 @@ def test_graph_attention_fixup_rows_match_eager_softmax():
     for value in (float("-inf"), -1e9):
         s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(pad, value)
         ref = torch.softmax(s, -1) @ v
-        got = graph_attention(q, k, v, [], [(pad, True, value)], [], scale=0.25, softcap=None, is_causal=False,
-                              dropout_p=0.0, n_rep=1, fixup="auto", normalizer="softmax", norm_param=None)
+        got = graph_attention(q, k, v, [pad], [], mask_kinds=[("fill", value, None)], scale=0.25, softcap=None,
+                              is_causal=False, dropout_p=0.0, n_rep=1, fixup="auto", normalizer="softmax", norm_param=None)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
@@ -541,8 +541,8 @@ def test_check_option_rejects_a_wrong_attention_rewrite(monkeypatch):
 
     real = A.graph_attention
 
-    def no_mask(q, k, v, add_masks, *a, **kw):
-        return real(q, k, v, [], *a, **kw)
+    def no_mask(q, k, v, masks, *a, mask_kinds, **kw):
+        return real(q, k, v, [], *a, mask_kinds=[], **kw)
 
     monkeypatch.setattr(A, "graph_attention", no_mask)
     torch._dynamo.reset()

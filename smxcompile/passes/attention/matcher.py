@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,15 @@ from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score
 from .operands import dropout_call, key_side, shape_of, softmax_input
 
 
+class Mask(NamedTuple):
+    """One mask of the scores: ``node`` added (``how="add"``) or subtracted (``"sub"``), or a bool whose True
+    (``"fill"``) or False (``"keep"``) entries are filled with ``value``; applied to the scores viewed as ``level``."""
+    node: Node
+    how: str
+    value: float | None
+    level: Node
+
+
 @dataclasses.dataclass
 class AttentionMatch(Match):
     anchor: Node                          # the P @ V matmul (or the SDPA call)
@@ -39,8 +48,7 @@ class AttentionMatch(Match):
     scale: float = 1.0
     scale_tensors: list = dataclasses.field(default_factory=list)   # [(node, "mul" | "div")]
     softcap: float | None = None
-    add_masks: list = dataclasses.field(default_factory=list)       # additive float masks (Nodes)
-    masked: list = dataclasses.field(default_factory=list)          # [(bool node, True if True means masked, value)]
+    masks: list[Mask] = dataclasses.field(default_factory=list)     # in graph order
     is_causal: bool = False
     dropout_p: float = 0.0
     fixup: str = ""                       # "" | "auto": restore eager's values on fully masked rows
@@ -52,16 +60,12 @@ class AttentionMatch(Match):
     norm_param: float | None = None
     kind: str = "attention"
     dropped: list = dataclasses.field(default_factory=list)   # mask / value nodes the op no longer reads
-    mask_order: str = ""                  # the mask stages in graph order: "a" an additive mask, "f" a fill
     safe_softmax: bool = False            # aten._safe_softmax: a row of -inf gives 0, not NaN
     lead: tuple | None = None             # leading dims q, k, v are regrouped to (views between the matmuls)
     shape_refs: list = dataclasses.field(default_factory=list)  # mask ops reading only a score node's shape
     scale_levels: list = dataclasses.field(default_factory=list)  # [(scale tensor, score node it applies at)]
-    add_levels: list = dataclasses.field(default_factory=list)    # per additive mask: the score node it applies at
-    negated_masks: tuple = ()             # indices of the additive masks subtracted from the scores
     mask_floor: float | None = None       # max(s, floor) after the masks: masking values clamped there
-    fill_levels: list = dataclasses.field(default_factory=list)   # per fill: the score node it applies at
-    mask_shapes: list = dataclasses.field(default_factory=list)   # per mask (adds, then fills): its view's shape
+    mask_shapes: list = dataclasses.field(default_factory=list)   # per mask: the shape of its view of the scores
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
     layout: dict = dataclasses.field(default_factory=dict)  # "q", "k", "v", "out", "scores" -> permutation or None
     recipe: tuple = ()                    # other pointwise changes of the scores, replayed as a score_mod
@@ -77,10 +81,13 @@ class AttentionMatch(Match):
         return {r: p for r, p in self.layout.items() if p is not None}
 
     @property
-    def merged_masks(self) -> bool:
-        """Fills together with additive masks, or fills with different values: the op gets one additive mask
-        built in graph order with the fills' own values (a single kind of fill stays a bool mask)."""
-        return bool(self.add_masks and self.masked) or len({val for _, _, val in self.masked}) > 1
+    def add_masks(self) -> list[Node]:
+        return [k.node for k in self.masks if k.how in ("add", "sub")]
+
+    @property
+    def masked(self) -> list[tuple]:
+        """The fills as ``(bool node, True if True masks, value)``."""
+        return [(k.node, k.how == "fill", k.value) for k in self.masks if k.how in ("fill", "keep")]
 
     @property
     def is_sdpa(self) -> bool:
@@ -200,7 +207,7 @@ def _score_mod(m: AttentionMatch, qk: Node, path: list[Node], consts: ConstEvalu
     m.recipe, m.sides = score_mod_recipe(qk, path, sides), sides
     m.dead += path
     m = _scores(m, contraction(qk), [], consts)
-    if m.add_masks or m.lead is not None:
+    if m.masks or m.lead is not None:
         return _skip(m, "a score_mod with a baddbmm input or views between the matmuls")
     m.absorbed.append(f"score_mod of {len(path)} ops")
     m.route = "attention_score_mod"
@@ -247,7 +254,7 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
     scales, then ``tanh`` (a soft-cap; scales after it scale the cap), then masks."""
     phase = 0                   # 0: before a soft-cap, 1: after it, 2: after a mask
     level = qk                  # the node whose shape the scores have where each step applies (views regroup)
-    mask_levels: set = set(m.add_levels)   # a baddbmm bias applies at the contraction
+    mask_levels = {k.level for k in m.masks}   # a baddbmm bias applies at the contraction
     split: set = set()          # views splitting the query and key indices (B, Lh, Lw, Sh, Sw)
     views = False
     for node, s in steps:
@@ -306,8 +313,8 @@ def _finish(m: AttentionMatch, qk: Node, views: bool, mask_levels: set, split: s
         m.absorbed.append("runtime scale folded into q")
     if m.softcap is not None:
         m.absorbed.append(f"softcap={m.softcap:g}")
-    if m.add_masks or m.masked:
-        m.absorbed.append("mask" if len(m.add_masks) + len(m.masked) == 1 else "masks")
+    if m.masks:
+        m.absorbed.append("mask" if len(m.masks) == 1 else "masks")
     return m
 
 
@@ -338,11 +345,7 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
         return "the mask does not broadcast to the scores"
     if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
         return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
-    if negated:
-        m.negated_masks += (len(m.add_masks),)
-    m.add_masks.append(mask)
-    m.mask_order += "a"
-    m.add_levels.append(level)
+    m.masks.append(Mask(mask, "sub" if negated else "add", None, level))
     return ""
 
 
@@ -363,9 +366,7 @@ def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: Con
         return "the masked_fill / where value is not a constant"
     if not is_masking_value(val):
         return f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})"
-    m.masked.append((cond, true_masks, val))
-    m.mask_order += "f"
-    m.fill_levels.append(level)
+    m.masks.append(Mask(cond, "fill" if true_masks else "keep", val, level))
     if isinstance(value, Node):
         m.dropped.append(value)
     return ""
@@ -427,7 +428,7 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set, split: set) -> str:
         lead = vs
     elif len(mask_levels) > 1 or mask_levels & split:   # each mask expanded to its view, regrouped as q is
         lead = qs
-        for level in m.add_levels + m.fill_levels:
+        for level in (k.level for k in m.masks):
             shape = None if level is qk else static_shape(tensor_val(level))
             if level is not qk and shape is None:
                 return "masks applied to the scores viewed in different shapes, with symbolic sizes"
@@ -483,4 +484,4 @@ def match_sdpa(n: Node) -> AttentionMatch | None:
     return m
 
 
-__all__ = ["AttentionMatch", "match_from_pv", "match_sdpa"]
+__all__ = ["Mask", "AttentionMatch", "match_from_pv", "match_sdpa"]

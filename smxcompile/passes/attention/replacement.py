@@ -15,58 +15,35 @@ from ..patterns.contraction import apply_perm
 from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 
 
-def graph_attention(q, k, v, add_masks, masked, scale_tensors, *, scale: float, softcap, is_causal: bool,
-                    dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param,
-                    export: bool = False, mask_order: str = "", lead: tuple | None = None,
-                    safe_softmax: bool = False, layout: dict | None = None, mask_shapes: list | None = None,
-                    negated: tuple = (), mask_floor: float | None = None):
-    """What a rewritten attention site calls (traced by AOTAutograd, so torch ops end up in the graph).
-
-    ``add_masks``: additive masks (summed; bool / integer ones in q's dtype, as eager promotes them).
-    ``masked``: ``[(bool, True-means-masked, value)]`` from ``masked_fill`` / ``where``: one bool mask, unless
-    ``mask_order`` (the mask stages in graph order, ``"a"`` an add, ``"f"`` a fill) is given: then all merge in
-    that order into one additive mask holding the fills' own values (``where(keep, s, value) + mask`` is ``s +
-    where(keep, mask, value + mask)``, exact wherever ``s`` is negligible next to the fill value, and on rows
-    whose every entry is filled or absorbing, where q is zeroed). ``scale_tensors``: ``[(0-d tensor, "mul" |
-    "div")]`` applied to the scores (folded into q). ``fixup="auto"`` restores the original graph's values on fully masked rows
-    (NaN for -inf, the uniform average for finite masking values). ``export``: the graph is captured for an
-    export (ONNX, MLIR), where attention is MatMul / Softmax / MatMul and propagates NaN as eager does: no NaN
-    fix-up. ``lead``: regroup q, k, v's leading dims to it first (views between the matmuls of 3-D ``bmm``
-    attention), and return the output grouped as ``v`` was. ``safe_softmax``: the site's softmax was
-    ``aten._safe_softmax``, whose rows of -inf give 0 (not NaN). ``layout``: ``{"q" | "k" | "v": perm}`` gives
-    the operand's (..., L or S, E) layout as ``t.permute(perm)``, ``{"out": perm}`` the output's, ``{"scores": perm}``
-    the masks' (scores laid out (..., S, L)).
-    ``mask_shapes``: per mask (``add_masks``, then ``masked``), the shape of the scores' view it applies to (None:
-    q's grouping); such a mask is expanded to it and regrouped as ``lead``. ``negated``: the indices of the
-    additive masks the scores subtract. ``mask_floor``: the scores are clamped below there after the
-    masks (``max(s, finfo.min)``): the masks' values are."""
+def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, softcap, is_causal: bool,
+                    dropout_p: float, n_rep: int, fixup: str, normalizer: str, norm_param, export: bool = False,
+                    lead: tuple | None = None, safe_softmax: bool = False, layout: dict | None = None,
+                    mask_floor: float | None = None):
+    """A rewritten attention site (docs/DESIGN.md, "Attention"): q (..., L, E), k, v (..., S, E) after ``layout``
+    (role -> permutation; ``"scores"``: masks laid out (..., S, L)), regrouped to ``lead`` first.
+    ``masks`` in graph order, each with ``(how, value, shape)`` in ``mask_kinds``: added (``"add"``), subtracted
+    (``"sub"``), or a bool whose True (``"fill"``) or False (``"keep"``) entries hold ``value``; applied to the
+    scores viewed as ``shape`` (None: as q is grouped). ``mask_floor``: the masks clamped below there.
+    ``scale_tensors``: ``[(tensor, "mul" | "div")]`` folded into q. ``fixup="auto"``: eager's values on fully
+    masked rows (0 after ``_safe_softmax``); ``export``: MatMul / Softmax / MatMul semantics, no NaN fix-up."""
     layout = layout or {}
-    add_masks = [(-(a if a.is_floating_point() else a.to(q.dtype)) if i in negated else a)
-                 for i, a in enumerate(add_masks)]
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
     if "scores" in layout:     # masks of scores laid out (keys, queries)
-        add_masks = [keys_last(a) for a in add_masks]
-        masked = [(keys_last(c), t, val) for c, t, val in masked]
-    out = _attention(q, k, v, add_masks, masked, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
+        masks = [keys_last(t) for t in masks]
+    out = _attention(q, k, v, masks, mask_kinds, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
-                     export=export, mask_order=mask_order, lead=lead, safe_softmax=safe_softmax,
-                     mask_shapes=mask_shapes or [], mask_floor=mask_floor)
+                     export=export, lead=lead, safe_softmax=safe_softmax, mask_floor=mask_floor)
     return apply_perm(out, layout.get("out"))
 
 
-def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
-               normalizer, norm_param, export, mask_order, lead, safe_softmax, mask_shapes, mask_floor):
+def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
+               normalizer, norm_param, export, lead, safe_softmax, mask_floor):
     v_lead = None
     if lead is not None:
         v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
-    if mask_shapes:
-        def regroup(t, shape):
-            return t if shape is None else t.expand(shape).reshape(*lead, q.shape[-2], k.shape[-2])
-
-        n_add = len(add_masks)
-        add_masks = [regroup(a, s) for a, s in zip(add_masks, mask_shapes[:n_add])]
-        masked = [(regroup(c, s), t, val) for (c, t, val), s in zip(masked, mask_shapes[n_add:])]
+    add_masks, masked, mask_order = _split_masks(masks, mask_kinds, (*(lead or ()), q.shape[-2], k.shape[-2]),
+                                                 dtype=q.dtype)
     for t, op in scale_tensors:
         if isinstance(t, torch.Tensor):
             t = t.to(q.dtype)
@@ -152,6 +129,22 @@ def _attention(q, k, v, add_masks, masked, scale_tensors, *, scale, softcap, is_
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
 
 
+def _split_masks(masks, mask_kinds, shape: tuple, *, dtype):
+    """``(additive masks, fills as (bool, True if True masks, value), mask_order)``; ``mask_order`` (``"a"`` an
+    add, ``"f"`` a fill, in graph order) only where fills meet additive masks or fills differ in value: then all
+    merge into one additive mask. A mask on a view of the scores is regrouped to ``shape``."""
+    add_masks, masked, order = [], [], ""
+    for t, (how, value, view) in zip(masks, mask_kinds, strict=True):
+        t = t if view is None else t.expand(view).reshape(shape)
+        if how in ("add", "sub"):
+            add_masks.append(t if how == "add" else -(t if t.is_floating_point() else t.to(dtype)))
+        else:
+            masked.append((t, how == "fill", value))
+        order += "a" if how in ("add", "sub") else "f"
+    merged = bool(add_masks and masked) or len({val for *_, val in masked}) > 1
+    return add_masks, masked, order if merged else ""
+
+
 def _merged_mask(q, add_masks, masked, mask_order: str, *, zero_dead_rows: bool):
     """The masks merged in graph order into one additive mask: ``(q, mask, filled)``, ``filled`` the entries a
     fill replaced. With ``zero_dead_rows``, rows that read only the masks in eager get a zero query."""
@@ -201,18 +194,9 @@ def _floored(q, add_masks, floor: float):
 
 
 def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
-    """Eager's NaN rows for non-finite q or k, which fused kernels do not all reproduce (a NaN query row can come
-    out 0; a bool mask is added as -inf, so an inf or NaN score at a masked key makes the row NaN where eager's
-    ``masked_fill`` / ``where`` replaced it). Returns ``(q_bad, k, k_bad)``: rows to set NaN for their query,
-    ``k`` with the non-finite keys a selection mask may hide zeroed, and rows to set NaN for the keys they see.
-
-    A row with a non-finite query is NaN in eager whenever it sees a key (every score is then inf or NaN); the
-    fully masked rows are restored after this. A key with a NaN makes every row that sees it NaN. A key with an
-    inf makes them NaN too unless every such score is -inf, where eager gives the row without that key: the one
-    case this does not reproduce. Without a selection mask every row sees every key (an additive mask does not
-    hide a NaN score), and a causal call selects keys inside the kernel, so both keep the kernel's own values
-    for inf keys. Costs O(L*E + S*E) reductions, and a pass over the selection mask when it has a row per
-    query."""
+    """Eager's NaN rows for non-finite q or k (docs/DESIGN.md, "Attention"): ``(q_bad, k, k_bad)``, the rows a
+    non-finite query makes NaN, ``k`` with the non-finite keys a selection mask may hide zeroed, and the rows
+    that see such a key. O(L*E + S*E), and one pass over the selection mask when it has a row per query."""
     q_bad = ~torch.isfinite(q).all(-1, keepdim=True)
     if is_causal:
         return q_bad, k, torch.zeros((), dtype=torch.bool, device=q.device)

@@ -71,38 +71,28 @@ def _repeat_nodes(n: Node) -> list[Node]:
 
 def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     """A constant mask that is exactly the causal lower triangle becomes ``is_causal``; an all-zero one goes."""
-    if len(m.add_masks) + len(m.masked) != 1 or any(m.mask_shapes):   # a mask on a view: not in (L, S) form
+    if len(m.masks) != 1 or any(m.mask_shapes):   # a mask on a view: not in (L, S) form
         return
     qv, kv = m.val("q"), m.val("k")
     L, S = qv.shape[-2], kv.shape[-2]
-    if not isinstance(L, int) or not isinstance(S, int):
+    node, how = m.masks[0].node, m.masks[0].how
+    c = consts.value(node)
+    if not isinstance(L, int) or not isinstance(S, int) or not isinstance(c, torch.Tensor):
         return
-    if m.add_masks:
-        c = consts.value(m.add_masks[0])
-        if not isinstance(c, torch.Tensor):
-            return
-        if m.negated_masks:
-            c = -c
+    if how in ("add", "sub"):
+        c = -c if how == "sub" else c
         if bool((c == 0).all()):
-            m.dropped += m.add_masks
-            m.add_masks, m.negated_masks = [], ()
+            m.dropped.append(node)
+            m.masks = []
             m.absorbed = [a for a in m.absorbed if a != "mask"] + ["zero mask dropped"]
             return
         keep = additive_keep(c)
-        if keep is None:
-            return
     else:
-        cond, true_masks, _ = m.masked[0]
-        c = consts.value(cond)
-        if not isinstance(c, torch.Tensor):
-            return
-        keep = ~c if true_masks else c
-    if "scores" in m.layout:
-        keep = keys_last(keep)
-    if is_causal_keep(keep, L, S):
+        keep = ~c if how == "fill" else c
+    if keep is not None and is_causal_keep(keys_last(keep) if "scores" in m.layout else keep, L, S):
         m.is_causal = True
-        m.dropped += list(m.add_masks) + [c for c, _, _ in m.masked]
-        m.add_masks, m.masked, m.negated_masks = [], [], ()
+        m.dropped.append(node)
+        m.masks = []
         m.absorbed = [a for a in m.absorbed if a not in ("mask", "masks")]
 
 
@@ -156,13 +146,9 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
 
 def _extras(m: AttentionMatch) -> dict:
     """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
-    out: dict = {"mask_order": m.mask_order} if m.merged_masks else {}
+    out: dict = {}
     if m.lead is not None:
         out.update(lead=m.lead)
-    if m.mask_shapes:
-        out.update(mask_shapes=m.mask_shapes)
-    if m.negated_masks:
-        out.update(negated=m.negated_masks)
     if m.mask_floor is not None:
         out.update(mask_floor=m.mask_floor)
     if m.safe_softmax:
@@ -323,26 +309,14 @@ class AttentionPass(RewritePass):
 
     def rewrite(self, graph: Graph, m: AttentionMatch, ctx: PassContext) -> None:
         """Replace the site by a :func:`graph_attention` / :func:`graph_sdpa` call and delete the dead pattern."""
-        export = {"export": True} if ctx.export else {}
         erase_dead_ends(graph, m.dead_ends)
         dead = set(m.dead)
         for r in m.shape_refs:
             if r.args[1] in dead:
                 _static_shape_ref(r)
+        fn, args, kwargs = _call(m, lambda n: n, dropout_p=m.dropout_p, export=ctx.export)
         with graph.inserting_before(m.anchor):
-            if m.is_sdpa:
-                call = graph.call_function(graph_sdpa, (m.q, m.k, m.v, dict(m.sdpa_kwargs)),
-                                           {"normalizer": m.normalizer, "norm_param": m.norm_param})
-            elif m.recipe:
-                call = graph.call_function(graph_flex_attention, (
-                    m.q, m.k, m.v, list(m.sides), [tuple(t) for t in m.scale_tensors]), _flex_kwargs(m))
-            else:
-                call = graph.call_function(graph_attention, (
-                    m.q, m.k, m.v, list(m.add_masks), [tuple(t) for t in m.masked],
-                    [tuple(t) for t in m.scale_tensors]), {
-                    "scale": float(m.scale), "softcap": m.softcap, "is_causal": m.is_causal, "dropout_p": m.dropout_p,
-                    "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param,
-                    **_extras(m), **export})
+            call = graph.call_function(fn, args, kwargs)
         replace_anchor(graph, m.anchor, call, call, [n for n in m.dead if n is not m.anchor])
         erase_unused_pure(graph, m.dropped)
 
@@ -361,25 +335,31 @@ class AttentionPass(RewritePass):
         return m.action == "rewritten" and m.normalizer == "softmax"
 
     def check_inputs(self, m: AttentionMatch) -> list[Node]:
-        ins = [m.q, m.k, m.v, *m.add_masks, *m.sides, *(c for c, _, _ in m.masked), *(t for t, _ in m.scale_tensors)]
+        ins = [m.q, m.k, m.v, *(k.node for k in m.masks), *m.sides, *(t for t, _ in m.scale_tensors)]
         if m.is_sdpa:
             ins += [a for a in m.sdpa_kwargs.values() if isinstance(a, Node)]
         return [n for n in ins if isinstance(n, Node)]
 
     def run_site(self, m: AttentionMatch, values: dict[str, Any]):
         """The rewritten site's output on captured values."""
-        g = lambda n: values[n.name] if isinstance(n, Node) else n  # noqa: E731
-        if m.is_sdpa:
-            kw = {k: g(v) for k, v in m.sdpa_kwargs.items()}
-            return graph_sdpa(g(m.q), g(m.k), g(m.v), kw, normalizer=m.normalizer, norm_param=m.norm_param)
-        if m.recipe:
-            return graph_flex_attention(g(m.q), g(m.k), g(m.v), [g(x) for x in m.sides],
-                                        [(g(t), op) for t, op in m.scale_tensors], **_flex_kwargs(m))
-        return graph_attention(g(m.q), g(m.k), g(m.v), [g(a) for a in m.add_masks],
-                               [(g(c), t, val) for c, t, val in m.masked], [(g(t), op) for t, op in m.scale_tensors],
-                               scale=float(m.scale), softcap=m.softcap, is_causal=m.is_causal, dropout_p=0.0,
-                               n_rep=m.n_rep, fixup=m.fixup, normalizer=m.normalizer, norm_param=m.norm_param,
-                               **_extras(m))
+        fn, args, kwargs = _call(m, lambda n: values[n.name] if isinstance(n, Node) else n, dropout_p=0.0)
+        return fn(*args, **kwargs)
+
+
+def _call(m: AttentionMatch, g, *, dropout_p: float, export: bool = False):
+    """``(function, args, kwargs)`` of the site's run-time call, each input mapped by ``g`` (to itself for the
+    graph, to its captured value for a check)."""
+    if m.is_sdpa:
+        return graph_sdpa, (g(m.q), g(m.k), g(m.v), {k: g(v) for k, v in m.sdpa_kwargs.items()}), {
+            "normalizer": m.normalizer, "norm_param": m.norm_param}
+    q, k, v, scales = g(m.q), g(m.k), g(m.v), [(g(t), op) for t, op in m.scale_tensors]
+    if m.recipe:
+        return graph_flex_attention, (q, k, v, [g(x) for x in m.sides], scales), _flex_kwargs(m)
+    kinds = [(mk.how, mk.value, shape) for mk, shape in zip(m.masks, m.mask_shapes or [None] * len(m.masks))]
+    return graph_attention, (q, k, v, [g(mk.node) for mk in m.masks], scales), {"mask_kinds": kinds,
+        "scale": float(m.scale), "softcap": m.softcap, "is_causal": m.is_causal, "dropout_p": dropout_p,
+        "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param, **_extras(m),
+        **({"export": True} if export else {})}
 
 
 __all__ = ["AttentionPass"]
