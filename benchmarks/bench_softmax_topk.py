@@ -22,6 +22,10 @@ Families of cases (--families), all fp32, reduction over the last (contiguous) d
   top1    Switch Transformers' top-1 router, the row maximum read twice:
               p = torch.softmax(x, -1); torch.max(p, -1).values[:, None], torch.argmax(p, -1)
           at 8192x8 and 8192x64, fp32 and bf16, inference and training (the rewrite: graph_top1).
+  entries probabilities read at a few entries per row (the rewrite: graph_softmax_entry):
+              k=2: NLLB-MoE's top-2 router, p = softmax(x); i1 = argmax(p); i2 = the argmax of x without i1;
+                   the gates (p * one_hot(i)).sum(-1) for both, at 8192x8, 8192x64, 2048x128, fwd and fwd+bwd;
+              k=1: p.gather(-1, i) at an index computed from the logits (x.argmin), at 16x32000 and 4x131072.
   moe     the whole transformers MixtralSparseMoeBlock (router + experts, HF's default experts
           implementation "grouped_mm") of a small MixtralConfig: hidden 256, intermediate 512, top-2 of
           8 and of 64 experts, 2048 tokens (1 x 2048 x 256 input), random weights (std 0.05);
@@ -120,7 +124,7 @@ from bench_softmax import (  # noqa: E402
 )
 from bench_linear_ce import NOISY, StepPeak, _busy_cpu_s, _children_cpu_s, wait_quiet  # noqa: E402
 
-FAMILIES = ("router", "vocab", "argmax", "top1", "moe")
+FAMILIES = ("router", "vocab", "argmax", "top1", "entries", "moe")
 MB = 1e6
 SLOWER = 1.05  # a ratio above this is called "slower than Inductor"
 
@@ -159,6 +163,10 @@ def all_cases() -> list[Case]:
     for dtype, columns in ((torch.float32, (8, 64)), (torch.bfloat16, (8, 32, 64))):
         for cols in columns:
             cases.append(Case("top1", 8192, cols, 1, ("fwd", "fwd+bwd"), dtype))
+    for rows, cols in ((8192, 8), (8192, 64), (2048, 128)):
+        cases.append(Case("entries", rows, cols, 2, ("fwd", "fwd+bwd")))
+    for rows, cols in ((16, 32000), (4, 131072)):
+        cases.append(Case("entries", rows, cols, 1, ("fwd",)))
     cases.append(Case("moe", 2048, 8, 2, ("fwd", "fwd+bwd")))
     cases.append(Case("moe", 2048, 64, 2, ("fwd", "fwd+bwd")))
     return cases
@@ -198,7 +206,22 @@ def top1_router(x):
     return torch.max(p, -1).values[:, None], torch.argmax(p, -1)
 
 
+def top2_gates(x):
+    p = torch.softmax(x, -1)
+    i1 = torch.argmax(p, -1)
+    m1 = torch.nn.functional.one_hot(i1, x.shape[-1])
+    m2 = torch.nn.functional.one_hot(torch.argmax(x.masked_fill(m1.bool(), float("-inf")), -1), x.shape[-1])
+    return torch.stack([(p * m1).sum(-1), (p * m2).sum(-1)], -1), i1
+
+
+def entry_at(x):
+    i = x.argmin(-1, keepdim=True)
+    return torch.softmax(x, -1).gather(-1, i), i
+
+
 def make_fn(case: Case) -> Callable:
+    if case.family == "entries":
+        return top2_gates if case.k == 2 else entry_at
     if case.family == "router":
         return make_router(case.k)
     if case.family == "vocab":
@@ -534,6 +557,7 @@ TITLES = {
     "vocab": "vocab: topk(softmax(logits / 0.7, -1), k)",
     "argmax": "argmax: argmax(softmax(x, -1), -1)",
     "top1": "top1: p = softmax(x, -1); max(p, -1).values[:, None], argmax(p, -1)",
+    "entries": "entries: k=2 NLLB-MoE's top-2 gates (p * one_hot(i)).sum(-1); k=1 softmax(x).gather(-1, x.argmin)",
     "moe": "MixtralSparseMoeBlock (hidden 256, intermediate 512), 2048 tokens",
 }
 

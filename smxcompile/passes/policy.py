@@ -104,6 +104,12 @@ CPU_RULES: dict[str, DeviceRule] = {
         "python benchmarks/bench_softmax_topk.py --families top1 --rounds 5",
         "bf16 0.66-0.75x Inductor at 8192x8, 0.96-1.32x at 8192x32 and 8192x64 (inference and training); "
         "fp32 0.68-0.90x at 8 and 64"),
+    "softmax_topk_entries_min_columns": DeviceRule(
+        "softmax_topk", "probabilities read at given entries (a gather, a one-hot product summed) without a gradient "
+        "are rewritten from this many columns; with one, always", 128,
+        "python benchmarks/bench_softmax_topk.py --families entries --rounds 3",
+        "NLLB-MoE's top-2 gates 1.20x Inductor's time at 8192x8 and 1.04x at 8192x64 forward, 1.01x at 2048x128; "
+        "0.49-0.76x forward + backward; a gather at 16x32000 / 4x131072 0.99-1.00x"),
     "quant_softmax": DeviceRule(
         "quant_softmax", "softmax -> quantize is kept: Inductor fuses softmax, quantize and dequantize into one "
         "C++ loop", None, "python benchmarks/bench_quant_softmax.py --threads 1 --stat min --retry-noisy 1",

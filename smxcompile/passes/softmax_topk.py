@@ -12,6 +12,9 @@ Matched forms (Dynamo graph, Inductor's pre-grad slot), each over the same dim:
   softmax is deleted (it is monotone: ``argmax(softmax(x)) == argmax(x)``).
   For argmax, rows that contain NaN or ``+inf`` or only ``-inf`` still give index 0, as eager (their softmax
   is all NaN).
+* a softmax read only at a few entries per row (:func:`..patterns.selections.top1_readers`: its maximum, a
+  ``gather``, a product with a one-hot mask summed over the row): :func:`graph_top1`, :func:`graph_argmax`,
+  :func:`graph_softmax_entry`.
 
 Rewritten to :func:`graph_softmax_topk` (traced by AOTAutograd): ``smx::softmax_topk`` on CUDA (the Triton
 kernel), and on CPU the op's two-pass decomposition, which Inductor compiles into loops that never write
@@ -74,8 +77,8 @@ class TopkMatch(Match):
 
     @property
     def top1(self) -> bool:
-        """The row maximum alone is read (argmax, max, amax, a gather at the argmax)."""
-        return self.form in ("argmax(softmax)", "max(softmax)")
+        """The row maximum alone is read (argmax, max, a gather at the argmax), or entries at given indices."""
+        return self.form in ("argmax(softmax)", "max(softmax)", "entries(softmax)")
 
     def detail(self) -> str:
         parts = [self.form, f"dim={self.dim}"]
@@ -89,7 +92,7 @@ class TopkMatch(Match):
         if self.form == "topk(softmax).indices":
             return "softmax deleted"
         if self.top1:
-            return "smx top-1 (probabilities never written)"
+            return f"smx {'entries' if self.form == 'entries(softmax)' else 'top-1'} (probabilities never written)"
         return "smx::softmax_topk" if self.device == "cuda" or self.export else "smx softmax_topk (CPU two-pass)"
 
 
@@ -288,12 +291,15 @@ def _match_top1(node: Node) -> TopkMatch | None:
         return None
     nd = tensor_val(node).dim()
     firsts = [u for t in (node, *[u for u in node.users if no_op_copy(u) is node]) for u in t.users if reads_top1(u)]
-    if not firsts:
-        return None
     found = top1_readers(node, sm.dim, {sm.x})
+    found = found if found and found[0] else None
+    if not firsts and found is None:
+        return None
     reads = found[0] if found else []
     values = any(r.what == "values" or (r.what == "max" and 0 in r.items) for r in reads)
-    m = TopkMatch(form="max(softmax)" if values else "argmax(softmax)", anchor=reads[0].node if reads else firsts[0],
+    entries = any(r.what == "entry" for r in reads)
+    form = "max(softmax)" if values else "entries(softmax)" if entries else "argmax(softmax)"
+    m = TopkMatch(form=form, anchor=reads[0].node if reads else firsts[0],
                   x=sm.x, dim=sm.dim, softmax=node, reads=reads)
     if found is None:
         c = canon(firsts[0])
@@ -302,8 +308,8 @@ def _match_top1(node: Node) -> TopkMatch | None:
             return _skip(m, "argmax without dim runs over the flattened tensor, not over the softmax rows")
         if norm_dim(d if not isinstance(d, (list, tuple)) else d[0], nd) != sm.dim:
             return _skip(m, f"argmax over dim {d!r}, softmax over dim {sm.dim}: not the same row")
-        return _skip(m, "the probabilities are also read beyond their row maximum (e.g. times a one-hot mask, or "
-                        "gathered at an index not known to be the row's argmax): computed anyway")
+        return _skip(m, "the probabilities are also read beyond a few entries per row (their maximum, a gather, a "
+                        "product with a one-hot mask summed over the row): computed anyway")
     if sm.problem:
         return _skip(m, f"softmax: {sm.problem}")
     if sm.pre_cast is not None:
@@ -312,6 +318,8 @@ def _match_top1(node: Node) -> TopkMatch | None:
     m.out_dtype = sm.out_dtype
     m.indices_out = [r.node for r in reads if r.what == "indices"] + [r.items[1] for r in reads if 1 in r.items]
     m.dead = [node, *found[1], *[r.node for r in reads], *[g for r in reads for g in r.items.values()]]
+    if entries:
+        m.absorbed.append("entries at given indices")
     return m
 
 
@@ -327,7 +335,8 @@ def _checks(m: TopkMatch, ctx: PassContext) -> str:
     # a top-1 site's reads all become values computed at the first: a write up to the last read counts, and
     # from a gather index's own argmax on (it may read the logits before the softmax does)
     last = max(m.dead, key=_graph_order(m.anchor)) if m.top1 else m.anchor
-    mutated = mutation_inside(last, [*m.dead, *(_index_nodes(r.index) for r in m.reads if r.index is not None)])
+    mutated = mutation_inside(last, [*m.dead, *(_index_nodes(r.index) for r in m.reads if r.index is not None),
+                                     *(r.mask for r in m.reads if r.mask is not None)])
     if mutated is not None:
         return f"in-place op '{mutated.name}' runs inside the pattern; the fused op reads its input once"
     return ""
@@ -348,6 +357,10 @@ def _cpu_keep(m: TopkMatch, ctx: PassContext) -> str:
     n = tensor_val(m.x).shape[m.dim]
     if not isinstance(n, int):
         return f"CPU: row length is symbolic (dynamic shapes); Inductor's softmax + top-k is kept ({FORCE_HINT})"
+    need = cpu_threshold("softmax_topk_entries_min_columns")
+    if any(r.what == "entry" for r in m.reads) and not tensor_val(m.x).requires_grad and n < need:
+        return (f"CPU: probabilities read at given entries of {n}-column rows without a gradient; below {need} columns "
+                f"Inductor's fused softmax was measured as fast ({FORCE_HINT})")
     half = (m.out_dtype or tensor_val(m.x).dtype) in (torch.float16, torch.bfloat16)
     if m.top1 and half and n >= cpu_threshold("softmax_topk_top1_half_max_columns"):
         return (f"CPU: top-1 read of {n} fp16 / bf16 probabilities; from "
@@ -402,10 +415,27 @@ def _softmax_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None):
     return p_i, torch.where(torch.isfinite(top), i, torch.zeros_like(i))
 
 
+def graph_softmax_entry(x: torch.Tensor, dim: int, dtype: torch.dtype | None, index: torch.Tensor,
+                        mask: torch.Tensor | None = None, keepdim: bool = True) -> torch.Tensor:
+    """``softmax(x, dim, dtype=dtype).gather(dim, index)`` as ``exp(x_index - max) / sum(exp(x - max))``, without
+    writing the probabilities (NaN on rows whose softmax is all NaN). With ``mask`` (zero off ``one_hot(index)``):
+    ``(softmax(x) * mask).sum(dim, keepdim)``, the entry times the mask there."""
+    xf = x.to(dtype) if dtype is not None else x
+    wide = xf.float() if xf.dtype in (torch.float16, torch.bfloat16) else xf
+    at = index.unsqueeze(dim) if mask is not None else index
+    top = wide.amax(dim, keepdim=True).detach()      # softmax is shift-invariant: no gradient through the shift
+    out = (torch.exp(wide.gather(dim, at) - top) / torch.exp(wide - top).sum(dim, keepdim=True)).to(xf.dtype)
+    if mask is not None:
+        out = out * mask.gather(dim, at)
+        out = out if keepdim else out.squeeze(dim)
+    return out
+
+
 def _top1_uses(m: TopkMatch) -> list[tuple[Node, str, bool]]:
-    """``(node, "values" | "indices", keepdim)`` for every node a top-1 site's rewrite replaces."""
+    """``(node, "values" | "indices" | "entry", keepdim)`` for every node a top-1 site's rewrite replaces."""
     uses = [(r.node, r.what, r.keepdim) for r in m.reads if r.what != "max"]
-    return uses + [(g, "values" if i == 0 else "indices", r.keepdim) for r in m.reads for i, g in r.items.items()]
+    return uses + [(g, "values" if i == 0 else "indices", r.keepdim) for r in m.reads if r.what == "max"
+                   for i, g in r.items.items()]
 
 
 def graph_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,6 +444,12 @@ def graph_top1(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> tuple[to
     there with its gradient; NaN and index 0 on rows whose softmax is all NaN (a NaN or ``+inf``, or only ``-inf``)."""
     p_i, i = _softmax_top1(x, dim, dtype)
     return p_i.to(x.dtype if dtype is None else dtype), i
+
+
+def _take_meta(out: Node, node: Node) -> None:
+    for k in ("example_value", "val"):
+        if k in node.meta:
+            out.meta[k] = node.meta[k]
 
 
 class SoftmaxTopkPass(RewritePass):
@@ -464,28 +500,37 @@ class SoftmaxTopkPass(RewritePass):
 
     def _rewrite_top1(self, graph: Graph, m: TopkMatch, ctx: PassContext) -> None:
         """Each read of the row maximum takes the fused values (``smx::softmax_topk`` with k = 1) or the logits'
-        argmax (the first index of the maximum, as ``argmax`` and ``max`` give it)."""
-        x, reads = m.x, _top1_uses(m)
+        argmax (the first index of the maximum, as ``argmax`` and ``max`` give it); each entry read its entry."""
+        x, reads = m.x, [u for u in _top1_uses(m) if u[1] != "entry"]
+        for r in m.reads:       # an entry at its own place: its index may be computed after the first read
+            if r.what == "entry":
+                with graph.inserting_before(r.node):
+                    out = graph.call_function(graph_softmax_entry, (x, m.dim, m.out_dtype, r.index, r.mask,
+                                                                    r.keepdim))
+                _take_meta(out, r.node)
+                r.node.replace_all_uses_with(out)
+        if reads:
+            self._replace_top1_reads(graph, m, reads)
+        erase_dead(graph, m.dead)
+
+    @staticmethod
+    def _replace_top1_reads(graph: Graph, m: TopkMatch, reads: list) -> None:
         order = {n: j for j, n in enumerate(graph.nodes)}
-        first = min((n for n, _, _ in reads), key=order.__getitem__)
-        with graph.inserting_before(first):
+        with graph.inserting_before(min((n for n, _, _ in reads), key=order.__getitem__)):
             if len(reads) == 1 and reads[0][1] == "indices":
-                outs = {"indices": graph.call_function(graph_argmax, (x, m.dim, reads[0][2], m.out_dtype))}
+                outs = {"indices": graph.call_function(graph_argmax, (m.x, m.dim, reads[0][2], m.out_dtype))}
                 keep = reads[0][2]
             else:
-                call = graph.call_function(graph_top1, (x, m.dim, m.out_dtype))
+                call = graph.call_function(graph_top1, (m.x, m.dim, m.out_dtype))
                 outs = {w: graph.call_function(operator.getitem, (call, j)) for j, w in enumerate(("values", "indices"))}
                 keep = True
             for node, what, keepdim in reads:
                 out = outs[what] if keepdim == keep else graph.call_method("squeeze", (outs[what], m.dim))
-                for k in ("example_value", "val"):
-                    if k in node.meta:
-                        out.meta[k] = node.meta[k]
+                _take_meta(out, node)
                 node.replace_all_uses_with(out)
-        erase_dead(graph, m.dead)
 
     def check_inputs(self, m: TopkMatch) -> list[Node]:
-        return [m.x]
+        return [m.x, *(n for r in m.reads if r.what == "entry" for n in (r.index, r.mask) if n is not None)]
 
     def check_nodes(self, m: TopkMatch) -> list[Node]:
         if m.top1:
@@ -496,17 +541,20 @@ class SoftmaxTopkPass(RewritePass):
         """The rewritten site's (values, indices) on captured input values."""
         x = values[m.x.name]
         if m.top1:
-            return graph_top1(x, m.dim, m.out_dtype)
+            entries = {r.node: graph_softmax_entry(x, m.dim, m.out_dtype, values[r.index.name],
+                                                   None if r.mask is None else values[r.mask.name], r.keepdim)
+                       for r in m.reads if r.what == "entry"}
+            return (*graph_top1(x, m.dim, m.out_dtype), entries)
         if m.form == "topk(softmax).indices":
             return None, torch.topk(x, m.k, m.dim).indices
         return graph_softmax_topk(x, m.k, m.dim, float(m.scale), m.renormalize, m.out_dtype)
 
     def agrees(self, m: TopkMatch, ours, values: dict[str, Any], close) -> bool:
-        vals, idx = ours
         if m.top1:
-            got = {"values": vals, "indices": idx}
-            return all(close(got[what] if keepdim else got[what].squeeze(m.dim), values[n.name])
-                       for n, what, keepdim in _top1_uses(m))
+            got = dict(zip(("values", "indices"), ours))
+            return all(close(ours[2][n] if what == "entry" else got[what] if keepdim else got[what].squeeze(m.dim),
+                             values[n.name]) for n, what, keepdim in _top1_uses(m))
+        vals, idx = ours
         ok = True
         if m.values_out is not None and vals is not None:
             ok = close(vals, values[m.values_out.name])
@@ -518,4 +566,4 @@ class SoftmaxTopkPass(RewritePass):
         return ok
 
 
-__all__ = ["TopkMatch", "SoftmaxTopkPass", "graph_softmax_topk", "graph_argmax", "graph_top1"]
+__all__ = ["TopkMatch", "SoftmaxTopkPass", "graph_softmax_topk", "graph_argmax", "graph_top1", "graph_softmax_entry"]

@@ -1,12 +1,13 @@
-"""A softmax whose every use reads only its row maximum is a softmax + top-1 selection, whatever the spelling:
-``argmax``, ``max(dim)`` (values, indices or both), a ``gather`` at the argmax, behind no-op casts and
-copies (Switch Transformers' and NLLB-MoE's routers write ``softmax(x, dtype=fp32).to(fp32)`` then ``argmax`` and
-``max(...).values``; PhiMoE gathers the probabilities at the argmax).
+"""A softmax whose every use reads a few entries per row is rewritten without writing the probabilities, whatever
+the spelling: the row maximum (``argmax``, ``max(dim)``: values, indices or both; a ``gather`` at the argmax),
+entries at given indices (any other ``gather``; a product with a one-hot mask summed over the row), behind no-op
+casts and copies. Switch Transformers' router reads ``argmax`` and ``max(...).values`` of ``softmax(x,
+dtype=fp32).to(fp32)``; NLLB-MoE's top-2 router reads its gates as ``(p * one_hot(i) * kept).sum(-1)``; PhiMoE
+gathers the probabilities of logits filled from the scores at the scores' argmax.
 
-Each form: the site is rewritten (the probabilities are never written), values and gradients pass
-``|ours - gold| <= |torch - gold| + tol`` against fp64, indices equal eager's (the first maximum, NaN / inf / -inf
-rows included). Near-misses (a one-hot product reading every entry, a gather at another index, a max over
-another dim) are not rewritten."""
+Each form: the site is rewritten, values and gradients pass ``|ours - gold| <= |torch - gold| + tol`` against
+fp64, indices equal eager's (the first maximum, NaN / inf / -inf rows included). Near-misses (a product with a
+float mask, a sum over another dim, a max over another dim) are not rewritten."""
 
 from __future__ import annotations
 
@@ -41,8 +42,30 @@ def max_of_dim_0(x):
     return m.values, m.indices
 
 
+def one_hot_product(x):                     # a gate read as p * one_hot(argmax), summed: one entry per row
+    p = torch.softmax(x, -1)
+    i = p.argmax(-1)
+    return (p * torch.nn.functional.one_hot(i, x.shape[-1])).sum(-1), i
+
+
+def gather_elsewhere(x):                    # the probability at an index the logits give
+    idx = x.argmin(-1, keepdim=True)
+    return torch.softmax(x, -1).gather(-1, idx), idx
+
+
+def top2_gates(x):                          # NLLB-MoE: the second expert from the logits without the first,
+    p = torch.softmax(x, dim=-1, dtype=torch.float32).to(torch.float32)     # capacity masks on both
+    top1 = torch.nn.functional.one_hot(torch.argmax(p, dim=-1), x.shape[-1])
+    top2 = torch.nn.functional.one_hot(torch.argmax(x.masked_fill(top1.bool(), float("-inf")), -1), x.shape[-1])
+    top1 = top1 * torch.lt(torch.cumsum(top1, dim=0) - 1, 2)
+    top2 = top2 * torch.lt(torch.cumsum(top2, dim=0) - 1, 2)
+    g1, g2 = (p * top1).sum(dim=1), (p * top2).sum(dim=1, keepdim=True)
+    return g1[:, None] / (g1[:, None] + g2).clamp(min=1e-6), top1
+
+
 CASES = {"switch_router": switch_router, "gather_at_argmax": gather_at_argmax, "copies_and_keepdim": copies_and_keepdim,
-         "max_of_dim_0": max_of_dim_0}
+         "max_of_dim_0": max_of_dim_0, "one_hot_product": one_hot_product, "gather_elsewhere": gather_elsewhere,
+         "top2_gates": top2_gates}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -52,7 +75,7 @@ def test_top1_selection_is_rewritten_and_exact(name):
     x[1, 2] = x[1, 5] = x[1].max() + 1                  # a tie: eager's index is the first
     r = rewrite(fn, x)
     assert [(s.kind, s.action) for s in r.report] == [("softmax_topk", "rewritten")], str(r.report)
-    assert "softmax" not in r.after.replace("softmax_topk", ""), r.after
+    assert "softmax" not in r.after.replace("softmax_topk", "").replace("graph_softmax_entry", ""), r.after
     got, want = r.gm(*r.inputs), fn(x)
     for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
         if not g.is_floating_point():
@@ -61,15 +84,16 @@ def test_top1_selection_is_rewritten_and_exact(name):
     check_against_gold(r, fn, (x,), w, tol=1e-6)
 
 
-def test_special_rows_match_eager():
+@pytest.mark.parametrize("fn", [switch_router, one_hot_product, gather_elsewhere])
+def test_special_rows_match_eager(fn):
     x = _logits(5, 8)
     x[0, 3] = float("nan")
     x[1, 4] = float("inf")
     x[2] = float("-inf")
     x[3, :6] = float("-inf")
-    r = rewrite(switch_router, x)
+    r = rewrite(fn, x)
     assert r.report.count(kind="softmax_topk", action="rewritten") == 1
-    (v, i), (rv, ri) = r.gm(*r.inputs), switch_router(x)
+    (v, i), (rv, ri) = r.gm(*r.inputs), fn(x)
     torch.testing.assert_close(v, rv, equal_nan=True)
     assert torch.equal(i, ri)
 
@@ -110,15 +134,18 @@ def test_near_ties_take_the_larger_logit(dtype, fn):
         torch.testing.assert_close(got[0], want[0], atol=0, rtol=1e-6)
 
 
-def one_hot_product(x):                     # NLLB-MoE's normalization reads p * one_hot(argmax): every entry
-    p = torch.softmax(x, -1)
-    i = p.argmax(-1)
-    return (p * torch.nn.functional.one_hot(i, x.shape[-1])).sum(-1), i
+def float_mask_product(x, w):               # a product with a float mask reads every entry
+    return (torch.softmax(x, -1) * w).sum(-1)
 
 
-def gather_elsewhere(x, idx):
+def one_hot_sum_over_tokens(x):             # the sum runs over the rows, not over the softmax's dim
     p = torch.softmax(x, -1)
-    return p.gather(-1, idx), p.argmax(-1)
+    return (p * torch.nn.functional.one_hot(p.argmax(-1), x.shape[-1])).sum(0)
+
+
+def one_hot_sum_in_float64(x):              # a sum that casts first: not the entry's dtype
+    p = torch.softmax(x, -1)
+    return (p * torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1])).sum(-1, dtype=torch.float64)
 
 
 def max_over_other_dim(x):
@@ -126,8 +153,9 @@ def max_over_other_dim(x):
     return p.max(0).values, p.argmax(-1)
 
 
-NEAR_MISSES = {"one_hot_product": (one_hot_product, lambda: (_logits(6, 9),)),
-               "gather_elsewhere": (gather_elsewhere, lambda: (_logits(6, 9), torch.zeros(6, 1, dtype=torch.long))),
+NEAR_MISSES = {"float_mask_product": (float_mask_product, lambda: (_logits(6, 9), _logits(6, 9, seed=1))),
+               "one_hot_sum_over_tokens": (one_hot_sum_over_tokens, lambda: (_logits(6, 9),)),
+               "one_hot_sum_in_float64": (one_hot_sum_in_float64, lambda: (_logits(6, 9),)),
                "max_over_other_dim": (max_over_other_dim, lambda: (_logits(6, 9),))}
 
 
@@ -166,3 +194,77 @@ def test_switch_transformers_router_is_rewritten_in_training():
     for a, b in zip(g_got, g_ref):
         if b is not None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_entry_reads_follow_the_cpu_policy_row():
+    """Inference entry reads of short rows measured slower than Inductor: kept with the reason; training and long
+    rows rewritten (policy row softmax_topk_entries_min_columns)."""
+    from smxcompile.passes.policy import cpu_threshold
+
+    n = cpu_threshold("softmax_topk_entries_min_columns")
+    short, long_ = _logits(6, n // 2), _logits(6, n)
+    site = [s for s in rewrite(one_hot_product, short, options={}).report if s.kind == "softmax_topk"][0]
+    assert site.action == "kept" and "given entries" in site.reason, site
+    for x in (short.requires_grad_(True), long_):
+        r = rewrite(one_hot_product, x, options={})
+        assert r.report.count(kind="softmax_topk", action="rewritten") == 1, str(r.report)
+
+
+def _nllb_moe(transformers):
+    cfg = transformers.NllbMoeConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
+                                     decoder_sparse_step=1, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0, moe_token_dropout=0.0, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    return transformers.NllbMoeModel(cfg), {"input_ids": ids, "decoder_input_ids": ids}
+
+
+def _phimoe(transformers):
+    cfg = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return transformers.PhimoeModel(cfg), {"input_ids": torch.randint(3, 64, (2, 10),
+                                                                      generator=torch.Generator().manual_seed(0))}
+
+
+@pytest.mark.parametrize("build,train", [(_nllb_moe, True), (_phimoe, False)])
+def test_moe_routers_read_at_entries_are_rewritten(build, train):
+    """NLLB-MoE's top-2 gates (one-hot products with capacity masks) and PhiMoE's multiplier (a gather at the
+    argmax of the scores the softmax input was filled from; in training its autograd Function reads every entry,
+    and the site stays)."""
+    transformers = pytest.importorskip("transformers")
+    import smxcompile
+
+    torch.manual_seed(0)
+    model, kw = build(transformers)
+    model.train(train)
+    report = smxcompile.explain(model, **kw, options={"cpu": "rewrite"})
+    routers = [s for s in report if s.kind == "softmax_topk"]
+    assert routers and all(s.action == "rewritten" for s in routers), str(report)
+
+    def step(fn):
+        out = fn(**kw).last_hidden_state
+        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()), allow_unused=True) if train else ()
+
+    torch._dynamo.reset()
+    step(model)             # NLLB-MoE sets its expert capacity on the first call
+    ref, g_ref = step(model)
+    got, g_got = step(torch.compile(model, backend="smx", options={"cpu": "rewrite"}))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_got, g_ref):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [top2_gates, one_hot_product, gather_elsewhere])
+def test_check_option_agrees_on_entry_reads(fn):
+    """``check=True`` runs the rewritten site on the example inputs: each entry read agrees with eager's."""
+    import smxcompile
+
+    torch._dynamo.reset()
+    x = _logits(6, 9)
+    torch.testing.assert_close(torch.compile(fn, backend="smx", options={"cpu": "rewrite", "check": True})(x), fn(x))
+    assert [(s.kind, s.action) for s in smxcompile.last_report()] == [("softmax_topk", "rewritten")]

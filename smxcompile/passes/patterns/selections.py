@@ -1,7 +1,8 @@
-"""Readers of a tensor's largest entries along one dim, whatever the spelling: ``argmax``, ``max(dim)`` (values,
-indices or both), a ``gather`` at the argmax of the same row, and the uses behind no-op copies
-(``.to(same dtype)``, ``.contiguous()``, ``.clone()``). :func:`top1_readers` says whether every use of a tensor
-is one of them: then only its largest entry per row is ever read."""
+"""Readers of a few entries of a tensor's rows, whatever the spelling: its largest entry (``argmax``, ``max(dim)``:
+values, indices or both; a ``gather`` at the argmax of the same row), entries at given indices (any other
+``gather``; a product with a one-hot mask summed over the row, as MoE routers read their gate), and the uses
+behind no-op copies (``.to(same dtype)``, ``.contiguous()``, ``.clone()``). :func:`top1_readers` says whether every
+use of a tensor is one of them: then the whole row is never read."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from .graph import canon, cast_dtype, norm_dim, tensor_val
 
 @dataclasses.dataclass
 class Top1Read:
-    """One use of the row maximum: ``node`` gives ``"values"``, ``"indices"`` or both (``"max"``: a
-    ``max(dim)`` pair whose ``getitem`` users are ``items``); ``keepdim`` as the call has it."""
+    """One read of a row: ``node`` gives the maximum's ``"values"``, ``"indices"`` or both (``"max"``: a ``max(dim)``
+    pair whose ``getitem`` users are ``items``), or the entries at ``index`` (``"entry"``: a gather; with
+    ``mask``, ``(x * mask).sum(dim)`` where ``mask`` is zero off ``one_hot(index)``); ``keepdim`` as the call has it."""
 
     node: Node
-    what: str                       # "values" | "indices" | "max"
+    what: str                       # "values" | "indices" | "max" | "entry"
     keepdim: bool
     items: dict = dataclasses.field(default_factory=dict)   # max(dim): {0: values getitem, 1: indices getitem}
-    index: Node | None = None       # a gather's index (an argmax, possibly of the logits)
+    index: Node | None = None       # a gather's index (an argmax, possibly of the logits), a one-hot's index
+    mask: Node | None = None        # the one-hot mask of a product read
 
 
 def no_op_copy(n: Node) -> Node | None:
@@ -79,8 +82,45 @@ def _read(n: Node, x: Node, dim: int, sources: set) -> Top1Read | None:
             items[u.args[1]] = u
         return Top1Read(n, "max", keepdim, items)
     index = _gather_index(n, x, dim)
-    if index is not None and _argmax_of(index, dim, sources):
-        return Top1Read(n, "values", True, index=index)
+    if index is not None:
+        return Top1Read(n, "values" if _argmax_of(index, dim, sources) else "entry", True, index=index)
+    return _one_hot_read(n, x, dim)
+
+
+def _one_hot_read(n: Node, x: Node, dim: int) -> Top1Read | None:
+    """``(x * mask).sum(dim)`` (the product used by the sum only; no dtype) with ``mask`` an integer or bool tensor of
+    ``x``'s shape that is zero off ``one_hot(index)`` over the last dim, which ``dim`` is: one entry per row."""
+    c = canon(n)
+    xv = tensor_val(x)
+    if c is None or c[0] != "mul" or len(n.users) != 1 or dim != xv.dim() - 1:
+        return None
+    a, b = c[1].get("input"), c[1].get("other")
+    mask = b if a is x else a
+    mv, total = tensor_val(mask), next(iter(n.users))
+    if mv is None or mv.dtype.is_floating_point or mv.dtype.is_complex or tuple(mv.shape) != tuple(xv.shape):
+        return None
+    index, ct = _one_hot_index(mask), canon(total)
+    if index is None or ct is None or ct[0] != "sum" or ct[1].get("input") is not n or ct[1].get("dtype") is not None:
+        return None
+    d = ct[1].get("dim")
+    d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
+    if not isinstance(d, int) or norm_dim(d, xv.dim()) != dim:
+        return None
+    return Top1Read(total, "entry", bool(ct[1].get("keepdim", False)), items={"product": n}, index=index, mask=mask)
+
+
+def _one_hot_index(t: Any, depth: int = 8) -> Node | None:
+    """``i`` when ``t`` is zero off ``one_hot(i)``: ``one_hot(i)``, its casts, its products with anything finite
+    (the caller asks for an integer or bool result)."""
+    if not isinstance(t, Node) or depth < 0:
+        return None
+    if t.op == "call_function" and t.target is torch.nn.functional.one_hot and isinstance(t.args[0], Node):
+        return t.args[0]
+    if cast_dtype(t) is not None or (t.op == "call_method" and t.target in ("bool", "long", "int")):
+        return _one_hot_index(t.args[0], depth - 1)
+    c = canon(t)
+    if c is not None and c[0] == "mul":
+        return _one_hot_index(c[1].get("input"), depth - 1) or _one_hot_index(c[1].get("other"), depth - 1)
     return None
 
 
