@@ -158,3 +158,68 @@ def test_additive_mask_row_wholly_absorbing_gradients(value):
     r = rewrite(_additive, q, k, v, mask)
     assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"]
     check_against_gold(r, _additive, (q, k, v, mask), torch.randn(2, 3, 6, 8, generator=gen).double(), tol=1e-5)
+
+
+def _half_qkv():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 1, 4, 8, generator=g).half() for _ in range(3)]
+
+
+DEAD = torch.zeros(4, 4, dtype=torch.bool)
+DEAD[1] = True                                         # query 1 sees no key
+
+
+def upcast_fill_then_add(q, k, v, pad):               # the mask lands on scores cast up from fp16
+    return ((q @ k.mT).float().masked_fill(DEAD, -1e9) + pad).softmax(-1).to(q.dtype) @ v
+
+
+def upcast_fill(q, k, v):                              # a fill beyond fp16's range: masks at its min
+    return (q @ k.mT).float().masked_fill(DEAD, -1e9).softmax(-1).to(q.dtype) @ v
+
+
+def int_mask_fp16(q, k, v, m):                         # int64 + fp16 scores: -70000 is -inf in eager
+    return (q @ k.mT + m).softmax(-1) @ v
+
+
+def two_min_masks(q, k, v, c):                         # min + min overflows to -inf: eager's row is NaN
+    s = q @ k.mT + torch.where(c, 0.0, MIN) + torch.where(c, 0.0, MIN)
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn,extra,op", [
+    (upcast_fill_then_add, lambda: [torch.zeros(4)], "flex_attention"),
+    (upcast_fill, lambda: [], "smx::attention"),
+    (int_mask_fp16, lambda: [torch.where(DEAD, -70000, 0)], "smx::attention"),
+    (two_min_masks, lambda: [~DEAD], "smx::attention")])
+def test_masks_beyond_the_kernels_range_keep_eagers_rows(fn, extra, op):
+    """Masking values that overflow where the fused kernel runs, or sum to -inf: eager's fully masked row
+    (uniform, or NaN) either way; a mask added to scores cast up from fp16 is not added in fp16 by the SDPA
+    form (FlexAttention's score_mod replays it in fp32)."""
+    q, k, v = _half_qkv()
+    args = [q, k, v, *extra()]
+    if fn is two_min_masks:
+        args[:3] = [t.float() for t in args[:3]]
+    r = rewrite(fn, *args, check_values=False)
+    assert [(s.action, s.op) for s in r.report if s.kind == "attention"] == [("rewritten", op)], str(r.report)
+    torch.testing.assert_close(r.gm(*r.inputs)[0], fn(*args), atol=2e-3, rtol=2e-3, equal_nan=True)
+
+
+def isub_bias(q, k, v, b):
+    s = q @ k.mT
+    s -= b
+    return s.softmax(-1) @ v
+
+
+def sub_inplace_bias(q, k, v, b):
+    s = q @ k.mT
+    s.sub_(b)
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [isub_bias, sub_inplace_bias])
+def test_inplace_subtraction_on_fresh_scores_is_a_negated_mask(fn):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, E, generator=g) for _ in range(3))
+    bias = torch.randn(B, 1, L, L, generator=g)
+    r = rewrite(fn, q, k, v, bias)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)

@@ -345,6 +345,9 @@ def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level
         return "the mask does not broadcast to the scores"
     if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
         return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
+    if sv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
+        return (f"the mask is added to scores cast up from {tensor_val(qk).dtype}: the fused kernel adds it in "
+                f"{tensor_val(qk).dtype}, where its large values would overflow")
     m.masks.append(Mask(mask, "sub" if negated else "add", None, level))
     return ""
 
@@ -366,6 +369,11 @@ def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: Con
         return "the masked_fill / where value is not a constant"
     if not is_masking_value(val):
         return f"the masked_fill / where value {val:g} does not mask (needs -inf or <= {MASK_VALUE:g})"
+    low = torch.finfo(tensor_val(qk).dtype).min
+    if math.isfinite(val) and val < low:     # scores cast up from fp16: the op fills at fp16's min, still masking
+        if m.masks:
+            return f"a fill of {val:g} with other masks, beyond {tensor_val(qk).dtype}, where the fused kernel runs"
+        val = low
     m.masks.append(Mask(cond, "fill" if true_masks else "keep", val, level))
     if isinstance(value, Node):
         m.dropped.append(value)

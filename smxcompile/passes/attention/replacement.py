@@ -118,12 +118,8 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
             out = torch.where(all_masked, fill, out)
         if mask_order:
             out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
-        elif add_masks and not masked:
-            neg = None
-            for mk in add_masks:
-                r = (mk == float("-inf")).all(-1, keepdim=True)
-                neg = r if neg is None else neg | r
-            out = out.masked_fill(neg, empty_row)
+        elif add_masks and not masked:      # the masks' sum in q's dtype, as eager adds them
+            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])

@@ -96,11 +96,11 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
         m.absorbed = [a for a in m.absorbed if a not in ("mask", "masks")]
 
 
-def _finite_mask(mask: Node, consts: ConstEvaluator) -> bool:
-    """The additive mask provably holds no -inf (so no row can be fully -inf)."""
+def _finite_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
+    """The additive mask provably holds no -inf in the scores' ``dtype`` (so no row can be fully -inf)."""
     tv = tensor_val(mask)
-    if tv is not None and not tv.dtype.is_floating_point:
-        return True     # bool / integer
+    if tv is not None and not tv.dtype.is_floating_point:   # an int32 / int64 mask can overflow fp16
+        return tv.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16) or dtype != torch.float16
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return bool(torch.isfinite(c).all())
@@ -141,7 +141,8 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
             return True
         # constant conditions (a sliding window built from aranges): a fix-up only if some row is fully masked
         return _fill_may_mask_a_row(m, consts)
-    return any(not _finite_mask(a, consts) for a in m.add_masks)
+    # two finite masks may still sum to -inf (finfo.min + finfo.min)
+    return len(m.add_masks) > 1 or any(not _finite_mask(a, consts, m.val("q").dtype) for a in m.add_masks)
 
 
 def _extras(m: AttentionMatch) -> dict:

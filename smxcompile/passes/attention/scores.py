@@ -18,7 +18,8 @@ from ..patterns.constants import depends_on
 from ..patterns.contraction import contraction, reshape_input
 from ..patterns.graph import broadcasts_to, canon, cast_dtype, is_mutation, op_label, pointwise, same_shape, \
     same_size, tensor_val
-from ..patterns.masks import add_operands, fill_mask, inplace_add_operands, inplace_fill, mask_floor
+from ..patterns.masks import add_operands, fill_mask, inplace_add_operands, inplace_fill, inplace_sub_operands, \
+    mask_floor
 from ..patterns.selections import no_op_copy
 from ..patterns.writes import fresh_tensor
 
@@ -26,8 +27,9 @@ _MAX_NODES = 512
 
 
 def _written(n: Node) -> Node | None:
-    """The tensor ``s += m``, ``s.add_(m)`` or ``s.masked_fill_(c, v)`` writes, else None."""
-    return n.args[0] if inplace_add_operands(n) is not None or inplace_fill(n) is not None else None
+    """The tensor ``s += m``, ``s -= m`` (or ``add_``, ``sub_``) or ``s.masked_fill_(c, v)`` writes, else None."""
+    written = inplace_add_operands(n) or inplace_sub_operands(n) or inplace_fill(n)
+    return n.args[0] if written is not None else None
 
 
 def _in_chain(n: Node) -> bool:
@@ -63,7 +65,7 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
     size = tensor_val(x).numel()
     qks = [c for c in found if tensor_val(c) is not None and same_size(tensor_val(c).numel(), size)]
     if len(qks) != 1:
-        return None if not qks else "the scores add two contractions of the scores' size"
+        return None if not qks else "two contractions of the scores' size feed the softmax (not one attention)"
     on, path = {qks[0]}, []
     for n in x.graph.nodes:
         if n is softmax:
@@ -110,6 +112,8 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         return "add", pair[1] if pair[0] is s else pair[0]
+    if inplace_sub_operands(n) is not None:
+        return ("sub", n.args[1]) if n.args[0] is s else None
     fill = (inplace_fill(n), s) if inplace_fill(n) is not None else fill_mask(n)
     floor = mask_floor(n)
     if fill is not None or floor is not None:

@@ -117,6 +117,15 @@ def inplace_add_operands(n: Any) -> tuple[Node, Node] | None:
     return None
 
 
+def inplace_sub_operands(n: Any) -> tuple[Node, Node] | None:
+    """``operator.isub(s, m)`` (``s -= m``) or ``s.sub_(m)`` with a tensor ``m`` -> (s, m)."""
+    if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
+        return None
+    if (n.op == "call_function" and n.target is operator.isub) or (n.op == "call_method" and n.target == "sub_"):
+        return n.args[0], n.args[1]
+    return None
+
+
 def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
     """``s.masked_fill_(mask, value)`` -> ``(mask, True, value)``."""
     if isinstance(n, Node) and n.op == "call_method" and n.target == "masked_fill_" and len(n.args) == 3 \
@@ -125,5 +134,5 @@ def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
     return None
 
 
-__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_fill", "static_additive_mask", "fill_mask", "is_masking_value",
+__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_sub_operands", "inplace_fill", "static_additive_mask", "fill_mask", "is_masking_value",
            "mask_floor"]
