@@ -310,6 +310,9 @@ def _match_top1(node: Node) -> TopkMatch | None:
             return _skip(m, f"argmax over dim {d!r}, softmax over dim {sm.dim}: not the same row")
         return _skip(m, "the probabilities are also read beyond a few entries per row (their maximum, a gather, a "
                         "product with a one-hot mask summed over the row): computed anyway")
+    if entries and values and tensor_val(node).requires_grad:
+        # measured: Inductor's CPU code for both reads' gradients together is wrong (up to 0.94), each alone right
+        return _skip(m, "entries and the row maximum's values of one softmax, with gradients: kept")
     if sm.problem:
         return _skip(m, f"softmax: {sm.problem}")
     if sm.pre_cast is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from .graph import canon, cast_dtype, norm_dim, tensor_val
+from .graph import canon, cast_dtype, norm_dim, same_size, tensor_val
 
 
 @dataclasses.dataclass
@@ -52,11 +52,15 @@ def _gather_index(n: Node, x: Node, dim: int) -> Node | None:
     """``x.gather(dim, index)`` / ``torch.gather(x, dim, index)`` -> index; None otherwise."""
     is_gather = (n.op == "call_method" and n.target == "gather") or (
         n.op == "call_function" and n.target is torch.gather)
-    if not is_gather or n.args[0] is not x or _argument(n, ("input", "dim", "index"), "sparse_grad", False):
+    names = ("input", "dim", "index")
+    if not is_gather or _argument(n, names, "input") is not x or _argument(n, names, "sparse_grad", False):
         return None
-    d, index = _argument(n, ("input", "dim", "index"), "dim"), _argument(n, ("input", "dim", "index"), "index")
-    xv = tensor_val(x)
-    return index if isinstance(index, Node) and xv is not None and norm_dim(d, xv.dim()) == dim else None
+    d, index = _argument(n, names, "dim"), _argument(n, names, "index")
+    xv, iv = tensor_val(x), tensor_val(index)
+    if not isinstance(index, Node) or xv is None or iv is None or iv.dim() != xv.dim() or norm_dim(d, xv.dim()) != dim:
+        return None
+    # an index covering fewer rows than x reads a part of x: not taken
+    return index if all(same_size(a, b) for j, (a, b) in enumerate(zip(iv.shape, xv.shape)) if j != dim) else None
 
 
 def _read(n: Node, x: Node, dim: int, sources: set) -> Top1Read | None:
@@ -99,7 +103,7 @@ def _one_hot_read(n: Node, x: Node, dim: int) -> Top1Read | None:
     mv, total = tensor_val(mask), next(iter(n.users))
     if mv is None or mv.dtype.is_floating_point or mv.dtype.is_complex or tuple(mv.shape) != tuple(xv.shape):
         return None
-    index, ct = _one_hot_index(mask), canon(total)
+    index, ct = _one_hot_index(mask, tuple(xv.shape)), canon(total)
     if index is None or ct is None or ct[0] != "sum" or ct[1].get("input") is not n or ct[1].get("dtype") is not None:
         return None
     d = ct[1].get("dim")
@@ -109,18 +113,25 @@ def _one_hot_read(n: Node, x: Node, dim: int) -> Top1Read | None:
     return Top1Read(total, "entry", bool(ct[1].get("keepdim", False)), items={"product": n}, index=index, mask=mask)
 
 
-def _one_hot_index(t: Any, depth: int = 8) -> Node | None:
-    """``i`` when ``t`` is zero off ``one_hot(i)``: ``one_hot(i)``, its casts, its products with anything finite
-    (the caller asks for an integer or bool result)."""
-    if not isinstance(t, Node) or depth < 0:
+def _one_hot_index(t: Any, shape: tuple, depth: int = 8) -> Node | None:
+    """``i`` when ``t`` is zero off ``one_hot(i)`` of ``shape``: that one-hot, its integer or bool casts, its products
+    with integer or bool tensors (so every factor is finite)."""
+    tv = tensor_val(t) if isinstance(t, Node) else None
+    if tv is None or depth < 0 or tv.dtype.is_floating_point or tv.dtype.is_complex:
         return None
     if t.op == "call_function" and t.target is torch.nn.functional.one_hot and isinstance(t.args[0], Node):
-        return t.args[0]
+        return t.args[0] if tuple(tv.shape) == shape else None     # not broadcast up to x's shape
     if cast_dtype(t) is not None or (t.op == "call_method" and t.target in ("bool", "long", "int")):
-        return _one_hot_index(t.args[0], depth - 1)
+        return _one_hot_index(t.args[0], shape, depth - 1)
     c = canon(t)
     if c is not None and c[0] == "mul":
-        return _one_hot_index(c[1].get("input"), depth - 1) or _one_hot_index(c[1].get("other"), depth - 1)
+        other = {"input": "other", "other": "input"}
+        for side in ("input", "other"):
+            o = c[1].get(other[side])
+            ov = tensor_val(o) if isinstance(o, Node) else None
+            if (isinstance(o, (int, bool)) or (ov is not None and not ov.dtype.is_floating_point)) \
+                    and _one_hot_index(c[1].get(side), shape, depth - 1) is not None:
+                return _one_hot_index(c[1].get(side), shape, depth - 1)
     return None
 
 
