@@ -108,22 +108,22 @@ def mask_floor(n: Node) -> tuple[Node, Any] | None:
     return x, c
 
 
-def inplace_add_operands(n: Any) -> tuple[Node, Node] | None:
-    """``operator.iadd(s, m)`` (``s += m``) or ``s.add_(m)`` with a tensor ``m`` -> (s, m)."""
+def _inplace_operands(n: Any, fn, method: str) -> tuple[Node, Node] | None:
     if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
         return None
-    if (n.op == "call_function" and n.target is operator.iadd) or (n.op == "call_method" and n.target == "add_"):
+    if (n.op == "call_function" and n.target is fn) or (n.op == "call_method" and n.target == method):
         return n.args[0], n.args[1]
     return None
+
+
+def inplace_add_operands(n: Any) -> tuple[Node, Node] | None:
+    """``operator.iadd(s, m)`` (``s += m``) or ``s.add_(m)`` with a tensor ``m`` -> (s, m)."""
+    return _inplace_operands(n, operator.iadd, "add_")
 
 
 def inplace_sub_operands(n: Any) -> tuple[Node, Node] | None:
     """``operator.isub(s, m)`` (``s -= m``) or ``s.sub_(m)`` with a tensor ``m`` -> (s, m)."""
-    if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
-        return None
-    if (n.op == "call_function" and n.target is operator.isub) or (n.op == "call_method" and n.target == "sub_"):
-        return n.args[0], n.args[1]
-    return None
+    return _inplace_operands(n, operator.isub, "sub_")
 
 
 def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:

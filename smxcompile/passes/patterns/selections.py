@@ -129,9 +129,10 @@ def _one_hot_index(t: Any, shape: tuple, depth: int = 8) -> Node | None:
         for side in ("input", "other"):
             o = c[1].get(other[side])
             ov = tensor_val(o) if isinstance(o, Node) else None
-            if (isinstance(o, (int, bool)) or (ov is not None and not ov.dtype.is_floating_point)) \
-                    and _one_hot_index(c[1].get(side), shape, depth - 1) is not None:
-                return _one_hot_index(c[1].get(side), shape, depth - 1)
+            index = _one_hot_index(c[1].get(side), shape, depth - 1) if isinstance(o, (int, bool)) or (
+                ov is not None and not ov.dtype.is_floating_point) else None
+            if index is not None:
+                return index
     return None
 
 
