@@ -401,6 +401,26 @@ class TestNearMisses(TestCase):
         r = rewrite(fill_zero, *qkv(), pad, options=DEFAULT)
         self.assertEqual((attn_site(r).action, attn_site(r).op), ("rewritten", "flex_attention"))
 
+    def test_gqa_other_spellings(self):
+        # the same repeat per kv head: a unit dim inserted after the head dim, broadcast, merged into it
+        spellings = (lambda x, n: x.unsqueeze(2).expand(-1, -1, n, -1, -1).flatten(1, 2),
+                     lambda x, n: torch.reshape(x.view(*x.shape[:2], 1, *x.shape[2:]).repeat(1, 1, n, 1, 1),
+                                                (x.shape[0], -1, *x.shape[2:])))
+        for spell in spellings:
+            def gqa(q, k, v):
+                n = q.shape[1] // k.shape[1]
+                return torch.softmax(q @ spell(k, n).mT * 0.25, -1) @ spell(v, n)
+            self.assertIn("GQA 2 q heads per kv head", attn_site(rewrite(gqa, *qkv(hkv=2), options=DEFAULT)).detail)
+
+    def test_unit_dim_elsewhere_is_not_gqa(self):
+        # a unit dim inserted after the key index, broadcast and merged into the keys: K and V stay repeated
+        def keys_repeated(q, k, v):
+            rep = lambda x: x[:, :, :, None].expand(-1, -1, -1, 2, -1).flatten(2, 3)  # noqa: E731
+            return torch.softmax(q @ rep(k).mT * 0.25, -1) @ rep(v)
+        r = rewrite(keys_repeated, *qkv(), options=DEFAULT)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        self.assertNotIn("GQA", attn_site(r).detail)
+
     def test_tiled_repeat_is_not_gqa(self):
         # .repeat tiles heads (h -> h % Hkv), unlike repeat_kv (h -> h // n): K/V are passed repeated
         r = rewrite(tiled_repeat, *qkv(hkv=2), options=DEFAULT)

@@ -34,7 +34,8 @@ Paths:
 
 Modules: :mod:`.api` (the public :func:`attention`), :mod:`.ops` (the custom ops and autograd),
 :mod:`.reference` (the normalizers and :func:`attention_reference`), :mod:`.torch_path` (the blocked torch
-path), :mod:`.triton_common`, :mod:`.triton_forward`, :mod:`.triton_backward` (the CUDA kernels).
+path), :mod:`.flex` (FlexAttention with a score change replayed from data), :mod:`.triton_common`,
+:mod:`.triton_forward`, :mod:`.triton_backward` (the CUDA kernels).
 """
 
 from .api import attention

@@ -25,7 +25,7 @@ from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
-from .operands import dropout_call, key_side, shape_of, softmax_input
+from .operands import dropout_call, key_side, softmax_input
 
 
 class Mask(NamedTuple):
@@ -95,14 +95,13 @@ class AttentionMatch(Match):
         return self.anchor.target is F.scaled_dot_product_attention
 
     def detail(self) -> str:
-        parts = [self.spelling]
-        if self.is_causal:
-            parts.append("causal")
-        parts += self.absorbed
-        if self.n_rep > 1:
-            parts.append(f"GQA {self.n_rep} q heads per kv head")
-        if self.normalizer != "softmax":
-            parts.append(f"normalizer={self.normalizer}")
+        parts = [self.spelling, "causal" if self.is_causal else "", *self.absorbed,
+                 f"scale={self.scale:.6g}" if self.scale != 1.0 else "",
+                 "runtime scale folded into q" if self.scale_tensors else "",
+                 f"softcap={self.softcap:g}" if self.softcap is not None else "",
+                 ("masks" if len(self.masks) > 1 else "mask") if self.masks else "",
+                 f"GQA {self.n_rep} q heads per kv head" if self.n_rep > 1 else "",
+                 f"normalizer={self.normalizer}" if self.normalizer != "softmax" else ""]
         return ", ".join(p for p in parts if p)
 
     def op_name(self) -> str:
@@ -114,29 +113,22 @@ class AttentionMatch(Match):
 
 def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
     """The softmax whose output ``a`` is (as it is, or with its last two dims swapped: scores laid out (keys,
-    queries)), through casts, copies, dropout and views of the leading dims: ``(softmax, nodes between, dropout
-    call)``, or None."""
+    queries)), through casts, copies, one dropout and views of the leading dims: ``(softmax, nodes between,
+    dropout call)``, or None."""
     if a.perm is not None and a.perm != _swap(len(a.perm)):
         return None
     chain: list[Node] = []
-    dropout = None
-    n = a.node
-    for _ in range(6):
-        if not isinstance(n, Node):
-            return None
+    dropout, n = None, a.node
+    while isinstance(n, Node) and len(chain) <= 6:
         if softmax_input(n) is not None:
             return n, chain, dropout
         d = dropout_call(n)
-        if d is not None and dropout is None:
-            chain.append(n)
-            dropout = d
-            n = d[0]
-            continue
-        if cast_dtype(n) is not None or no_op_copy(n) is not None or lead_view(n) is not None:
-            chain.append(n)
-            n = n.args[0]
-            continue
-        return None
+        if (d is None or dropout is not None) and cast_dtype(n) is None and no_op_copy(n) is None \
+                and lead_view(n) is None:
+            return None
+        dropout = dropout or d
+        chain.append(n)
+        n = d[0] if d is not None and dropout is d else n.args[0]
     return None
 
 
@@ -230,14 +222,15 @@ def _scores(m: AttentionMatch, qk: Contraction, steps: list, consts: ConstEvalua
     m.dead.append(qk.node)
     for node, kind, data in key_scales:   # (q @ (k^T * b)) = (q @ k^T) * b
         m.dead.append(node)
-        if kind != "copy":
-            _take_scale(m, kind, data, consts)
+        why = _take_scale(m, kind, data, consts, capped=False, qk=qk.node, level=qk.node) if kind != "copy" else ""
+        if why:
+            return _skip(m, why)
     if qk.alpha != 1.0:
         m.scale *= qk.alpha
     if qk.bias is not None:      # baddbmm(bias, q, k^T, beta=1): the bias is an additive mask
         if qk.beta != 1.0:
             return _skip(m, f"the scores add the mask times beta={qk.beta:g}")
-        why = _take_add_mask(m, qk.bias, qk.node, qk.node, level=qk.node)
+        why = _take_mask(m, "add", qk.bias, qk.node, qk.node, level=qk.node)
         if why:
             return _skip(m, why)
     m.spelling = f"{op_label(qk.node)}(q, k^T)"
@@ -254,9 +247,7 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
     scales, then ``tanh`` (a soft-cap; scales after it scale the cap), then masks."""
     phase = 0                   # 0: before a soft-cap, 1: after it, 2: after a mask
     level = qk                  # the node whose shape the scores have where each step applies (views regroup)
-    mask_levels = {k.level for k in m.masks}   # a baddbmm bias applies at the contraction
     split: set = set()          # views splitting the query and key indices (B, Lh, Lw, Sh, Sw)
-    views = False
     for node, s in steps:
         m.dead.append(node)
         step = score_step(node, s)
@@ -268,7 +259,7 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
         if kind == "cast" and not data:
             return _skip(m, f"the scores are rounded by a cast to {cast_dtype(node)} before the softmax")
         if kind == "view":
-            level, views = node, True
+            level = node
             if lead_view(node) is None:     # it must split the query and key indices, not mix them
                 rows, cols = (static_shape(tensor_val(qk)) or (None, None))[-2:]
                 if rows is None or split_view(node, rows, cols) is None:
@@ -280,90 +271,54 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
         why = ""
         if kind in ("scale", "scale_t"):
             why = "the scores are scaled after the mask is applied" if phase == 2 else \
-                _scale_tensor(m, data[0], level in split, qk, level=level) if kind == "scale_t" else ""
-            why = why or (_scale_cap(m, kind, data, consts) if phase == 1 else _take_scale(m, kind, data, consts))
+                _take_scale(m, kind, data, consts, capped=phase == 1, qk=qk, level=level, split=level in split)
         elif kind == "tanh":
             why = "soft-capping after another soft-cap or a mask" if phase else ""
             m.softcap, phase = 1.0, 1
         elif kind in ("add", "sub"):
-            why = _take_add_mask(m, data, node, qk, level=level, negated=kind == "sub")
+            why = _take_mask(m, kind, data, node, qk, level=level)
         elif kind == "fill":
             why = _take_fill(m, data, node, qk, consts, level=level)
         elif kind == "floor":
             why = _take_floor(m, data, consts)
         if why:
             return _skip(m, why)
-        if kind in ("add", "sub", "fill"):
-            mask_levels.add(level)
         phase = 2 if kind in ("add", "sub", "fill", "floor") else phase
-    return _finish(m, qk, views, mask_levels, split)
-
-
-def _finish(m: AttentionMatch, qk: Node, views: bool, mask_levels: set, split: set) -> AttentionMatch:
     if split and not same_shape(tuple(tensor_val(softmax_input(m.softmax)[0]).shape[-2:]),
                                 tuple(tensor_val(qk).shape[-2:])):
         return _skip(m, "the softmax runs over a part of the key index (the scores viewed with it split)")
-    if views or any(lead_view(n) is not None for n in m.dead):
-        why = _regroup(m, qk, mask_levels, split)
-        if why:
-            return _skip(m, why)
-    if m.scale != 1.0:
-        m.absorbed.append(f"scale={m.scale:.6g}")
-    if m.scale_tensors:
-        m.absorbed.append("runtime scale folded into q")
-    if m.softcap is not None:
-        m.absorbed.append(f"softcap={m.softcap:g}")
-    if m.masks:
-        m.absorbed.append("mask" if len(m.masks) == 1 else "masks")
-    return m
+    why = _regroup(m, qk, split) if split or any(lead_view(n) is not None for n in m.dead) else ""
+    return _skip(m, why) if why else m
 
 
-def _scale_tensor(m: AttentionMatch, t: Node, split: bool, qk: Node, *, level: Node) -> str:
-    """Checks for a tensor factor ``t`` of the scores viewed as ``level`` (``split``: with the key index split)."""
-    if depends_on(t, qk):
-        return "the scale depends on the scores"
-    tv = tensor_val(t)
-    if tv is not None and tv.dim() > 0 and (split or "scores" in m.layout):
-        return "a factor of the scores viewed with the key index split or first is not a factor of q's rows"
-    m.scale_levels.append((t, level))
-    return ""
-
-
-def _take_add_mask(m: AttentionMatch, mask: Node, node: Node, qk: Node, *, level: Node, negated: bool = False) -> str:
-    """Take ``mask``, added to the scores at ``node`` (subtracted with ``negated``; viewed as ``level`` is), as an
-    additive mask; why it cannot be, or ""."""
-    mv, sv = tensor_val(mask), tensor_val(node)
-    if mv is None or mv.is_complex() or mv.dim() == 0:
+def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *, level: Node, fill=None) -> str:
+    """Take ``mask`` into the site, applied to the scores at ``node`` (viewed as ``level`` is): added (``how``
+    ``"add"``), subtracted (``"sub"``), or a bool whose True (``"fill"``) or False (``"keep"``) entries hold
+    ``fill``, a number. Why it cannot be, or ""."""
+    mv, sv, dtype = tensor_val(mask), tensor_val(node), tensor_val(qk).dtype
+    if fill is None and (mv is None or mv.is_complex() or mv.dim() == 0):
         return "the additive mask is not a real tensor of scores (a 0-d one shifts every score alike)"
+    if fill is not None and (mv is None or mv.dtype != torch.bool):
+        return "the masked_fill / where condition is not a bool tensor"
+    why = _mask_depends(m, mask, qk) or ("" if sv is not None and broadcasts_to(tuple(mv.shape), tuple(sv.shape))
+                                         else "the mask does not broadcast to the scores")
     # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
-    if not (sv is not None and sv.dtype.is_floating_point):
-        return "the masked scores are not floating-point"
-    why = _mask_depends(m, mask, qk)
-    if why:
-        return why
-    if not broadcasts_to(tuple(mv.shape), tuple(sv.shape)):
-        return "the mask does not broadcast to the scores"
-    if mv.dtype.is_floating_point and mv.dtype != sv.dtype and mv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
-        return f"the {mv.dtype} mask promotes the {tensor_val(qk).dtype} scores"
-    if sv.dtype.itemsize > tensor_val(qk).dtype.itemsize:
-        return (f"the mask is added to scores cast up from {tensor_val(qk).dtype}: the fused kernel adds it in "
-                f"{tensor_val(qk).dtype}, where its large values would overflow")
-    m.masks.append(Mask(mask, "sub" if negated else "add", None, level))
-    return ""
+    if not why and fill is None and not (sv is not None and sv.dtype.is_floating_point):
+        why = "the masked scores are not floating-point"
+    elif not why and fill is None and mv.dtype.is_floating_point and mv.dtype != sv.dtype \
+            and mv.dtype.itemsize > dtype.itemsize:
+        why = f"the {mv.dtype} mask promotes the {dtype} scores"
+    elif not why and fill is None and sv.dtype.itemsize > dtype.itemsize:
+        why = (f"the mask is added to scores cast up from {dtype}: the fused kernel adds it in {dtype}, where its "
+               "large values would overflow")
+    if not why:
+        m.masks.append(Mask(mask, how, fill, level))
+    return why
 
 
 def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:
-    """Take ``fill = (cond, True if True masks, value)``, applied to the scores at ``node`` (viewed as ``level``
-    is); why it cannot be, or ""."""
+    """Take ``fill = (cond, True if True masks, value)`` (see :func:`_take_mask`)."""
     cond, true_masks, value = fill
-    cv = tensor_val(cond)
-    if cv is None or cv.dtype != torch.bool:
-        return "the masked_fill / where condition is not a bool tensor"
-    why = _mask_depends(m, cond, qk)
-    if why:
-        return why
-    if not broadcasts_to(tuple(cv.shape), shape_of(node)):
-        return "the mask does not broadcast to the scores"
     val = consts.number(value)
     if val is None:
         return "the masked_fill / where value is not a constant"
@@ -374,34 +329,31 @@ def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: Con
         if m.masks:
             return f"a fill of {val:g} with other masks, beyond {tensor_val(qk).dtype}, where the fused kernel runs"
         val = low
-    m.masks.append(Mask(cond, "fill" if true_masks else "keep", val, level))
-    if isinstance(value, Node):
-        m.dropped.append(value)
-    return ""
+    m.dropped += [value] if isinstance(value, Node) else []
+    return _take_mask(m, "fill" if true_masks else "keep", cond, node, qk, level=level, fill=val)
 
 
-def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> None:
-    """Fold one scale stage (see :func:`scale_stage`) into the site: a number, or a 0-d tensor constant at compile
-    time, into ``m.scale``; any other 0-d tensor into ``m.scale_tensors`` (applied to q at run time)."""
-    if kind == "scale":
-        m.scale *= data
-        return
-    t, op = data
-    c = consts.number(t)
-    if c is not None and c != 0 and math.isfinite(c):
-        m.scale = m.scale * c if op == "mul" else m.scale / c
-    else:
-        m.scale_tensors.append((t, op))
-
-
-def _scale_cap(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator) -> str:
-    """A scale after the soft-cap scales the cap: a * c * tanh(s / c) = (a c) * tanh(a s / (a c))."""
+def _take_scale(m: AttentionMatch, kind: str, data: Any, consts: ConstEvaluator, *, capped: bool, qk: Node,
+                level: Node, split: bool = False) -> str:
+    """Fold a scale step (:func:`.scores.score_step`) into the site: a number, or a tensor known at compile time,
+    into ``m.scale`` (after a soft-cap into the cap too: ``a c tanh(s / c) = (a c) tanh(a s / (a c))``); any other
+    tensor into ``m.scale_tensors``, applied to q at run time. Why it cannot be, or ""."""
     a = data if kind == "scale" else consts.number(data[0])
     if kind == "scale_t" and data[1] == "div" and a:
         a = 1.0 / a
-    if a is None or not math.isfinite(a) or a <= 0:
-        return "a scale after the soft-cap that is not a positive number known at compile time"
-    m.softcap *= a
+    if capped:
+        if a is None or not math.isfinite(a) or a <= 0:
+            return "a scale after the soft-cap that is not a positive number known at compile time"
+        m.softcap *= a
+    elif kind == "scale_t" and (a is None or a == 0 or not math.isfinite(a)):
+        t, tv = data[0], tensor_val(data[0])
+        if depends_on(t, qk):
+            return "the scale depends on the scores"
+        if tv is not None and tv.dim() > 0 and (split or "scores" in m.layout):
+            return "a factor of the scores viewed with the key index split or first is not a factor of q's rows"
+        m.scale_levels.append((t, level))
+        m.scale_tensors.append(data)
+        return ""
     m.scale *= a
     return ""
 
@@ -418,7 +370,7 @@ def _take_floor(m: AttentionMatch, data: Any, consts: ConstEvaluator) -> str:
     return ""
 
 
-def _regroup(m: AttentionMatch, qk: Node, mask_levels: set, split: set) -> str:
+def _regroup(m: AttentionMatch, qk: Node, split: set) -> str:
     """Views regroup the leading dims between the score matmul, the masks and the value matmul (or split the
     query and key indices, the levels in ``split``): the op runs with q, k, v regrouped as the masks see the
     scores (else as V is), and returns its output grouped as V. Why this cannot be done, or ""."""
@@ -432,6 +384,7 @@ def _regroup(m: AttentionMatch, qk: Node, mask_levels: set, split: set) -> str:
     # slices as q; the op needs q, k and the scores grouped alike, and returns in V's grouping
     if not (same_shape(qs, ks) and same_shape(qs, qks) and same_shape(vs, outs)):
         return "q, k and v are not regrouped alike by the views between the attention matmuls"
+    mask_levels = {k.level for k in m.masks}   # a baddbmm bias applies at the contraction
     if not mask_levels:
         lead = vs
     elif len(mask_levels) > 1 or mask_levels & split:   # each mask expanded to its view, regrouped as q is
@@ -478,18 +431,13 @@ def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
     return ""
 
 
-def match_sdpa(n: Node) -> AttentionMatch | None:
-    if n.op != "call_function" or n.target is not F.scaled_dot_product_attention:
-        return None
+def match_sdpa(n: Node) -> AttentionMatch:
+    """An ``F.scaled_dot_product_attention`` call ``n``, taken as written."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    a = dict(zip(names, n.args))
-    a.update(n.kwargs)
-    m = AttentionMatch(anchor=n, q=a.get("query"), k=a.get("key"), v=a.get("value"),
-                       spelling="F.scaled_dot_product_attention")
-    m.sdpa_kwargs = {k: a[k] for k in names[3:] if k in a}
-    if a.get("is_causal"):
-        m.is_causal = True
-    return m
+    a = {**dict(zip(names, n.args)), **n.kwargs}
+    return AttentionMatch(anchor=n, q=a.get("query"), k=a.get("key"), v=a.get("value"),
+                          is_causal=bool(a.get("is_causal")), sdpa_kwargs={k: a[k] for k in names[3:] if k in a},
+                          spelling="F.scaled_dot_product_attention")
 
 
 __all__ = ["Mask", "AttentionMatch", "match_from_pv", "match_sdpa"]

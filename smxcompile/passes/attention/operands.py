@@ -12,15 +12,9 @@ from torch.fx import Node
 
 from ..patterns.arith import scale_stage
 from ..patterns.selections import no_op_copy
-from ..patterns.graph import canon, same_size, tensor_val
+from ..patterns.graph import canon, same_shape, same_size, tensor_val
 
 _DROPOUT_FNS = {F.dropout, torch.dropout, torch.nn.functional.dropout}
-_VIEWISH = {"view", "reshape"}
-
-
-def shape_of(n: Any) -> tuple | None:
-    v = tensor_val(n)
-    return None if v is None else tuple(v.shape)
 
 
 def key_side(kt: Any) -> tuple[Any, list]:
@@ -44,58 +38,60 @@ def key_side(kt: Any) -> tuple[Any, list]:
     return kt, scales
 
 
-def ungqa(n: Node) -> tuple[Node, int] | None:
-    """K or V repeated per query head (``repeat_kv`` or ``repeat_interleave`` on the head dim) -> (kv, n_rep)."""
+def ungqa(n: Node) -> tuple[Node, int, list[Node]] | None:
+    """K or V repeated per query head -> ``(kv, n_rep, the nodes repeating it)``: head ``h`` of ``n`` reads head
+    ``h // n_rep`` of ``kv``. Either ``repeat_interleave`` over the head dim, or a unit dim inserted after it,
+    broadcast to ``n_rep`` and merged into it (``repeat_kv``), each step known by its shapes in any spelling."""
     v = tensor_val(n)
     if v is None or v.dim() < 3:
         return None
-    # repeat_interleave(kv, n, dim=head dim)
-    if (n.op == "call_method" and n.target == "repeat_interleave") or (
-            n.op == "call_function" and n.target is torch.repeat_interleave):
-        kv = n.args[0]
-        reps = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+    h = v.dim() - 3
+    if _called(n) == "repeat_interleave":
+        kv, reps = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
-        kvv = tensor_val(kv)
-        if (isinstance(reps, int) and reps >= 1 and isinstance(dim, int) and kvv is not None
-                and kvv.dim() == v.dim() and dim % v.dim() == v.dim() - 3 and not n.kwargs.get("output_size")):
-            return kv, reps
+        ok = isinstance(dim, int) and dim % v.dim() == h and not n.kwargs.get("output_size")
+        return (kv, reps, [n]) if ok and isinstance(reps, int) and _repeated(kv, reps, v, h) else None
+    e = n.args[0] if _called(n) in _ROW_MAJOR else None        # (..., Hkv, n_rep, S, E), merged row-major
+    u = e.args[0] if isinstance(e, Node) and _called(e) in _BROADCASTS and len(e.users) == 1 else None
+    if not isinstance(u, Node) or len(u.users) != 1 or not (_called(u) in _ROW_MAJOR or _inserts_dims(u)):
         return None
-    # reshape(expand(kv[:, :, None], (B, Hkv, n, S, D)), (B, Hkv * n, S, D))
-    if not ((n.op == "call_method" and n.target in _VIEWISH) or (n.op == "call_function" and n.target is torch.reshape)):
+    kv, ev, uv = u.args[0], tensor_val(e), tensor_val(u)
+    reps = ev.shape[h + 1] if ev is not None and ev.dim() == v.dim() + 1 else None
+    if not isinstance(reps, int) or not _repeated(kv, reps, v, h):
         return None
-    e = n.args[0]
-    ev = tensor_val(e)
-    if not isinstance(e, Node) or ev is None or ev.dim() != v.dim() + 1 or len(e.users) != 1:
+    kvs = tuple(tensor_val(kv).shape)
+    with_dim = lambda size: kvs[:h + 1] + (size,) + kvs[h + 1:]  # noqa: E731
+    if uv is None or not same_shape(tuple(uv.shape), with_dim(1)) or not same_shape(tuple(ev.shape), with_dim(reps)):
         return None
-    if not (e.op == "call_method" and e.target == "expand"):
+    return kv, reps, [n, e, u]
+
+
+_ROW_MAJOR = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}   # keep every entry's row-major position
+_BROADCASTS = {"expand", "expand_as", "broadcast_to", "repeat"}
+
+
+def _called(n: Any) -> str | None:
+    """The method, or torch function, ``n`` calls."""
+    if not isinstance(n, Node) or not n.args or not isinstance(n.args[0], Node):
         return None
-    u = e.args[0]
-    uv = tensor_val(u)
-    if not isinstance(u, Node) or uv is None or uv.dim() != ev.dim() or len(u.users) != 1:
-        return None
-    h = v.dim() - 3        # head dim of K; the inserted dim sits right after it
-    if not same_size(uv.shape[h + 1], 1):
-        return None
-    kv = None
-    if u.op == "call_method" and u.target == "unsqueeze" and len(u.args) == 2 and isinstance(u.args[1], int) \
-            and u.args[1] % uv.dim() == h + 1:
-        kv = u.args[0]
-    elif u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], tuple):
-        idx = u.args[1]
-        full = slice(None, None, None)
-        if len(idx) >= h + 2 and all(i == full for i in idx[:h + 1]) and idx[h + 1] is None \
-                and all(i == full or i is Ellipsis for i in idx[h + 2:]):
-            kv = u.args[0]
+    if n.op == "call_method":
+        return n.target
+    name = getattr(n.target, "__name__", "")
+    return name if n.op == "call_function" and getattr(torch, name, None) is n.target else None
+
+
+def _inserts_dims(n: Node) -> bool:
+    """``x[..., None, :]``: indexing with None, ``...`` and slices only."""
+    idx = n.args[1] if n.target is operator.getitem and len(n.args) == 2 else 0
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return all(i is None or i is Ellipsis or isinstance(i, slice) for i in idx)
+
+
+def _repeated(kv: Any, reps: int, v, h: int) -> bool:
+    """``v`` has ``kv``'s shape with dim ``h`` ``reps`` times as long (``reps`` at least 2)."""
     kvv = tensor_val(kv)
-    if kv is None or kvv is None or kvv.dim() != v.dim():
-        return None
-    reps = ev.shape[h + 1]
-    if not isinstance(reps, int) or not same_size(kvv.shape[h] * reps, v.shape[h]):
-        return None
-    for i in range(v.dim()):
-        if i != h and not same_size(kvv.shape[i], v.shape[i]):
-            return None
-    return kv, reps
+    return isinstance(kv, Node) and kvv is not None and kvv.dim() == v.dim() and reps >= 2 and all(
+        same_size(kvv.shape[i] * (reps if i == h else 1), v.shape[i]) for i in range(v.dim()))
 
 
 def dropout_call(n: Node) -> tuple[Node, float, bool] | None:
@@ -119,4 +115,4 @@ def softmax_input(n: Node) -> tuple[Node, Any, Any] | None:
     return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
 
 
-__all__ = ["shape_of", "key_side", "ungqa", "dropout_call", "softmax_input"]
+__all__ = ["key_side", "ungqa", "dropout_call", "softmax_input"]

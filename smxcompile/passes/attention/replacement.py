@@ -5,8 +5,9 @@ soft-capping, with eager's values restored on fully masked rows and for NaN inpu
 
 from __future__ import annotations
 
-import importlib
+import functools
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -56,37 +57,19 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         squeeze += 1
     if mask_floor is not None and add_masks:
         q, add_masks = _floored(q, add_masks, mask_floor)
-    bq = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    if tuple(q.shape[:-3]) != tuple(bq):
-        q = q.expand(*bq, *q.shape[-3:])
-    if n_rep == 1 and (k.shape[-3] != q.shape[-3] or tuple(k.shape[:-3]) != tuple(bq)):
-        k = k.expand(*bq, q.shape[-3], *k.shape[-2:])
-        v = v.expand(*bq, q.shape[-3], *v.shape[-2:])
-    elif tuple(k.shape[:-3]) != tuple(bq):
-        k = k.expand(*bq, *k.shape[-3:])
-        v = v.expand(*bq, *v.shape[-3:])
-    mask = hidden = None     # hidden: the entries a masked_fill / where selects away (True = not seen)
+    lead_dims = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    heads = q.shape[-3] if n_rep == 1 else k.shape[-3]     # GQA's K and V keep their kv heads
+    q = q.expand(*lead_dims, *q.shape[-3:])
+    k, v = (t.expand(*lead_dims, heads, *t.shape[-2:]) for t in (k, v))
+    mask = hidden = all_masked = None     # hidden: the entries a fill selects away (True = not seen)
     if mask_order:
-        q, mask, filled = _merged_mask(q, add_masks, masked, mask_order,
+        q, mask, hidden = _merged_mask(q, add_masks, masked, mask_order,
                                        zero_dead_rows=bool(fixup) and normalizer == "softmax" and not export)
-        masked, hidden = [], filled
-    else:
-        for mk in add_masks:
-            mk = mk if mk.is_floating_point() else mk.to(q.dtype)
-            mask = mk if mask is None else mask + mk
-    all_masked = None
-    if masked:
-        m_any = None
-        for c, true_masks, _ in masked:
-            mc = c if true_masks else ~c
-            m_any = mc if m_any is None else (m_any | mc)
-        hidden = m_any
-        if mask is None:
-            mask = ~m_any
-        else:
-            mask = mask.to(q.dtype if q.dtype != torch.float64 else mask.dtype).masked_fill(m_any, float("-inf"))
-        if fixup:
-            all_masked = m_any.all(-1, keepdim=True)
+    elif masked:     # fills alone, of one value: a bool mask
+        hidden = functools.reduce(operator.or_, (c if true_masks else ~c for c, true_masks, _ in masked))
+        mask, all_masked = ~hidden, hidden.all(-1, keepdim=True) if fixup else None
+    elif add_masks:
+        mask = functools.reduce(operator.add, (mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks))
     if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     if mask is not None and mask.dtype.is_floating_point and normalizer != "softmax":
@@ -108,18 +91,13 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         out = out.masked_fill(q_bad | k_bad, float("nan"))
     if fixup and normalizer == "softmax":
         empty_row = 0.0 if safe_softmax else float("nan")    # a row of -inf
-        if all_masked is not None:
-            values = [val for _, _, val in masked]
-            if all(math.isinf(val) for val in values):
-                fill = torch.full((), empty_row, dtype=out.dtype, device=out.device)
-            else:
-                vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
-                fill = vv.mean(-2, keepdim=True).to(out.dtype)
-            out = torch.where(all_masked, fill, out)
-        if mask_order:
+        if all_masked is None:      # the masks' sum in q's dtype, as eager adds them
             out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
-        elif add_masks and not masked:      # the masks' sum in q's dtype, as eager adds them
-            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
+        elif all(math.isinf(val) for *_, val in masked):
+            out = torch.where(all_masked, torch.full((), empty_row, dtype=out.dtype, device=out.device), out)
+        else:       # a row filled whole with a finite value: uniform weights
+            vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
+            out = torch.where(all_masked, vv.mean(-2, keepdim=True).to(out.dtype), out)
     for _ in range(squeeze):
         out = out.squeeze(0)
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
@@ -215,63 +193,17 @@ def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
 
 def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale: float, n_rep: int,
                          safe_softmax: bool = False, layout: dict | None = None):
-    """A site whose scores go through other pointwise changes: FlexAttention with ``score_mod`` replaying
-    ``recipe`` (:func:`..score_mod.score_mod_recipe`) on each score, ``sides`` indexed at its entry. Eager's
-    NaN (0 after ``_safe_softmax``) on rows whose every changed score is -inf, where FlexAttention gives 0: V
-    gets a column of ones, whose output is each row's sum of weights (1, or 0 on such a row)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """A site whose scores go through other pointwise changes (:func:`.scores.score_mod_recipe`): q, k, v after
+    ``layout``, ``scale_tensors`` folded into q, then :func:`smxcompile.kernels.attention.score_mod_attention`."""
+    from ...kernels.attention.flex import score_mod_attention
 
     layout = layout or {}
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
     for t, op in scale_tensors:
         q = q * t.to(q.dtype) if op == "mul" else q / t.to(q.dtype)
-    # one (B, H) grid for all three (FlexAttention does not broadcast); GQA's K and V keep their kv heads
-    lead = tuple(q.shape[:-2]) if n_rep > 1 else torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    shape = (*lead, q.shape[-2], k.shape[-2])
-    q = q.expand(*lead, *q.shape[-2:])
-    if n_rep == 1:
-        k, v = k.expand(*lead, *k.shape[-2:]), v.expand(*lead, *v.shape[-2:])
-    pad = (1,) * (4 - len(shape))
-    q, k, v = (t.reshape(*pad, *t.shape) for t in (q, k, v))
-    # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
-    # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
-    sides = [sd.reshape((1,) * (4 - sd.dim()) + tuple(sd.shape)) for sd in sides]
-    sides = [torch.ops.prims.inductor_force_stride_order(sd, sd.stride()) for sd in sides]
-    spans = [tuple(n > 1 for n in sd.shape) for sd in sides]
-
-    steps = [(op, target if op == "call_method" else _resolve(target), args, kwargs)
-             for op, target, args, kwargs in recipe]
-
-    def score_mod(score, b, h, i, j):
-        values: list = []
-        at = (b, h, i, j)
-        take = lambda a: score if a == ("@path", -1) else values[a[1]] if a[0] == "@path" else sides[a[1]][  # noqa: E731
-            tuple(x if wide else 0 for x, wide in zip(at, spans[a[1]]))]
-        for op, fn, args, kwargs in steps:
-            args, kwargs = _replay_args(args, take), _replay_args(kwargs, take)
-            values.append(getattr(args[0], fn)(*args[1:], **kwargs) if op == "call_method" else fn(*args, **kwargs))
-        return values[-1]
-
-    ones = torch.ones((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
-    out = flex_attention(q, k, torch.cat([v, ones], -1), score_mod=score_mod, scale=scale, enable_gqa=n_rep > 1)
-    dead = out[..., -1:] < 0.5
-    out = out[..., :-1].masked_fill(dead, 0.0 if safe_softmax else float("nan"))
-    return apply_perm(out.reshape(*shape[:-1], out.shape[-1]), layout.get("out"))
-
-
-def _replay_args(a, take):
-    if isinstance(a, tuple) and len(a) == 2 and a[0] in ("@path", "@side"):
-        return take(a)
-    if isinstance(a, (tuple, list)):
-        return type(a)(_replay_args(x, take) for x in a)
-    if isinstance(a, dict):
-        return {key: _replay_args(x, take) for key, x in a.items()}
-    return a
-
-
-def _resolve(path: str):
-    module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
+    out = score_mod_attention(q, k, v, sides, recipe=recipe, scale=scale, enable_gqa=n_rep > 1,
+                              safe_softmax=safe_softmax)
+    return apply_perm(out, layout.get("out"))
 
 
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
@@ -281,8 +213,7 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     kw = dict(sdpa_kwargs)
     scale = kw.get("scale")
     if scale is not None and not isinstance(scale, (int, float)):
-        # a size-dependent scale under dynamic shapes (1 / sqrt(q.size(-1))) is symbolic: folded into q, as the op's
-        # scale must be a number
+        # a symbolic scale (1 / sqrt(q.size(-1)) under dynamic shapes) folded into q: the op's scale is a number
         q, kw["scale"] = q * scale, 1.0
     return attention(q, k, v, **kw, normalizer=normalizer, norm_param=norm_param)
 

@@ -5,6 +5,7 @@ code in :mod:`.replacement`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any
@@ -39,8 +40,7 @@ def _check_shapes(m: AttentionMatch) -> str:
     out = tensor_val(m.anchor)
     if out is None or out.dtype != qv.dtype:
         return f"the attention output dtype {getattr(out, 'dtype', None)} differs from q's {qv.dtype}"
-    # the traced matmuls (or SDPA) already required these to agree: only sizes known to differ refuse (symbolic
-    # ones, such as a KV cache's length under dynamic shapes, agree at run time or the graph would not run)
+    # the traced graph requires these to agree: symbolic sizes (a KV cache's length) agree at run time
     if _differ(kv.shape[-2], vv.shape[-2]) or _differ(qv.shape[-1], kv.shape[-1]):
         return "q/k/v sizes do not line up"
     if kv.shape[-2] == 0 or qv.shape[-2] == 0:
@@ -53,20 +53,13 @@ def _gqa(m: AttentionMatch) -> None:
     if m.lead is not None or m.layouts:
         return   # regrouped by views or read in another layout: K and V stay as the graph repeats them
     gk, gv = ungqa(m.k), ungqa(m.v)
-    if gk is None or gv is None or gk[1] != gv[1] or gk[1] < 2:
+    if gk is None or gv is None or gk[1] != gv[1]:
         return
     qv, kvv = tensor_val(m.q), tensor_val(gk[0])
     if qv.dim() < 3 or not same_shape(tuple(qv.shape[:-3]), tuple(kvv.shape[:-3])):
         return
-    m.dead += _repeat_nodes(m.k) + _repeat_nodes(m.v)
+    m.dead += gk[2] + gv[2]
     m.k, m.v, m.n_rep = gk[0], gv[0], gk[1]
-
-
-def _repeat_nodes(n: Node) -> list[Node]:
-    if n.op == "call_method" and n.target == "repeat_interleave" or n.target is torch.repeat_interleave:
-        return [n]
-    e = n.args[0]
-    return [n, e, e.args[0]]
 
 
 def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
@@ -79,21 +72,14 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     c = consts.value(node)
     if not isinstance(L, int) or not isinstance(S, int) or not isinstance(c, torch.Tensor):
         return
-    if how in ("add", "sub"):
-        c = -c if how == "sub" else c
-        if bool((c == 0).all()):
-            m.dropped.append(node)
-            m.masks = []
-            m.absorbed = [a for a in m.absorbed if a != "mask"] + ["zero mask dropped"]
-            return
-        keep = additive_keep(c)
-    else:
-        keep = ~c if how == "fill" else c
-    if keep is not None and is_causal_keep(keys_last(keep) if "scores" in m.layout else keep, L, S):
-        m.is_causal = True
+    zero = how in ("add", "sub") and bool((c == 0).all())
+    keep = None if zero else additive_keep(-c if how == "sub" else c) if how in ("add", "sub") else \
+        ~c if how == "fill" else c
+    m.is_causal = keep is not None and is_causal_keep(keys_last(keep) if "scores" in m.layout else keep, L, S)
+    if zero or m.is_causal:
         m.dropped.append(node)
         m.masks = []
-        m.absorbed = [a for a in m.absorbed if a not in ("mask", "masks")]
+        m.absorbed += ["zero mask dropped"] if zero else []
 
 
 def _finite_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
@@ -120,48 +106,19 @@ def _finite_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool
     return False
 
 
-def _fill_may_mask_a_row(m: AttentionMatch, consts: ConstEvaluator) -> bool:
-    """Some row may be masked whole by the fills (unknown at compile time counts as yes)."""
-    masked_any = None
-    for cond, true_masks, _ in m.masked:
-        c = consts.value(cond)
-        if not isinstance(c, torch.Tensor):
-            return True
-        c = c if true_masks else ~c
-        c = keys_last(c) if "scores" in m.layout else c
-        masked_any = c if masked_any is None else masked_any | c
-    return masked_any is not None and bool(masked_any.all(-1).any())
-
-
 def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
+    """Some row may be masked whole (unknown at compile time counts as yes)."""
     if m.is_causal:
         return False
-    if m.masked:
-        if m.add_masks:
+    if m.masked and not m.add_masks:    # constant fills (a sliding window from aranges): is a row masked whole?
+        conds = [consts.value(cond) for cond, _, _ in m.masked]
+        if not all(isinstance(c, torch.Tensor) for c in conds):
             return True
-        # constant conditions (a sliding window built from aranges): a fix-up only if some row is fully masked
-        return _fill_may_mask_a_row(m, consts)
+        hidden = functools.reduce(operator.or_, (c if fill[1] else ~c for c, fill in zip(conds, m.masked)))
+        return bool((keys_last(hidden) if "scores" in m.layout else hidden).all(-1).any())
     # two finite masks may still sum to -inf (finfo.min + finfo.min)
-    return len(m.add_masks) > 1 or any(not _finite_mask(a, consts, m.val("q").dtype) for a in m.add_masks)
-
-
-def _extras(m: AttentionMatch) -> dict:
-    """The :func:`graph_attention` keywords only some sites need (kept out of the other graphs)."""
-    out: dict = {}
-    if m.lead is not None:
-        out.update(lead=m.lead)
-    if m.mask_floor is not None:
-        out.update(mask_floor=m.mask_floor)
-    if m.safe_softmax:
-        out.update(safe_softmax=True)
-    if m.layouts:
-        out.update(layout=m.layouts)
-    return out
-
-
-def _flex_kwargs(m: AttentionMatch) -> dict:
-    out = {"recipe": m.recipe, "scale": float(m.scale), "n_rep": m.n_rep}
-    return out | ({"safe_softmax": True} if m.safe_softmax else {}) | ({"layout": m.layouts} if m.layouts else {})
+    return bool(m.masked) or len(m.add_masks) > 1 or any(not _finite_mask(a, consts, m.val("q").dtype)
+                                                         for a in m.add_masks)
 
 
 def _static_shape_ref(r: Node) -> None:
@@ -222,9 +179,8 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
 
 
 def _keep(m: AttentionMatch, ctx: PassContext) -> str:
-    if m.is_sdpa and m.normalizer == "softmax":
-        return "already torch's fused scaled_dot_product_attention (no normalizer requested)"
-    return ""
+    sdpa = m.is_sdpa and m.normalizer == "softmax"
+    return "already torch's fused scaled_dot_product_attention (no normalizer requested)" if sdpa else ""
 
 
 def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
@@ -354,13 +310,15 @@ def _call(m: AttentionMatch, g, *, dropout_p: float, export: bool = False):
         return graph_sdpa, (g(m.q), g(m.k), g(m.v), {k: g(v) for k, v in m.sdpa_kwargs.items()}), {
             "normalizer": m.normalizer, "norm_param": m.norm_param}
     q, k, v, scales = g(m.q), g(m.k), g(m.v), [(g(t), op) for t, op in m.scale_tensors]
+    extras = {key: val for key, val in {"lead": m.lead, "mask_floor": m.mask_floor, "safe_softmax": m.safe_softmax,
+              "layout": m.layouts, "export": export}.items() if val}      # kept out of the other sites' graphs
     if m.recipe:
-        return graph_flex_attention, (q, k, v, [g(x) for x in m.sides], scales), _flex_kwargs(m)
+        flex = {key: extras[key] for key in ("safe_softmax", "layout") if key in extras}
+        return graph_flex_attention, (q, k, v, [g(x) for x in m.sides], scales), {
+            "recipe": m.recipe, "scale": float(m.scale), "n_rep": m.n_rep, **flex}
     kinds = [(mk.how, mk.value, shape) for mk, shape in zip(m.masks, m.mask_shapes or [None] * len(m.masks))]
     return graph_attention, (q, k, v, [g(mk.node) for mk in m.masks], scales), {"mask_kinds": kinds,
         "scale": float(m.scale), "softcap": m.softcap, "is_causal": m.is_causal, "dropout_p": dropout_p,
-        "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param, **_extras(m),
-        **({"export": True} if export else {})}
-
+        "n_rep": m.n_rep, "fixup": m.fixup, "normalizer": m.normalizer, "norm_param": m.norm_param, **extras}
 
 __all__ = ["AttentionPass"]

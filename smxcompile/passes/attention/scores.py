@@ -167,9 +167,7 @@ def flex_sides(qk: Node, path: list[Node]) -> list[Node] | str:
 
 
 def score_mod_recipe(qk: Node, path: list[Node], sides: list[Node]) -> tuple:
-    """The changes as data the graph can hold: per node ``(op, target, args, kwargs)``, a function target by its
-    import path, an argument ``("@path", i)`` for the i-th change's value (-1: the scores), ``("@side", i)`` for
-    the i-th side input's entry."""
+    """The changes as the recipe :func:`smxcompile.kernels.attention.flex.score_mod_attention` replays."""
     where = {qk: ("@path", -1), **{n: ("@path", i) for i, n in enumerate(path)},
              **{n: ("@side", i) for i, n in enumerate(sides)}}
     enc = lambda a: torch.fx.node.map_arg(a, lambda n: where[n])  # noqa: E731
