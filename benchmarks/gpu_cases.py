@@ -1,25 +1,8 @@
 """The cases of benchmarks/gpu_model.py: each op's Triton launch at a representative shape, its minimum bytes,
 and torch's own path on a GPU by formula.
 
-torch's path (what a user had before smxcompile), per family, from the ATen CUDA sources:
-
-- softmax / log_softmax (``aten/src/ATen/native/cuda/SoftMax.cu``, ``host_softmax``): rows of <= 1024 elements
-  and 4 KiB go to the persistent warp softmax, rows that fit the 48 KiB of default shared memory to
-  ``cunn_SoftMaxForwardSmem`` (one read, one write); longer rows to ``cunn_SoftMaxForward``, which sweeps the row
-  three times (max, sum of exp, write). The backward reads the gradient and the output once when the row fits,
-  twice otherwise.
-- top-k (``aten/src/ATen/native/cuda/TensorTopK.cu``): a radix select of 8 bits per pass (4 passes for fp32, 2 for
-  16-bit keys), each reading the row, then a gather pass and a sort of the k results; a row of <= 4 KiB is read
-  once (it stays in cache). Launches: one for short rows, 2 per pass + 2 otherwise.
-- attention: ``F.scaled_dot_product_attention`` picks FlashAttention-2 (no mask) or the memory-efficient kernel
-  (a padding mask, read per 64-row query tile) for softmax; the other normalizers are written out (``q @ k^T``,
-  the mask, the normalizer's elementwise and reduction ops in fp32, ``@ v``), each op a pass over the L x S
-  scores.
-- cross-entropy (Hugging Face's loss): ``logits = hidden @ W^T`` (cuBLAS: the operands once), ``.float()``,
-  ``F.cross_entropy`` = log_softmax (3 sweeps for a vocabulary row) + nll; the backward zero-fills the N x V
-  gradient, scatters, runs the log_softmax backward (2 sweeps), casts to the input dtype and runs the two
-  matmuls.
-- quantized softmax: softmax, then ``torch.quantize_per_tensor`` (read the probabilities, write 1 byte each).
+torch's path (what a user had before smxcompile) is traced kernel by kernel (gpu_torch_paths.py) through the same
+L2 model as ours, from the ATen, FlashAttention and cuBLAS kernels each case names.
 """
 
 from __future__ import annotations
@@ -29,6 +12,10 @@ import warnings
 from typing import Callable
 
 import torch
+
+import gpu_torch_paths as tp_
+from gpu_torch_paths import Tracer
+from gpu_traffic import SECTOR
 
 from smxcompile.kernels.attention.triton_backward import attention_backward
 from smxcompile.kernels.attention.triton_forward import attention_forward
@@ -41,18 +28,14 @@ from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward
 FAMILIES = ("softmax", "softmax_topk", "quant_softmax", "attention", "linear_ce", "cross_entropy")
 #: FlashAttention-2's query tile (rows), which sets how often it reads K and V
 FA2_BLOCK_M = 128
-#: default shared memory per block on NVIDIA GPUs (what ATen's softmax sizes its one-read path by)
-SMEM_PER_BLOCK = 48 * 1024
 
 
 @dataclasses.dataclass
 class TorchPath:
-    """torch's path on a GPU by formula: DRAM bytes, tensor-core FLOPs, launches, and what it runs."""
+    """torch's path on a GPU: what it runs, and the trace of its kernels (gpu_torch_paths.Tracer -> None)."""
 
-    bytes: float
-    flops: float
-    launches: int
     what: str
+    trace: Callable[[Tracer], None]
 
 
 @dataclasses.dataclass
@@ -104,23 +87,6 @@ def _short(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------- torch formulas
 
 
-def aten_softmax_sweeps(C: int, s: int) -> int:
-    """Sweeps of ATen's CUDA softmax forward over a row of C elements of s bytes (see the module docstring)."""
-    return 1 if (C <= 1024 and C * s <= 4096) or C * s < SMEM_PER_BLOCK - 256 else 3
-
-
-def aten_softmax(R: int, C: int, s: int, s_out: int) -> float:
-    return R * C * (aten_softmax_sweeps(C, s) * s + s_out)
-
-
-def aten_topk(R: int, C: int, s: int, k: int) -> tuple[float, int]:
-    """(bytes, launches) of ``torch.topk`` along rows of C elements of s bytes (sorted values and int64 indices)."""
-    if C * s <= 4096:
-        return R * C * s + R * k * (s + 8), 1
-    passes = s  # 8-bit digits
-    return R * C * s * (passes + 1) + 2 * R * k * (s + 8), 2 * passes + 2
-
-
 def _visible(L: int, S: int, causal: bool, rows: int) -> list[tuple[int, int]]:
     """(query rows, visible keys) per ``rows``-row query tile (causal: top-left, key j <= query i)."""
     out = []
@@ -170,22 +136,22 @@ def softmax_case(R, C, dtype, *, log=False, backward=False, quick=False) -> Case
     s = _size(dtype)
     what = "log_softmax" if log else "softmax"
     if not backward:
-        sw = aten_softmax_sweeps(C, s)
+        sw = tp_.softmax_sweeps(C, s)
         return Case(
             "softmax", "softmax_forward", f"{what} fwd", f"{R}x{C}", _short(dtype),
             make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
             run=lambda a: softmax_forward(a["x"], -1, log=log),
             bytes_min=R * C * 2 * s, bound=1.0 if _one_block(C) else 1.5,
-            torch=TorchPath(aten_softmax(R, C, s, s), 0, 1, f"ATen {what}: {sw} read(s) + 1 write"),
+            torch=TorchPath(f"ATen {what}: {sw} read(s) + 1 write", lambda t: tp_.softmax(
+                t, t.buffer("x", R * C * s), t.buffer("y", R * C * s), R, C, s, s, what)),
             torch_run=lambda a: (torch.log_softmax if log else torch.softmax)(a["x"], -1), quick=quick)
-    fits = (C <= 1024 and C * s <= 4096) or 2 * C * s < SMEM_PER_BLOCK - 256
     return Case(
         "softmax", "softmax_backward", f"{what} bwd", f"{R}x{C}", _short(dtype),
         make=lambda dev: dict(g=torch.randn(R, C, dtype=dtype, device=dev), y=torch.rand(R, C, dtype=dtype, device=dev)),
         run=lambda a: softmax_backward(a["g"], a["y"], -1, log=log),
         bytes_min=R * C * 3 * s, bound=1.0 if _one_block(C) else 5 / 3,
-        torch=TorchPath(R * C * s * (3 if fits else 5), 0, 1,
-                        f"ATen {what} backward: grad and output read {1 if fits else 2}x, 1 write"),
+        torch=TorchPath(f"ATen {what} backward", lambda t: tp_.softmax_backward(
+            t, t.buffer("g", R * C * s), t.buffer("y", R * C * s), t.buffer("gi", R * C * s), R, C, s, log)),
         torch_run=lambda a: (torch.ops.aten._log_softmax_backward_data if log else
                              torch.ops.aten._softmax_backward_data)(a["g"], a["y"], -1, a["y"].dtype),
         quick=quick)
@@ -209,9 +175,6 @@ def _leaves(a: dict, *names: str) -> list[torch.Tensor]:
 
 def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32, quick=False, label="") -> Case:
     s = _size(dtype)
-    sm = aten_softmax(R, C, s, s)
-    tk, tk_launch = aten_topk(R, C, s, k)
-    renorm = (2 * R * k * s + R * s, 2) if renormalize else (0, 0)
     tag = ("+renorm" if renormalize else "") + (f" {label}" if label else "")
     if not backward:
         return Case(
@@ -219,8 +182,8 @@ def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32
             make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
             run=lambda a: softmax_topk_forward(a["x"], k, renormalize=renormalize),
             bytes_min=R * C * s + R * k * (s + 8) + R * 4, bound=1.1,
-            torch=TorchPath(sm + tk + renorm[0], 0, 1 + tk_launch + renorm[1],
-                            "ATen softmax, then topk" + (", then v / v.sum()" if renormalize else "")),
+            torch=TorchPath("ATen softmax, then topk" + (", then v / v.sum()" if renormalize else ""),
+                            lambda t: _topk_trace(t, R, C, k, s, renormalize)),
             torch_run=lambda a: _torch_topk(a["x"], k, renormalize), quick=quick)
 
     def make(dev):
@@ -229,18 +192,40 @@ def topk_case(R, C, k, *, renormalize=False, backward=False, dtype=torch.float32
         return dict(x=x, g=torch.randn(R, k, dtype=dtype, device=dev), v=torch.rand(R, k, dtype=dtype, device=dev),
                     i=idx, logd=torch.zeros(R, device=dev))
 
-    # backward: torch scatters the k gradients into a zero (R, C) tensor and runs the softmax backward
-    bwd_torch = R * C * s + R * k * (s + 8) + R * C * s * 3 + (2 * R * k * s if renormalize else 0)
     return Case(
         "softmax_topk", "softmax_topk_backward", f"softmax_topk bwd{tag}", f"{R}x{C} k={k}", _short(dtype),
         make=make,
         run=lambda a: softmax_topk_backward(a["g"], a["v"], a["i"], a["x"], a["logd"], renormalize=renormalize),
         bytes_min=R * C * s * (1 if renormalize else 2) + R * k * (2 * s + 8) + R * 4, bound=1.1,
-        torch=TorchPath(bwd_torch, 0, 3 + (2 if renormalize else 0),
-                        "zeros + scatter of the k gradients, ATen softmax backward"),
+        torch=TorchPath("zeros + scatter of the k gradients, ATen softmax backward",
+                        lambda t: _topk_backward_trace(t, R, C, k, s, renormalize)),
         torch_run=torch_backward(lambda a: (lambda x: (_torch_topk(x, k, renormalize)[0], (x,), a["g"]))(
             *_leaves(a, "x"))),
         note="renormalized: a zero fill plus the k entries" if renormalize else "", quick=quick)
+
+
+def _topk_trace(t: Tracer, R, C, k, s, renormalize) -> None:
+    x, p = t.buffer("x", R * C * s), t.buffer("p", R * C * s)
+    tp_.softmax(t, x, p, R, C, s, s)
+    tp_.topk(t, p, R, C, s, k)
+    if renormalize:
+        vals, total = f"{p}.topk_values", t.buffer("sum", R * s)
+        t.stream("aten.sum", {vals: R * k * s}, {total: R * s})
+        t.stream("aten.div", {vals: R * k * s, total: R * s}, {t.buffer("renormalized", R * k * s): R * k * s})
+
+
+def _topk_backward_trace(t: Tracer, R, C, k, s, renormalize) -> None:
+    """The k gradients (through the renormalization's division) scattered into zeros, the softmax backward."""
+    g, gk = t.buffer("g", R * k * s), t.buffer("grad_values", R * k * s)
+    if renormalize:     # d(v / sum v): sum(g * v), then g / sum - that * v / sum^2
+        v, total = t.buffer("values", R * k * s), t.buffer("sum", R * s)
+        t.stream("aten.mul_sum", {g: R * k * s, v: R * k * s}, {total: R * s})
+        t.stream("aten.div_sub", {g: R * k * s, v: R * k * s, total: R * s}, {gk: R * k * s})
+        g = gk
+    dense, y = t.buffer("grad_probs", R * C * s), t.buffer("p", R * C * s)
+    t.stream("aten.zeros", {}, {dense: R * C * s})
+    t.stream("aten.scatter", {g: R * k * s, t.buffer("indices", R * k * 8): R * k * 8}, {dense: R * k * SECTOR})
+    tp_.softmax_backward(t, dense, y, t.buffer("gx", R * C * s), R, C, s, log=False)
 
 
 def _torch_topk(x, k, renormalize):
@@ -254,6 +239,15 @@ def _torch_quant(x):
         return torch.quantize_per_tensor(torch.softmax(x, -1).float(), 1 / 255, 0, torch.quint8)
 
 
+def _quant_trace(t: Tracer, R, C, s) -> None:
+    x, p, p32 = t.buffer("x", R * C * s), t.buffer("p", R * C * s), t.buffer("p_fp32", R * C * 4)
+    tp_.softmax(t, x, p, R, C, s, s)
+    if s != 4:
+        t.stream("aten._to_copy", {p: R * C * s}, {p32: R * C * 4})
+        p = p32
+    t.stream("aten.quantize_per_tensor", {p: R * C * 4}, {t.buffer("q", R * C): R * C})
+
+
 def quant_case(R, C, dtype, quick=False) -> Case:
     s = _size(dtype)
     return Case(
@@ -261,7 +255,7 @@ def quant_case(R, C, dtype, quick=False) -> Case:
         make=lambda dev: dict(x=torch.randn(R, C, dtype=dtype, device=dev)),
         run=lambda a: quant_softmax_forward(a["x"], -1, scale=1 / 255, zero_point=0, dtype=torch.uint8),
         bytes_min=R * C * (s + 1), bound=1.0 if _one_block(C) else 1.5,
-        torch=TorchPath(aten_softmax(R, C, s, s) + R * C * (s + 1), 0, 2, "ATen softmax, then quantize_per_tensor"),
+        torch=TorchPath("ATen softmax, then quantize_per_tensor", lambda t: _quant_trace(t, R, C, s)),
         torch_run=lambda a: _torch_quant(a["x"]),
         quick=quick)
 
@@ -304,33 +298,27 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
     mask_b = 1 if padded else 0
     if backward:
         bmin = fa2_backward_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal)
-        tp = TorchPath(bmin, attention_flops(B, Hq, L, S, E, Ev, causal, True), 3,
-                       "SDPA FlashAttention-2 backward (pre-pass, main, dQ cast)")
+        tp = TorchPath("SDPA FlashAttention-2 backward (pre-pass, main, dQ cast)",
+                       lambda t: tp_.flash_backward(t, B, Hq, Hkv, L, S, E, Ev, s, causal))
         if normalizer != "softmax":
             raise ValueError("the backward cases are softmax only")
     else:
         bmin = fa2_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, mask_b)
-        fl = attention_flops(B, Hq, L, S, E, Ev, causal)
-        if normalizer == "softmax":
-            if padded:
-                tp = TorchPath(fa2_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal, mask_b, block_m=64), fl, 2,
-                               "SDPA memory-efficient attention (64-row query tiles) + bool->float mask")
-            else:
-                tp = TorchPath(bmin, fl, 1, "SDPA FlashAttention-2")
+        if normalizer == "softmax" and padded:
+            if causal or Hq != Hkv:
+                raise ValueError("the padded case is non-causal MHA")
+            tp = TorchPath("SDPA memory-efficient attention + bool->float mask",
+                           lambda t: tp_.mem_efficient_forward(t, B, Hq, L, S, E, Ev, s))
+        elif normalizer == "softmax":
+            tp = TorchPath("SDPA FlashAttention-2", lambda t: tp_.flash_forward(t, B, Hq, Hkv, L, S, E, Ev, s, causal))
         else:
-            # written out: scores (s), .float() (s -> 4), masked_fill (4 + 4), the normalizer's passes in fp32,
-            # .to(dtype) (4 -> s), read by @ v (s); K / V expanded per query head for GQA (Hugging Face)
             passes = {"softpick": 5, "ssmax": 3, "softmax1": 4, "sigmoid": 2, "relu": 2, "softplus": 2,
                       "sparsemax": 12, "entmax15": 16}[normalizer]
-            per_score = s + (s + 4) + 8 + 4 * passes + (4 + s) + s
-            scores = B * Hq * L * S
-            io = B * Hq * (L * E + S * E + S * Ev + L * Ev) * s
-            gqa = 2 * B * Hq * S * (E + Ev) * s if Hq != Hkv else 0
-            tp = TorchPath(scores * per_score + io + gqa, 2.0 * B * Hq * L * S * (E + Ev), 5 + passes,
-                           f"eager: q @ k^T, mask, {normalizer} ({passes} fp32 passes over L x S), @ v")
+            tp = TorchPath(f"eager: q @ k^T, mask, {normalizer} ({passes} fp32 passes over L x S), @ v",
+                           lambda t: tp_.written_out_attention(t, B, Hq, Hkv, L, S, E, Ev, s, passes, causal))
     return Case("attention", "attention_backward" if backward else "attention_forward", name, shape,
-                _short(dtype), make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, flops_min=tp.flops
-                if normalizer == "softmax" else attention_flops(B, Hq, L, S, E, Ev, causal, backward),
+                _short(dtype), make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False,
+                flops_min=attention_flops(B, Hq, L, S, E, Ev, causal, backward),
                 bound=ATTENTION_FLOP_BOUND.get(normalizer, ATTENTION_FLOP_BOUND["softmax"]),
                 torch_run=None if normalizer != "softmax" else torch_backward(sdpa_graph) if backward else
                 lambda a: sdpa(a["q"], a["k"], a["v"], a["mask"]),
@@ -368,20 +356,14 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
         return lce_forward(a["x"], a["w"], None, a["y"], ignore_index=-100)
 
     ops = (N * D + Vs * D) * s
-    nv = N * Vs
-    if backward:
-        bmin = 2 * ops + N * (8 + 16)
-        tp = TorchPath(nv * 4 + N * 12 + nv * (4 * 4 + 4) + nv * (4 + s) + 2 * (nv * s) + 2 * ops,
-                       4.0 * N * Vs * D, 6,
-                       "zeros + scatter, log_softmax backward (2 sweeps), cast, dE = G @ W, dW = G^T @ E")
-    else:
-        bmin = ops + N * (8 + 12)
-        tp = TorchPath(ops + nv * s + nv * (s + 4) + nv * (3 * 4 + 4) + N * 12, 2.0 * N * Vs * D, 5,
-                       "logits = x @ W^T, .float(), log_softmax (3 sweeps), nll_loss, mean")
+    bmin = 2 * ops + N * (8 + 16) if backward else ops + N * (8 + 12)
+    tp = TorchPath("zeros + scatter, log_softmax backward, cast, dE = G @ W, dW = G^T @ E" if backward else
+                   "logits = x @ W^T, .float(), log_softmax, nll_loss",
+                   lambda t: tp_.hf_linear_cross_entropy(t, N, D, Vs, s, backward))
     return Case("linear_ce", "lce_backward" if backward else "lce_forward",
                 f"linear CE {'bwd' if backward else 'fwd'}{label}", f"N{N} D{D} V{Vs}", _short(dtype),
                 make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, logits_stored=_stored,
-                flops_min=tp.flops, bound=LCE_FLOP_BOUND[backward],
+                flops_min=(4.0 if backward else 2.0) * N * Vs * D, bound=LCE_FLOP_BOUND[backward],
                 note="never stores N x V", quick=quick,
                 torch_run=torch_backward(lambda a: (lambda x, w: (
                     torch.nn.functional.cross_entropy((x @ w.T).float(), a["y"]), (x, w), None))(*_leaves(a, "x", "w")))
@@ -403,12 +385,9 @@ def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
             return ce_backward(a["z"], a["y"], a["lse"], a["om"], a["ca"], a["cb"], None, ignore_index=-100)
         return ce_forward(a["z"], a["y"], ignore_index=-100)
 
-    if backward:
-        bmin, tp = nv * 2 * s + N * 24, TorchPath(nv * 4 + nv * (4 * 4 + 4) + nv * (4 + s), 0, 4,
-                                                  "zeros + scatter, log_softmax backward, cast")
-    else:
-        bmin, tp = nv * s + N * 20, TorchPath(nv * (s + 4) + nv * (3 * 4 + 4) + N * 12, 0, 4,
-                                              ".float(), log_softmax (3 sweeps), nll_loss, mean")
+    bmin = nv * 2 * s + N * 24 if backward else nv * s + N * 20
+    tp = TorchPath("zeros + scatter, log_softmax backward, cast" if backward else ".float(), log_softmax, nll_loss",
+                   lambda t: tp_.hf_cross_entropy(t, N, V, s, t.buffer("logits", nv * s), backward))
     return Case("cross_entropy", "ce_backward" if backward else "ce_forward",
                 f"cross_entropy {'bwd' if backward else 'fwd'}", f"{N}x{V}", _short(dtype), make=make, run=run,
                 bytes_min=bmin, torch=tp, quick=quick, bound=1.05,  # the split partials and merge

@@ -9,7 +9,8 @@ on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmar
                    both), plus the torch ops the launcher runs around them (zero fills, casts, merges)
   hbm              the DRAM bytes an L2 model estimates (gpu_traffic.py: tiles that programs running together
                    share come from L2 once; a re-read that other programs' traffic has pushed out of the 50 MiB
-                   L2 comes from DRAM again)
+                   L2 comes from DRAM again; across launches, a tensor an earlier launch touched is served by L2
+                   for the share of that launch's footprint L2 still holds)
   min              the op's minimum bytes: softmax reads the input and writes the output once; softmax + top-k
                    reads the row once and writes k values and indices; cut cross-entropy reads the hidden states
                    and the classifier once per pass and writes per-row statistics (never N x V); attention reads
@@ -17,9 +18,10 @@ on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmar
   ratio            (loaded + stored) / min: what the kernels ask of the memory system over the minimum
   launches         kernel launches (Triton and torch ops)
   TFLOP            tl.dot FLOPs (2 M N K), recomputation and masked tiles included, plus torch matmuls
-  pred us          the roofline time on an H200: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s) + 3 us per launch
-  torch us         the same prediction for torch's path on a GPU: its bytes, FLOPs and launches by formula
-                   (each case names the ATen kernels and the passes they make; see gpu_cases.py)
+  pred us          the roofline time on an H200, summed over launches: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s)
+                   + 3 us per launch
+  torch us         the same prediction for torch's path on a GPU: its kernels as access traces
+                   (gpu_torch_paths.py) through the same counter, L2 model and launch cost
   x torch          torch us / pred us: above 1 is a predicted win
   roof             for the memory-bound softmax-like ops: (min / 4.3 TB/s + 3 us) / pred us, the fraction of the
                    copy roofline (moving the minimum bytes in one launch) the prediction reaches
@@ -52,6 +54,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_cases import FAMILIES, Case, all_cases  # noqa: E402
+from gpu_torch_paths import Tracer  # noqa: E402
 from gpu_traffic import H200, count_traffic  # noqa: E402
 
 from smxcompile.kernels.triton_helpers import plan_for_sms  # noqa: E402
@@ -60,6 +63,11 @@ from smxcompile.kernels.triton_helpers import plan_for_sms  # noqa: E402
 def predicted_us(bytes_hbm: float, flops: float, launches: int, gpu=H200) -> float:
     """Roofline time (us): the larger of the DRAM and the tensor-core time, plus a fixed cost per launch."""
     return max(bytes_hbm / gpu.hbm_bytes_per_s, flops / gpu.flops_per_s) * 1e6 + launches * gpu.launch_us
+
+
+def traffic_us(tr, gpu=H200) -> float:
+    """The roofline time of every launch of ``tr`` (one launch does not hide another's), summed."""
+    return sum(predicted_us(h, x.flops, 1, gpu) for x, h in zip(tr.launches, tr.launch_hbm()))
 
 
 def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
@@ -73,9 +81,11 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
     launches = len(tr.launches)
     loaded, stored = tr.bytes_loaded, tr.bytes_stored
     hbm, flops = tr.bytes_hbm, tr.flops
-    pred = predicted_us(hbm, flops, launches)
-    tp = case.torch
-    torch_pred = predicted_us(tp.bytes, tp.flops, tp.launches)
+    pred = traffic_us(tr)
+    tracer = Tracer(H200, axis_cap=axis_cap, loop_cap=loop_cap)
+    case.torch.trace(tracer)
+    tt = tracer.traffic
+    torch_pred = traffic_us(tt)
     rec = dict(
         family=case.family, kernel=case.kernel, case=case.name, shape=case.shape, dtype=case.dtype,
         bytes_loaded=loaded, bytes_stored=stored, bytes_atomic=tr.total("bytes_atomic"), bytes_hbm=hbm,
@@ -86,12 +96,14 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
         speedup_vs_torch=torch_pred / pred,
         roofline_frac=((case.bytes_min / H200.hbm_bytes_per_s * 1e6 + H200.launch_us) / pred
                        if case.memory_bound else None),
-        torch_path=tp.what, torch_bytes=tp.bytes, torch_flops=tp.flops, torch_launches=tp.launches,
+        torch_path=case.torch.what, torch_bytes=tt.bytes_loaded + tt.bytes_stored, torch_bytes_hbm=tt.bytes_hbm,
+        torch_flops=tt.flops, torch_launches=len(tt.launches),
+        torch_detail=[dict(kernel=x.kernel, bytes_hbm=h, flops=x.flops) for x, h in zip(tt.launches, tt.launch_hbm())],
         logits_bytes_stored=case.logits_stored(tr) if case.logits_stored else None,
         note=case.note,
         detail=[dict(kernel=x.kernel, grid=list(x.grid), programs=x.programs, programs_run=x.programs_run,
                      bytes_loaded=x.bytes_loaded, bytes_stored=x.bytes_stored, bytes_atomic=x.bytes_atomic,
-                     bytes_hbm=x.bytes_hbm, flops=x.flops) for x in tr.launches],
+                     bytes_hbm=h, flops=x.flops) for x, h in zip(tr.launches, tr.launch_hbm())],
         count_seconds=seconds,
     )
     rec["checked"] = rec["ratio"] if case.memory_bound else rec["flops_ratio"]
@@ -155,7 +167,8 @@ def plot(rows: list[dict], path: str) -> None:
     b.axvline(1.0, color="k", lw=0.8)
     b.set_xscale("log")
     b.set_xlabel("predicted H200 time: torch's path / smxcompile's (log; > 1 = faster)")
-    fig.suptitle("GPU model: Triton kernels counted through the interpreter (benchmarks/gpu_model.py)", fontsize=9)
+    fig.suptitle("GPU model: our Triton kernels counted through the interpreter, torch's kernels traced, both through "
+                 "one L2 model (benchmarks/gpu_model.py)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -13,7 +13,8 @@ recorded as a :class:`Launch`:
   sector another access of the launch touched before is an L2 hit when the bytes all resident programs touch in
   between (the program's own bytes since then, times ``resident``) fit in L2; otherwise, and on first touch
   (capped at each tensor's size), it is DRAM traffic. Stores are DRAM traffic; an atomic's sector is written back
-  once;
+  once. Across launches (:meth:`Traffic.launch_hbm`), a tensor an earlier launch touched is an L2 hit for the
+  share of that launch's footprint L2 still holds after the launches between;
 - ``flops``: ``2 * M * N * K`` of every ``tl.dot``;
 - one launch per ``kernel[grid]`` call;
 - the torch ops a launcher runs around its kernels (allocations and views aside) as launches of their own
@@ -95,6 +96,12 @@ class Launch:
     sizes: dict = dataclasses.field(default_factory=dict)
     #: non-atomic store bytes, and atomically updated sectors' write-back (first touch)
     bytes_written_back: float = 0.0
+    #: per storage: distinct bytes the launch loaded or stored (what it leaves in L2 for the launches after it)
+    touched: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def footprint(self) -> float:
+        return float(sum(self.touched.values()))
 
     @property
     def bytes_hbm(self) -> float:
@@ -109,6 +116,27 @@ class Traffic:
     """The launches recorded by :func:`count_traffic`, in order."""
 
     launches: list = dataclasses.field(default_factory=list)
+    gpu: GPU = H200
+
+    def launch_hbm(self) -> list[float]:
+        """Each launch's DRAM bytes with L2 reuse across launches: of a tensor a launch reads first, the part an
+        earlier launch left in L2 is a hit. Launch ``i`` leaves the bytes it touched of the tensor, times the
+        share of its footprint still in L2: ``(L2 - the footprints of the launches since) / its footprint``."""
+        last: dict[int, int] = {}
+        ends: list[float] = []
+        total, out = 0.0, []
+        for j, x in enumerate(self.launches):
+            hits = 0.0
+            for key, b in x.first_touch.items():
+                if key in last:
+                    i = last[key]
+                    kept = max(0.0, self.gpu.l2_bytes - (total - ends[i])) / max(self.launches[i].footprint, 1.0)
+                    hits += min(b, x.sizes.get(key, b), min(1.0, kept) * self.launches[i].touched[key])
+            out.append(x.bytes_hbm - hits)
+            total += x.footprint
+            ends.append(total)
+            last.update({key: j for key in x.touched})
+        return out
 
     def total(self, field: str) -> float:
         return float(sum(getattr(x, field) for x in self.launches))
@@ -127,7 +155,8 @@ class Traffic:
 
     @property
     def bytes_hbm(self) -> float:
-        return float(sum(x.bytes_hbm for x in self.launches))
+        """Estimated DRAM bytes, L2 reuse within and across launches included."""
+        return float(sum(self.launch_hbm()))
 
     def by_kernel(self) -> dict:
         """``{kernel name: number of launches}``."""
@@ -150,7 +179,7 @@ def strata(n: int, cap: int) -> list[tuple[int, int]]:
     return [(0, 1)] + mid + [(n - 1, 1)]
 
 
-class _Regions:
+class Regions:
     """The tensor arguments of a launch, and which one an address belongs to."""
 
     def __init__(self, tensors: list[torch.Tensor]):
@@ -160,6 +189,14 @@ class _Regions:
             spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
         self.starts = np.array(sorted(spans), dtype=np.uint64)
         self.sizes = [spans[int(s)] for s in self.starts]
+
+    @classmethod
+    def from_spans(cls, spans: dict[int, int]) -> "Regions":
+        """Regions of given ``{start address: size in bytes}`` (a trace's buffers, no tensors behind them)."""
+        self = cls.__new__(cls)
+        self.starts = np.array(sorted(spans), dtype=np.uint64)
+        self.sizes = [spans[int(s)] for s in self.starts]
+        return self
 
     def sectors(self, addr: np.ndarray) -> np.ndarray:
         """Distinct sector keys (``region << 40 | sector``, int64) of ``addr`` (uint64 addresses)."""
@@ -178,7 +215,7 @@ class _Regions:
 _LOAD, _STORE, _ATOMIC = 0, 1, 2
 
 
-class _Counter:
+class Counter:
     """The counts of the launch in progress. Programs run one after another in the interpreter; each sector access
     is recorded with the program's wave (its linear id, ``x`` fastest as CUDA orders blocks, over ``resident``)
     and clock (the bytes, distinct sectors per instruction times the sampled loop strata, the program touched
@@ -189,9 +226,9 @@ class _Counter:
         self.gpu = gpu
         self.axis_cap = axis_cap
         self.loop_cap = loop_cap
-        self.traffic = Traffic()
+        self.traffic = Traffic(gpu=gpu)
         self.launch: Launch | None = None
-        self.regions: _Regions | None = None
+        self.regions: Regions | None = None
         self.in_kernel = False
         self.weight = 1  # the program's stratum times the sampled loop iterations' strata
         self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
@@ -202,7 +239,7 @@ class _Counter:
         self.records: list[tuple] = []
         self.suspended = False  # inside the interpreter's own torch calls (argument copies)
 
-    def begin_launch(self, launch: Launch, regions: _Regions) -> None:
+    def begin_launch(self, launch: Launch, regions: Regions) -> None:
         self.launch, self.regions = launch, regions
         self.program, self.clock, self.lengths, self.records = -1, 0.0, [], []
 
@@ -237,8 +274,11 @@ class _Counter:
             lx.bytes_atomic += nbytes
         elif kind == _STORE:
             lx.bytes_written_back += nbytes
-        keys = self.regions.sectors(addr)
-        self.records.append((keys, self.wave, self.program, self.clock, w, kind))
+        self.record(self.regions.sectors(addr), kind)
+
+    def record(self, keys: np.ndarray, kind: int) -> None:
+        """One instruction's distinct sectors (``region << 40 | sector``) for the L2 replay."""
+        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind))
         self.clock += SECTOR * keys.size * self.loop_weight
 
     def end_launch(self) -> None:
@@ -272,6 +312,7 @@ class _Counter:
         fresh = first & reads
         for r, start in enumerate(self.regions.starts):
             lx.first_touch[int(start)] = SECTOR * float(w[fresh & (region == r)].sum())
+            lx.touched[int(start)] = min(SECTOR * float(w[first & (region == r)].sum()), self.regions.sizes[r])
         self.records = []
 
     def dot(self, a, b) -> None:
@@ -286,7 +327,7 @@ class _SampledKernel:
     """The kernel's Python function as GridExecutor calls it once per program: runs the sampled programs only,
     each with its stratum's weight."""
 
-    def __init__(self, fn, counter: _Counter, builder):
+    def __init__(self, fn, counter: Counter, builder):
         self._fn = fn
         self._counter = counter
         self._builder = builder
@@ -315,7 +356,7 @@ class _SampledRange:
     """``range`` as the kernels' modules see it while counting: inside a kernel, a loop of more than ``loop_cap``
     iterations runs its strata (:func:`strata`), each iteration weighted by its stratum's size."""
 
-    def __init__(self, counter: _Counter):
+    def __init__(self, counter: Counter):
         self._counter = counter
 
     def __call__(self, *args):
@@ -350,6 +391,15 @@ _ACTIVE = []
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _by_storage(tensors) -> dict[int, float]:
+    """``{storage address: the most bytes one of the tensors views of it}``."""
+    out: dict[int, float] = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        out[key] = max(out.get(key, 0.0), float(_nbytes(t)))
+    return out
 
 
 def _flop_formula(func):
@@ -395,7 +445,7 @@ def _shaped_like(func, args, kwargs):
 class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the torch ops run outside the Triton launches while counting, one :class:`Launch` each."""
 
-    def __init__(self, counter: _Counter):
+    def __init__(self, counter: Counter):
         super().__init__()
         self._counter = counter
 
@@ -428,7 +478,9 @@ class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
             flops = _flops(formula, args, kwargs, out)
         g = Launch(kernel=f"aten.{name}", grid=(), num_warps=0, programs=1, resident=1, programs_run=1,
                    bytes_loaded=float(read), bytes_stored=float(wrote), bytes_written_back=float(wrote), flops=flops)
-        g.first_touch, g.sizes = {0: float(read)}, {0: read}
+        reads = _by_storage([] if name in _WRITE_ONLY else ins)
+        g.first_touch, g.sizes = reads, {k: int(b) for k, b in reads.items()}
+        g.touched = {**reads, **_by_storage(written or outs)}
         c.traffic.launches.append(g)
         return out
 
@@ -474,7 +526,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
             raise ValueError(f"{name} must be >= 3, got {cap}")
     if _ACTIVE:
         raise RuntimeError("count_traffic blocks do not nest: close the open one first")
-    counter = _Counter(gpu, axis_cap, loop_cap)
+    counter = Counter(gpu, axis_cap, loop_cap)
     sampled_range = _SampledRange(counter)
     kernel_modules = [m for name, m in list(sys.modules.items())
                       if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None]
@@ -512,7 +564,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
         warps, programs = int(kwargs.get("num_warps", 4)), int(np.prod(full))
         launch = Launch(kernel=self.fn.__name__, grid=grid_t, num_warps=warps, programs=programs,
                         resident=gpu.resident(warps, programs))
-        regions = _Regions(_tensors(args, kwargs))
+        regions = Regions(_tensors(args, kwargs))
         launch.sizes = {int(r): size for r, size in zip(regions.starts, regions.sizes)}
         counter.begin_launch(launch, regions)
         counter.traffic.launches.append(launch)

@@ -240,3 +240,42 @@ def test_backward_cases_time_torchs_backward_alone():
         assert a["torch_graph"] is graph
         assert [g.shape for g in again] == [a[n].shape for n in names]
         assert all(torch.equal(x, y) and torch.isfinite(x).all() for x, y in zip(first, again))
+
+
+def test_a_tensor_left_in_l2_by_one_launch_is_a_hit_in_the_next():
+    """Across launches: a tensor another launch wrote is read from L2 when it fits, and for the share of it L2
+    holds when not (50 of 96 MiB); a launch of 64 MiB between pushes a 16 MiB tensor out (the same rule for torch's
+    traces and our launches)."""
+    from gpu_torch_paths import Tracer
+    MiB = 2**20
+    for mib, between, hit in ((16, 0, 16), (96, 0, 50), (16, 64, 0)):
+        t = Tracer()
+        a, b, c = t.buffer("a", mib * MiB), t.buffer("b", mib * MiB), t.buffer("c", 64 * MiB)
+        t.stream("write", {}, {a: mib * MiB})
+        if between:
+            t.stream("other", {}, {c: between * MiB})
+        t.stream("read", {a: mib * MiB}, {b: mib * MiB})
+        last = t.traffic.launch_hbm()[-1]
+        assert last == 2 * mib * MiB - hit * MiB, (mib, between, last / MiB)
+
+
+def test_aten_softmax_sweeps_hit_l2_where_the_rows_in_flight_fit():
+    """ATen's three-sweep softmax: re-reads from L2 for 64 rows of 512 KiB (32 MiB in flight), from DRAM for
+    1024 such rows (one block per row, 264 resident)."""
+    from gpu_torch_paths import Tracer, softmax
+    for rows, reads in ((64, 1), (1024, 3)):
+        t = Tracer()
+        C = 131072
+        softmax(t, t.buffer("x", rows * C * 4), t.buffer("y", rows * C * 4), rows, C, 4, 4)
+        got = t.traffic.bytes_hbm / (rows * C * 4)
+        assert abs(got - (reads + 1)) < 0.05, (rows, got)
+
+
+def test_flash_attention_trace_and_our_kernel_count_the_same_flops():
+    """The forward's FLOPs as FlashAttention-2's tiles compute them, causal diagonal tiles whole as ours are:
+    equal work within the diagonal's share, so a prediction can favour neither side by FLOPs."""
+    from gpu_cases import attention_case
+    from gpu_model import measure
+    row = measure(attention_case(1, 4, 4, 1024, 64), axis_cap=6, loop_cap=8)
+    assert 0.9 < row["flops"] / row["torch_flops"] < 1.15, row
+    assert row["torch_bytes_hbm"] > 0 and 0.87 < row["speedup_vs_torch"] <= 1.15, row
