@@ -427,6 +427,21 @@ class TestNearMisses(TestCase):
         self.assertEqual(sites(r), [("attention", "rewritten")])
         self.assertNotIn("GQA", attn_site(r).detail)
 
+    def test_a_second_contraction_beside_the_scores_is_a_bias(self):
+        # q @ k^T + q @ r^T (a relative-position term computed from q): one attention with an additive bias
+        def rel(q, k, v, r):
+            return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + q @ r.transpose(-2, -1), -1) @ v
+        r = rewrite(rel, *qkv(), torch.randn(2, 4, 8, 16), options=DEFAULT)
+        self.assertEqual((attn_site(r).action, attn_site(r).detail), ("rewritten", "matmul(q, k^T), scale=0.25, mask"))
+
+    def test_scores_contracted_again_are_not_attention(self):
+        def mixed(q, k, v, m):
+            s = q @ k.transpose(-2, -1)
+            return torch.softmax(s + s @ m, -1) @ v
+        r = rewrite(mixed, *qkv(), torch.randn(8, 8), options=DEFAULT)
+        self.assertEqual(attn_site(r).action, "skipped")
+        self.assertIn("contracted again", attn_site(r).reason)
+
     def test_softmax_then_weight_matrix_is_not_attention(self):
         r = rewrite(softmax_then_weight, torch.randn(4, 8), torch.randn(8, 3), options=DEFAULT)
         self.assertNotIn("attention", [s.kind for s in r.report])

@@ -63,9 +63,13 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
             return "too many ops between the scores and the softmax"
         stack += n.all_input_nodes
     size = tensor_val(x).numel()
-    qks = [c for c in found if tensor_val(c) is not None and same_size(tensor_val(c).numel(), size)]
-    if len(qks) != 1:
-        return None if not qks else "two contractions of the scores' size feed the softmax (not one attention)"
+    qks = [n for n in x.graph.nodes if n in found and tensor_val(n) is not None
+           and same_size(tensor_val(n).numel(), size)]
+    if not qks:
+        return None
+    if any(depends_on(a, b) for a in qks for b in qks if a is not b):
+        return "the scores are contracted again before the softmax (not one attention)"
+    # of contractions added side by side (q @ k^T + q @ r^T), the first is the scores, the others additive biases
     on, path = {qks[0]}, []
     for n in x.graph.nodes:
         if n is softmax:
