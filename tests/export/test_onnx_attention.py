@@ -213,6 +213,20 @@ def test_dynamic_batch_and_sequence(tmp_path, form):
     _same(_run(out.path, q2, k2, v2, m2), _math(q2, k2, v2, m2, causal=True), what=form)
 
 
+def test_gqa_in_five_dims_exports_repeated(tmp_path):
+    """K and V repeated per query head in a 5-D layout: ONNX's Attention is 4-D, so they stay repeated."""
+    rep = lambda x: x[:, :, :, None].expand(-1, -1, -1, 2, -1, -1).flatten(2, 3)  # noqa: E731
+
+    class Five(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ rep(k).transpose(-2, -1) * 0.25, -1) @ rep(v)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4, 6, 8, generator=g), torch.randn(2, 3, 2, 6, 8, generator=g), \
+        torch.randn(2, 3, 2, 6, 8, generator=g)
+    out = export_onnx(Five().eval(), (q, k, v), tmp_path / "five.onnx")
+    np.testing.assert_allclose(_run(out.path, q, k, v), Five()(q, k, v).numpy(), atol=1e-5, rtol=1e-5)
+
+
 def test_decompose_is_standard_ops_at_opset_18(tmp_path):
     """The portable target: MatMul / Softmax / MatMul at opset 18, no com.microsoft, fully masked rows exact."""
     q, k, v = _qkv(Hkv=2)

@@ -223,3 +223,30 @@ def test_inplace_subtraction_on_fresh_scores_is_a_negated_mask(fn):
     bias = torch.randn(B, 1, L, L, generator=g)
     r = rewrite(fn, q, k, v, bias)
     assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+
+
+def fill(q, k, v, m):
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(m, float("-inf")), -1) @ v
+
+
+def bias(q, k, v, m):
+    return torch.softmax(q @ k.mT * 0.25 + m, -1) @ v
+
+
+@pytest.mark.parametrize("fn,mask", [(fill, torch.rand(L) > 0.3), (fill, torch.tensor(False)),
+                                     (fill, torch.rand(L, 1) > 0.3), (bias, torch.randn(L))],
+                         ids=["keys", "0-d", "rows", "1-d bias"])
+def test_masks_of_low_rank_broadcast_as_in_eager(fn, mask):
+    """A 0-d, (S,) or (L, 1) mask broadcasts over the scores as eager's does."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, E, generator=g) for _ in range(3))
+    r = rewrite(fn, q, k, v, mask)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+
+
+def test_one_query_head_broadcast_over_the_key_heads():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(B, 1, L, E, generator=g), torch.randn(B, H, L, E, generator=g), \
+        torch.randn(B, H, L, E, generator=g)
+    r = rewrite(bias, q, k, v, torch.zeros(L, L))
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)

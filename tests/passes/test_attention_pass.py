@@ -412,6 +412,18 @@ class TestNearMisses(TestCase):
                 return torch.softmax(q @ spell(k, n).mT * 0.25, -1) @ spell(v, n)
             self.assertIn("GQA 2 q heads per kv head", attn_site(rewrite(gqa, *qkv(hkv=2), options=DEFAULT)).detail)
 
+    def test_gqa_only_where_the_kernels_need_no_broadcast(self):
+        # V shared across the batch, or one query head over the repeated keys: K and V stay as the graph repeats them
+        rep = lambda x: x[:, :, None].expand(-1, -1, 2, -1, -1).flatten(1, 2)  # noqa: E731
+
+        def gqa(q, k, v):
+            return torch.softmax(q @ rep(k).mT * 0.25, -1) @ rep(v)
+        q, k, v = qkv(hkv=2)
+        for args in ((q, k, v[:1]), (q[:, :1], k, v)):
+            site = attn_site(rewrite(gqa, *args, options=DEFAULT))
+            self.assertEqual(site.action, "rewritten")
+            self.assertNotIn("GQA", site.detail)
+
     def test_unit_dim_elsewhere_is_not_gqa(self):
         # a unit dim inserted after the key index, broadcast and merged into the keys: K and V stay repeated
         def keys_repeated(q, k, v):

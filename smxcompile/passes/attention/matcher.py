@@ -371,9 +371,8 @@ def _take_floor(m: AttentionMatch, data: Any, consts: ConstEvaluator) -> str:
 
 
 def _regroup(m: AttentionMatch, qk: Node, split: set) -> str:
-    """Views regroup the leading dims between the score matmul, the masks and the value matmul (or split the
-    query and key indices, the levels in ``split``): the op runs with q, k, v regrouped as the masks see the
-    scores (else as V is), and returns its output grouped as V. Why this cannot be done, or ""."""
+    """Views regroup the leading dims between the matmuls (or split the query and key indices: ``split``): the
+    op runs on q, k, v grouped as the masks see the scores (else as V is), its output grouped as V. Why not, or ""."""
     if m.layouts:
         return "views regroup the leading dims of operands read in another layout"
     vals = [tensor_val(x) for x in (m.q, m.k, m.v, qk, m.anchor)]
@@ -412,10 +411,8 @@ def _regroup(m: AttentionMatch, qk: Node, split: set) -> str:
 
 
 def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
-    """Why ``mask`` cannot be taken into the op, or "". A mask built from the scores' shape only
-    (``pad.expand_as(scores)``, DistilBERT) is not computed from the scores: such shape reads are recorded in
-    ``m.shape_refs`` and rewritten without the scores when the site is (an ``expand_as`` is dropped, the mask
-    broadcasting as it is; ``view_as`` / ``reshape_as`` take the static shape, ``type_as`` the dtype)."""
+    """Why ``mask`` cannot be taken into the op, or "". A mask that reads only the scores' shape
+    (``pad.expand_as(scores)``, DistilBERT) is taken: those reads go to ``m.shape_refs``, rewritten without them."""
     refs: list[Node] = []
     if depends_on(mask, qk, shape_refs=refs):
         return "the mask depends on the scores"

@@ -29,8 +29,8 @@ def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, 
     masked rows (0 after ``_safe_softmax``); ``export``: MatMul / Softmax / MatMul semantics, no NaN fix-up."""
     layout = layout or {}
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
-    if "scores" in layout:     # masks of scores laid out (keys, queries)
-        masks = [keys_last(t) for t in masks]
+    # masks as (..., rows, keys) with both dims present (a 0-d or (S,) mask broadcasts as eager's does)
+    masks = [keys_last(t) if "scores" in layout else t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)) for t in masks]
     out = _attention(q, k, v, masks, mask_kinds, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
                      export=export, lead=lead, safe_softmax=safe_softmax, mask_floor=mask_floor)
@@ -57,10 +57,9 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         squeeze += 1
     if mask_floor is not None and add_masks:
         q, add_masks = _floored(q, add_masks, mask_floor)
-    lead_dims = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    heads = q.shape[-3] if n_rep == 1 else k.shape[-3]     # GQA's K and V keep their kv heads
-    q = q.expand(*lead_dims, *q.shape[-3:])
-    k, v = (t.expand(*lead_dims, heads, *t.shape[-2:]) for t in (k, v))
+    keep = 3 if n_rep > 1 else 2        # GQA's K and V keep their kv heads; otherwise heads broadcast too
+    lead_dims = torch.broadcast_shapes(q.shape[:-keep], k.shape[:-keep], v.shape[:-keep])
+    q, k, v = (t.expand(*lead_dims, *t.shape[-keep:]) for t in (q, k, v))
     mask = hidden = all_masked = None     # hidden: the entries a fill selects away (True = not seen)
     if mask_order:
         q, mask, hidden = _merged_mask(q, add_masks, masked, mask_order,
@@ -181,6 +180,7 @@ def _nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
     k = torch.where(k_nf[..., None], 0.0, k)
     k_nf = k_nf.repeat_interleave(n_rep, dim=-2) if n_rep > 1 else k_nf   # (..., H, S)
     seen = ~hidden                                                     # broadcasts to (..., H, L, S)
+    seen = seen.expand(*seen.shape[:-1], k_nf.shape[-1])               # a mask broadcast over the keys
     if seen.dim() < 2 or seen.shape[-2] == 1:                          # one key row for every query (padding)
         return q_bad, k, (seen & k_nf[..., None, :]).any(-1, keepdim=True)
     # rows x keys as a matmul, so the (..., H, L, S) product is never formed: a count > 0 is a seen bad key

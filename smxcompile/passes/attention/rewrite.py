@@ -15,7 +15,7 @@ from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
-    replace_anchor, same_shape, static_shape, tensor_val
+    replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
 from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
@@ -48,15 +48,17 @@ def _check_shapes(m: AttentionMatch) -> str:
     return ""
 
 
-def _gqa(m: AttentionMatch) -> None:
-    """Take K and V un-repeated when both were repeated per query head the same way."""
+def _gqa(m: AttentionMatch, export: bool) -> None:
+    """K and V taken un-repeated when both were repeated alike to q's heads, their batch dims q's (the kernels
+    broadcast neither), in 4-D for ONNX's Attention."""
     if m.lead is not None or m.layouts:
         return   # regrouped by views or read in another layout: K and V stay as the graph repeats them
     gk, gv = ungqa(m.k), ungqa(m.v)
     if gk is None or gv is None or gk[1] != gv[1]:
         return
-    qv, kvv = tensor_val(m.q), tensor_val(gk[0])
-    if qv.dim() < 3 or not same_shape(tuple(qv.shape[:-3]), tuple(kvv.shape[:-3])):
+    qv = tensor_val(m.q)
+    if qv.dim() < 3 or (export and qv.dim() != 4) or not same_size(qv.shape[-3], tensor_val(m.k).shape[-3]) or \
+            not all(same_shape(tuple(qv.shape[:-3]), tuple(tensor_val(g[0]).shape[:-3])) for g in (gk, gv)):
         return
     m.dead += gk[2] + gv[2]
     m.k, m.v, m.n_rep = gk[0], gv[0], gk[1]
@@ -122,9 +124,8 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
 
 
 def _static_shape_ref(r: Node) -> None:
-    """Read no score node: ``x.expand_as(s)`` -> ``x`` (the op broadcasts masks), ``x.view_as(s)`` /
-    ``reshape_as`` -> ``x.view(shape)`` / ``reshape`` with ``s``'s static shape, ``x.type_as(s)`` -> ``x.to(dtype)``;
-    so the rewritten site's score nodes can go."""
+    """``x.expand_as(s)`` -> ``x`` (the op broadcasts masks), ``view_as`` / ``reshape_as`` -> ``s``'s static shape,
+    ``type_as`` -> ``to(dtype)``: a mask that reads no score node, so the site's score nodes can go."""
     x, ref = r.args[0], tensor_val(r.args[1])
     # changed in place: the node stays the one the match holds as (part of) a mask
     if r.target == "type_as":
@@ -136,8 +137,7 @@ def _static_shape_ref(r: Node) -> None:
 
 
 def _interior_escapes(m: AttentionMatch, live: set) -> str:
-    """Why an inner value of the site is needed outside it, or "" (users that reach no output are recorded in
-    ``m.dead_ends``, erased with the site)."""
+    """Why an inner value of the site is needed outside it, or "" (users reaching no output: ``m.dead_ends``)."""
     interior = set(m.dead) | set(m.shape_refs)
     for n in m.dead:
         if n is m.anchor:
@@ -167,7 +167,7 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         why = _interior_escapes(m, live)
         if why:
             return why
-        _gqa(m)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
+        _gqa(m, ctx.export)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
         mut = mutation_inside(m.anchor, m.dead)
         if mut is not None:
             return f"in-place op '{mut.name}' runs inside the attention pattern"

@@ -142,8 +142,7 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
 
 
 def flex_sides(qk: Node, path: list[Node]) -> list[Node] | str:
-    """The side inputs of a path FlexAttention's ``score_mod`` can replay (each node pointwise or an exact cast,
-    in float32 or narrower, keeping the scores' shape and dtype kind), or why not."""
+    """The side inputs of a path FlexAttention's ``score_mod`` replays (pointwise nodes or exact casts), or why not."""
     if any(is_mutation(u) for n in (qk, *path) for u in n.users):
         return "the changed scores are written in place"
     shape = tuple(tensor_val(qk).shape)
