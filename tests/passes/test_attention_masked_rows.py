@@ -1,7 +1,7 @@
 """Query rows whose every key is masked, by fills (``masked_fill`` / ``where``) and additive masks together, in
 any order and with any masking values: the rewritten graph gives eager's forward values, and eager's gradients
-wherever the loss reads no such row (they are padding rows: eager's own gradient there follows its rounding,
-see README, Known limits). Also a scale after a soft-cap (folded into the cap) and the cases that stay skipped.
+(where fills and additive masks both mask such a row, only where the loss reads no such row: README, Known
+limits). Also a scale after a soft-cap (folded into the cap) and the cases that stay skipped.
 """
 
 from __future__ import annotations
@@ -71,6 +71,30 @@ def test_fully_masked_rows_forward_and_gradients(fn, pad_value):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     w[0, :, :2] = 0                      # batch 0's padded query rows carry no loss
+    for a, b in zip(torch.autograd.grad((got * w).sum(), ins[0]), torch.autograd.grad((want * w).sum(), ins[1])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def hf_mask_gqa(q, k, v, m):                            # transformers' eager attention: one 0 / min mask
+    k, v = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (k, v))
+    return ((q @ k.mT) / math.sqrt(E) + m).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_padded_rows_under_one_additive_mask_keep_eagers_gradients(kv_heads):
+    """Left padding under a causal mask, as one 0 / finfo.min mask (transformers' eager attention): the padded
+    query rows' scores round away in eager but still get a gradient; the loss reads those rows too."""
+    q, k, v = _qkv()
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    m = torch.where(CAUSAL & PAD[:, None, None, :], 0.0, MIN)
+    r = rewrite(hf_mask_gqa, q, k, v, m, check_values=False)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+    ins = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+    mine = {id(a): b for a, b in zip((q, k, v), ins[0])}
+    got = r.gm(*[mine.get(id(a), a) for a in r.inputs])[0]
+    want = hf_mask_gqa(*ins[1], m)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     for a, b in zip(torch.autograd.grad((got * w).sum(), ins[0]), torch.autograd.grad((want * w).sum(), ins[1])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 

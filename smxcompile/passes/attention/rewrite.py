@@ -14,6 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
+from ..patterns.masks import ABSORBING
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
     replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
@@ -84,14 +85,15 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
         m.absorbed += ["zero mask dropped"] if zero else []
 
 
-def _finite_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
-    """The additive mask provably holds no -inf in the scores' ``dtype`` (so no row can be fully -inf)."""
+def _mild_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
+    """The additive mask provably holds nothing at or below ``ABSORBING`` in the scores' ``dtype`` (-inf
+    included): no row can read only the mask."""
     tv = tensor_val(mask)
     if tv is not None and not tv.dtype.is_floating_point:   # an int32 / int64 mask can overflow fp16
         return tv.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16) or dtype != torch.float16
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
-        return bool(torch.isfinite(c).all())
+        return bool((c.to(dtype) > ABSORBING).all())
     n = mask
     for _ in range(8):
         if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
@@ -104,7 +106,7 @@ def _finite_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool
     if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
         vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
                 else None for a in n.args[1:]]
-        return all(v is not None and math.isfinite(v) for v in vals)
+        return all(v is not None and ABSORBING < v < math.inf for v in vals)
     return False
 
 
@@ -119,7 +121,7 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
         hidden = functools.reduce(operator.or_, (c if fill[1] else ~c for c, fill in zip(conds, m.masked)))
         return bool((keys_last(hidden) if "scores" in m.layout else hidden).all(-1).any())
     # two finite masks may still sum to -inf (finfo.min + finfo.min)
-    return bool(m.masked) or len(m.add_masks) > 1 or any(not _finite_mask(a, consts, m.val("q").dtype)
+    return bool(m.masked) or len(m.add_masks) > 1 or any(not _mild_mask(a, consts, m.val("q").dtype)
                                                          for a in m.add_masks)
 
 
