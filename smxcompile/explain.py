@@ -70,7 +70,8 @@ def explain(model: Any, *args: Any, options: dict | None = None, **kwargs: Any) 
 def restore_state(model: Any) -> Iterator[None]:
     """A context in which ``model`` may run once without leaving a trace: on exit its buffers (BatchNorm
     statistics...) hold their values from before, and the CPU and CUDA random-number generators their states.
-    Buffers whose shape changed are left as they are. Raises nothing of its own."""
+    Buffers the run left unchanged are not touched (a pending backward still finds them unchanged); buffers
+    whose shape changed are left as they are. Raises nothing of its own."""
     buffers = []
     if isinstance(model, torch.nn.Module):
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -81,5 +82,7 @@ def restore_state(model: Any) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
-                    if b.shape == saved.shape:
+                    # only buffers the run changed (compiled code writes without bumping the version): a
+                    # copy bumps the version counter a pending backward checks
+                    if b.shape == saved.shape and not torch.equal(b, saved):
                         b.copy_(saved)

@@ -592,6 +592,25 @@ def test_explain_leaves_buffers_and_rng_alone_and_survives_many_calls():
     assert torch.equal(torch.rand(3), want_rng)  # the global RNG did not advance
 
 
+class _ScaledSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        return torch.softmax(self.proj(x) * self.scale, -1)     # autograd saves ``scale`` for the backward
+
+
+def test_explain_between_a_forward_and_its_backward():
+    """Buffers explain's run does not write keep their version counters: a pending backward still runs."""
+    model, x = _ScaledSoftmax(), torch.randn(4, 8)
+    loss = model(x).pow(2).sum()
+    assert smxcompile.explain(model, x, options=REWRITE).count(action="rewritten") == 1
+    loss.backward()
+    assert model.proj.weight.grad is not None
+
+
 def test_explain_honours_check(monkeypatch):
     from smxcompile.kernels.softmax import ops as kernels
 

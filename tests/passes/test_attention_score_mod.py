@@ -94,6 +94,24 @@ def test_compiled_rows_masked_whole_stay_nan():
     assert bool(got[1].isnan().all()) and not bool(got[0].isnan().any())
 
 
+def test_compiled_with_q_k_v_from_linear_layers():
+    """q, k, v as views of nn.Linear outputs (2-D addmm buffers): Inductor's CPU template lowers them."""
+    torch.manual_seed(0)
+    projections = [torch.nn.Linear(32, H * E) for _ in range(3)]
+
+    def silu_projected(x):
+        q, k, v = (p(x).view(B, -1, H, E).transpose(1, 2) for p in projections)
+        s = q @ k.mT * E ** -0.5
+        return (s * torch.sigmoid(s)).softmax(-1) @ v
+
+    x = torch.randn(B, 16, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(silu_projected, backend="smx", options={"cpu": "rewrite"}, fullgraph=True)(x)
+        assert [s.op for s in smxcompile.last_report() if s.kind == "attention"] == ["flex_attention"]
+        torch.testing.assert_close(got, silu_projected(x), atol=1e-6, rtol=1e-5)
+
+
 def shifted_by_row_max(q, k, v):                 # a change that reads the whole row of scores
     s = torch.sigmoid(q @ k.mT)
     return (s - s.amax(-1, keepdim=True)).softmax(-1) @ v

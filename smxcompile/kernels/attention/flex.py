@@ -27,6 +27,9 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
         k, v = k.expand(*lead, *k.shape[-2:]), v.expand(*lead, *v.shape[-2:])
     pad = (1,) * (4 - len(shape))
     q, k, v = (t.reshape(*pad, *t.shape) for t in (q, k, v))
+    if q.device.type == "cpu":     # Inductor's CPU template (torch 2.13) reads q's and k's sizes off their
+        # buffers, so a view of a projection's 2-D output fails to lower: each gets a 4-D buffer of its own
+        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
     # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
     # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
     sides = [sd.reshape((1,) * (4 - sd.dim()) + tuple(sd.shape)) for sd in sides]
