@@ -266,3 +266,41 @@ def test_floor_with_gradients_is_not_rewritten():
     args = [t.requires_grad_() for t in bhle()] + [_padding(float("-inf"))]
     r = rewrite(floored_by_clamp, *args, check_values=False)
     assert [s.action for s in r.report if s.kind == "attention"] == ["skipped"], str(r.report)
+
+
+def shifted_by_row_max(q, k, v, m):
+    s = q @ k.mT * 0.3 + m
+    return (s - s.amax(-1, keepdim=True)).softmax(-1) @ v
+
+
+def shifted_by_logsumexp(q, k, v, m):
+    s = q @ k.mT * 0.3
+    return (s - torch.logsumexp(s + m, -1, keepdim=True)).softmax(-1) @ v
+
+
+def shifted_by_column_max(q, k, v, m):         # a statistic over the query index varies along the keys
+    s = q @ k.mT * 0.3
+    return (s - s.amax(-2, keepdim=True)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [shifted_by_row_max, shifted_by_logsumexp])
+def test_a_shift_of_each_row_is_dropped(fn):
+    """Softmax is invariant to a per-row shift (a statistic of the row, as a stable softmax subtracts)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    m = torch.zeros(2, 1, 5, 5)
+    m[0, ..., :2] = torch.finfo(torch.float32).min
+    r = rewrite(fn, q, k, v, m)
+    site = next(s for s in r.report if s.kind == "attention")
+    assert site.action == "rewritten" and "row shift dropped" in site.detail, str(r.report)
+    check_against_gold(r, fn, (q, k, v, m), torch.randn(2, 3, 5, 8, generator=gen).double(), tol=1e-5)
+    swapped = rewrite(fn, q, k, v, m, options={"attention_normalizer": "softpick", "cpu": "rewrite"},
+                      check_values=False)
+    assert "shifted per row" in next(s for s in swapped.report if s.kind == "attention").reason
+
+
+def test_a_statistic_over_the_queries_is_no_row_shift():
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    r = rewrite(shifted_by_column_max, q, k, v, torch.zeros(5, 5))
+    site = next(s for s in r.report if s.kind == "attention")
+    assert site.action == "skipped" and "varying along the keys" in site.reason, str(r.report)

@@ -112,6 +112,23 @@ def test_compiled_with_q_k_v_from_linear_layers():
         torch.testing.assert_close(got, silu_projected(x), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim,keys", [(16, 24), (8, 8)])
+def test_compiled_small_heads_where_the_cpu_template_errs(head_dim, keys):
+    """Inductor's CPU FlexAttention template (torch 2.13) gives wrong rows for head dims of 16 and below at some
+    key counts (24 keys at head dim 16); the op pads the heads with zero columns there."""
+    def silu(q, k, v):
+        s = q @ k.mT * head_dim ** -0.5
+        return (s * torch.sigmoid(s)).softmax(-1) @ v
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, head_dim, generator=gen) for n in (8, keys, keys))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(silu, backend="smx", options={"cpu": "rewrite"}, fullgraph=True)(q, k, v)
+        assert [s.op for s in smxcompile.last_report() if s.kind == "attention"] == ["flex_attention"]
+        torch.testing.assert_close(got, silu(q, k, v), atol=1e-6, rtol=1e-5)
+
+
 def shifted_by_row_max(q, k, v):                 # a change that reads the whole row of scores
     s = torch.sigmoid(q @ k.mT)
     return (s - s.amax(-1, keepdim=True)).softmax(-1) @ v

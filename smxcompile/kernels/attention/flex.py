@@ -27,9 +27,16 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
         k, v = k.expand(*lead, *k.shape[-2:]), v.expand(*lead, *v.shape[-2:])
     pad = (1,) * (4 - len(shape))
     q, k, v = (t.reshape(*pad, *t.shape) for t in (q, k, v))
-    if q.device.type == "cpu":     # Inductor's CPU template (torch 2.13) reads q's and k's sizes off their
-        # buffers, so a view of a projection's 2-D output fails to lower: each gets a 4-D buffer of its own
-        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ev = v.shape[-1]
+    if q.device.type == "cpu":
+        # Inductor's CPU template (torch 2.13) reads q's and k's sizes off their buffers, so a view of a
+        # projection's 2-D output fails to lower: each gets a 4-D buffer of its own. It also gives wrong rows for
+        # head dims of 16 and below (docs/DESIGN.md, "FlexAttention on CPU"): zero columns up to 32 change no score
+        width = max(32 - q.shape[-1], 0)
+        q, k = (torch.nn.functional.pad(t, (0, width)) if width else t.clone(memory_format=torch.contiguous_format)
+                for t in (q, k))
+        v = torch.nn.functional.pad(v, (0, max(32 - ev, 0)))
     # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
     # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
     sides = [sd.reshape((1,) * (4 - sd.dim()) + tuple(sd.shape)) for sd in sides]
@@ -54,7 +61,7 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
     # V gets a column of ones: its output is each row's sum of weights (1, or 0 on a row of -inf)
     ones = torch.ones((*v.shape[:-1], 1), dtype=v.dtype, device=v.device)
     out = flex_attention(q, k, torch.cat([v, ones], -1), score_mod=score_mod, scale=scale, enable_gqa=enable_gqa)
-    out = out[..., :-1].masked_fill(out[..., -1:] < 0.5, 0.0 if safe_softmax else float("nan"))
+    out = out[..., :ev].masked_fill(out[..., -1:] < 0.5, 0.0 if safe_softmax else float("nan"))
     return out.reshape(*shape[:-1], out.shape[-1])
 
 

@@ -300,6 +300,16 @@ def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *,
         return "the additive mask is not a real tensor of scores (a 0-d one shifts every score alike)"
     if fill is not None and (mv is None or mv.dtype != torch.bool):
         return "the masked_fill / where condition is not a bool tensor"
+    if fill is None and _row_shift(m, mv, sv) and depends_on(mask, qk):
+        m.absorbed.append("row shift dropped")   # s - s.amax(-1): softmax is invariant to a shift of each row
+        seen, stack = set(m.dead) | {qk}, [mask]     # the statistic's own nodes join the site
+        while stack:
+            n = stack.pop()
+            if isinstance(n, Node) and n not in seen and depends_on(n, qk):
+                seen.add(n)
+                m.dead.append(n)
+                stack += n.all_input_nodes
+        return ""
     why = _mask_depends(m, mask, qk) or ("" if sv is not None and broadcasts_to(tuple(mv.shape), tuple(sv.shape))
                                          else "the mask does not broadcast to the scores")
     # a bool (0 / 1) or integer mask takes the scores' dtype, as in eager's type promotion
@@ -314,6 +324,13 @@ def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *,
     if not why:
         m.masks.append(Mask(mask, how, fill, level))
     return why
+
+
+def _row_shift(m: AttentionMatch, mv, sv) -> bool:
+    """The term has one value per row of the softmax (size 1 along its dim, same rank as the scores)."""
+    dim = softmax_input(m.softmax)[1] if m.softmax is not None else None
+    return isinstance(dim, int) and sv is not None and mv.dim() == sv.dim() and -sv.dim() <= dim < sv.dim() \
+        and same_size(mv.shape[dim], 1) and tensor_val(softmax_input(m.softmax)[0]).shape == sv.shape
 
 
 def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:
@@ -415,7 +432,7 @@ def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
     (``pad.expand_as(scores)``, DistilBERT) is taken: those reads go to ``m.shape_refs``, rewritten without them."""
     refs: list[Node] = []
     if depends_on(mask, qk, shape_refs=refs):
-        return "the mask depends on the scores"
+        return "a term computed from the scores is added to them, varying along the keys (no mask, no row shift)"
     for r in refs:
         xv, tv = tensor_val(r.args[0]), tensor_val(r.args[1])
         if tv is None or xv is None:

@@ -149,8 +149,8 @@ def _interior_escapes(m: AttentionMatch, live: set) -> str:
         if out:
             writes = next((u for u in out if is_mutation(u)), None)
             if writes is not None:
-                return (f"in-place op '{writes.name}' writes the scores ('{n.name}'): not matched; an out-of-place "
-                        "masked_fill / where / add is")
+                return (f"in-place op '{writes.name}' writes the scores ('{n.name}') after the site reads them: "
+                        "not matched (an out-of-place masked_fill / where / add would be)")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
             what = "the attention weights" if weights else f"the scores ('{n.name}')"
             return f"{what} are also read outside the attention (returned to the caller, e.g. output_attentions): kept"
@@ -177,6 +177,8 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         if _needs_fixup(m, consts):
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
+    if m.normalizer != "softmax" and "row shift dropped" in m.absorbed:
+        return f"the scores are shifted per row, which softmax ignores but {m.normalizer} does not"
     return ""
 
 
