@@ -29,10 +29,11 @@ from torch.fx import Graph, Node
 
 from .patterns.arith import scalar_factor, softcap
 from .patterns.casts import widening_cast
-from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, dtype_name,
-                             norm_dim, replace_anchor, single_user, tensor_val)
+from .patterns.graph import (FLOAT_DTYPES, canon, cast_dtype, dedupe, dtype_name, replace_anchor,
+                             single_user, tensor_val)
 from .patterns.masks import static_additive_mask
 from .patterns.softmax_call import input_problem, softmax_call
+from .patterns.written_softmax import exp_base, keepdim_reduction, max_shifted, same_expr, written_softmax
 from .patterns.writes import mutation_inside
 from .policy import FORCE_HINT, Ladder, cpu_threshold, decide
 from .protocol import Match, PassContext, RewritePass
@@ -78,118 +79,15 @@ def _call_softmax(node: Node) -> SoftmaxMatch | None:
     return m
 
 
-def _same_dim_reduction(node: Any, name: str, x: Node, dim: int) -> bool:
-    """``node`` is ``name(x, dim, keepdim=True)`` (``max`` through ``[0]`` / ``.values``)."""
-    if not isinstance(node, Node):
-        return False
-    if name == "max":
-        if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
-            return False
-        node = node.args[0]
-    c = canon(node)
-    if c is None:
-        return False
-    cname, a = c
-    if name == "max" and cname not in ("max",):
-        return False
-    if name != "max" and cname != name:
-        return False
-    xv = tensor_val(x)
-    return a.get("input") is x and a.get("keepdim") is True and xv is not None and norm_dim(a.get("dim"), xv.dim()) == dim
-
-
-def _reduction(node: Any, name: str) -> tuple[Node, int] | None:
-    """If ``node`` is ``name(y, dim, keepdim=True)`` return ``(y, dim)``."""
-    c = canon(node) if isinstance(node, Node) else None
-    if c is None or c[0] != name:
-        return None
-    a = c[1]
-    y = a.get("input")
-    yv = tensor_val(y)
-    if yv is None or a.get("keepdim") is not True or a.get("dtype") is not None:
-        return None
-    d = norm_dim(a.get("dim"), yv.dim())
-    return None if d is None else (y, d)
-
-
-def _strip_detach(node: Any) -> Any:
-    c = canon(node) if isinstance(node, Node) else None
-    return c[1]["input"] if c and c[0] == "detach" else node
-
-
-def _max_shifted(u: Node, dim: int) -> tuple[Node, list[Node]] | None:
-    """``u == x - max(x, dim, keepdim)`` -> ``(x, [sub, max nodes])``; else None."""
-    c = canon(u)
-    if c is None or c[0] != "sub":
-        return None
-    x, m = c[1].get("input"), _strip_detach(c[1].get("other"))
-    if not isinstance(x, Node):
-        return None
-    for red in ("amax", "max"):
-        if _same_dim_reduction(m, red, x, dim):
-            nodes = [u, c[1].get("other")]
-            if c[1].get("other") is not m:
-                nodes.append(m)
-            if red == "max":
-                nodes.append(m.args[0])
-            return x, nodes
-    return None
-
-
-def _exp_base(e: Node, dim: int) -> tuple[Node, list[Node], bool] | None:
-    """``e == exp(x - max)`` or ``exp(x)`` -> ``(x, interior nodes, shifted)``."""
-    c = canon(e)
-    if c is None or c[0] != "exp":
-        return None
-    u = c[1].get("input")
-    if not isinstance(u, Node):
-        return None
-    shifted = _max_shifted(u, dim)
-    if shifted is not None:
-        return shifted[0], [e] + shifted[1], True
-    return u, [e], False
-
-
-def _same_expr(a: Node, b: Node) -> bool:
-    """Two nodes that compute the same thing (same target and args, no side effects)."""
-    if a is b:
-        return True
-    if a.op != b.op or a.target != b.target or a.kwargs != b.kwargs or len(a.args) != len(b.args):
-        return False
-    for x, y in zip(a.args, b.args):
-        if isinstance(x, Node) and isinstance(y, Node):
-            if not _same_expr(x, y):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 def _handwritten_softmax(node: Node) -> SoftmaxMatch | None:
     """``e / e.sum(dim, keepdim=True)`` with ``e = exp(x [- max(x)])``."""
-    c = canon(node)
-    if c is None or c[0] != "div":
+    found = written_softmax(node)
+    if found is None:
         return None
-    e, s = c[1].get("input"), c[1].get("other")
-    if not isinstance(e, Node) or not isinstance(s, Node):
-        return None
-    red = _reduction(s, "sum")
-    if red is None:
-        return None
-    e2, dim = red
-    if not isinstance(e2, Node) or not _same_expr(e, e2):
-        return None
-    base = _exp_base(e, dim)
-    if base is None:
-        return None
-    x, interior, shifted = base
-    xv = tensor_val(x)
-    if xv is None or xv.dtype not in FLOAT_DTYPES:
-        return None
-    interior = interior + [s] + ([] if e2 is e else _exp_base(e2, dim)[1])
+    x, dim, interior, shifted = found
     m = SoftmaxMatch(kind="softmax", anchor=node, x=x, dim=dim,
                      spelling="exp(x - max)/sum" if shifted else "exp(x)/sum")
-    m.dead = dedupe(interior)
+    m.dead = interior
     return m
 
 
@@ -213,7 +111,7 @@ def _handwritten_log_softmax(node: Node) -> SoftmaxMatch | None:
     a, b = c[1].get("input"), c[1].get("other")
     if not isinstance(a, Node) or not isinstance(b, Node):
         return None
-    red = _reduction(b, "logsumexp")
+    red = keepdim_reduction(b, "logsumexp")
     if red is not None:
         y, dim = red
         if y is a:
@@ -228,24 +126,24 @@ def _handwritten_log_softmax(node: Node) -> SoftmaxMatch | None:
     if cl is None or cl[0] != "log":
         return None
     s = cl[1].get("input")
-    red = _reduction(s, "sum")
+    red = keepdim_reduction(s, "sum")
     if red is None:
         return None
     e, dim = red
-    base = _exp_base(e, dim) if isinstance(e, Node) else None
+    base = exp_base(e, dim) if isinstance(e, Node) else None
     if base is None:
         return None
     x, interior, shifted = base
     # a must be the exp's argument: x - max(x) when shifted, else x
     exp_arg = canon(e)[1]["input"]
-    if not _same_expr(a, exp_arg):
+    if not same_expr(a, exp_arg):
         return None
     xv = tensor_val(x)
     if xv is None or xv.dtype not in FLOAT_DTYPES:
         return None
     dead = interior + [b, s]
     if a is not exp_arg:
-        dead += [a] + (_max_shifted(a, dim) or (None, []))[1]
+        dead += [a] + (max_shifted(a, dim) or (None, []))[1]
     m = SoftmaxMatch(kind="log_softmax", anchor=node, x=x, dim=dim,
                      spelling="(x - max) - log(sum(exp))" if shifted else "x - log(sum(exp(x)))")
     m.dead = dedupe(dead)

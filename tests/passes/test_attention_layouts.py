@@ -304,3 +304,37 @@ def test_a_statistic_over_the_queries_is_no_row_shift():
     r = rewrite(shifted_by_column_max, q, k, v, torch.zeros(5, 5))
     site = next(s for s in r.report if s.kind == "attention")
     assert site.action == "skipped" and "varying along the keys" in site.reason, str(r.report)
+
+
+def written_out_softmax(q, k, v, m):              # the stable softmax by hand, as nanoGPT-era code writes it
+    s = (q @ k.mT * 0.35).masked_fill(~m.bool(), -1e9)
+    e = torch.exp(s - s.max(-1, keepdim=True)[0])
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def weights_masked_after_softmax(q, k, v, m):     # not renormalized: rows no longer sum to 1
+    return ((q @ k.mT * 0.35).softmax(-1) * m) @ v
+
+
+def weights_over_the_queries(q, k, v, m):
+    return (q @ k.mT).softmax(-1).mT @ v
+
+
+def test_a_softmax_written_out_is_attention():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    m = torch.ones(2, 1, 1, 5)
+    m[0, ..., :2] = 0
+    r = rewrite(written_out_softmax, q, k, v, m)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+    check_against_gold(r, written_out_softmax, (q, k, v, m), torch.randn(2, 3, 5, 8, generator=gen).double(),
+                       tol=1e-5)
+
+
+@pytest.mark.parametrize("fn,why", [(weights_masked_after_softmax, "changed after the softmax"),
+                                    (weights_over_the_queries, "contracted over the query index")])
+def test_weights_read_otherwise_are_reported_not_rewritten(fn, why):
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    r = rewrite(fn, q, k, v, torch.ones(2, 1, 1, 5))
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["skipped"] and why in att[0].reason, str(r.report)

@@ -25,7 +25,7 @@ from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
-from .operands import dropout_call, key_side, softmax_input
+from .operands import dropout_call, key_side, softmax_input, softmax_interior
 
 
 class Mask(NamedTuple):
@@ -150,7 +150,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
         if found is not None:
             break
     else:
-        return None
+        return _changed_weights(anchor, c)
     sm, chain, dropout = found
     keys_first = weights.perm is not None      # the weights are read transposed: the key index is dim -2
     chain = views + chain
@@ -158,7 +158,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     x, dim, sm_dtype = softmax_input(sm)
     m = AttentionMatch(anchor=anchor, softmax=sm, v=v.node, safe_softmax=is_safe_softmax(sm))
     m.layout.update(v=v.perm, out=pv.out_perm)
-    m.dead = [anchor, *chain, sm]
+    m.dead = [anchor, *chain, sm, *softmax_interior(sm)]
     m.dropped += [pv.a.node, pv.b.node]     # reordering views of the operands, erased once unused
     if dropout is not None and dropout[2] and dropout[1] > 0:    # F.dropout(p, training=True)
         m.dropout_p = dropout[1]
@@ -171,7 +171,8 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     d = norm_dim(dim, nd)
     if keys_first:
         if d != nd - 2:
-            return None        # the weights summed over the query index
+            return _skip(m, "the weights are contracted over the query index, not the key index the softmax "
+                            "normalizes: not attention") if isinstance(score_graph(x, sm), tuple) else None
         m.layout["scores"] = _swap(nd)
     elif d is None or d != nd - 1:
         # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
@@ -190,6 +191,24 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     if steps is None:
         return _score_mod(m, qk, path, consts)
     return _scores(m, contraction(qk), steps, consts)
+
+
+def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
+    """A skipped site (for the report) where an operand of the contraction is a softmax of scores changed by
+    other ops (a mask or gate applied after the normalization): not one attention call. Else None."""
+    for op in (c.a, c.b):
+        n = op.node
+        for _ in range(4):
+            ins = [a for a in n.all_input_nodes if tensor_val(a) is not None] if isinstance(n, Node) else []
+            sm = next((a for a in ins if softmax_input(a) is not None), None)
+            if sm is not None and isinstance(score_graph(softmax_input(sm)[0], sm), tuple):
+                m = AttentionMatch(anchor=anchor, softmax=sm)
+                return _skip(m, f"the weights are changed after the softmax ('{op_label(n)}'): their rows no "
+                                "longer sum to 1, not one attention call")
+            if len(ins) != 1:
+                break
+            n = ins[0]
+    return None
 
 
 def _score_mod(m: AttentionMatch, qk: Node, path: list[Node], consts: ConstEvaluator) -> AttentionMatch:

@@ -13,6 +13,7 @@ from torch.fx import Node
 from ..patterns.arith import scale_stage
 from ..patterns.selections import no_op_copy
 from ..patterns.graph import canon, same_shape, same_size, tensor_val
+from ..patterns.written_softmax import written_softmax
 
 _DROPOUT_FNS = {F.dropout, torch.dropout, torch.nn.functional.dropout}
 
@@ -109,10 +110,18 @@ def dropout_call(n: Node) -> tuple[Node, float, bool] | None:
 
 
 def softmax_input(n: Node) -> tuple[Node, Any, Any] | None:
+    """``(x, dim, dtype)`` of a softmax call or of one written out (:func:`.written_softmax`), else None."""
     c = canon(n)
-    if c is None or c[0] != "softmax":
-        return None
-    return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
+    if c is not None and c[0] == "softmax":
+        return c[1].get("input"), c[1].get("dim"), c[1].get("dtype")
+    found = written_softmax(n)
+    return None if found is None else (found[0], found[1], None)
 
 
-__all__ = ["key_side", "ungqa", "dropout_call", "softmax_input"]
+def softmax_interior(n: Node) -> list[Node]:
+    """The nodes between a softmax written out and its input (none for a call)."""
+    found = written_softmax(n) if softmax_input(n) is not None else None
+    return [] if found is None else found[2]
+
+
+__all__ = ["key_side", "ungqa", "dropout_call", "softmax_input", "softmax_interior"]
