@@ -58,6 +58,8 @@ class Case:
     note: str = ""
     logits_stored: Callable | None = None  # linear CE: bytes the kernels stored, to compare with N x V
     quick: bool = False
+    #: sampling caps (axis, loop) at least this high for both sides: kernels whose tiles other programs re-read
+    caps: tuple[int, int] = (0, 0)
     #: torch's path on the same inputs (what TorchPath describes), for timing on a GPU
     torch_run: Callable[[dict], object] | None = None
 
@@ -324,7 +326,7 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
                 lambda a: sdpa(a["q"], a["k"], a["v"], a["mask"]),
                 note={"sparsemax": "threshold normalizer: 10 bracketing passes re-read K (inherent: no L x S store)",
                       "entmax15": "threshold normalizer: bracketing passes re-read K"}.get(normalizer, ""),
-                quick=quick)
+                quick=quick, caps=(16, 32) if backward and not quick else (0, 0))
 
 
 def _row_vectors(N: int, dev) -> dict:

@@ -25,9 +25,13 @@ on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmar
   x torch          torch us / pred us: above 1 is a predicted win
   roof             for the memory-bound softmax-like ops: (min / 4.3 TB/s + 3 us) / pred us, the fraction of the
                    copy roofline (moving the minimum bytes in one launch) the prediction reaches
+  sampling         torch's DRAM bytes sampled / unsampled: the estimator's error on that case (1.00: exact)
 
-Grids and loops are sampled (gpu_traffic.py: the first and last program or iteration alone, strata between,
-weighted), so that the largest shapes count in seconds; the outputs of a sampled launch are not the op's results.
+Grids and loops are sampled alike on both sides (gpu_traffic.py: the first and last program or iteration alone,
+strata of programs and a lattice of tiles between, weighted), at caps a case may raise (attention backward: 16
+programs per axis, 32 iterations per loop); the outputs of a sampled launch are not the op's results. Torch's
+trace is also counted unsampled (``torch_bytes_hbm_exact``): its ratio to ``torch_bytes_hbm`` is the sampling
+error of the same estimator on that case.
 
 Usage:
   python benchmarks/gpu_model.py [--quick] [--families LIST] [--only TEXT] [--json PATH] [--plot PATH] [--markdown]
@@ -72,6 +76,7 @@ def traffic_us(tr, gpu=H200) -> float:
 
 def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
     """Count one case and return its record (see the module docstring for the fields)."""
+    axis_cap, loop_cap = max(axis_cap, case.caps[0]), max(loop_cap, case.caps[1])
     inputs = case.make("cpu")
     t0 = time.perf_counter()
     with plan_for_sms(H200.sms), count_traffic(H200, axis_cap=axis_cap, loop_cap=loop_cap) as tr:
@@ -86,6 +91,8 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
     case.torch.trace(tracer)
     tt = tracer.traffic
     torch_pred = traffic_us(tt)
+    exact = Tracer(H200, axis_cap=1 << 30, loop_cap=1 << 30)     # torch's trace unsampled: the sampling error
+    case.torch.trace(exact)
     rec = dict(
         family=case.family, kernel=case.kernel, case=case.name, shape=case.shape, dtype=case.dtype,
         bytes_loaded=loaded, bytes_stored=stored, bytes_atomic=tr.total("bytes_atomic"), bytes_hbm=hbm,
@@ -97,6 +104,7 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
         roofline_frac=((case.bytes_min / H200.hbm_bytes_per_s * 1e6 + H200.launch_us) / pred
                        if case.memory_bound else None),
         torch_path=case.torch.what, torch_bytes=tt.bytes_loaded + tt.bytes_stored, torch_bytes_hbm=tt.bytes_hbm,
+        torch_bytes_hbm_exact=exact.traffic.bytes_hbm, caps=[axis_cap, loop_cap],
         torch_flops=tt.flops, torch_launches=len(tt.launches),
         torch_detail=[dict(kernel=x.kernel, bytes_hbm=h, flops=x.flops) for x, h in zip(tt.launches, tt.launch_hbm())],
         logits_bytes_stored=case.logits_stored(tr) if case.logits_stored else None,
@@ -119,7 +127,7 @@ def _fmt_bytes(b: float) -> str:
 
 
 COLUMNS = ("case", "shape", "dtype", "loaded", "stored", "hbm", "min", "ratio", "launches", "TFLOP", "pred us",
-           "torch us", "x torch", "roof")
+           "torch us", "x torch", "roof", "sampling")
 
 
 def row_cells(r: dict) -> list[str]:
@@ -127,7 +135,8 @@ def row_cells(r: dict) -> list[str]:
             _fmt_bytes(r["bytes_hbm"]), _fmt_bytes(r["bytes_min"]), f"{r['ratio']:.2f}", str(r["launches"]),
             f"{r['flops'] / 1e12:.3g}" if r["flops"] else "-", f"{r['predicted_us']:.1f}",
             f"{r['torch_predicted_us']:.1f}", f"{r['speedup_vs_torch']:.2f}x",
-            f"{r['roofline_frac']:.0%}" if r["roofline_frac"] is not None else "-"]
+            f"{r['roofline_frac']:.0%}" if r["roofline_frac"] is not None else "-",
+            f"{r['torch_bytes_hbm'] / r['torch_bytes_hbm_exact']:.2f}"]
 
 
 def print_table(rows: list[dict], markdown: bool) -> None:

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from gpu_traffic import H200, GPU, SECTOR, Counter, Launch, Regions, Traffic, strata
+from gpu_traffic import H200, GPU, SECTOR, Counter, Launch, Regions, Traffic, loop_strata, strata
 
 _KINDS = {"load": 0, "store": 1, "atomic": 2}
 #: default shared memory per block on NVIDIA GPUs (what ATen's softmax sizes its one-read path by)
@@ -108,14 +108,15 @@ class Tracer:
             lx.bytes_written_back += nbytes
         c.record(np.unique((np.int64(self._region[buf]) << 40) | sectors), _KINDS[kind])
 
-    def steps(self, n: int):
-        """``range(n)`` as a kernel loop, sampled as gpu_traffic samples our kernels' loops."""
+    def steps(self, r: range):
+        """The loop over ``r`` (tile indices) as a kernel runs it, sampled as gpu_traffic samples our kernels'
+        loops (:func:`gpu_traffic.loop_strata`)."""
         c = self.counter
         outer_w, outer_lw = c.weight, c.loop_weight
         try:
-            for i, w in strata(n, c.loop_cap):
+            for v, w in loop_strata(r, c.loop_cap):
                 c.weight, c.loop_weight = outer_w * w, outer_lw * w
-                yield i
+                yield v
         finally:
             c.weight, c.loop_weight = outer_w, outer_lw
 
@@ -159,14 +160,17 @@ def softmax(t: Tracer, x: str, y: str, R: int, C: int, s: int, s_out: int, name:
 
 
 def softmax_backward(t: Tracer, g: str, y: str, gi: str, R: int, C: int, s: int, log: bool) -> None:
-    """ATen's softmax / log_softmax backward: ``gi`` from the gradient ``g`` and the output ``y``."""
-    fits = (C <= 1024 and C * s <= 4096) or 2 * C * s < SMEM_PER_BLOCK - 256
+    """ATen's softmax / log_softmax backward: ``gi`` from the gradient ``g`` and the output ``y``. For softmax,
+    ``softmax_backward_cuda_out`` (SoftMax.cu) first writes ``tmp = grad * output``, read by the row kernel."""
+    if not log:
+        tmp = t.buffer(f"{g}.times_output", R * C * s)
+        t.stream("aten.mul", {g: R * C * s, y: R * C * s}, {tmp: R * C * s})
+        g = tmp
+    fits = (C <= 1024 and C * s <= 4096) or C * s < SMEM_PER_BLOCK - 256     # the gradient row cached in smem
 
     def program(r, _y, _z):
         if not fits:
             t.tile(g, r * C * s, C * s)
-            if not log:
-                t.tile(y, r * C * s, C * s)
         t.tile(g, r * C * s, C * s)
         t.tile(y, r * C * s, C * s)
         t.tile(gi, r * C * s, C * s, kind="store")
@@ -181,15 +185,16 @@ def topk(t: Tracer, x: str, R: int, C: int, s: int, k: int) -> None:
         (80 < R < 200 and C >= 5000) or (200 <= R < 800 and C >= 3000) or (800 <= R <= 4000 and C >= 800) or \
         (R > 4000 and C >= 400)
     if multiblock:
+        # TensorTopK.cu (mbtopk): two launches per 8-bit digit, then two cub scans by key of two launches each
         small = t.buffer(f"{x}.topk_counts", R * 256 * 4)
-        for step in ("fill", "memset", "memset"):
+        for step in ("memset", "fill", "memset"):
             t.stream(f"aten.topk_{step}", {}, {small: R * 8})
         for _ in range(passes):
-            t.stream("aten.computeBlockDigitCounts", {x: R * C * s}, {small: R * 256 * 2})
-            t.stream("aten.computeDigitCumSum", {small: R * 256 * 2}, {small: R * 256 * 4})
-            t.stream("aten.computeBlockwiseWithinKCounts", {small: R * 256 * 4}, {small: R * 16})
-        for step in ("computeBlockwiseKthCounts", "inclusive_sum_by_key", "inclusive_sum_by_key"):
-            t.stream(f"aten.{step}", {small: R * 256 * 2}, {small: R * 8})
+            t.stream("aten.radixFindKthValues", {x: R * C * s}, {small: R * 256 * 2})
+            t.stream("aten.computeBlockwiseWithinKCounts", {small: R * 256 * 2}, {small: R * 16})
+        t.stream("aten.computeBlockwiseKthCounts", {small: R * 256 * 2}, {small: R * 8})
+        for step in ("scan_by_key_init", "scan_by_key") * 2:
+            t.stream(f"cub.{step}", {small: R * 8} if step == "scan_by_key" else {}, {small: R * 8})
         t.stream("aten.gatherTopK", {x: R * C * s, small: R * 16}, {vals: R * k * s, idx: R * k * 8})
     else:
         def program(r, _y, _z):
@@ -228,7 +233,8 @@ def flash_forward(t: Tracer, B: int, Hq: int, Hkv: int, L: int, S: int, E: int, 
         m0, rows = mi * BM, min(BM, L - mi * BM)
         head, kvh = bi * Hq + h, bi * Hkv + h // (Hq // Hkv)
         t.tile(q, (head * L + m0) * E * s, rows * E * s)
-        for ni in t.steps(math.ceil(_visible(m0, rows, S, causal) / BN)):
+        n = math.ceil(_visible(m0, rows, S, causal) / BN)
+        for ni in t.steps(range(n - 1, -1, -1)):     # flash_fwd_kernel.h walks the key blocks from the last down
             keys = min(BN, S - ni * BN)
             t.tile(k, (kvh * S + ni * BN) * E * s, keys * E * s)
             t.tile(v, (kvh * S + ni * BN) * Ev * s, keys * Ev * s)
@@ -250,7 +256,7 @@ def mem_efficient_forward(t: Tracer, B: int, H: int, L: int, S: int, E: int, Ev:
         m0, rows = mi * BM, min(BM, L - mi * BM)
         head = bi * H + h
         t.tile(q, (head * L + m0) * E * s, rows * E * s)
-        for ni in t.steps(math.ceil(S / BN)):
+        for ni in t.steps(range(math.ceil(S / BN))):
             keys = min(BN, S - ni * BN)
             t.tile(k, (head * S + ni * BN) * E * s, keys * E * s)
             t.tile(v, (head * S + ni * BN) * Ev * s, keys * Ev * s)
@@ -270,23 +276,23 @@ def flash_backward(t: Tracer, B: int, Hq: int, Hkv: int, L: int, S: int, E: int,
     dk, dv = t.buffer("dk_expanded", B * Hq * S * E * s), t.buffer("dv_expanded", B * Hq * S * Ev * s)
     BM, BN = 64, 128
 
-    def pre(mi, bi, h):
-        m0, rows = mi * 128, min(128, L - mi * 128)
+    def pre(mi, bi, h):     # kBlockM = 64 rows, 8 warps (flash_bwd_launch_template.h)
+        m0, rows = mi * BM, min(BM, L - mi * BM)
         head = bi * Hq + h
         t.tile(o, (head * L + m0) * Ev * s, rows * Ev * s)
         t.tile(do, (head * L + m0) * Ev * s, rows * Ev * s)
         t.tile(delta, (head * L + m0) * 4, rows * 4, kind="store")
         t.tile(dq_acc, (head * L + m0) * E * 4, rows * E * 4, kind="store")
-    t.launch("flash_bwd_dot_do_o_kernel", (math.ceil(L / 128), B, Hq), 4, pre)
+    t.launch("flash_bwd_dot_do_o_kernel", (math.ceil(L / BM), B, Hq), 8, pre)
 
     def program(ni, bi, h):
         n0, keys = ni * BN, min(BN, S - ni * BN)
         head, kvh = bi * Hq + h, bi * Hkv + h // (Hq // Hkv)
         t.tile(k, (kvh * S + n0) * E * s, keys * E * s)
         t.tile(v, (kvh * S + n0) * Ev * s, keys * Ev * s)
-        first = n0 // BM if causal else 0
-        for j in t.steps(math.ceil(L / BM) - first):
-            m0 = (first + j) * BM
+        first, last = (n0 // BM if causal else 0), math.ceil(L / BM) - 1
+        for mi in t.steps(range(last, first - 1, -1)):     # flash_bwd_kernel.h walks them from the last down
+            m0 = mi * BM
             rows = min(BM, L - m0)
             t.tile(q, (head * L + m0) * E * s, rows * E * s)
             t.tile(do, (head * L + m0) * Ev * s, rows * Ev * s)

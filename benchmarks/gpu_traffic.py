@@ -121,21 +121,22 @@ class Traffic:
     def launch_hbm(self) -> list[float]:
         """Each launch's DRAM bytes with L2 reuse across launches: of a tensor a launch reads first, the part an
         earlier launch left in L2 is a hit. Launch ``i`` leaves the bytes it touched of the tensor, times the
-        share of its footprint still in L2: ``(L2 - the footprints of the launches since) / its footprint``."""
-        last: dict[int, int] = {}
+        share of its footprint still in L2: ``(L2 - the footprints of the launches since) / its footprint``; the
+        best of the earlier launches that touched it counts (a small late touch does not hide a large one)."""
+        touches: dict[int, list[int]] = {}
         ends: list[float] = []
         total, out = 0.0, []
         for j, x in enumerate(self.launches):
             hits = 0.0
             for key, b in x.first_touch.items():
-                if key in last:
-                    i = last[key]
-                    kept = max(0.0, self.gpu.l2_bytes - (total - ends[i])) / max(self.launches[i].footprint, 1.0)
-                    hits += min(b, x.sizes.get(key, b), min(1.0, kept) * self.launches[i].touched[key])
+                left = [min(1.0, max(0.0, self.gpu.l2_bytes - (total - ends[i])) / max(self.launches[i].footprint, 1.0))
+                        * self.launches[i].touched[key] for i in touches.get(key, ())]
+                hits += min(b, x.sizes.get(key, b), max(left, default=0.0))
             out.append(x.bytes_hbm - hits)
             total += x.footprint
             ends.append(total)
-            last.update({key: j for key in x.touched})
+            for key in x.touched:
+                touches.setdefault(key, []).append(j)
         return out
 
     def total(self, field: str) -> float:
@@ -177,6 +178,26 @@ def strata(n: int, cap: int) -> list[tuple[int, int]]:
     bounds = [1 + (j * m) // k for j in range(k + 1)]
     mid = [((a + b - 1) // 2, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
     return [(0, 1)] + mid + [(n - 1, 1)]
+
+
+def loop_strata(r: range, cap: int) -> list[tuple[int, int]]:
+    """``[(value, weight)]`` of a kernel loop over ``r``: all of it when ``len(r) <= cap``, else the first and the
+    last iteration alone and, of the ones between, those whose index ``value // |step|`` is a multiple of the
+    smallest power of two that leaves at most ``cap - 2`` of the indices from 0 to the loop's far end, equally
+    weighted. One lattice for every start: programs whose loops start apart (a causal mask) sample the same
+    tiles, so the sectors they share stay shared and each stands for the same number of tiles."""
+    if cap < 3:
+        raise ValueError(f"cap must be >= 3, got {cap}")
+    if len(r) <= cap:
+        return [(v, 1) for v in r]
+    mid = r[1:-1]
+    extent = max(r[0], r[-1]) // abs(r.step) + 1      # the indices from 0: one lattice for every start
+    k = 1
+    while -(-(extent - 2) // k) > cap - 2:
+        k *= 2
+    picked = [v for v in mid if (v // abs(r.step)) % k == 0] or [mid[len(mid) // 2]]
+    share, extra = divmod(len(mid), len(picked))
+    return [(r[0], 1)] + [(v, share + (i < extra)) for i, v in enumerate(picked)] + [(r[-1], 1)]
 
 
 class Regions:
@@ -278,7 +299,8 @@ class Counter:
 
     def record(self, keys: np.ndarray, kind: int) -> None:
         """One instruction's distinct sectors (``region << 40 | sector``) for the L2 replay."""
-        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind))
+        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind,
+                             self.weight / self.loop_weight))
         self.clock += SECTOR * keys.size * self.loop_weight
 
     def end_launch(self) -> None:
@@ -295,24 +317,32 @@ class Counter:
         prog = np.repeat([r[2] for r in self.records], n)
         w = np.repeat([float(r[4]) for r in self.records], n)
         kind = np.repeat([r[5] for r in self.records], n)
+        spread = np.repeat([float(r[6]) for r in self.records], n)     # the programs a sampled one stands for
         order = np.lexsort((tau, key))
-        key, tau, prog, w, kind = key[order], tau[order], prog[order], w[order], kind[order]
+        key, tau, prog, w, kind, spread = key[order], tau[order], prog[order], w[order], kind[order], spread[order]
         first = np.ones(key.size, dtype=bool)
         first[1:] = key[1:] != key[:-1]
+        # a first touch stands for as many distinct sectors as the least-weighted access of its sector: a sector
+        # that sampled programs share stands for the skipped programs' accesses to that same sector
+        starts = np.flatnonzero(first)
+        w_first = np.zeros(key.size)
+        w_first[starts] = np.minimum.reduceat(w, starts)
         gap = np.zeros(key.size)
         gap[1:] = np.diff(tau)
         same = np.zeros(key.size, dtype=bool)
         same[1:] = ~first[1:] & (prog[1:] == prog[:-1])
         reads = kind != _STORE
+        # from another program, the skipped programs of the sampled one's stratum read the sector in between too
+        gap = np.where(same, gap, gap / spread)
         miss = reads & ~first & (gap * lx.resident > self.gpu.l2_bytes)
         lx.bytes_reread += SECTOR * float(w[reads & same].sum())
         lx.bytes_capacity_miss += SECTOR * float(w[miss].sum())
-        lx.bytes_written_back += SECTOR * float(w[first & (kind == _ATOMIC)].sum())
+        lx.bytes_written_back += SECTOR * float(w_first[first & (kind == _ATOMIC)].sum())
         region = key >> 40
         fresh = first & reads
         for r, start in enumerate(self.regions.starts):
-            lx.first_touch[int(start)] = SECTOR * float(w[fresh & (region == r)].sum())
-            lx.touched[int(start)] = min(SECTOR * float(w[first & (region == r)].sum()), self.regions.sizes[r])
+            lx.first_touch[int(start)] = SECTOR * float(w_first[fresh & (region == r)].sum())
+            lx.touched[int(start)] = min(SECTOR * float(w_first[first & (region == r)].sum()), self.regions.sizes[r])
         self.records = []
 
     def dot(self, a, b) -> None:
@@ -354,7 +384,7 @@ class _SampledKernel:
 
 class _SampledRange:
     """``range`` as the kernels' modules see it while counting: inside a kernel, a loop of more than ``loop_cap``
-    iterations runs its strata (:func:`strata`), each iteration weighted by its stratum's size."""
+    iterations runs its sample (:func:`loop_strata`), each iteration weighted by the ones it stands for."""
 
     def __init__(self, counter: Counter):
         self._counter = counter
@@ -370,9 +400,9 @@ class _SampledRange:
         c = self._counter
         outer_w, outer_lw = c.weight, c.loop_weight
         try:
-            for i, w in strata(len(r), c.loop_cap):
+            for v, w in loop_strata(r, c.loop_cap):
                 c.weight, c.loop_weight = outer_w * w, outer_lw * w
-                yield r[i]
+                yield v
         finally:
             c.weight, c.loop_weight = outer_w, outer_lw
 

@@ -254,6 +254,13 @@ def test_softmax(dtype, B, Hq, Hkv, L, S, E, Ev, causal, mask, softcap):
     _run_and_check(q, k, v, go, m, causal, softcap=softcap, **SMALL)
 
 
+def test_backward_grid_with_heads_on_axis_0(monkeypatch):
+    """Past CUDA's 65535 programs on grid axis 1, (batch, kv head) moves to axis 0: the same gradients."""
+    monkeypatch.setattr(triton_backward, "MAX_GRID_Y", 1)
+    q, k, v, go = _inputs(2, 4, 2, 21, 19, 16, 16, torch.float32, qscale=2.0)
+    _run_and_check(q, k, v, go, _bool_mask(2, 4, 21, 19), True, **SMALL)
+
+
 def test_softmax_fully_masked_rows_and_default_blocks():
     """Rows without any visible key give out = 0 and zero gradients (bool mask, float -inf
     mask); default block sizes (one block here); a query longer than the keys, causal."""
@@ -432,7 +439,9 @@ def test_offsets_are_int64_in_source():
     src = "".join(inspect.getsource(m) for m in (triton_common, triton_forward, triton_backward))
     for blk in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV"):
         assert f"tl.arange(0, {blk}).to(tl.int64)" in src
-    assert src.count("tl.program_id(0).to(tl.int64)") == 4 and src.count("tl.program_id(1).to(tl.int64)") == 4
+    # four kernels, the backward's with either grid order
+    assert src.count("tl.program_id(0).to(tl.int64)") == 5 and src.count("tl.program_id(1).to(tl.int64)") == 5
+    assert "tl.program_id(0)" not in src.replace("tl.program_id(0).to(tl.int64)", "")
 
 
 # ----------------------------------------------------------------------------- GPU compile

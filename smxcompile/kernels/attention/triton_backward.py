@@ -11,6 +11,8 @@ from .triton_common import check_args, launch_config, tensor4
 __all__ = ["attention_backward"]
 
 _SOFTMAX_LIKE = (0, 1, 2, 5, 6)  # backward uses delta = rowsum(dO * O)
+#: CUDA's grid axis 1 holds at most 65535 programs: past that, the backward puts (batch, kv head) on axis 0
+MAX_GRID_Y = 65535
 
 
 if triton is not None:
@@ -97,12 +99,17 @@ if triton is not None:
         NORM: tl.constexpr, HAS_PARAM: tl.constexpr, HAS_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
-        PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+        PREC: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr, KEYS_FIRST: tl.constexpr,
     ):
         """One program: BLOCK_N keys of one (batch, kv head), over every query head of its group
-        and every query block. dK, dV in registers; dQ (fp32, (B, H, L, E)) by atomics."""
-        bhk = tl.program_id(0).to(tl.int64)
-        pid_n = tl.program_id(1).to(tl.int64)
+        and every query block. dK, dV in registers; dQ (fp32, (B, H, L, E)) by atomics. ``KEYS_FIRST``: the
+        key blocks on grid axis 0, so one head's programs run together and share its Q, dO, dQ in L2."""
+        if KEYS_FIRST:
+            bhk = tl.program_id(1).to(tl.int64)
+            pid_n = tl.program_id(0).to(tl.int64)
+        else:
+            bhk = tl.program_id(0).to(tl.int64)
+            pid_n = tl.program_id(1).to(tl.int64)
         b = bhk // HKV
         hk = bhk % HKV
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -283,10 +290,12 @@ def attention_backward(grad_out, q, k, v, out, stats, attn_mask, is_causal, scal
                 *q.stride(), *k.stride(), *v.stride(), *a["mk"], *out.stride(), *grad_out.stride(),
                 Hq, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"], **pre_cs, **pre_opts,
             )
-        _bwd_kernel[(B * Hkv, cdiv(S, cs["BLOCK_N"]))](
+        keys_first = B * Hkv <= MAX_GRID_Y
+        grid = (cdiv(S, cs["BLOCK_N"]), B * Hkv) if keys_first else (B * Hkv, cdiv(S, cs["BLOCK_N"]))
+        _bwd_kernel[grid](
             q, k, v, a["mask_t"], a["par"], a["n"], grad_out, stats, delta, dq, dk, dv, dpar_t,
             *q.stride(), *k.stride(), *v.stride(), *a["mk"], *grad_out.stride(),
             Hq, Hkv, G, L, S, E, Ev, scale, a["softcap"], a["seed"], a["dropout_p"],
-            FIX_BF16=interpreted(), **cs, **opts,
+            FIX_BF16=interpreted(), KEYS_FIRST=keys_first, **cs, **opts,
         )
     return dq.to(q.dtype), dk, dv, dpar
