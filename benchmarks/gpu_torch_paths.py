@@ -31,7 +31,8 @@ import math
 
 import numpy as np
 
-from gpu_traffic import H200, GPU, SECTOR, Counter, Launch, Regions, Traffic, loop_strata, strata
+from gpu_sampling import loop_strata, strata
+from gpu_traffic import H200, GPU, SECTOR, Counter, Launch, Regions, Traffic
 
 _KINDS = {"load": 0, "store": 1, "atomic": 2}
 #: default shared memory per block on NVIDIA GPUs (what ATen's softmax sizes its one-read path by)
@@ -77,7 +78,7 @@ class Tracer:
         for x, wx in axes[0]:
             for y, wy in axes[1]:
                 for z, wz in axes[2]:
-                    c.start_program(wx * wy * wz, (x, y, z), full)
+                    c.start_program(wx * wy * wz, (x, y, z), full, (wx, wy, wz))
                     program(x, y, z)
         c.end_launch()
         lx.touched = {k: v for k, v in lx.touched.items() if v > 0}
@@ -185,13 +186,14 @@ def topk(t: Tracer, x: str, R: int, C: int, s: int, k: int) -> None:
         (80 < R < 200 and C >= 5000) or (200 <= R < 800 and C >= 3000) or (800 <= R <= 4000 and C >= 800) or \
         (R > 4000 and C >= 400)
     if multiblock:
-        # TensorTopK.cu (mbtopk): two launches per 8-bit digit, then two cub scans by key of two launches each
+        # TensorTopK.cu (mbtopk): three launches per 8-bit digit, then two cub scans by key of two launches each
         small = t.buffer(f"{x}.topk_counts", R * 256 * 4)
-        for step in ("memset", "fill", "memset"):
+        for step in ("fill", "memset", "memset"):
             t.stream(f"aten.topk_{step}", {}, {small: R * 8})
         for _ in range(passes):
-            t.stream("aten.radixFindKthValues", {x: R * C * s}, {small: R * 256 * 2})
-            t.stream("aten.computeBlockwiseWithinKCounts", {small: R * 256 * 2}, {small: R * 16})
+            t.stream("aten.computeBlockDigitCounts", {x: R * C * s}, {small: R * 256 * 2})
+            t.stream("aten.computeDigitCumSum", {small: R * 256 * 2}, {small: R * 256 * 4})
+            t.stream("aten.computeBlockwiseWithinKCounts", {small: R * 256 * 4}, {small: R * 16})
         t.stream("aten.computeBlockwiseKthCounts", {small: R * 256 * 2}, {small: R * 8})
         for step in ("scan_by_key_init", "scan_by_key") * 2:
             t.stream(f"cub.{step}", {small: R * 8} if step == "scan_by_key" else {}, {small: R * 8})

@@ -34,11 +34,8 @@ Triton's interpreter: ``triton/runtime/interpreter.py`` (``InterpreterBuilder.cr
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import dataclasses
-import inspect
-import operator
 import sys
 from typing import Iterator
 
@@ -47,6 +44,8 @@ import torch
 import torch.utils._python_dispatch
 import torch.utils._pytree
 from torch.utils.flop_counter import flop_registry
+
+from gpu_sampling import SampledKernel, SampledRange
 
 #: DRAM access granularity (bytes) used for the distinct-sector bookkeeping.
 SECTOR = 32
@@ -167,39 +166,6 @@ class Traffic:
         return out
 
 
-def strata(n: int, cap: int) -> list[tuple[int, int]]:
-    """``[(program id, weight)]`` along an axis of ``n`` programs: all of them when ``n <= cap``, else the first
-    and the last alone and the middle of ``cap - 2`` equal strata of the ones between."""
-    if cap < 3:
-        raise ValueError(f"cap must be >= 3, got {cap}")
-    if n <= cap:
-        return [(i, 1) for i in range(n)]
-    m, k = n - 2, cap - 2
-    bounds = [1 + (j * m) // k for j in range(k + 1)]
-    mid = [((a + b - 1) // 2, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
-    return [(0, 1)] + mid + [(n - 1, 1)]
-
-
-def loop_strata(r: range, cap: int) -> list[tuple[int, int]]:
-    """``[(value, weight)]`` of a kernel loop over ``r``: all of it when ``len(r) <= cap``, else the first and the
-    last iteration alone and, of the ones between, those whose index ``value // |step|`` is a multiple of the
-    smallest power of two that leaves at most ``cap - 2`` of the indices from 0 to the loop's far end, equally
-    weighted. One lattice for every start: programs whose loops start apart (a causal mask) sample the same
-    tiles, so the sectors they share stay shared and each stands for the same number of tiles."""
-    if cap < 3:
-        raise ValueError(f"cap must be >= 3, got {cap}")
-    if len(r) <= cap:
-        return [(v, 1) for v in r]
-    mid = r[1:-1]
-    extent = max(r[0], r[-1]) // abs(r.step) + 1      # the indices from 0: one lattice for every start
-    k = 1
-    while -(-(extent - 2) // k) > cap - 2:
-        k *= 2
-    picked = [v for v in mid if (v // abs(r.step)) % k == 0] or [mid[len(mid) // 2]]
-    share, extra = divmod(len(mid), len(picked))
-    return [(r[0], 1)] + [(v, share + (i < extra)) for i, v in enumerate(picked)] + [(r[-1], 1)]
-
-
 class Regions:
     """The tensor arguments of a launch, and which one an address belongs to."""
 
@@ -252,6 +218,7 @@ class Counter:
         self.regions: Regions | None = None
         self.in_kernel = False
         self.weight = 1  # the program's stratum times the sampled loop iterations' strata
+        self.coords, self.axis_weights = (0, 0, 0), (1, 1, 1)  # the sampled program's grid index, strata per axis
         self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
         self.clock = 0.0
         self.program = -1
@@ -264,9 +231,11 @@ class Counter:
         self.launch, self.regions = launch, regions
         self.program, self.clock, self.lengths, self.records = -1, 0.0, [], []
 
-    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple) -> None:
+    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple, axis_weights: tuple = (1, 1, 1)) -> None:
+        """A sampled program at ``grid_idx`` standing for ``axis_weights`` programs along each grid axis."""
         if self.program >= 0:
             self.lengths.append(self.clock)
+        self.coords, self.axis_weights = tuple(grid_idx), tuple(axis_weights)
         x, y, z = grid_idx
         gx, gy, _ = grid_dim
         self.wave = (x + gx * (y + gy * z)) // self.launch.resident
@@ -299,8 +268,8 @@ class Counter:
 
     def record(self, keys: np.ndarray, kind: int) -> None:
         """One instruction's distinct sectors (``region << 40 | sector``) for the L2 replay."""
-        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind,
-                             self.weight / self.loop_weight))
+        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind, self.coords,
+                             self.axis_weights))
         self.clock += SECTOR * keys.size * self.loop_weight
 
     def end_launch(self) -> None:
@@ -317,9 +286,11 @@ class Counter:
         prog = np.repeat([r[2] for r in self.records], n)
         w = np.repeat([float(r[4]) for r in self.records], n)
         kind = np.repeat([r[5] for r in self.records], n)
-        spread = np.repeat([float(r[6]) for r in self.records], n)     # the programs a sampled one stands for
+        coords = np.repeat(np.array([r[6] for r in self.records], dtype=np.int64).reshape(-1, 3), n, axis=0)
+        axis_w = np.repeat(np.array([r[7] for r in self.records], dtype=float).reshape(-1, 3), n, axis=0)
         order = np.lexsort((tau, key))
-        key, tau, prog, w, kind, spread = key[order], tau[order], prog[order], w[order], kind[order], spread[order]
+        key, tau, prog, w, kind = key[order], tau[order], prog[order], w[order], kind[order]
+        coords, axis_w = coords[order], axis_w[order]
         first = np.ones(key.size, dtype=bool)
         first[1:] = key[1:] != key[:-1]
         # a first touch stands for as many distinct sectors as the least-weighted access of its sector: a sector
@@ -332,8 +303,11 @@ class Counter:
         same = np.zeros(key.size, dtype=bool)
         same[1:] = ~first[1:] & (prog[1:] == prog[:-1])
         reads = kind != _STORE
-        # from another program, the skipped programs of the sampled one's stratum read the sector in between too
-        gap = np.where(same, gap, gap / spread)
+        # after another program's access, the skipped programs of the sampled one's strata along the axes the two
+        # differ on (those that share the sector) read it in between too
+        differ = np.zeros(coords.shape, dtype=bool)
+        differ[1:] = coords[1:] != coords[:-1]
+        gap = gap / np.where(differ, axis_w, 1.0).prod(axis=1)
         miss = reads & ~first & (gap * lx.resident > self.gpu.l2_bytes)
         lx.bytes_reread += SECTOR * float(w[reads & same].sum())
         lx.bytes_capacity_miss += SECTOR * float(w[miss].sum())
@@ -351,60 +325,6 @@ class Counter:
         sa, sb = np.shape(a.data), np.shape(b.data)
         batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
         self.launch.flops += self.weight * 2.0 * batch * sa[-2] * sa[-1] * sb[-1]
-
-
-class _SampledKernel:
-    """The kernel's Python function as GridExecutor calls it once per program: runs the sampled programs only,
-    each with its stratum's weight."""
-
-    def __init__(self, fn, counter: Counter, builder):
-        self._fn = fn
-        self._counter = counter
-        self._builder = builder
-        self._plan: dict | None = None
-        self.__signature__ = inspect.signature(fn)
-        self.__globals__ = fn.__globals__
-        self.__name__ = fn.__name__
-        self.__annotations__ = getattr(fn, "__annotations__", {})
-
-    def __call__(self, **kwargs):
-        if self._plan is None:
-            axes = [strata(n, self._counter.axis_cap) for n in self._builder.grid_dim]
-            self._plan = {(x, y, z): wx * wy * wz for x, wx in axes[0] for y, wy in axes[1] for z, wz in axes[2]}
-        w = self._plan.get(tuple(self._builder.grid_idx))
-        if w is None:
-            return None
-        self._counter.start_program(w, tuple(self._builder.grid_idx), tuple(self._builder.grid_dim))
-        self._counter.in_kernel = True
-        try:
-            return self._fn(**kwargs)
-        finally:
-            self._counter.in_kernel = False
-
-
-class _SampledRange:
-    """``range`` as the kernels' modules see it while counting: inside a kernel, a loop of more than ``loop_cap``
-    iterations runs its sample (:func:`loop_strata`), each iteration weighted by the ones it stands for."""
-
-    def __init__(self, counter: Counter):
-        self._counter = counter
-
-    def __call__(self, *args):
-        r = builtins.range(*(operator.index(a) for a in args))
-        c = self._counter
-        if not c.in_kernel or len(r) <= c.loop_cap:
-            return r
-        return self._iterate(r)
-
-    def _iterate(self, r):
-        c = self._counter
-        outer_w, outer_lw = c.weight, c.loop_weight
-        try:
-            for v, w in loop_strata(r, c.loop_cap):
-                c.weight, c.loop_weight = outer_w * w, outer_lw * w
-                yield v
-        finally:
-            c.weight, c.loop_weight = outer_w, outer_lw
 
 
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
@@ -557,7 +477,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
     if _ACTIVE:
         raise RuntimeError("count_traffic blocks do not nest: close the open one first")
     counter = Counter(gpu, axis_cap, loop_cap)
-    sampled_range = _SampledRange(counter)
+    sampled_range = SampledRange(counter)
     kernel_modules = [m for name, m in list(sys.modules.items())
                       if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None]
     shadowed = {m: m.__dict__["range"] for m in kernel_modules if "range" in m.__dict__}
@@ -599,7 +519,7 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
         counter.begin_launch(launch, regions)
         counter.traffic.launches.append(launch)
         counter.suspended = True
-        fn = _SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
+        fn = SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
         try:
             out = interp.GridExecutor(fn, self.arg_names, grid, self.pre_run_hooks)(*args, **kwargs)
             counter.end_launch()

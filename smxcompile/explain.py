@@ -84,5 +84,10 @@ def restore_state(model: Any) -> Iterator[None]:
                 for b, saved in buffers:
                     # only buffers the run changed (compiled code writes without bumping the version): a
                     # copy bumps the version counter a pending backward checks
-                    if b.shape == saved.shape and not torch.equal(b, saved):
+                    if b.shape == saved.shape and not _same(b, saved):
                         b.copy_(saved)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a NaN buffer is not changed by reading it)."""
+    return torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all()))

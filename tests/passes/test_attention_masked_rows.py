@@ -80,19 +80,25 @@ def hf_mask_gqa(q, k, v, m):                            # transformers' eager at
     return ((q @ k.mT) / math.sqrt(E) + m).softmax(-1) @ v
 
 
-@pytest.mark.parametrize("kv_heads", [H, 1])
-def test_padded_rows_under_one_additive_mask_keep_eagers_gradients(kv_heads):
+def hf_mask_softcap(q, k, v, m):                         # Gemma 2: the mask after a soft-cap of the scores
+    return (5.0 * torch.tanh((q @ k.mT) / math.sqrt(E) / 5.0) + m).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn,kv_heads,value,scale", [(hf_mask_gqa, H, MIN, 1.0), (hf_mask_gqa, 1, MIN, 1.0),
+                                                     (hf_mask_gqa, H, -1e9, 0.5), (hf_mask_softcap, H, MIN, 1.0)])
+def test_padded_rows_under_one_additive_mask_keep_eagers_gradients(fn, kv_heads, value, scale):
     """Left padding under a causal mask, as one 0 / finfo.min mask (transformers' eager attention): the padded
-    query rows' scores round away in eager but still get a gradient; the loss reads those rows too."""
+    query rows' scores round away in eager but still get a gradient; the loss reads those rows too. -1e9
+    rounds away scores below 32, here all of them."""
     q, k, v = _qkv()
-    k, v = k[:, :kv_heads], v[:, :kv_heads]
-    m = torch.where(CAUSAL & PAD[:, None, None, :], 0.0, MIN)
-    r = rewrite(hf_mask_gqa, q, k, v, m, check_values=False)
+    q, k, v = q * scale, k[:, :kv_heads] * scale, v[:, :kv_heads]
+    m = torch.where(CAUSAL & PAD[:, None, None, :], 0.0, value)
+    r = rewrite(fn, q, k, v, m, check_values=False)
     assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
     ins = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
     mine = {id(a): b for a, b in zip((q, k, v), ins[0])}
     got = r.gm(*[mine.get(id(a), a) for a in r.inputs])[0]
-    want = hf_mask_gqa(*ins[1], m)
+    want = fn(*ins[1], m)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
     for a, b in zip(torch.autograd.grad((got * w).sum(), ins[0]), torch.autograd.grad((want * w).sum(), ins[1])):
@@ -274,3 +280,21 @@ def test_one_query_head_broadcast_over_the_key_heads():
         torch.randn(B, H, L, E, generator=g)
     r = rewrite(bias, q, k, v, torch.zeros(L, L))
     assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+
+
+def test_padded_rows_cost_nothing_without_gradients_and_a_bad_key_stays_in_its_rows(monkeypatch):
+    """No key-gradient term is built under no_grad; an inf key gives NaN only in the rows eager gives it."""
+    from smxcompile.passes.attention import replacement
+    calls = []
+    monkeypatch.setattr(replacement, "absorbed_key_term", lambda *a, **kw: calls.append(1) or 0.0)
+    q, k, v = _qkv()
+    m = torch.where(CAUSAL & PAD[:, None, None, :], 0.0, MIN)
+    r = rewrite(hf_mask_gqa, q, k, v, m, check_values=False)
+    with torch.no_grad():
+        r.gm(*r.inputs)
+    assert calls == []
+    monkeypatch.undo()
+    k[1, 0, 3, 0] = float("inf")                      # batch 1 has no padded row
+    got = r.gm(*[t.requires_grad_() if t.is_floating_point() and t.dim() == 4 and t.shape[1] == H else t
+                 for t in r.inputs])[0].detach()
+    torch.testing.assert_close(got, hf_mask_gqa(q, k, v, m), equal_nan=True)

@@ -26,34 +26,59 @@ def merged_mask(add_masks, masked, mask_order: str, *, dtype, device):
     return mask, filled
 
 
-def dead_rows(q, mask, filled, *, absorbing: float, margin: float):
-    """Rows that read only the masks in eager, every entry filled (``filled``), absorbing any score
-    (<= ``absorbing``) or ``margin`` below the row's fills: ``(q, mask, uniform)``. Their mask is shifted
-    to a max of 0 (softmax is shift-invariant; the fused CPU backward recomputes exp(s - lse), and lse = min +
-    log(n) rounds back to min, giving weights of 1) and their query's value zeroed (s = 0, as eager's rounding
-    gives). Where the weighted entries are additive, eager's gradient still reaches q (kept) and k
-    (:func:`absorbed_key_term`, for ``uniform`` rows: weights uniform over every key)."""
+def score_bound(q, k, *, scale, n_rep: int, like):
+    """An upper bound of ``|s_ij|``, ``scale * |q_i| * max_j |k_j|`` (fp32, no gradient), per query row, reduced
+    (max) over the dims where the mask ``like`` broadcasts."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qd, kd = q.detach().float(), k.detach().float()
+    kmax = kd.norm(dim=-1).amax(-1, keepdim=True)[..., None]                  # (..., Hkv, 1, 1)
+    kmax = kmax.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else kmax
+    bound = scale * qd.norm(dim=-1, keepdim=True) * kmax                       # (..., H, L, 1)
+    if bound.dim() > like.dim():
+        bound = bound.amax(tuple(range(bound.dim() - like.dim())))
+    dims = tuple(-i for i in range(2, bound.dim() + 1) if like.shape[-i] == 1 and bound.shape[-i] > 1)
+    return bound.amax(dims, keepdim=True) if dims else bound
+
+
+def dead_rows(q, k, mask, filled, *, scale, n_rep: int, margin: float, keep_grad: bool):
+    """Rows that read only the masks in eager: every entry filled (``filled``), absorbing the row's scores (half
+    an fp32 ulp of the entry above :func:`score_bound`: ``s + m`` rounds to ``m``) or ``margin`` below the row's
+    fills: ``(q, mask, uniform)``. Their mask, and that of any row masked whole (max <= ``margin``), is shifted
+    to a max of 0 (softmax is shift-invariant; the fused
+    backward recomputes exp(s - lse), and lse = m + log(n) rounds back to m, giving weights of 1) and their
+    query's value zeroed (s = 0, as eager's rounding gives). With ``keep_grad``, where the weighted entries are
+    additive, eager's gradient still reaches q (kept) and k (:func:`absorbed_key_term`, for ``uniform`` rows:
+    weights uniform over every key)."""
+    m32 = mask.detach().float()
+    bound = score_bound(q, k, scale=scale, n_rep=n_rep, like=mask)
+    absorbs = (m32 - torch.nextafter(m32, torch.zeros_like(m32))).abs() > 2 * bound
     if filled is None:
-        dead = (mask <= absorbing).all(-1, keepdim=True)
+        dead = absorbs.all(-1, keepdim=True)
     else:
         top = torch.where(filled, mask, float("-inf")).amax(-1, keepdim=True)
-        dead = (filled | (mask <= absorbing) | (mask <= top + margin)).all(-1, keepdim=True)
+        dead = (filled | absorbs | (mask <= top + margin)).all(-1, keepdim=True)
     peak = mask.amax(-1, keepdim=True).detach()
     weighted = mask == peak
     graded = dead if filled is None else dead & ~(weighted & filled).any(-1, keepdim=True)
+    graded = graded & keep_grad
+    # a row masked whole whose scores still count (-1e9 against scores of 100) is shifted too, its q kept: its
+    # weights and gradients then follow s exactly, as the fp64 gold's do, where the kernel's lse would round
+    shift = dead | (peak <= margin)
     peak = peak.masked_fill(peak == float("-inf"), 0.0)          # a row of -inf stays one (NaN later)
     q = torch.where(dead, torch.where(graded, q - q.detach(), 0.0), q)
-    return q, torch.where(dead, mask - peak, mask), graded & weighted.all(-1, keepdim=True)
+    return q, torch.where(shift, mask - peak, mask), graded & weighted.all(-1, keepdim=True)
 
 
 def absorbed_key_term(q, k, v, uniform, *, scale, n_rep: int):
     """Zero in value; its gradient w.r.t. ``k`` is what eager's ``uniform`` rows (weights 1/S, scores absorbed
-    by the mask) send to K, ``dk_j = scale / S * sum_i q_i (g_i . (v_j - mean(v)))``; O((L + S) * E * Ev)."""
+    by the mask) send to K, ``dk_j = scale / S * sum_i q_i (g_i . (v_j - mean(v)))``; O((L + S) * E * Ev).
+    Non-finite entries of q, k, v contribute nothing (their rows are NaN in eager and here)."""
     S, E = k.shape[-2], q.shape[-1]
     scale = E ** -0.5 if scale is None else scale
     vd = torch.nan_to_num(v.detach(), nan=0.0, posinf=0.0, neginf=0.0)
-    kv = (k - k.detach()).mT @ (vd - vd.mean(-2, keepdim=True))          # (..., Hkv, E, Ev), zero in value
-    qd = torch.where(uniform, q.detach(), 0.0)
+    dk = torch.where(torch.isfinite(k.detach()), k - k.detach(), 0.0)
+    kv = dk.mT @ (vd - vd.mean(-2, keepdim=True))                      # (..., Hkv, E, Ev), zero in value
+    qd = torch.where(uniform & torch.isfinite(q.detach()), q.detach(), 0.0)
     if n_rep > 1:       # q's heads grouped by the kv head they read
         lead = qd.shape[:-3]
         x = qd.reshape(*lead, -1, n_rep * qd.shape[-2], E) @ kv

@@ -24,6 +24,7 @@ from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
+from ..patterns.written_softmax import keepdim_reduction, same_dim_reduction, strip_detach
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
 from .operands import dropout_call, key_side, softmax_input, softmax_interior
 
@@ -319,7 +320,10 @@ def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *,
         return "the additive mask is not a real tensor of scores (a 0-d one shifts every score alike)"
     if fill is not None and (mv is None or mv.dtype != torch.bool):
         return "the masked_fill / where condition is not a bool tensor"
-    if fill is None and _row_shift(m, mv, sv) and depends_on(mask, qk):
+    shift = _row_shift(m, mask, node) if fill is None else None
+    if shift is not None and depends_on(mask, qk):
+        if how != "sub" or not shift:
+            return "the scores are shifted per row by a term other than their own row max or logsumexp"
         m.absorbed.append("row shift dropped")   # s - s.amax(-1): softmax is invariant to a shift of each row
         seen, stack = set(m.dead) | {qk}, [mask]     # the statistic's own nodes join the site
         while stack:
@@ -345,11 +349,17 @@ def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *,
     return why
 
 
-def _row_shift(m: AttentionMatch, mv, sv) -> bool:
-    """The term has one value per row of the softmax (size 1 along its dim, same rank as the scores)."""
-    dim = softmax_input(m.softmax)[1] if m.softmax is not None else None
-    return isinstance(dim, int) and sv is not None and mv.dim() == sv.dim() and -sv.dim() <= dim < sv.dim() \
-        and same_size(mv.shape[dim], 1) and tensor_val(softmax_input(m.softmax)[0]).shape == sv.shape
+def _row_shift(m: AttentionMatch, term: Node, node: Node) -> bool | None:
+    """None: ``term`` is not one value per softmax row; True: the row's own max or logsumexp over the softmax dim
+    (``x - x.amax(-1, keepdim=True)``, detached or not: ``x - term`` is finite wherever ``x``'s row is)."""
+    x = next((a for a in node.all_input_nodes if a is not term), None)
+    xv, tv = tensor_val(x), tensor_val(term)
+    dim = norm_dim(softmax_input(m.softmax)[1], xv.dim()) if m.softmax is not None and xv is not None else None
+    if dim is None or tv is None or tv.dim() != xv.dim() or not same_size(tv.shape[dim], 1) or \
+            tensor_val(softmax_input(m.softmax)[0]).shape != xv.shape:
+        return None
+    t, lse = strip_detach(term), keepdim_reduction(strip_detach(term), "logsumexp")
+    return bool(lse and lse[0] is x and lse[1] == dim) or any(same_dim_reduction(t, r, x, dim) for r in ("amax", "max"))
 
 
 def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:

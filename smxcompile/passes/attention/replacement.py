@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patterns.contraction import apply_perm
-from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
+from ..patterns.masks import MASK_VALUE, is_masking_value
 from ...kernels.attention.masked_rows import absorbed_key_term, dead_rows, floored, merged_mask, \
     nonfinite_rows
 
@@ -77,9 +77,12 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         # softpick leaves them out of its denominator, n counts only the keys left
         mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
     q_eager = q
-    if fixup and normalizer == "softmax" and not export and mask is not None and mask.dtype.is_floating_point:
-        # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard)
-        q, mask, uniform = dead_rows(q, mask, hidden, absorbing=ABSORBING, margin=MASK_VALUE)
+    # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard); soft-capped scores: the op's
+    # own backward takes absorbed rows as they are, and tanh's derivative needs eager's s, so only fills count
+    if fixup and normalizer == "softmax" and not export and mask is not None and mask.dtype.is_floating_point \
+            and (softcap is None or mask_order):
+        q, mask, uniform = dead_rows(q, k, mask, hidden, scale=scale, n_rep=n_rep, margin=MASK_VALUE,
+                                     keep_grad=softcap is None)
     if not export:
         q_bad, k, k_bad = nonfinite_rows(q, k, hidden, is_causal, n_rep)
     if normalizer == "softmax" and softcap is None:
@@ -91,7 +94,7 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
 
         out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
-    if uniform is not None and dropout_p == 0:
+    if uniform is not None and dropout_p == 0 and torch.is_grad_enabled() and k.requires_grad:
         out = out + absorbed_key_term(q_eager, k, v, uniform, scale=scale, n_rep=n_rep)
     if not export:
         out = out.masked_fill(q_bad | k_bad, float("nan"))

@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.masks import ABSORBING
+from ..patterns.masks import MASK_VALUE
 from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
     replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
@@ -86,14 +86,14 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
 
 
 def _mild_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
-    """The additive mask provably holds nothing at or below ``ABSORBING`` in the scores' ``dtype`` (-inf
-    included): no row can read only the mask."""
+    """The additive mask provably holds nothing at or below ``MASK_VALUE`` in the scores' ``dtype`` (-inf
+    included): no entry can round a score away (the fix-up decides that per row at run time otherwise)."""
     tv = tensor_val(mask)
     if tv is not None and not tv.dtype.is_floating_point:   # an int32 / int64 mask can overflow fp16
         return tv.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16) or dtype != torch.float16
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
-        return bool((c.to(dtype) > ABSORBING).all())
+        return bool((c.to(dtype) > MASK_VALUE).all())
     n = mask
     for _ in range(8):
         if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
@@ -106,7 +106,7 @@ def _mild_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
     if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
         vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
                 else None for a in n.args[1:]]
-        return all(v is not None and ABSORBING < v < math.inf for v in vals)
+        return all(v is not None and MASK_VALUE < v < math.inf for v in vals)
     return False
 
 

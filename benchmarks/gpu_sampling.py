@@ -1,0 +1,99 @@
+"""How benchmarks/gpu_traffic.py samples a launch: programs by strata along each grid axis, kernel loops by a lattice
+of tile indices, each sampled program or iteration weighted by the ones it stands for."""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+
+
+def strata(n: int, cap: int) -> list[tuple[int, int]]:
+    """``[(program id, weight)]`` along an axis of ``n`` programs: all of them when ``n <= cap``, else the first
+    and the last alone and the middle of ``cap - 2`` equal strata of the ones between."""
+    if cap < 3:
+        raise ValueError(f"cap must be >= 3, got {cap}")
+    if n <= cap:
+        return [(i, 1) for i in range(n)]
+    m, k = n - 2, cap - 2
+    bounds = [1 + (j * m) // k for j in range(k + 1)]
+    mid = [((a + b - 1) // 2, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [(0, 1)] + mid + [(n - 1, 1)]
+
+
+def loop_strata(r: range, cap: int) -> list[tuple[int, int]]:
+    """``[(value, weight)]`` of a kernel loop over ``r``: all of it when ``len(r) <= cap``, else the first and the
+    last iteration alone and, of the ones between, those whose index ``value // |step|`` is a multiple of the
+    smallest power of two that leaves at most ``cap - 2`` of the indices from 0 to the loop's far end, equally
+    weighted. One lattice for every start: programs whose loops start apart (a causal mask) sample the same
+    tiles, so the sectors they share stay shared and each stands for the same number of tiles."""
+    if cap < 3:
+        raise ValueError(f"cap must be >= 3, got {cap}")
+    if len(r) <= cap:
+        return [(v, 1) for v in r]
+    mid = r[1:-1]
+    extent = max(r[0], r[-1]) // abs(r.step) + 1      # the indices from 0: one lattice for every start
+    k = 1
+    while -(-(extent - 2) // k) > cap - 2:
+        k *= 2
+    picked = [v for v in mid if (v // abs(r.step)) % k == 0] or [mid[len(mid) // 2]]
+    share, extra = divmod(len(mid), len(picked))
+    return [(r[0], 1)] + [(v, share + (i < extra)) for i, v in enumerate(picked)] + [(r[-1], 1)]
+
+
+class SampledKernel:
+    """The kernel's Python function as GridExecutor calls it once per program: runs the sampled programs only,
+    each with its stratum's weight."""
+
+    def __init__(self, fn, counter, builder):
+        self._fn = fn
+        self._counter = counter
+        self._builder = builder
+        self._plan: dict | None = None
+        self.__signature__ = inspect.signature(fn)
+        self.__globals__ = fn.__globals__
+        self.__name__ = fn.__name__
+        self.__annotations__ = getattr(fn, "__annotations__", {})
+
+    def __call__(self, **kwargs):
+        if self._plan is None:
+            axes = [strata(n, self._counter.axis_cap) for n in self._builder.grid_dim]
+            self._plan = {(x, y, z): (wx, wy, wz) for x, wx in axes[0] for y, wy in axes[1] for z, wz in axes[2]}
+        w = self._plan.get(tuple(self._builder.grid_idx))
+        if w is None:
+            return None
+        self._counter.start_program(w[0] * w[1] * w[2], tuple(self._builder.grid_idx), tuple(self._builder.grid_dim),
+                                    w)
+        self._counter.in_kernel = True
+        try:
+            return self._fn(**kwargs)
+        finally:
+            self._counter.in_kernel = False
+
+
+class SampledRange:
+    """``range`` as the kernels' modules see it while counting: inside a kernel, a loop of more than ``loop_cap``
+    iterations runs its sample (:func:`loop_strata`), each iteration weighted by the ones it stands for."""
+
+    def __init__(self, counter):
+        self._counter = counter
+
+    def __call__(self, *args):
+        r = builtins.range(*(operator.index(a) for a in args))
+        c = self._counter
+        if not c.in_kernel or len(r) <= c.loop_cap:
+            return r
+        return self._iterate(r)
+
+    def _iterate(self, r):
+        c = self._counter
+        outer_w, outer_lw = c.weight, c.loop_weight
+        try:
+            for v, w in loop_strata(r, c.loop_cap):
+                c.weight, c.loop_weight = outer_w * w, outer_lw * w
+                yield v
+        finally:
+            c.weight, c.loop_weight = outer_w, outer_lw
+
+
+__all__ = ["strata", "loop_strata", "SampledKernel", "SampledRange"]
