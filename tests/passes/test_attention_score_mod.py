@@ -112,6 +112,20 @@ def test_compiled_with_q_k_v_from_linear_layers():
         torch.testing.assert_close(got, silu_projected(x), atol=1e-6, rtol=1e-5)
 
 
+def test_compiled_with_keys_laid_out_head_dim_first():
+    """K^T given as a contiguous (B, H, E, S) input: the template gets q and k in row-major order."""
+    def silu(q, kt, v):
+        s = q @ kt * 32 ** -0.5
+        return (s * torch.sigmoid(s)).softmax(-1) @ v
+
+    gen = torch.Generator().manual_seed(0)
+    q, kt, v = (torch.randn(*shape, generator=gen) for shape in ((1, 2, 8, 32), (1, 2, 32, 24), (1, 2, 24, 32)))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(silu, backend="smx", options={"cpu": "rewrite"}, fullgraph=True)(q, kt, v)
+        torch.testing.assert_close(got, silu(q, kt, v), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim,keys", [(16, 24), (8, 8)])
 def test_compiled_small_heads_where_the_cpu_template_errs(head_dim, keys):
     """Inductor's CPU FlexAttention template (torch 2.13) gives wrong rows for head dims of 16 and below at some

@@ -36,6 +36,8 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
         width = max(32 - q.shape[-1], 0)
         q, k = (torch.nn.functional.pad(t, (0, width)) if width else t.clone(memory_format=torch.contiguous_format)
                 for t in (q, k))
+        # in row-major order (a key laid out head dim first came out wrong through the template)
+        q, k = (torch.ops.prims.inductor_force_stride_order(t, _row_major(t.shape)) for t in (q, k))
         v = torch.nn.functional.pad(v, (0, max(32 - ev, 0)))
     # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
     # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
@@ -63,6 +65,14 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
     out = flex_attention(q, k, torch.cat([v, ones], -1), score_mod=score_mod, scale=scale, enable_gqa=enable_gqa)
     out = out[..., :ev].masked_fill(out[..., -1:] < 0.5, 0.0 if safe_softmax else float("nan"))
     return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _row_major(shape) -> tuple:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= max(int(d), 1)
+    return tuple(reversed(strides))
 
 
 def _replay(a, take):

@@ -30,7 +30,8 @@ def score_bound(q, k, *, scale, n_rep: int, like):
     """An upper bound of ``|s_ij|``, ``scale * |q_i| * max_j |k_j|`` (fp32, no gradient), per query row, reduced
     (max) over the dims where the mask ``like`` broadcasts."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qd, kd = q.detach().float(), k.detach().float()
+    # non-finite rows are NaN anyway: they must not lift the bound of the rows they share a mask with
+    qd, kd = (torch.nan_to_num(t.detach().float(), nan=0.0, posinf=0.0, neginf=0.0) for t in (q, k))
     kmax = kd.norm(dim=-1).amax(-1, keepdim=True)[..., None]                  # (..., Hkv, 1, 1)
     kmax = kmax.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else kmax
     bound = scale * qd.norm(dim=-1, keepdim=True) * kmax                       # (..., H, L, 1)
