@@ -86,14 +86,18 @@ class SampledRange:
         return self._iterate(r)
 
     def _iterate(self, r):
-        c = self._counter
-        outer_w, outer_lw = c.weight, c.loop_weight
-        try:
-            for v, w in loop_strata(r, c.loop_cap):
-                c.weight, c.loop_weight = outer_w * w, outer_lw * w
-                yield v
-        finally:
-            c.weight, c.loop_weight = outer_w, outer_lw
+        return sampled_loop(self._counter, r)
 
 
-__all__ = ["strata", "loop_strata", "SampledKernel", "SampledRange"]
+def sampled_loop(c, r: range):
+    """Iterate ``r`` as :func:`loop_strata` samples it, the counter ``c`` weighting each iteration's accesses."""
+    outer_w, outer_lw = c.weight, c.loop_weight
+    try:
+        for v, w in loop_strata(r, c.loop_cap):
+            c.weight, c.loop_weight = outer_w * w, outer_lw * w
+            yield v
+    finally:
+        c.weight, c.loop_weight = outer_w, outer_lw
+
+
+__all__ = ["strata", "loop_strata", "sampled_loop", "SampledKernel", "SampledRange"]

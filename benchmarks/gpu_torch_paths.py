@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from gpu_sampling import loop_strata, strata
+from gpu_sampling import sampled_loop, strata
 from gpu_traffic import H200, GPU, SECTOR, Counter, Launch, Regions, Traffic
 
 _KINDS = {"load": 0, "store": 1, "atomic": 2}
@@ -111,15 +111,8 @@ class Tracer:
 
     def steps(self, r: range):
         """The loop over ``r`` (tile indices) as a kernel runs it, sampled as gpu_traffic samples our kernels'
-        loops (:func:`gpu_traffic.loop_strata`)."""
-        c = self.counter
-        outer_w, outer_lw = c.weight, c.loop_weight
-        try:
-            for v, w in loop_strata(r, c.loop_cap):
-                c.weight, c.loop_weight = outer_w * w, outer_lw * w
-                yield v
-        finally:
-            c.weight, c.loop_weight = outer_w, outer_lw
+        loops (:func:`gpu_sampling.loop_strata`)."""
+        return sampled_loop(self.counter, r)
 
     def mma(self, flops: float) -> None:
         self.counter.launch.flops += self.counter.weight * flops
