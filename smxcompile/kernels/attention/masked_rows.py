@@ -28,8 +28,7 @@ def merged_mask(add_masks, masked, mask_order: str, *, dtype, device):
 
 def score_bound(q, k, *, scale, n_rep: int, like):
     """An upper bound of ``|s_ij|``, ``scale * |q_i| * max_j |k_j|`` (fp32, no gradient), per query row, reduced
-    (max) over the dims where the mask ``like`` broadcasts."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    (max) over the dims where the mask ``like`` broadcasts. ``scale``: a number (None resolved by the caller)."""
     # non-finite rows are NaN anyway: they must not lift the bound of the rows they share a mask with
     qd, kd = (torch.nan_to_num(t.detach().float(), nan=0.0, posinf=0.0, neginf=0.0) for t in (q, k))
     kmax = kd.norm(dim=-1).amax(-1, keepdim=True)[..., None]                  # (..., Hkv, 1, 1)
@@ -75,7 +74,6 @@ def absorbed_key_term(q, k, v, uniform, *, scale, n_rep: int):
     by the mask) send to K, ``dk_j = scale / S * sum_i q_i (g_i . (v_j - mean(v)))``; O((L + S) * E * Ev).
     Non-finite entries of q, k, v contribute nothing (their rows are NaN in eager and here)."""
     S, E = k.shape[-2], q.shape[-1]
-    scale = E ** -0.5 if scale is None else scale
     vd = torch.nan_to_num(v.detach(), nan=0.0, posinf=0.0, neginf=0.0)
     dk = torch.where(torch.isfinite(k.detach()), k - k.detach(), 0.0)
     kv = dk.mT @ (vd - vd.mean(-2, keepdim=True))                      # (..., Hkv, E, Ev), zero in value

@@ -76,12 +76,12 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
         # softpick leaves them out of its denominator, n counts only the keys left
         mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
-    q_eager = q
+    q_eager, sdpa_scale = q, q.shape[-1] ** -0.5 if scale is None else scale
     # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard); soft-capped scores: the op's
     # own backward takes absorbed rows as they are, and tanh's derivative needs eager's s, so only fills count
     if fixup and normalizer == "softmax" and not export and mask is not None and mask.dtype.is_floating_point \
             and (softcap is None or mask_order):
-        q, mask, uniform = dead_rows(q, k, mask, hidden, scale=scale, n_rep=n_rep, margin=MASK_VALUE,
+        q, mask, uniform = dead_rows(q, k, mask, hidden, scale=sdpa_scale, n_rep=n_rep, margin=MASK_VALUE,
                                      keep_grad=softcap is None)
     if not export:
         q_bad, k, k_bad = nonfinite_rows(q, k, hidden, is_causal, n_rep)
@@ -95,7 +95,7 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
         out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
     if uniform is not None and dropout_p == 0 and torch.is_grad_enabled() and k.requires_grad:
-        out = out + absorbed_key_term(q_eager, k, v, uniform, scale=scale, n_rep=n_rep)
+        out = out + absorbed_key_term(q_eager, k, v, uniform, scale=sdpa_scale, n_rep=n_rep)
     if not export:
         out = out.masked_fill(q_bad | k_bad, float("nan"))
     if fixup and normalizer == "softmax":
