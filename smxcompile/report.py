@@ -132,6 +132,7 @@ def _short_location(loc: str) -> str:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_OP_FORWARDERS = ("einops", "einx", "opt_einsum")
 
 
 def user_location(stack_trace: str | None) -> str:
@@ -144,6 +145,8 @@ def user_location(stack_trace: str | None) -> str:
         if "/torch/" in p and "/site-packages/torch/" in p:
             continue
         if "/smxcompile/edit/" in p:   # smxcompile's run-time interception (the eager model edits), not the user's call
+            continue
+        if any(f"/{lib}/" in p for lib in _OP_FORWARDERS):  # einops.einsum and the like call torch for the user
             continue
         return f"{path}:{line}"
     if frames:

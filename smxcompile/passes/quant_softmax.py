@@ -183,7 +183,7 @@ def _checks(m: QuantMatch, ctx: PassContext) -> str:
     # every intermediate must feed only the next step: the op replaces the whole chain
     for n in m.dead:
         if len(n.users) != 1:
-            return f"'{n.name}' (the probabilities) is also used elsewhere; the fused op does not write them"
+            return "the probabilities or a step of the quantizer are also used elsewhere; the fused op writes neither"
     if m.spelling == "torch.quantize_per_tensor":
         users = list(m.anchor.users)
         if not users or not all(_is_dequantize(u) for u in users):

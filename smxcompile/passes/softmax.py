@@ -267,7 +267,7 @@ def _checks(m: SoftmaxMatch, ctx: PassContext) -> str:
         if n is m.anchor:
             continue
         if any(u not in interior and u is not m.anchor for u in n.users):
-            return f"intermediate '{n.name}' is also used outside the softmax"
+            return "a value computed inside the written-out softmax (its max, exponentials or sum) is also read outside it"
     _absorb_neighbours(m)
     mutated = mutation_inside(m.anchor, m.dead)
     if mutated is not None:

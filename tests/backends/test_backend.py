@@ -703,3 +703,12 @@ def test_cli_errors_are_messages_not_tracebacks(argv, msg, capsys):
 
     assert cli.main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_location_is_the_users_line_not_a_forwarding_library():
+    """``einops.einsum`` calls torch for the user: the site is where the user called it."""
+    from smxcompile.report import user_location
+
+    trace = ('  File "/home/u/model.py", line 12, in forward\n    x = einsum(q, k, "b i d, b j d -> b i j")\n'
+             '  File "/venv/lib/site-packages/einops/_backends.py", line 291, in einsum\n    return torch.einsum(*a)\n')
+    assert user_location(trace) == "/home/u/model.py:12"

@@ -100,6 +100,38 @@ def decomposed_rel_pos(q, k, v, table_h, table_w):   # MViT-v2 / SAM / VitDet: a
     return s.softmax(-1) @ v
 
 
+def region_rel_pos(q, k, v, table_h, table_w):   # MViT-v2: the grid's bias added after a class token, in place
+    s = (q * E ** -0.5) @ k.transpose(-2, -1)          # (B*H, 7, 7): a class token, then a 2 x 3 grid
+    grid = q[:, 1:].reshape(-1, 2, 3, E)
+    bias_h = torch.einsum("bhwc,hkc->bhwk", grid, table_h)
+    bias_w = torch.einsum("bhwc,wkc->bhwk", grid, table_w)
+    s[:, 1:, 1:] = (s[:, 1:, 1:].view(-1, 2, 3, 2, 3) + bias_h[..., None] + bias_w[..., None, :]).view(-1, 6, 6)
+    return s.softmax(-1) @ v
+
+
+def whole_region_rel_pos(q, k, v, table_h, table_w):   # MViT-v2 without a class token: s[:, 0:, 0:] = ...
+    s = (q * E ** -0.5) @ k.transpose(-2, -1)
+    grid = q.reshape(-1, 2, 3, E)
+    bias_h = torch.einsum("bhwc,hkc->bhwk", grid, table_h)
+    s[:, 0:, 0:] = (s[:, 0:, 0:].view(-1, 2, 3, 2, 3) + bias_h[..., None]).view(-1, 6, 6)
+    return s.softmax(-1) @ v
+
+
+def shared_queries(q, k, v):                    # learned queries (L, E) attending over each batch's tokens
+    return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * E ** -0.5).softmax(-1), v)
+
+
+def bool_setitem_fill(q, k, v, pad):            # s[mask] = -inf on the fresh scores
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    s[pad.expand_as(s)] = float("-inf")
+    return s.softmax(-1) @ v
+
+
+def inplace_dropout(q, k, v):                   # TNT: nn.Dropout(inplace=True) on the weights, eval mode
+    p = torch.nn.functional.dropout((q @ k.transpose(-2, -1)).softmax(-1), 0.1, training=False, inplace=True)
+    return p @ v
+
+
 def keys_first_padding(q, k, v, pad):           # scores laid out (keys, queries): the softmax over dim -2
     s = (k @ q.transpose(-2, -1) * E ** -0.5).masked_fill(pad, -1e9)
     return s.softmax(-2).transpose(-2, -1) @ v
@@ -123,6 +155,11 @@ def keys_first_blind_query(q, k, v):            # a constant mask that hides eve
 
 def _grid_case(seed=0):
     q, k, v = (_randn(B * H, 6, E, seed=seed + i) for i in range(3))
+    return q, k, v, _randn(2, 2, E, seed=seed + 3), _randn(3, 3, E, seed=seed + 4)
+
+
+def _region_case(seed=0):
+    q, k, v = (_randn(B * H, 7, E, seed=seed + i) for i in range(3))
     return q, k, v, _randn(2, 2, E, seed=seed + 3), _randn(3, 3, E, seed=seed + 4)
 
 
@@ -150,6 +187,11 @@ CASES = {
     "floored_padding": (floored_padding, lambda: (*bhle(), _padding(torch.finfo(torch.float32).min))),
     "floored_inf_padding": (floored_by_clamp, lambda: (*bhle(), _padding(float("-inf")))),
     "decomposed_rel_pos": (decomposed_rel_pos, _grid_case),
+    "region_rel_pos": (region_rel_pos, _region_case),
+    "whole_region_rel_pos": (whole_region_rel_pos, _grid_case),
+    "bool_setitem_fill": (bool_setitem_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
+    "inplace_dropout": (inplace_dropout, bhle),
+    "shared_queries": (shared_queries, lambda: (_randn(L, E, seed=0), _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
     "keys_first_padding": (keys_first_padding, lambda: (*bhle(), torch.stack(   # batch 1: every key masked
         [torch.arange(S) >= S - 2, torch.ones(S, dtype=torch.bool)]).view(B, 1, S, 1))),
     "keys_first_einsum": (keys_first_einsum, lambda: (*bhle(), _randn(B, 1, S, L, seed=9))),
@@ -225,6 +267,24 @@ def factor_on_split_view(q, k, v, t):            # a factor constant along 3 key
     return s.softmax(-1) @ v
 
 
+def region_scaled(q, k, v):                      # a region of the scores scaled: not a bias added to it
+    s = q @ k.transpose(-2, -1)
+    s[:, 1:, 1:] = s[:, 1:, 1:] * 2.0
+    return s.softmax(-1) @ v
+
+
+def region_bias_from_scores(q, k, v):            # the bias added to the region is computed from the scores
+    s = q @ k.transpose(-2, -1)
+    s[:, 1:, 1:] = s[:, 1:, 1:] + s[:, 1:, 1:].amax(-2, keepdim=True)
+    return s.softmax(-1) @ v
+
+
+def region_strided(q, k, v, b):                  # every other key: a step other than 1
+    s = q @ k.transpose(-2, -1)
+    s[:, :, ::2] = s[:, :, ::2] + b
+    return s.softmax(-1) @ v
+
+
 # other pointwise changes than a scale, soft-cap or mask: FlexAttention replays them (a score_mod)
 SCORE_MODS = {
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
@@ -250,6 +310,9 @@ NEAR_MISSES = {
     "intermediates_returned": (intermediates_returned, lambda: bhle()),
     "talking_heads": (talking_heads, lambda: (*bhle(lk=L), _randn(H, H, seed=5))),
     "weights_over_queries": (weights_over_queries, lambda: bhle(lk=L)),
+    "region_scaled": (region_scaled, lambda: _region_case()[:3]),
+    "region_bias_from_scores": (region_bias_from_scores, lambda: _region_case()[:3]),
+    "region_strided": (region_strided, lambda: (*_region_case()[:3], _randn(7, 4, seed=5))),
 }
 
 
@@ -278,6 +341,21 @@ def shifted_by_logsumexp(q, k, v, m):
     return (s - torch.logsumexp(s, -1, keepdim=True)).softmax(-1) @ v
 
 
+def shifted_then_scaled(q, k, v, m):               # (s - max) * c: the shift scaled is still one per row
+    s = q @ k.mT
+    return ((s - s.max(-1).values.unsqueeze(-1)) * 0.3 + m).softmax(-1) @ v
+
+
+def shifted_by_unsqueezed_max(q, k, v, m):        # amax without keepdim, its dim given back by indexing
+    s = q @ k.mT * 0.3 + m
+    return (s - s.amax(-1)[..., None]).softmax(-1) @ v
+
+
+def softcapped_after_shift(q, k, v, m):            # tanh((s - max) / c): the cap sees the shift
+    s = q @ k.mT + m
+    return (torch.tanh((s - s.amax(-1, keepdim=True)) / 5.0) * 5.0).softmax(-1) @ v
+
+
 def shifted_by_another_rows_statistic(q, k, v, m):    # finfo.min rows in m: s - lse(s + m) rounds s away
     s = q @ k.mT * 0.3
     return (s - torch.logsumexp(s + m, -1, keepdim=True)).softmax(-1) @ v
@@ -288,7 +366,8 @@ def shifted_by_column_max(q, k, v, m):         # a statistic over the query inde
     return (s - s.amax(-2, keepdim=True)).softmax(-1) @ v
 
 
-@pytest.mark.parametrize("fn", [shifted_by_row_max, shifted_by_logsumexp])
+@pytest.mark.parametrize("fn", [shifted_by_row_max, shifted_by_logsumexp, shifted_then_scaled,
+                                shifted_by_unsqueezed_max])
 def test_a_shift_of_each_row_is_dropped(fn):
     """Softmax is invariant to a per-row shift (a statistic of the row, as a stable softmax subtracts)."""
     gen = torch.Generator().manual_seed(0)
@@ -305,7 +384,8 @@ def test_a_shift_of_each_row_is_dropped(fn):
 
 
 @pytest.mark.parametrize("fn,why", [(shifted_by_column_max, "varying along the keys"),
-                                    (shifted_by_another_rows_statistic, "other than their own row max")])
+                                    (shifted_by_another_rows_statistic, "other than their own row max"),
+                                    (softcapped_after_shift, "")])
 def test_other_statistics_are_no_row_shift(fn, why):
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
     r = rewrite(fn, q, k, v, torch.zeros(5, 5))
@@ -345,3 +425,19 @@ def test_weights_read_otherwise_are_reported_not_rewritten(fn, why):
     r = rewrite(fn, q, k, v, torch.ones(2, 1, 1, 5))
     att = [s for s in r.report if s.kind == "attention"]
     assert [s.action for s in att] == ["skipped"] and why in att[0].reason, str(r.report)
+
+
+def residual_scores(x, wq, wk, v):              # residual attention: layer 2 adds layer 1's scores before its softmax
+    s1 = (x @ wq) @ (x @ wk).mT * 0.3
+    h = s1.softmax(-1) @ v
+    s2 = (h @ wq) @ (h @ wk).mT * 0.3 + s1
+    return s2.softmax(-1) @ v, s1
+
+
+def test_a_previous_layers_scores_are_a_bias():
+    """Layer 1's scores are returned (read outside its attention: kept); to layer 2 they are an additive bias that
+    does not depend on layer 2's scores, so layer 2 is one attention call."""
+    args = (_randn(B, H, L, E, seed=0), _randn(E, E, seed=1), _randn(E, E, seed=2), _randn(B, H, L, E, seed=3))
+    r = rewrite(residual_scores, *args)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["skipped", "rewritten"], str(r.report)
+    check_against_gold(r, residual_scores, args, _randn(B, H, L, E, seed=4).double(), tol=1e-5)

@@ -607,7 +607,7 @@ return (getitem,)""")
         r = rewrite(fn, x3())
         self.assertUnchanged(r)
         self.assertEqual(r.site.action, "skipped")
-        self.assertEqual(r.site.reason, "intermediate 'e' is also used outside the softmax")
+        self.assertIn("also read outside it", r.site.reason)
 
     def test_in_place_op_on_the_input_inside_the_pattern(self):
         # the op would sit at the softmax and read x after mul_: it must not be rewritten
@@ -654,7 +654,7 @@ return (getitem,)""")
         r = rewrite(fn, x3())
         self.assertUnchanged(r)
         self.assertEqual(r.site.action, "skipped")
-        self.assertIn("'s' is also used outside", r.site.reason)
+        self.assertIn("also read outside it", r.site.reason)
 
     def test_max_used_elsewhere(self):
         def fn(x):
@@ -665,7 +665,7 @@ return (getitem,)""")
         r = rewrite(fn, x3())
         self.assertUnchanged(r)
         self.assertEqual(r.site.action, "skipped")
-        self.assertIn("'m' is also used outside", r.site.reason)
+        self.assertIn("also read outside it", r.site.reason)
 
     def test_F_gumbel_softmax_is_not_a_site(self):
         torch.manual_seed(0)

@@ -24,7 +24,7 @@ from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
-from ..patterns.written_softmax import keepdim_reduction, same_dim_reduction, strip_detach
+from ..patterns.written_softmax import keepdim_reduction, same_dim_reduction, strip_detach, unsqueezed
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
 from .operands import dropout_call, key_side, softmax_input, softmax_interior
 
@@ -200,6 +200,9 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
     for op in (c.a, c.b):
         n = op.node
         for _ in range(4):
+            inner = contraction(n) if isinstance(n, Node) else None
+            if inner is not None and any(_weights(peel(o, [])) for o in (inner.a, inner.b)):
+                break       # another attention's output, not its weights
             ins = [a for a in n.all_input_nodes if tensor_val(a) is not None] if isinstance(n, Node) else []
             sm = next((a for a in ins if softmax_input(a) is not None), None)
             if sm is not None and isinstance(score_graph(softmax_input(sm)[0], sm), tuple):
@@ -268,12 +271,13 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
     phase = 0                   # 0: before a soft-cap, 1: after it, 2: after a mask
     level = qk                  # the node whose shape the scores have where each step applies (views regroup)
     split: set = set()          # views splitting the query and key indices (B, Lh, Lw, Sh, Sw)
+    shifted = False             # a row shift was dropped: scales and masks may follow, not a soft-cap or floor
     for node, s in steps:
         m.dead.append(node)
         step = score_step(node, s)
         if step is None:
             c = canon(node)
-            return _skip(m, f"'{node.name}' ({c[0] if c else op_label(node)}) between the scores and the softmax is "
+            return _skip(m, f"{c[0] if c else op_label(node)} between the scores and the softmax is "
                             "not a scale, soft-cap, mask, cast or view")
         kind, data = step
         if kind == "cast" and not data:
@@ -286,24 +290,33 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
                     return _skip(m, "the scores are viewed in a shape that mixes the query and key indices")
                 split.add(level)
             continue
-        if kind in ("add", "sub", "fill") and m.mask_floor is not None:
+        if kind in ("add", "sub", "fill", "region") and m.mask_floor is not None:
             return _skip(m, "a mask is applied after the scores are clamped below")
         why = ""
         if kind in ("scale", "scale_t"):
             why = "the scores are scaled after the mask is applied" if phase == 2 else \
                 _take_scale(m, kind, data, consts, capped=phase == 1, qk=qk, level=level, split=level in split)
         elif kind == "tanh":
-            why = "soft-capping after another soft-cap or a mask" if phase else ""
+            why = "soft-capping after another soft-cap, a mask or a row shift" if phase or shifted else ""
             m.softcap, phase = 1.0, 1
         elif kind in ("add", "sub"):
+            before = len(m.masks)
             why = _take_mask(m, kind, data, node, qk, level=level)
+            if not why and len(m.masks) == before:
+                shifted = True
+                continue
+        elif kind == "region":      # s[idx] = s[idx] + b: b padded with zeros to the scores' shape
+            m.dead += data[4]
+            for b, at in data[3]:
+                why = why or _take_mask(m, "add", b, at, qk, level=level, region=(data[1], data[2], tuple(
+                    tensor_val(at).shape)))
         elif kind == "fill":
-            why = _take_fill(m, data, node, qk, consts, level=level)
+            why = _take_fill(m, data, node if tensor_val(node) is not None else s, qk, consts, level=level)
         elif kind == "floor":
-            why = _take_floor(m, data, consts)
+            why = _take_floor(m, data, consts) if not shifted else "the scores are clamped below after a row shift"
         if why:
             return _skip(m, why)
-        phase = 2 if kind in ("add", "sub", "fill", "floor") else phase
+        phase = 2 if kind in ("add", "sub", "fill", "floor", "region") else phase
     if split and not same_shape(tuple(tensor_val(softmax_input(m.softmax)[0]).shape[-2:]),
                                 tuple(tensor_val(qk).shape[-2:])):
         return _skip(m, "the softmax runs over a part of the key index (the scores viewed with it split)")
@@ -311,10 +324,11 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
     return _skip(m, why) if why else m
 
 
-def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *, level: Node, fill=None) -> str:
+def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *, level: Node, fill=None,
+               region: tuple | None = None) -> str:
     """Take ``mask`` into the site, applied to the scores at ``node`` (viewed as ``level`` is): added (``how``
-    ``"add"``), subtracted (``"sub"``), or a bool whose True (``"fill"``) or False (``"keep"``) entries hold
-    ``fill``, a number. Why it cannot be, or ""."""
+    ``"add"``; to a ``region = (pads, region shape, shape at node)`` of them only), subtracted (``"sub"``), or a
+    bool whose True (``"fill"``) or False (``"keep"``) entries hold ``fill``, a number. Why not, or ""."""
     mv, sv, dtype = tensor_val(mask), tensor_val(node), tensor_val(qk).dtype
     if fill is None and (mv is None or mv.is_complex() or mv.dim() == 0):
         return "the additive mask is not a real tensor of scores (a 0-d one shifts every score alike)"
@@ -345,7 +359,7 @@ def _take_mask(m: AttentionMatch, how: str, mask: Node, node: Node, qk: Node, *,
         why = (f"the mask is added to scores cast up from {dtype}: the fused kernel adds it in {dtype}, where its "
                "large values would overflow")
     if not why:
-        m.masks.append(Mask(mask, how, fill, level))
+        m.masks.append(Mask(mask, how, fill if region is None else region, level))
     return why
 
 
@@ -358,8 +372,12 @@ def _row_shift(m: AttentionMatch, term: Node, node: Node) -> bool | None:
     if dim is None or tv is None or tv.dim() != xv.dim() or not same_size(tv.shape[dim], 1) or \
             tensor_val(softmax_input(m.softmax)[0]).shape != xv.shape:
         return None
-    t, lse = strip_detach(term), keepdim_reduction(strip_detach(term), "logsumexp")
-    return bool(lse and lse[0] is x and lse[1] == dim) or any(same_dim_reduction(t, r, x, dim) for r in ("amax", "max"))
+    t = strip_detach(term)
+    kept = unsqueezed(t, dim, xv.dim())     # r[..., None] of a reduction without keepdim
+    t, keep = (strip_detach(kept), False) if kept is not None else (t, True)
+    lse = keepdim_reduction(t, "logsumexp", keepdim=keep)
+    return bool(lse and lse[0] is x and lse[1] == dim) or any(
+        same_dim_reduction(t, r, x, dim, keepdim=keep) for r in ("amax", "max"))
 
 
 def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:

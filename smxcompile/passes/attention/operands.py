@@ -96,7 +96,7 @@ def _repeated(kv: Any, reps: int, v, h: int) -> bool:
 
 
 def dropout_call(n: Node) -> tuple[Node, float, bool] | None:
-    """``F.dropout(x, p, training)`` -> (x, p, training)."""
+    """``F.dropout(x, p, training)`` -> (x, p, training); in place only on a tensor nothing else reads."""
     if n.op != "call_function" or n.target not in _DROPOUT_FNS:
         return None
     names = ("input", "p", "training", "inplace") if n.target is not torch.dropout else ("input", "p", "train")
@@ -104,7 +104,8 @@ def dropout_call(n: Node) -> tuple[Node, float, bool] | None:
     a.update(n.kwargs)
     p = a.get("p", 0.5)
     training = a.get("training", a.get("train", True))
-    if not isinstance(p, (int, float)) or not isinstance(training, bool) or a.get("inplace"):
+    if not isinstance(p, (int, float)) or not isinstance(training, bool) or a.get("inplace") and not (
+            isinstance(a["input"], Node) and len(a["input"].users) == 1):
         return None
     return a["input"], float(p), training
 

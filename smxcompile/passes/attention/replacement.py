@@ -41,7 +41,8 @@ def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, 
 
 def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
                normalizer, norm_param, export, lead, safe_softmax, mask_floor):
-    v_lead = None
+    v_lead, nd = None, max(q.dim(), k.dim(), v.dim())     # matmul's leading dims, aligned from the right
+    q, k, v = (t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     if lead is not None:
         v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
@@ -118,6 +119,9 @@ def _split_masks(masks, mask_kinds, shape: tuple, *, dtype):
     merge into one additive mask. A mask on a view of the scores is regrouped to ``shape``."""
     add_masks, masked, order = [], [], ""
     for t, (how, value, view) in zip(masks, mask_kinds, strict=True):
+        if how == "add" and value is not None:      # added to a region: (pads, region shape, shape added at)
+            t = t.expand(value[2]).reshape(value[1])
+            t = F.pad(t, value[0]) if value[0] else t
         t = t if view is None else t.expand(view).reshape(shape)
         if how in ("add", "sub"):
             add_masks.append(t if how == "add" else -(t if t.is_floating_point() else t.to(dtype)))

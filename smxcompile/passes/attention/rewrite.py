@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 from typing import Any
 
@@ -14,8 +13,8 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.masks import MASK_VALUE
-from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
+from ..patterns.masks import mild_mask
+from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, op_label, \
     replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
 from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
@@ -30,12 +29,21 @@ def _differ(a, b) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a != b
 
 
+def _broadcast(*vals) -> bool:
+    try:
+        torch.broadcast_shapes(*(tuple(v.shape[:-2]) for v in vals))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _check_shapes(m: AttentionMatch) -> str:
     qv, kv, vv = m.val("q"), m.val("k"), m.val("v")
     if qv is None or kv is None or vv is None:
         return "q, k or v has no shape information"
-    if qv.dim() < 2 or kv.dim() != qv.dim() or vv.dim() != qv.dim():
-        return f"q, k, v ranks {qv.dim()}, {kv.dim()}, {vv.dim()} differ"
+    if min(qv.dim(), kv.dim(), vv.dim()) < 2 or len({qv.dim(), kv.dim(), vv.dim()}) > 1 and (
+            m.layouts or m.lead is not None or not _broadcast(qv, kv, vv)):   # matmul aligns them from the right
+        return f"q, k, v ranks {qv.dim()}, {kv.dim()}, {vv.dim()} differ (and are regrouped or do not broadcast)"
     if not (qv.dtype == kv.dtype == vv.dtype) or qv.dtype not in FLOAT_DTYPES:
         return f"mixed or non-float q/k/v dtypes ({qv.dtype}, {kv.dtype}, {vv.dtype})"
     out = tensor_val(m.anchor)
@@ -67,8 +75,8 @@ def _gqa(m: AttentionMatch, export: bool) -> None:
 
 def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
     """A constant mask that is exactly the causal lower triangle becomes ``is_causal``; an all-zero one goes."""
-    if len(m.masks) != 1 or any(m.mask_shapes):   # a mask on a view: not in (L, S) form
-        return
+    if len(m.masks) != 1 or any(m.mask_shapes) or m.masks[0].how == "add" and m.masks[0].value is not None:
+        return      # a mask on a view or on a region of the scores: not in (L, S) form
     qv, kv = m.val("q"), m.val("k")
     L, S = qv.shape[-2], kv.shape[-2]
     node, how = m.masks[0].node, m.masks[0].how
@@ -85,31 +93,6 @@ def _causal_or_const(m: AttentionMatch, consts: ConstEvaluator) -> None:
         m.absorbed += ["zero mask dropped"] if zero else []
 
 
-def _mild_mask(mask: Node, consts: ConstEvaluator, dtype: torch.dtype) -> bool:
-    """The additive mask provably holds nothing at or below ``MASK_VALUE`` in the scores' ``dtype`` (-inf
-    included): no entry can round a score away (the fix-up decides that per row at run time otherwise)."""
-    tv = tensor_val(mask)
-    if tv is not None and not tv.dtype.is_floating_point:   # an int32 / int64 mask can overflow fp16
-        return tv.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16) or dtype != torch.float16
-    c = consts.known(mask)
-    if isinstance(c, torch.Tensor):
-        return bool((c.to(dtype) > MASK_VALUE).all())
-    n = mask
-    for _ in range(8):
-        if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
-                or n.op == "call_function" and n.target is operator.getitem:
-            n = n.args[0]
-            if not isinstance(n, Node):
-                return False
-            continue
-        break
-    if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
-        vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
-                else None for a in n.args[1:]]
-        return all(v is not None and MASK_VALUE < v < math.inf for v in vals)
-    return False
-
-
 def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
     """Some row may be masked whole (unknown at compile time counts as yes)."""
     if m.is_causal:
@@ -121,7 +104,7 @@ def _needs_fixup(m: AttentionMatch, consts: ConstEvaluator) -> bool:
         hidden = functools.reduce(operator.or_, (c if fill[1] else ~c for c, fill in zip(conds, m.masked)))
         return bool((keys_last(hidden) if "scores" in m.layout else hidden).all(-1).any())
     # two finite masks may still sum to -inf (finfo.min + finfo.min)
-    return bool(m.masked) or len(m.add_masks) > 1 or any(not _mild_mask(a, consts, m.val("q").dtype)
+    return bool(m.masked) or len(m.add_masks) > 1 or any(not mild_mask(a, consts, m.val("q").dtype)
                                                          for a in m.add_masks)
 
 
@@ -149,10 +132,10 @@ def _interior_escapes(m: AttentionMatch, live: set) -> str:
         if out:
             writes = next((u for u in out if is_mutation(u)), None)
             if writes is not None:
-                return (f"in-place op '{writes.name}' writes the scores ('{n.name}') after the site reads them: "
+                return (f"the scores are written in place ({op_label(writes)}) after the attention reads them: "
                         "not matched (an out-of-place masked_fill / where / add would be)")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
-            what = "the attention weights" if weights else f"the scores ('{n.name}')"
+            what = "the attention weights" if weights else "the scores"
             return f"{what} are also read outside the attention (returned to the caller, e.g. output_attentions): kept"
     return ""
 
@@ -172,7 +155,7 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         _gqa(m, ctx.export)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
         mut = mutation_inside(m.anchor, m.dead)
         if mut is not None:
-            return f"in-place op '{mut.name}' runs inside the attention pattern"
+            return f"an in-place {op_label(mut)} runs between the attention's reads of its inputs"
         _causal_or_const(m, consts)
         if _needs_fixup(m, consts):
             m.fixup = "auto"

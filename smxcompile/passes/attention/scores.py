@@ -19,7 +19,7 @@ from ..patterns.contraction import contraction, reshape_input
 from ..patterns.graph import broadcasts_to, canon, cast_dtype, is_mutation, op_label, pointwise, same_shape, \
     same_size, tensor_val
 from ..patterns.masks import add_operands, fill_mask, inplace_add_operands, inplace_fill, inplace_sub_operands, \
-    mask_floor
+    mask_floor, region_add
 from ..patterns.selections import no_op_copy
 from ..patterns.writes import fresh_tensor
 
@@ -27,8 +27,9 @@ _MAX_NODES = 512
 
 
 def _written(n: Node) -> Node | None:
-    """The tensor ``s += m``, ``s -= m`` (or ``add_``, ``sub_``) or ``s.masked_fill_(c, v)`` writes, else None."""
-    written = inplace_add_operands(n) or inplace_sub_operands(n) or inplace_fill(n)
+    """The tensor ``s += m``, ``s -= m`` (or ``add_``, ``sub_``), ``s.masked_fill_(c, v)`` or ``s[idx] = s[idx] + b``
+    writes, else None."""
+    written = inplace_add_operands(n) or inplace_sub_operands(n) or inplace_fill(n) or region_add(n)
     return n.args[0] if written is not None else None
 
 
@@ -61,16 +62,19 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
         inner.add(n)
         if len(inner) > _MAX_NODES:
             return "too many ops between the scores and the softmax"
-        stack += n.all_input_nodes
+        region = region_add(n)      # the value's own read of the scores is part of the write
+        stack += [region[0], *(b for b, _ in region[3])] if region else n.all_input_nodes
     size = tensor_val(x).numel()
     qks = [n for n in x.graph.nodes if n in found and tensor_val(n) is not None
            and same_size(tensor_val(n).numel(), size)]
     if not qks:
         return None
-    if any(depends_on(a, b) for a in qks for b in qks if a is not b):
+    if any(_reads(a, b) for a in qks for b in qks if a is not b):
         return "the scores are contracted again before the softmax (not one attention)"
-    # of contractions added side by side (q @ k^T + q @ r^T), the first is the scores, the others additive biases
-    on, path = {qks[0]}, []
+    # of contractions added side by side (q @ k^T + q @ r^T), the first that no other is computed from is the
+    # scores, the others additive biases (a previous layer's scores, as residual attention adds them)
+    qk = next(a for a in qks if not any(depends_on(b, a) for b in qks if b is not a))
+    on, path = {qk}, []
     for n in x.graph.nodes:
         if n is softmax:
             break
@@ -79,8 +83,21 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
             path.append(n)
     write = next((w for w in writes if w.args and w.args[0] in on), None)
     if write is not None:
-        return f"in-place op '{write.name}' ({op_label(write)}) on the scores: not matched (write it out of place)"
-    return qks[0], path
+        return f"the scores are written in place ({op_label(write)}): not matched (an out-of-place write would be)"
+    return qk, path
+
+
+def _reads(a: Node, b: Node) -> bool:
+    """Contraction ``a`` reads ``b`` through pointwise ops, casts and views only (``s + s @ m``)."""
+    stack, seen = list(a.all_input_nodes), set()
+    while stack and len(seen) <= _MAX_NODES:
+        n = stack.pop()
+        if n is b:
+            return True
+        if n not in seen and _in_chain(n):
+            seen.add(n)
+            stack += n.all_input_nodes
+    return False
 
 
 def score_steps(qk: Node, path: list[Node], x: Node) -> list[tuple[Node, Node]] | None:
@@ -106,13 +123,15 @@ def score_steps(qk: Node, path: list[Node], x: Node) -> list[tuple[Node, Node]] 
 
 def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
     """What chain node ``n`` does to the scores ``s`` it reads, in the fused op's terms: ``("cast", exact)``,
-    ``("copy" | "view" | "tanh", None)``, ``("scale", number)``, ``("scale_t", (t, "mul" | "div"))`` (``t`` 0-d,
-    symbolic, or constant along the key index: a factor of q's rows), ``("add" | "sub", mask)``, ``("fill",
-    (cond, True if True masks, value))``, ``("floor", value)``; None for any other change."""
+    ``("copy" | "view" | "tanh", None)``, ``("region", region_add(n))``, ``("scale", number)``, ``("scale_t", (t,
+    "mul" | "div"))`` (``t`` 0-d, symbolic, or constant along the key index: a factor of q's rows), ``("add" |
+    "sub", mask)``, ``("fill", (cond, True if True masks, value))``, ``("floor", value)``; None otherwise."""
     if cast_dtype(n) is not None:
         return "cast", exact_cast(n) is not None
     if no_op_copy(n) is not None or reshape_input(n) is not None:
         return ("copy" if no_op_copy(n) is not None else "view"), None
+    if region_add(n) is not None:
+        return "region", region_add(n)
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         return "add", pair[1] if pair[0] is s else pair[0]
@@ -149,22 +168,22 @@ def flex_sides(qk: Node, path: list[Node]) -> list[Node] | str:
     sides: list[Node] = []
     for n in path:
         if not (pointwise(n) or exact_cast(n) is not None):
-            return f"'{n.name}' ({op_label(n)}) is not a pointwise change of the scores (views are not followed)"
+            return f"{op_label(n)} is not a pointwise change of the scores (views are not followed)"
         if n.op == "call_function" and _import_path(n.target) is None:
-            return f"'{n.name}' calls a function outside torch and operator"
+            return f"{op_label(n)}, a function outside torch and operator, changes the scores"
         if not same_shape(tuple(tensor_val(n).shape), shape):
-            return f"'{n.name}' changes the scores' shape"
+            return f"{op_label(n)} changes the scores' shape"
         if not tensor_val(n).dtype.is_floating_point:
             return "the mask depends on the scores"
         if tensor_val(n).dtype == torch.float64:
-            return f"'{n.name}' computes the scores in float64: FlexAttention's score_mod runs in float32"
+            return "the scores are changed in float64: FlexAttention's score_mod runs in float32"
         for a in n.all_input_nodes:
             if a is qk or a in path or a in sides:
                 continue
             if depends_on(a, qk):
-                return f"'{a.name}' is computed from the scores, not entry by entry"
+                return f"a term computed from the scores ({op_label(a)}), not entry by entry, changes them"
             if tensor_val(a) is None or not broadcasts_to(tuple(tensor_val(a).shape), shape):
-                return f"'{a.name}' does not broadcast to the scores"
+                return f"a term of the changes ({op_label(a)}) does not broadcast to the scores"
             sides.append(a)
     return sides
 

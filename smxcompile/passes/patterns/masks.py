@@ -8,12 +8,14 @@ output's full shape is the scores; attention: the operand computed from the scor
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 import torch
 from torch.fx import Node
 
+from .contraction import reshape_input
 from .graph import broadcasts_to, canon, same_shape, single_user, static_shape, tensor_val
 
 #: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
@@ -108,6 +110,32 @@ def mask_floor(n: Node) -> tuple[Node, Any] | None:
     return x, c
 
 
+def mild_mask(mask: Node, consts: Any, dtype: torch.dtype) -> bool:
+    """The additive mask provably holds nothing at or below ``MASK_VALUE`` in the scores' ``dtype`` (-inf
+    included): no entry can round a score away (the fix-up decides that per row at run time otherwise). ``consts``
+    a :class:`.constants.ConstEvaluator`."""
+    tv = tensor_val(mask)
+    if tv is not None and not tv.dtype.is_floating_point:   # an int32 / int64 mask can overflow fp16
+        return tv.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16) or dtype != torch.float16
+    c = consts.known(mask)
+    if isinstance(c, torch.Tensor):
+        return bool((c.to(dtype) > MASK_VALUE).all())
+    n = mask
+    for _ in range(8):
+        if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
+                or n.op == "call_function" and n.target is operator.getitem:
+            n = n.args[0]
+            if not isinstance(n, Node):
+                return False
+            continue
+        break
+    if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
+        vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
+                else None for a in n.args[1:]]
+        return all(v is not None and MASK_VALUE < v < math.inf for v in vals)
+    return False
+
+
 def _inplace_operands(n: Any, fn, method: str) -> tuple[Node, Node] | None:
     if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
         return None
@@ -127,12 +155,75 @@ def inplace_sub_operands(n: Any) -> tuple[Node, Node] | None:
 
 
 def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
-    """``s.masked_fill_(mask, value)`` -> ``(mask, True, value)``."""
+    """``s.masked_fill_(mask, value)``, or ``s[mask] = value`` with a bool ``mask`` of ``s``'s shape and a number
+    -> ``(mask, True, value)``."""
     if isinstance(n, Node) and n.op == "call_method" and n.target == "masked_fill_" and len(n.args) == 3 \
             and not n.kwargs and isinstance(n.args[1], Node):
         return n.args[1], True, n.args[2]
+    if isinstance(n, Node) and n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3:
+        s, cond, value = (tensor_val(a) if isinstance(a, Node) else a for a in n.args)
+        if isinstance(cond, torch.Tensor) and cond.dtype == torch.bool and isinstance(s, torch.Tensor) \
+                and same_shape(tuple(cond.shape), tuple(s.shape)) and (
+                isinstance(value, (int, float)) or isinstance(value, torch.Tensor) and value.dim() == 0):
+            return n.args[1], True, n.args[2]
     return None
 
 
-__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_sub_operands", "inplace_fill", "static_additive_mask", "fill_mask", "is_masking_value",
-           "mask_floor"]
+def region_add(n: Any) -> tuple[Node, tuple, tuple, list[tuple[Node, Node]], list[Node]] | None:
+    """``s[idx] = s[idx] + b1 + b2 ...`` through reshapes back to the region's shape (MViT-v2 adds its decomposed
+    relative positions to the scores after the class token) -> ``(s, pads, region shape, [(b, the add reading
+    it)], the value's nodes)``; ``idx`` basic slices of step 1 with static bounds, ``pads`` as ``F.pad`` takes
+    them. Whether the biases depend on ``s`` is the caller's rule."""
+    if not (isinstance(n, Node) and n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3
+            and isinstance(n.args[0], Node) and isinstance(n.args[2], Node)):
+        return None
+    s, idx, val = n.args
+    shape, region = static_shape(tensor_val(s)), static_shape(tensor_val(val))
+    pads = _slice_pads(idx, shape) if shape is not None else None
+    biases, chain, x = [], [], val
+    while pads is not None and region is not None and isinstance(x, Node) and len(chain) < 16:
+        chain.append(x)
+        if len(x.users) != 1:
+            return None
+        if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
+            return s, pads, region, biases, chain
+        pair = add_operands(x)
+        on = reshape_input(x) if pair is None else next((a for a in pair if _reaches(a, s, idx)), None)
+        if pair is not None and on is not None:
+            biases.append((pair[1] if pair[0] is on else pair[0], x))
+        x = on
+    return None
+
+
+def _reaches(x: Any, s: Node, idx: Any, depth: int = 16) -> bool:
+    if not isinstance(x, Node) or depth == 0:
+        return False
+    if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
+        return True
+    pair = add_operands(x)
+    return any(_reaches(a, s, idx, depth - 1) for a in (pair or (reshape_input(x),)))
+
+
+def _slice_pads(idx: Any, shape: tuple) -> tuple | None:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items) or items.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + (slice(None),) * (len(shape) - len(items) + 1) + items[k + 1:]
+    items += (slice(None),) * (len(shape) - len(items))
+    pads: list[int] = []
+    for sl, size in zip(reversed(items), reversed(shape)):
+        if len(items) != len(shape) or not all(v is None or type(v) is int for v in (sl.start, sl.stop, sl.step)):
+            return None
+        start, stop, step = sl.indices(size)
+        if step != 1 or stop <= start:
+            return None
+        pads += [start, size - stop]
+    while pads[-2:] == [0, 0]:
+        pads = pads[:-2]
+    return tuple(pads)
+
+
+__all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_sub_operands", "inplace_fill",
+           "region_add", "mild_mask", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]

@@ -11,8 +11,8 @@ from torch.fx import Node
 from .graph import FLOAT_DTYPES, canon, dedupe, norm_dim, tensor_val
 
 
-def same_dim_reduction(node: Any, name: str, x: Node, dim: int) -> bool:
-    """``node`` is ``name(x, dim, keepdim=True)`` (``max`` through ``[0]`` / ``.values``)."""
+def same_dim_reduction(node: Any, name: str, x: Node, dim: int, *, keepdim: bool = True) -> bool:
+    """``node`` is ``name(x, dim, keepdim=keepdim)`` (``max`` through ``[0]`` / ``.values``)."""
     if not isinstance(node, Node):
         return False
     if name == "max":
@@ -28,21 +28,35 @@ def same_dim_reduction(node: Any, name: str, x: Node, dim: int) -> bool:
     if name != "max" and cname != name:
         return False
     xv = tensor_val(x)
-    return a.get("input") is x and a.get("keepdim") is True and xv is not None and norm_dim(a.get("dim"), xv.dim()) == dim
+    return a.get("input") is x and bool(a.get("keepdim")) is keepdim and xv is not None and \
+        norm_dim(a.get("dim"), xv.dim()) == dim
 
 
-def keepdim_reduction(node: Any, name: str) -> tuple[Node, int] | None:
-    """If ``node`` is ``name(y, dim, keepdim=True)`` return ``(y, dim)``."""
+def keepdim_reduction(node: Any, name: str, *, keepdim: bool = True) -> tuple[Node, int] | None:
+    """If ``node`` is ``name(y, dim, keepdim=keepdim)`` return ``(y, dim)``."""
     c = canon(node) if isinstance(node, Node) else None
     if c is None or c[0] != name:
         return None
     a = c[1]
     y = a.get("input")
     yv = tensor_val(y)
-    if yv is None or a.get("keepdim") is not True or a.get("dtype") is not None:
+    if yv is None or bool(a.get("keepdim")) is not keepdim or a.get("dtype") is not None:
         return None
     d = norm_dim(a.get("dim"), yv.dim())
     return None if d is None else (y, d)
+
+
+def unsqueezed(node: Any, dim: int, nd: int) -> Node | None:
+    """``r`` for ``r.unsqueeze(dim)`` / ``torch.unsqueeze(r, dim)`` / ``r[..., None]`` (a new dim ``dim`` of
+    ``nd``): a reduction without ``keepdim`` given its dim back."""
+    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0] if node.args[1] == (Ellipsis, None) and dim == nd - 1 else None
+    is_unsqueeze = (node.op == "call_method" and node.target == "unsqueeze") or (
+        node.op == "call_function" and getattr(node.target, "__name__", "") == "unsqueeze")
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return node.args[0] if is_unsqueeze and isinstance(d, int) and norm_dim(d, nd) == dim else None
 
 
 def strip_detach(node: Any) -> Any:
@@ -123,7 +137,7 @@ def written_softmax(node: Node) -> tuple[Node, int, list[Node], bool] | None:
     return x, dim, dedupe(interior + [s] + ([] if e2 is e else exp_base(e2, dim)[1])), shifted
 
 
-__all__ = ["same_dim_reduction", "keepdim_reduction", "strip_detach", "max_shifted", "exp_base", "same_expr",
-           "written_softmax"]
+__all__ = ["same_dim_reduction", "keepdim_reduction", "unsqueezed", "strip_detach", "max_shifted", "exp_base",
+           "same_expr", "written_softmax"]
 
 
