@@ -121,6 +121,11 @@ def shared_queries(q, k, v):                    # learned queries (L, E) attendi
     return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * E ** -0.5).softmax(-1), v)
 
 
+def multi_query_einsum(q, k, v):                # one K and V for every head: einsum broadcasts them over h
+    s = torch.einsum("bhid,bjd->bhij", q, k) * E ** -0.5
+    return torch.einsum("bhij,bjd->bhid", s.softmax(-1), v)
+
+
 def bool_setitem_fill(q, k, v, pad):            # s[mask] = -inf on the fresh scores
     s = q @ k.transpose(-2, -1) * E ** -0.5
     s[pad.expand_as(s)] = float("-inf")
@@ -191,6 +196,7 @@ CASES = {
     "whole_region_rel_pos": (whole_region_rel_pos, _grid_case),
     "bool_setitem_fill": (bool_setitem_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
     "inplace_dropout": (inplace_dropout, bhle),
+    "multi_query_einsum": (multi_query_einsum, lambda: (bhle()[0], _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
     "shared_queries": (shared_queries, lambda: (_randn(L, E, seed=0), _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
     "keys_first_padding": (keys_first_padding, lambda: (*bhle(), torch.stack(   # batch 1: every key masked
         [torch.arange(S) >= S - 2, torch.ones(S, dtype=torch.bool)]).view(B, 1, S, 1))),
@@ -237,6 +243,11 @@ def scores_subtracted(q, k, v, bias):           # bias - s: the scores negated, 
 def clamped_at_zero(q, k, v):                    # max(s, 0) changes the scores: not a floor of masked entries
     s = q @ k.transpose(-2, -1)
     return torch.max(s, torch.zeros(())).softmax(-1) @ v
+
+
+def multi_query_clamped(q, k, v):              # a score_mod on multi-query scores
+    s = torch.einsum("bhid,bjd->bhij", q, k)
+    return torch.einsum("bhij,bjd->bhid", torch.max(s, torch.zeros(())).softmax(-1), v)
 
 
 def mask_after_floor(q, k, v, mask):            # the floor would have to apply before this mask only
@@ -290,6 +301,7 @@ SCORE_MODS = {
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
     "floor_cutting_through": (floor_cutting_through, lambda: (*bhle(), _padding(-1e4 - 2))),
     "clamped_at_zero": (clamped_at_zero, lambda: bhle()),
+    "multi_query_clamped": (multi_query_clamped, lambda: (bhle()[0], _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
     "mask_after_floor": (mask_after_floor, lambda: (*bhle(), _padding(float("-inf")))),
     "scores_subtracted": (scores_subtracted, lambda: (*bhle(), _randn(H, L, S, seed=7))),
 }
@@ -418,11 +430,21 @@ def test_a_softmax_written_out_is_attention():
                        tol=1e-5)
 
 
+def weights_mixed_over_heads(q, k, v, m):        # talking heads after the softmax
+    return torch.einsum("bhij,bhjd->bhid", torch.einsum("bhij,hg->bgij", (q @ k.mT).softmax(-1), m[0, 0]), v)
+
+
+def value_with_two_trailing_dims(q, k, v, m):    # V (B, H, S, W, E): the weights broadcast along W
+    return torch.einsum("bhij,bhjwd->bhiwd", (q @ k.mT).softmax(-1), v.unsqueeze(-2).expand(-1, -1, -1, 2, -1))
+
+
 @pytest.mark.parametrize("fn,why", [(weights_masked_after_softmax, "changed after the softmax"),
-                                    (weights_over_the_queries, "contracted over the query index")])
+                                    (weights_over_the_queries, "contracted over the query index"),
+                                    (weights_mixed_over_heads, "mixed over another index"),
+                                    (value_with_two_trailing_dims, "broadcast along an index")])
 def test_weights_read_otherwise_are_reported_not_rewritten(fn, why):
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
-    r = rewrite(fn, q, k, v, torch.ones(2, 1, 1, 5))
+    r = rewrite(fn, q, k, v, torch.ones(2, 1, 3, 3) if fn is weights_mixed_over_heads else torch.ones(2, 1, 1, 5))
     att = [s for s in r.report if s.kind == "attention"]
     assert [s.action for s in att] == ["skipped"] and why in att[0].reason, str(r.report)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def merged_mask(add_masks, masked, mask_order: str, *, dtype, device):
@@ -118,3 +119,27 @@ def nonfinite_rows(q, k, hidden, is_causal: bool, n_rep: int):
         n = rows.to(q.dtype) @ k_nf.transpose(-1, -2).to(q.dtype)      # (..., L, H)
         return q_bad, k, (n > 0).transpose(-1, -2)[..., None]
     return q_bad, k, (seen.to(q.dtype) @ k_nf[..., None].to(q.dtype)) > 0
+
+
+def split_masks(masks, mask_kinds, shape: tuple, *, dtype):
+    """``(additive masks, fills as (bool, True if True masks, value), mask_order)``; ``mask_order`` (``"a"`` an
+    add, ``"f"`` a fill, in graph order) only where fills meet additive masks or fills differ in value: then all
+    merge into one additive mask. A mask on a view of the scores is regrouped to ``shape``."""
+    add_masks, masked, order = [], [], ""
+    for t, (how, value, view) in zip(masks, mask_kinds, strict=True):
+        if how == "add" and value is not None:      # added to a region: (pads, region shape, shape added at)
+            t = t.expand(value[2]).reshape(value[1])
+            t = F.pad(t, value[0]) if value[0] else t
+        t = t if view is None else t.expand(view).reshape(shape)
+        if how in ("add", "sub"):
+            add_masks.append(t if how == "add" else -(t if t.is_floating_point() else t.to(dtype)))
+        else:
+            masked.append((t, how == "fill", value))
+        order += "a" if how in ("add", "sub") else "f"
+    merged = bool(add_masks and masked) or len({val for *_, val in masked}) > 1
+    return add_masks, masked, order if merged else ""
+
+
+def keys_last(t: torch.Tensor) -> torch.Tensor:
+    """A mask of (..., S, L) scores, as a mask of (..., L, S) scores (broadcast dims kept)."""
+    return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)).mT

@@ -24,7 +24,7 @@ from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
 from ..patterns.selections import no_op_copy
-from ..patterns.written_softmax import keepdim_reduction, same_dim_reduction, strip_detach, unsqueezed
+from ..patterns.written_softmax import row_statistic
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
 from .operands import dropout_call, key_side, softmax_input, softmax_interior
 
@@ -197,8 +197,14 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
 def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
     """A skipped site (for the report) where an operand of the contraction is a softmax of scores changed by
     other ops (a mask or gate applied after the normalization): not one attention call. Else None."""
-    for op in (c.a, c.b):
-        n = op.node
+    for side, op in enumerate((c.a, c.b)):
+        n, nd = op.node, tensor_val(op.node).dim() if tensor_val(op.node) is not None else 0
+        found = _weights(Operand(n))
+        summed = (op.perm or tuple(range(nd)))[-1 - side] if nd >= 2 else None   # the index the contraction sums
+        if found is not None and summed == norm_dim(softmax_input(found[0])[1], nd) and \
+                isinstance(score_graph(softmax_input(found[0])[0], found[0]), tuple):
+            return _skip(AttentionMatch(anchor=anchor, softmax=found[0]), "the weights are contracted with V in a "
+                         "layout the fused op does not take (one operand broadcast along an index of the other)")
         for _ in range(4):
             inner = contraction(n) if isinstance(n, Node) else None
             if inner is not None and any(_weights(peel(o, [])) for o in (inner.a, inner.b)):
@@ -207,8 +213,9 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
             sm = next((a for a in ins if softmax_input(a) is not None), None)
             if sm is not None and isinstance(score_graph(softmax_input(sm)[0], sm), tuple):
                 m = AttentionMatch(anchor=anchor, softmax=sm)
-                return _skip(m, f"the weights are changed after the softmax ('{op_label(n)}'): their rows no "
-                                "longer sum to 1, not one attention call")
+                how = "mixed over another index after the softmax (heads, as talking heads do)" if contraction(n) \
+                    is not None else f"changed after the softmax ({op_label(n)}): their rows no longer sum to 1"
+                return _skip(m, f"the weights are {how}, not one attention call")
             if len(ins) != 1:
                 break
             n = ins[0]
@@ -248,8 +255,7 @@ def _scores(m: AttentionMatch, qk: Contraction, steps: list, consts: ConstEvalua
         why = _take_scale(m, kind, data, consts, capped=False, qk=qk.node, level=qk.node) if kind != "copy" else ""
         if why:
             return _skip(m, why)
-    if qk.alpha != 1.0:
-        m.scale *= qk.alpha
+    m.scale *= qk.alpha     # baddbmm's alpha (1.0 otherwise: exact)
     if qk.bias is not None:      # baddbmm(bias, q, k^T, beta=1): the bias is an additive mask
         if qk.beta != 1.0:
             return _skip(m, f"the scores add the mask times beta={qk.beta:g}")
@@ -372,12 +378,7 @@ def _row_shift(m: AttentionMatch, term: Node, node: Node) -> bool | None:
     if dim is None or tv is None or tv.dim() != xv.dim() or not same_size(tv.shape[dim], 1) or \
             tensor_val(softmax_input(m.softmax)[0]).shape != xv.shape:
         return None
-    t = strip_detach(term)
-    kept = unsqueezed(t, dim, xv.dim())     # r[..., None] of a reduction without keepdim
-    t, keep = (strip_detach(kept), False) if kept is not None else (t, True)
-    lse = keepdim_reduction(t, "logsumexp", keepdim=keep)
-    return bool(lse and lse[0] is x and lse[1] == dim) or any(
-        same_dim_reduction(t, r, x, dim, keepdim=keep) for r in ("amax", "max"))
+    return row_statistic(term, x, dim)
 
 
 def _take_fill(m: AttentionMatch, fill: tuple, node: Node, qk: Node, consts: ConstEvaluator, *, level: Node) -> str:

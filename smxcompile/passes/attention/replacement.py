@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from ..patterns.contraction import apply_perm
 from ..patterns.masks import MASK_VALUE, is_masking_value
-from ...kernels.attention.masked_rows import absorbed_key_term, dead_rows, floored, merged_mask, \
-    nonfinite_rows
+from ...kernels.attention.masked_rows import absorbed_key_term, dead_rows, floored, keys_last, merged_mask, \
+    nonfinite_rows, split_masks
 
 
 def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, softcap, is_causal: bool,
@@ -46,7 +46,7 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
     if lead is not None:
         v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
-    add_masks, masked, mask_order = _split_masks(masks, mask_kinds, (*(lead or ()), q.shape[-2], k.shape[-2]),
+    add_masks, masked, mask_order = split_masks(masks, mask_kinds, (*(lead or ()), q.shape[-2], k.shape[-2]),
                                                  dtype=q.dtype)
     for t, op in scale_tensors:
         if isinstance(t, torch.Tensor):
@@ -113,30 +113,6 @@ def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_
     return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])
 
 
-def _split_masks(masks, mask_kinds, shape: tuple, *, dtype):
-    """``(additive masks, fills as (bool, True if True masks, value), mask_order)``; ``mask_order`` (``"a"`` an
-    add, ``"f"`` a fill, in graph order) only where fills meet additive masks or fills differ in value: then all
-    merge into one additive mask. A mask on a view of the scores is regrouped to ``shape``."""
-    add_masks, masked, order = [], [], ""
-    for t, (how, value, view) in zip(masks, mask_kinds, strict=True):
-        if how == "add" and value is not None:      # added to a region: (pads, region shape, shape added at)
-            t = t.expand(value[2]).reshape(value[1])
-            t = F.pad(t, value[0]) if value[0] else t
-        t = t if view is None else t.expand(view).reshape(shape)
-        if how in ("add", "sub"):
-            add_masks.append(t if how == "add" else -(t if t.is_floating_point() else t.to(dtype)))
-        else:
-            masked.append((t, how == "fill", value))
-        order += "a" if how in ("add", "sub") else "f"
-    merged = bool(add_masks and masked) or len({val for *_, val in masked}) > 1
-    return add_masks, masked, order if merged else ""
-
-
-def keys_last(t: torch.Tensor) -> torch.Tensor:
-    """A mask of (..., S, L) scores, as a mask of (..., L, S) scores (broadcast dims kept)."""
-    return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)).mT
-
-
 def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale: float, n_rep: int,
                          safe_softmax: bool = False, layout: dict | None = None):
     """A site whose scores go through other pointwise changes (:func:`.scores.score_mod_recipe`): q, k, v after
@@ -145,6 +121,9 @@ def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale:
 
     layout = layout or {}
     q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    if n_rep == 1:      # operands broadcast along a batch index they lack (multi-query K and V)
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
     for t, op in scale_tensors:
         q = q * t.to(q.dtype) if op == "mul" else q / t.to(q.dtype)
     out = score_mod_attention(q, k, v, sides, recipe=recipe, scale=scale, enable_gqa=n_rep > 1,
@@ -164,4 +143,4 @@ def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):
     return attention(q, k, v, **kw, normalizer=normalizer, norm_param=norm_param)
 
 
-__all__ = ["graph_attention", "graph_flex_attention", "graph_sdpa", "keys_last"]
+__all__ = ["graph_attention", "graph_flex_attention", "graph_sdpa"]

@@ -14,7 +14,7 @@ from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.masks import mild_mask
-from ..patterns.graph import FLOAT_DTYPES, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, op_label, \
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, op_label, \
     replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
 from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
@@ -22,31 +22,25 @@ from ..protocol import PassContext, RewritePass
 from .matcher import AttentionMatch, match_from_pv, match_sdpa
 from ..patterns.contraction import contraction
 from .operands import softmax_input, ungqa
-from .replacement import graph_attention, graph_flex_attention, graph_sdpa, keys_last
+from ...kernels.attention.masked_rows import keys_last
+from .replacement import graph_attention, graph_flex_attention, graph_sdpa
 
 
 def _differ(a, b) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a != b
 
 
-def _broadcast(*vals) -> bool:
-    try:
-        torch.broadcast_shapes(*(tuple(v.shape[:-2]) for v in vals))
-    except RuntimeError:
-        return False
-    return True
-
-
 def _check_shapes(m: AttentionMatch) -> str:
     qv, kv, vv = m.val("q"), m.val("k"), m.val("v")
     if qv is None or kv is None or vv is None:
         return "q, k or v has no shape information"
+    out = tensor_val(m.anchor)
     if min(qv.dim(), kv.dim(), vv.dim()) < 2 or len({qv.dim(), kv.dim(), vv.dim()}) > 1 and (
-            m.layouts or m.lead is not None or not _broadcast(qv, kv, vv)):   # matmul aligns them from the right
+            m.layouts or m.lead is not None or out is None or not all(     # matmul aligns them from the right
+                broadcasts_to(tuple(x.shape[:-2]), tuple(out.shape[:-2])) for x in (qv, kv, vv))):
         return f"q, k, v ranks {qv.dim()}, {kv.dim()}, {vv.dim()} differ (and are regrouped or do not broadcast)"
     if not (qv.dtype == kv.dtype == vv.dtype) or qv.dtype not in FLOAT_DTYPES:
         return f"mixed or non-float q/k/v dtypes ({qv.dtype}, {kv.dtype}, {vv.dtype})"
-    out = tensor_val(m.anchor)
     if out is None or out.dtype != qv.dtype:
         return f"the attention output dtype {getattr(out, 'dtype', None)} differs from q's {qv.dtype}"
     # the traced graph requires these to agree: symbolic sizes (a KV cache's length) agree at run time

@@ -26,17 +26,18 @@ _REGROUPS = {"view", "reshape"}
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """``node.permute(perm)`` (``perm`` None: the node as it is)."""
+    """``node.permute(perm)`` (``perm`` None: the node as it is; a None entry: a unit dim the operand broadcasts
+    along, as an einsum batch index it lacks)."""
 
     node: Node
-    perm: tuple[int, ...] | None = None
+    perm: tuple[int | None, ...] | None = None
 
     def val(self):
         """The fake tensor of the canonical layout, or None without shape information."""
         v = tensor_val(self.node)
         if v is None or self.perm is None:
             return v
-        return v.permute(self.perm) if v.dim() == len(self.perm) else None
+        return apply_perm(v, self.perm) if v.dim() == sum(p is not None for p in self.perm) else None
 
     @property
     def mT(self) -> "Operand":
@@ -98,7 +99,7 @@ def peel(op: Operand, views: list | None = None) -> Operand:
         if views is not None:
             views.append(node)
         x, p = r
-        perm = p if perm is None else tuple(p[i] for i in perm)
+        perm = p if perm is None else tuple(None if i is None else p[i] for i in perm)
         node = x
     return _operand(node, perm)
 
@@ -166,8 +167,14 @@ def view_lead(n: Node) -> tuple | None:
     return tuple(shape[:-2])
 
 
-def apply_perm(t: torch.Tensor, perm: tuple[int, ...] | None) -> torch.Tensor:
-    return t if perm is None else t.permute(perm)
+def apply_perm(t: torch.Tensor, perm: tuple[int | None, ...] | None) -> torch.Tensor:
+    """``t.permute(perm)``, a unit dim inserted at each None entry."""
+    if perm is None:
+        return t
+    t = t.permute([p for p in perm if p is not None])
+    for i, p in enumerate(perm):
+        t = t.unsqueeze(i) if p is None else t
+    return t
 
 
 def inverse_perm(perm: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -253,16 +260,17 @@ def _einsum(n: Node) -> Contraction | None:
     a, b, o = (s.replace("...", ell) for s in (ins[0], ins[1], out))
     if any(len(set(s)) != len(s) for s in (a, b, o)) or len(a) != vals[0].dim() or len(b) != vals[1].dim():
         return None
-    batch = [c for c in o if c in a and c in b]
     con = [c for c in a if c in b and c not in o]
-    fa = [c for c in a if c not in b]
-    fb = [c for c in b if c not in a]
+    # each operand's free index is its last own index in the output; its other own output indices are batch
+    # indices the other operand broadcasts along (multi-query attention: "bhid,bjd->bhij")
+    fa, fb = [[c for c in o if c in x and c not in y][-1:] for x, y in ((a, b), (b, a))]
+    batch = [c for c in o if c not in fa + fb]
     if len(con) != 1 or len(fa) != 1 or len(fb) != 1 or set(o) != set(batch + fa + fb) \
-            or set(a) != set(batch + con + fa) or set(b) != set(batch + con + fb):
+            or set(a) != set(c for c in batch + con + fa if c in a) or set(b) != set(c for c in batch + con + fb if c in b):
         return None
     canon_out = batch + fa + fb
-    pa = tuple(a.index(c) for c in batch + fa + con)
-    pb = tuple(b.index(c) for c in batch + con + fb)
+    pa = tuple(a.index(c) if c in a else None for c in batch + fa + con)
+    pb = tuple(b.index(c) if c in b else None for c in batch + con + fb)
     po = tuple(canon_out.index(c) for c in o)
     return Contraction(n, _operand(ops[0], pa), _operand(ops[1], pb),
                        out_perm=None if po == tuple(range(len(po))) else po)

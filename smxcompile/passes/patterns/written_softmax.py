@@ -59,6 +59,16 @@ def unsqueezed(node: Any, dim: int, nd: int) -> Node | None:
     return node.args[0] if is_unsqueeze and isinstance(d, int) and norm_dim(d, nd) == dim else None
 
 
+def row_statistic(term: Any, x: Node, dim: int) -> bool:
+    """``term`` is ``x``'s own max or logsumexp over ``dim`` (kept, or given back its dim), detached or not."""
+    t = strip_detach(term)
+    kept = unsqueezed(t, dim, tensor_val(x).dim()) if tensor_val(x) is not None else None
+    t, keep = (strip_detach(kept), False) if kept is not None else (t, True)
+    lse = keepdim_reduction(t, "logsumexp", keepdim=keep)
+    return bool(lse and lse[0] is x and lse[1] == dim) or any(
+        same_dim_reduction(t, r, x, dim, keepdim=keep) for r in ("amax", "max"))
+
+
 def strip_detach(node: Any) -> Any:
     c = canon(node) if isinstance(node, Node) else None
     return c[1]["input"] if c and c[0] == "detach" else node
@@ -137,7 +147,7 @@ def written_softmax(node: Node) -> tuple[Node, int, list[Node], bool] | None:
     return x, dim, dedupe(interior + [s] + ([] if e2 is e else exp_base(e2, dim)[1])), shifted
 
 
-__all__ = ["same_dim_reduction", "keepdim_reduction", "unsqueezed", "strip_detach", "max_shifted", "exp_base",
+__all__ = ["same_dim_reduction", "keepdim_reduction", "unsqueezed", "row_statistic", "strip_detach", "max_shifted", "exp_base",
            "same_expr", "written_softmax"]
 
 
