@@ -116,7 +116,7 @@ def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
     """The softmax whose output ``a`` is (as it is, or with its last two dims swapped: scores laid out (keys,
     queries)), through casts, copies, one dropout and views of the leading dims: ``(softmax, nodes between,
     dropout call)``, or None."""
-    if a.perm is not None and a.perm != _swap(len(a.perm)):
+    if a.perm is not None and a.perm != (*range(len(a.perm) - 2), len(a.perm) - 1, len(a.perm) - 2):
         return None
     chain: list[Node] = []
     dropout, n = None, a.node
@@ -131,10 +131,6 @@ def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
         chain.append(n)
         n = d[0] if d is not None and dropout is d else n.args[0]
     return None
-
-
-def _swap(nd: int) -> tuple[int, ...]:
-    return tuple(range(nd - 2)) + (nd - 1, nd - 2)
 
 
 def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = False) -> AttentionMatch | None:
@@ -174,7 +170,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
         if d != nd - 2:
             return _skip(m, "the weights are contracted over the query index, not the key index the softmax "
                             "normalizes: not attention") if isinstance(score_graph(x, sm), tuple) else None
-        m.layout["scores"] = _swap(nd)
+        m.layout["scores"] = (*range(nd - 2), nd - 1, nd - 2)
     elif d is None or d != nd - 1:
         # Inductor's fuse_attention would take this block for attention over the last dim (pytorch#196468)
         m.guarded = d is not None and not m.safe_softmax   # smx::softmax would give NaN where it gives 0
@@ -201,10 +197,11 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
         n, nd = op.node, tensor_val(op.node).dim() if tensor_val(op.node) is not None else 0
         found = _weights(Operand(n))
         summed = (op.perm or tuple(range(nd)))[-1 - side] if nd >= 2 else None   # the index the contraction sums
-        if found is not None and summed == norm_dim(softmax_input(found[0])[1], nd) and \
-                isinstance(score_graph(softmax_input(found[0])[0], found[0]), tuple):
+        if found is not None and isinstance(score_graph(softmax_input(found[0])[0], found[0]), tuple):
             return _skip(AttentionMatch(anchor=anchor, softmax=found[0]), "the weights are contracted with V in a "
-                         "layout the fused op does not take (one operand broadcast along an index of the other)")
+                         "layout the fused op does not take (one operand broadcast along an index of the other)"
+                         if summed == norm_dim(softmax_input(found[0])[1], nd) else "the weights are mixed over "
+                         "another index after the softmax (heads, as talking heads do), not one attention call")
         for _ in range(4):
             inner = contraction(n) if isinstance(n, Node) else None
             if inner is not None and any(_weights(peel(o, [])) for o in (inner.a, inner.b)):
@@ -212,10 +209,10 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
             ins = [a for a in n.all_input_nodes if tensor_val(a) is not None] if isinstance(n, Node) else []
             sm = next((a for a in ins if softmax_input(a) is not None), None)
             if sm is not None and isinstance(score_graph(softmax_input(sm)[0], sm), tuple):
-                m = AttentionMatch(anchor=anchor, softmax=sm)
-                how = "mixed over another index after the softmax (heads, as talking heads do)" if contraction(n) \
-                    is not None else f"changed after the softmax ({op_label(n)}): their rows no longer sum to 1"
-                return _skip(m, f"the weights are {how}, not one attention call")
+                if contraction(n) is not None:
+                    return None     # that contraction reads the weights: its own row says how
+                return _skip(AttentionMatch(anchor=anchor, softmax=sm), f"the weights are changed after the softmax "
+                             f"({op_label(n)}): their rows no longer sum to 1, not one attention call")
             if len(ins) != 1:
                 break
             n = ins[0]

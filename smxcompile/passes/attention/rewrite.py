@@ -14,8 +14,8 @@ from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
 from ..patterns.masks import mild_mask
-from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, op_label, \
-    replace_anchor, same_shape, same_size, static_shape, tensor_val
+from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
+    op_label, replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
 from ..policy import CPU_RULES, FORCE_HINT, Ladder, cpu_threshold, decide, policy_size
 from ..protocol import PassContext, RewritePass
