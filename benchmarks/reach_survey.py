@@ -80,8 +80,8 @@ def _torchvision_stand_in() -> None:
         if attr.startswith("__"):
             raise AttributeError(attr)
         if attr == "InterpolationMode":
-            return types.SimpleNamespace(**{k: k.lower() for k in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC",
-                                                                  "BOX", "HAMMING", "LANCZOS")})
+            return type(attr, (), {k: k.lower() for k in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX",
+                                                          "HAMMING", "LANCZOS")})
         return type(attr, (torch.nn.Identity,), {})
 
     sys.meta_path.append(_Finder())

@@ -296,6 +296,20 @@ def region_strided(q, k, v, b):                  # every other key: a step other
     return s.softmax(-1) @ v
 
 
+def region_keys_first(q, k, v, b):              # a region of scores laid out (keys, queries): not taken
+    s = k @ q.transpose(-2, -1)
+    s[:, 2:, :5] = s[:, 2:, :5] + b
+    return s.softmax(-2).transpose(-2, -1) @ v
+
+
+def region_value_read_before_a_write(q, k, v, b):   # the value read s before s += 1: eager's region lacks the 1
+    s = q @ k.transpose(-2, -1)
+    value = s[:, 1:, 1:] + b
+    s.add_(torch.ones(()))
+    s[:, 1:, 1:] = value
+    return s.softmax(-1) @ v
+
+
 # other pointwise changes than a scale, soft-cap or mask: FlexAttention replays them (a score_mod)
 SCORE_MODS = {
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
@@ -325,6 +339,10 @@ NEAR_MISSES = {
     "region_scaled": (region_scaled, lambda: _region_case()[:3]),
     "region_bias_from_scores": (region_bias_from_scores, lambda: _region_case()[:3]),
     "region_strided": (region_strided, lambda: (*_region_case()[:3], _randn(7, 4, seed=5))),
+    "region_keys_first": (region_keys_first, lambda: (_randn(B * H, 6, E, seed=0), _randn(B * H, 7, E, seed=1),
+                                                      _randn(B * H, 7, E, seed=2), _randn(5, 5, seed=3))),
+    "region_value_read_before_a_write": (region_value_read_before_a_write, lambda: (*_region_case()[:3],
+                                                                                    _randn(6, 6, seed=5))),
 }
 
 

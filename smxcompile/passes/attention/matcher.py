@@ -30,11 +30,12 @@ from .operands import dropout_call, key_side, softmax_input, softmax_interior
 
 
 class Mask(NamedTuple):
-    """One mask of the scores: ``node`` added (``how="add"``) or subtracted (``"sub"``), or a bool whose True
-    (``"fill"``) or False (``"keep"``) entries are filled with ``value``; applied to the scores viewed as ``level``."""
+    """One mask of the scores: ``node`` added (``how="add"``; to a region of them only when ``value`` is
+    ``(pads, region shape, shape added at)``) or subtracted (``"sub"``), or a bool whose True (``"fill"``) or False
+    (``"keep"``) entries are filled with ``value``; applied to the scores viewed as ``level``."""
     node: Node
     how: str
-    value: float | None
+    value: float | tuple | None
     level: Node
 
 
@@ -309,9 +310,10 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
                 shifted = True
                 continue
         elif kind == "region":      # s[idx] = s[idx] + b: b padded with zeros to the scores' shape
-            m.dead += data[4]
-            for b, at in data[3]:
-                why = why or _take_mask(m, "add", b, at, qk, level=level, region=(data[1], data[2], tuple(
+            m.dead += data.nodes
+            why = "a region of scores laid out (keys, queries) is written" if "scores" in m.layout else ""
+            for b, at in data.biases:
+                why = why or _take_mask(m, "add", b, at, qk, level=level, region=(data.pads, data.shape, tuple(
                     tensor_val(at).shape)))
         elif kind == "fill":
             why = _take_fill(m, data, node if tensor_val(node) is not None else s, qk, consts, level=level)

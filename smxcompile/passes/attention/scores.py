@@ -63,7 +63,7 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
         if len(inner) > _MAX_NODES:
             return "too many ops between the scores and the softmax"
         region = region_add(n)      # the value's own read of the scores is part of the write
-        stack += [region[0], *(b for b, _ in region[3])] if region else n.all_input_nodes
+        stack += [region.scores, *(b for b, _ in region.biases)] if region else n.all_input_nodes
     size = tensor_val(x).numel()
     qks = [n for n in x.graph.nodes if n in found and tensor_val(n) is not None
            and same_size(tensor_val(n).numel(), size)]

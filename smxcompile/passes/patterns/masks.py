@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.fx import Node
 
 from .contraction import reshape_input
-from .graph import broadcasts_to, canon, same_shape, single_user, static_shape, tensor_val
+from .graph import broadcasts_to, canon, is_mutation, same_shape, single_user, static_shape, tensor_val
 
 #: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
 #: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
@@ -169,11 +169,20 @@ def inplace_fill(n: Any) -> tuple[Node, bool, Any] | None:
     return None
 
 
-def region_add(n: Any) -> tuple[Node, tuple, tuple, list[tuple[Node, Node]], list[Node]] | None:
+class RegionAdd(NamedTuple):
+    """``s[idx] = s[idx] + b1 + b2 ...``: ``pads`` as ``F.pad`` takes them, ``shape`` the region's, ``biases`` as
+    ``(b, the add reading it)``, ``nodes`` the value's."""
+    scores: Node
+    pads: tuple
+    shape: tuple
+    biases: list
+    nodes: list
+
+
+def region_add(n: Any) -> RegionAdd | None:
     """``s[idx] = s[idx] + b1 + b2 ...`` through reshapes back to the region's shape (MViT-v2 adds its decomposed
-    relative positions to the scores after the class token) -> ``(s, pads, region shape, [(b, the add reading
-    it)], the value's nodes)``; ``idx`` basic slices of step 1 with static bounds, ``pads`` as ``F.pad`` takes
-    them. Whether the biases depend on ``s`` is the caller's rule."""
+    relative positions to the scores after the class token), ``idx`` basic slices of step 1 with static bounds,
+    no write between the read of ``s[idx]`` and this one. Whether the biases depend on ``s`` is the caller's rule."""
     if not (isinstance(n, Node) and n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3
             and isinstance(n.args[0], Node) and isinstance(n.args[2], Node)):
         return None
@@ -186,7 +195,10 @@ def region_add(n: Any) -> tuple[Node, tuple, tuple, list[tuple[Node, Node]], lis
         if len(x.users) != 1:
             return None
         if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
-            return s, pads, region, biases, chain
+            between = x.next
+            while between is not n and not is_mutation(between):   # the value must read s as this write finds it
+                between = between.next
+            return RegionAdd(s, pads, region, biases, chain) if between is n else None
         pair = add_operands(x)
         on = reshape_input(x) if pair is None else next((a for a in pair if _reaches(a, s, idx)), None)
         if pair is not None and on is not None:
@@ -196,6 +208,7 @@ def region_add(n: Any) -> tuple[Node, tuple, tuple, list[tuple[Node, Node]], lis
 
 
 def _reaches(x: Any, s: Node, idx: Any, depth: int = 16) -> bool:
+    """``x`` is ``s[idx]`` after adds and reshapes."""
     if not isinstance(x, Node) or depth == 0:
         return False
     if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
@@ -205,6 +218,8 @@ def _reaches(x: Any, s: Node, idx: Any, depth: int = 16) -> bool:
 
 
 def _slice_pads(idx: Any, shape: tuple) -> tuple | None:
+    """``F.pad``'s pads (last dim first) that put ``t[idx]`` back in ``t``'s shape, or None (not basic slices of
+    step 1 with static bounds)."""
     items = idx if isinstance(idx, tuple) else (idx,)
     if not all(isinstance(i, slice) or i is Ellipsis for i in items) or items.count(Ellipsis) > 1:
         return None
@@ -226,4 +241,4 @@ def _slice_pads(idx: Any, shape: tuple) -> tuple | None:
 
 
 __all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_sub_operands", "inplace_fill",
-           "region_add", "mild_mask", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]
+           "RegionAdd", "region_add", "mild_mask", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]
