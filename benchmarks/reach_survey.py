@@ -154,8 +154,9 @@ def diffusers_models():
         num_embeds_ada_norm=10)
 
 
-FAMILIES = {"timm": timm_models, "x_transformers": x_transformers_models, "vit_pytorch": vit_pytorch_models,
-            "diffusers": diffusers_models}
+# the families that may need the torchvision stand-in come last: transformers (under diffusers) checks for it
+FAMILIES = {"diffusers": diffusers_models, "x_transformers": x_transformers_models, "timm": timm_models,
+            "vit_pytorch": vit_pytorch_models}
 
 
 def survey(family: str) -> dict:
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--family", choices=sorted(FAMILIES), action="append", help="library (repeatable; default all)")
     p.add_argument("--json", help="write every site of every model here")
     a = p.parse_args(argv)
-    result = {f: survey(f) for f in a.family or FAMILIES}
+    result = {f: survey(f) for f in FAMILIES if f in (a.family or FAMILIES)}
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(result, fh, indent=1)
