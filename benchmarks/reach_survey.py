@@ -174,6 +174,10 @@ def survey(family: str) -> dict:
         print(name, dict(collections.Counter((s["kind"], s["action"]) for s in sites)), flush=True)
         for s in {(s["kind"], s["action"], s["reason"], s["location"]) for s in sites if s["action"] != "rewritten"}:
             print("   ", *s[:2], "|", s[2][:200], "|", s[3], flush=True)
+    total = collections.Counter((s["kind"], s["action"]) for sites in out.values() for s in sites)
+    print(f"{family}: {len(out)} models; attention rewritten {total['attention', 'rewritten']}, skipped "
+          f"{total['attention', 'skipped']}; softmax rewritten alone {total['softmax', 'rewritten']}; errors "
+          f"{total['error', 'error']}", flush=True)
     return out
 
 

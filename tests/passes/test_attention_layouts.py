@@ -126,6 +126,17 @@ def multi_query_einsum(q, k, v):                # one K and V for every head: ei
     return torch.einsum("bhij,bjd->bhid", s.softmax(-1), v)
 
 
+def multi_query_tokens_first(q, k, v):          # the value einsum writes (B, L, H, E); V has no head dim
+    s = torch.einsum("bhnd,bmd->bhnm", q, k) * E ** -0.5
+    return torch.einsum("bhnm,bmd->bnhd", s.softmax(-1), v)
+
+
+def region_iadd(q, k, v, b):                    # s[:, 1:, 1:] += b: a bias after a class token, in place
+    s = q @ k.transpose(-2, -1) * E ** -0.5
+    s[:, 1:, 1:] += b
+    return s.softmax(-1) @ v
+
+
 def bool_setitem_fill(q, k, v, pad):            # s[mask] = -inf on the fresh scores
     s = q @ k.transpose(-2, -1) * E ** -0.5
     s[pad.expand_as(s)] = float("-inf")
@@ -194,9 +205,12 @@ CASES = {
     "decomposed_rel_pos": (decomposed_rel_pos, _grid_case),
     "region_rel_pos": (region_rel_pos, _region_case),
     "whole_region_rel_pos": (whole_region_rel_pos, _grid_case),
+    "region_iadd": (region_iadd, lambda: (*_region_case()[:3], _randn(6, 6, seed=5))),
     "bool_setitem_fill": (bool_setitem_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
     "inplace_dropout": (inplace_dropout, bhle),
     "multi_query_einsum": (multi_query_einsum, lambda: (bhle()[0], _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
+    "multi_query_tokens_first": (multi_query_tokens_first, lambda: (bhle()[0], _randn(B, S, E, seed=1),
+                                                                    _randn(B, S, E, seed=2))),
     "shared_queries": (shared_queries, lambda: (_randn(L, E, seed=0), _randn(B, S, E, seed=1), _randn(B, S, E, seed=2))),
     "keys_first_padding": (keys_first_padding, lambda: (*bhle(), torch.stack(   # batch 1: every key masked
         [torch.arange(S) >= S - 2, torch.ones(S, dtype=torch.bool)]).view(B, 1, S, 1))),
@@ -310,6 +324,11 @@ def region_value_read_before_a_write(q, k, v, b):   # the value read s before s 
     return s.softmax(-1) @ v
 
 
+def fill_and_padding_at_minus_1e4(q, k, v, pad):   # old GPT-2: a left-padded query row is masked whole, and eager
+    causal = torch.ones(L, L, dtype=torch.bool).tril()  # weighs its scores at the padded keys, not at the filled ones
+    return (torch.where(causal, q @ k.mT, -1e4) + pad[:, None, None, :] * -1e4).softmax(-1) @ v
+
+
 # other pointwise changes than a scale, soft-cap or mask: FlexAttention replays them (a score_mod)
 SCORE_MODS = {
     "zero_dim_subtracted": (zero_dim_subtracted, lambda: bhle()),
@@ -339,6 +358,8 @@ NEAR_MISSES = {
     "region_scaled": (region_scaled, lambda: _region_case()[:3]),
     "region_bias_from_scores": (region_bias_from_scores, lambda: _region_case()[:3]),
     "region_strided": (region_strided, lambda: (*_region_case()[:3], _randn(7, 4, seed=5))),
+    "fill_and_padding_at_minus_1e4": (fill_and_padding_at_minus_1e4, lambda: (
+        *bhle(lk=L), torch.arange(L).expand(B, L) < torch.tensor([[0], [3]]))),
     "region_keys_first": (region_keys_first, lambda: (_randn(B * H, 6, E, seed=0), _randn(B * H, 7, E, seed=1),
                                                       _randn(B * H, 7, E, seed=2), _randn(5, 5, seed=3))),
     "region_value_read_before_a_write": (region_value_read_before_a_write, lambda: (*_region_case()[:3],
@@ -459,7 +480,7 @@ def value_with_two_trailing_dims(q, k, v, m):    # V (B, H, S, W, E): the weight
 @pytest.mark.parametrize("fn,why", [(weights_masked_after_softmax, "changed after the softmax"),
                                     (weights_over_the_queries, "contracted over the query index"),
                                     (weights_mixed_over_heads, "mixed over another index"),
-                                    (value_with_two_trailing_dims, "broadcast along an index")])
+                                    (value_with_two_trailing_dims, "in a layout the fused op does not take")])
 def test_weights_read_otherwise_are_reported_not_rewritten(fn, why):
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
     r = rewrite(fn, q, k, v, torch.ones(2, 1, 3, 3) if fn is weights_mixed_over_heads else torch.ones(2, 1, 1, 5))

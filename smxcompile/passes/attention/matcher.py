@@ -200,7 +200,7 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
         summed = (op.perm or tuple(range(nd)))[-1 - side] if nd >= 2 else None   # the index the contraction sums
         if found is not None and isinstance(score_graph(softmax_input(found[0])[0], found[0]), tuple):
             return _skip(AttentionMatch(anchor=anchor, softmax=found[0]), "the weights are contracted with V in a "
-                         "layout the fused op does not take (one operand broadcast along an index of the other)"
+                         "layout the fused op does not take (V's head dim split, or the scores' dims reordered)"
                          if summed == norm_dim(softmax_input(found[0])[1], nd) else "the weights are mixed over "
                          "another index after the softmax (heads, as talking heads do), not one attention call")
         for _ in range(4):
@@ -479,7 +479,7 @@ def _mask_depends(m: AttentionMatch, mask: Node, qk: Node) -> str:
     (``pad.expand_as(scores)``, DistilBERT) is taken: those reads go to ``m.shape_refs``, rewritten without them."""
     refs: list[Node] = []
     if depends_on(mask, qk, shape_refs=refs):
-        return "a term computed from the scores is added to them, varying along the keys (no mask, no row shift)"
+        return "a mask or term computed from the scores changes them, varying along the keys (not a row shift)"
     for r in refs:
         xv, tv = tensor_val(r.args[0]), tensor_val(r.args[1])
         if tv is None or xv is None:

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.masks import mild_mask
+from ..patterns.masks import fill_meets_mask, mild_mask
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
     op_label, replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
@@ -126,7 +126,7 @@ def _interior_escapes(m: AttentionMatch, live: set) -> str:
         if out:
             writes = next((u for u in out if is_mutation(u)), None)
             if writes is not None:
-                return (f"the scores are written in place ({op_label(writes)}) after the attention reads them: "
+                return (f"the scores are written in place ({op_label(writes)}) where the attention reads them: "
                         "not matched (an out-of-place masked_fill / where / add would be)")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
             what = "the attention weights" if weights else "the scores"
@@ -138,19 +138,19 @@ def _interior_escapes(m: AttentionMatch, live: set) -> str:
 
 
 def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: set) -> str:
-    why = _check_shapes(m)
-    if why:
+    if why := _check_shapes(m):
         return why
     m.device = tensor_val(m.q).device.type
     if not m.is_sdpa:
-        why = _interior_escapes(m, live)
-        if why:
+        if why := _interior_escapes(m, live):
             return why
         _gqa(m, ctx.export)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
         mut = mutation_inside(m.anchor, m.dead)
         if mut is not None:
             return f"an in-place {op_label(mut)} runs between the attention's reads of its inputs"
         _causal_or_const(m, consts)
+        if fill_meets_mask(m.masked, m.add_masks, consts, m.val("q").dtype):
+            return "a finite fill meets an additive mask that may mask too: rows masked whole would weigh differently"
         if _needs_fixup(m, consts):
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param

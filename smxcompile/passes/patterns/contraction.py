@@ -261,9 +261,9 @@ def _einsum(n: Node) -> Contraction | None:
     if any(len(set(s)) != len(s) for s in (a, b, o)) or len(a) != vals[0].dim() or len(b) != vals[1].dim():
         return None
     con = [c for c in a if c in b and c not in o]
-    # each operand's free index is its last own index in the output; its other own output indices are batch
-    # indices the other operand broadcasts along (multi-query attention: "bhid,bjd->bhij")
-    fa, fb = [[c for c in o if c in x and c not in y][-1:] for x, y in ((a, b), (b, a))]
+    # each operand's free index is the last of its own output indices in its layout; its other own output indices
+    # are batch indices the other operand broadcasts along (multi-query attention: "bhid,bjd->bhij")
+    fa, fb = [[c for c in x if c in o and c not in y][-1:] for x, y in ((a, b), (b, a))]
     batch = [c for c in o if c not in fa + fb]
     if len(con) != 1 or len(fa) != 1 or len(fb) != 1 or set(o) != set(batch + fa + fb) \
             or set(a) != set(c for c in batch + con + fa if c in a) or set(b) != set(c for c in batch + con + fb if c in b):

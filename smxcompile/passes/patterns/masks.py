@@ -136,6 +136,14 @@ def mild_mask(mask: Node, consts: Any, dtype: torch.dtype) -> bool:
     return False
 
 
+def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dtype) -> bool:
+    """A finite fill that does not absorb the scores (above :data:`ABSORBING`) merged with an additive mask that may
+    mask too: in a row masked whole, eager weighs the scores at the added entries and not at the filled ones, a
+    merged additive mask weighs them at both. ``masked`` as ``(cond, True if True masks, value)``."""
+    return bool(add_masks) and any(math.isfinite(v) and v > ABSORBING for *_, v in masked) and not all(
+        mild_mask(a, consts, dtype) for a in add_masks)
+
+
 def _inplace_operands(n: Any, fn, method: str) -> tuple[Node, Node] | None:
     if not isinstance(n, Node) or len(n.args) != 2 or n.kwargs or not isinstance(n.args[1], Node):
         return None
@@ -180,9 +188,10 @@ class RegionAdd(NamedTuple):
 
 
 def region_add(n: Any) -> RegionAdd | None:
-    """``s[idx] = s[idx] + b1 + b2 ...`` through reshapes back to the region's shape (MViT-v2 adds its decomposed
-    relative positions to the scores after the class token), ``idx`` basic slices of step 1 with static bounds,
-    no write between the read of ``s[idx]`` and this one. Whether the biases depend on ``s`` is the caller's rule."""
+    """``s[idx] = s[idx] + b1 + b2 ...`` (or ``s[idx] += b``) through reshapes back to the region's shape (MViT-v2
+    adds its decomposed relative positions to the scores after the class token), ``idx`` basic slices of step 1
+    with static bounds, no other write between the read of ``s[idx]`` and this one. Whether the biases depend on
+    ``s`` is the caller's rule."""
     if not (isinstance(n, Node) and n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3
             and isinstance(n.args[0], Node) and isinstance(n.args[2], Node)):
         return None
@@ -195,11 +204,11 @@ def region_add(n: Any) -> RegionAdd | None:
         if len(x.users) != 1:
             return None
         if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
-            between = x.next
-            while between is not n and not is_mutation(between):   # the value must read s as this write finds it
+            between = x.next     # the value reads s as this write finds it (``s[idx] += b`` writes it itself)
+            while between is not n and (between in chain or not is_mutation(between)):
                 between = between.next
             return RegionAdd(s, pads, region, biases, chain) if between is n else None
-        pair = add_operands(x)
+        pair = add_operands(x) or inplace_add_operands(x)
         on = reshape_input(x) if pair is None else next((a for a in pair if _reaches(a, s, idx)), None)
         if pair is not None and on is not None:
             biases.append((pair[1] if pair[0] is on else pair[0], x))
@@ -213,7 +222,7 @@ def _reaches(x: Any, s: Node, idx: Any, depth: int = 16) -> bool:
         return False
     if x.op == "call_function" and x.target is operator.getitem and x.args[0] is s and x.args[1] == idx:
         return True
-    pair = add_operands(x)
+    pair = add_operands(x) or inplace_add_operands(x)
     return any(_reaches(a, s, idx, depth - 1) for a in (pair or (reshape_input(x),)))
 
 
@@ -241,4 +250,5 @@ def _slice_pads(idx: Any, shape: tuple) -> tuple | None:
 
 
 __all__ = ["MASK_VALUE", "ABSORBING", "add_operands", "inplace_add_operands", "inplace_sub_operands", "inplace_fill",
-           "RegionAdd", "region_add", "mild_mask", "static_additive_mask", "fill_mask", "is_masking_value", "mask_floor"]
+           "RegionAdd", "region_add", "mild_mask", "fill_meets_mask", "static_additive_mask", "fill_mask",
+           "is_masking_value", "mask_floor"]
