@@ -7,8 +7,8 @@ the graph rather than SDPA), every dropout probability 0, 2 layers, hidden size 
 For every architecture (GPT-2, Llama and Mistral with GQA, Qwen2, BERT, ViT):
 
 * ``smxcompile.explain`` lists exactly one ``attention`` site per attention block (T5: three per
-  layer), located in the model's own ``modeling_<arch>.py``, each ``rewritten`` to
-  ``smx::attention`` with what it absorbed (GPT-2's constant causal mask becomes ``causal``; Llama,
+  layer), located in the model's own ``modeling_<arch>.py``, each ``rewritten`` to torch's
+  ``scaled_dot_product_attention`` with what it absorbed (GPT-2's constant causal mask becomes ``causal``; Llama,
   Mistral and Qwen2 take K/V un-repeated: ``GQA``), and no softmax left over; with the attention
   rewrite off and the softmax forced, every block's softmax is ``rewritten`` to ``smx::softmax``.
 
@@ -264,14 +264,15 @@ def softmax_sites(report: smxcompile.Report) -> list[smxcompile.Site]:
 
 
 def assert_attention_rewritten(case: Case, report: smxcompile.Report) -> None:
-    """One ``attention`` site per attention block, each rewritten to ``smx::attention``, located in the
-    model's attention code, saying what it absorbed; no softmax left over."""
+    """One ``attention`` site per attention block, each rewritten (to torch's SDPA, or ``smx::attention`` with a
+    soft-cap), located in the model's attention code, saying what it absorbed; no softmax left over."""
     sites = [s for s in report if s.kind == "attention"]
     assert len(sites) == case.attention_sites, f"{case.name}: expected {case.attention_sites} attention sites:\n{report}"
     assert not softmax_sites(report), f"{case.name}: a softmax outside the attention sites:\n{report}"
     pat = re.compile(rf"models[/\\]{case.arch}[/\\]modeling_{case.arch}\.py:\d+$")
     for s in sites:
-        assert s.action == "rewritten" and s.op == "smx::attention" and not s.reason, s
+        op = "smx::attention" if "softcap" in s.detail else "scaled_dot_product_attention"   # softmax: torch's SDPA
+        assert s.action == "rewritten" and s.op == op and not s.reason, s
         assert pat.search(s.location), f"{case.name}: site not located in the model's attention code: {s}"
         for want in case.attention_detail:
             assert want in s.detail, (want, s)
@@ -345,7 +346,7 @@ def test_explain_lists_one_attention_per_layer(name):
     # the report is JSON-ready and printable
     d = report.to_dict()
     assert d["summary"]["attention"] == {"rewritten": case.attention_sites}
-    assert "smx::attention" in str(report)
+    assert "scaled_dot_product_attention" in str(report) or "smx::attention" in str(report)
     # with the attention rewrite off and the softmax forced, every block's softmax becomes smx::softmax
     forced = smxcompile.explain(case.model, **case.inputs, options=FORCE)
     assert_one_attention_softmax_per_layer(case, forced, actions={"rewritten"})

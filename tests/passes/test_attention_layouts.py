@@ -137,6 +137,17 @@ def region_iadd(q, k, v, b):                    # s[:, 1:, 1:] += b: a bias afte
     return s.softmax(-1) @ v
 
 
+def inplace_scales(q, k, v, t):                  # s /= sqrt(d) and a learned factor, both in place
+    s = q @ k.transpose(-2, -1)
+    s /= E ** 0.5
+    s.mul_(t)
+    return s.softmax(-1) @ v
+
+
+def negated_scores(q, k, v):                     # -(q k^T) * c: a negative scale
+    return torch.softmax(-(q @ k.transpose(-2, -1)) * E ** -0.5, -1) @ v
+
+
 def bool_setitem_fill(q, k, v, pad):            # s[mask] = -inf on the fresh scores
     s = q @ k.transpose(-2, -1) * E ** -0.5
     s[pad.expand_as(s)] = float("-inf")
@@ -205,6 +216,8 @@ CASES = {
     "decomposed_rel_pos": (decomposed_rel_pos, _grid_case),
     "region_rel_pos": (region_rel_pos, _region_case),
     "whole_region_rel_pos": (whole_region_rel_pos, _grid_case),
+    "negated_scores": (negated_scores, bhle),
+    "inplace_scales": (inplace_scales, lambda: (*bhle(), torch.tensor(1.3))),
     "region_iadd": (region_iadd, lambda: (*_region_case()[:3], _randn(6, 6, seed=5))),
     "bool_setitem_fill": (bool_setitem_fill, lambda: (*bhle(), torch.arange(S).view(1, 1, 1, S) >= S - 2)),
     "inplace_dropout": (inplace_dropout, bhle),

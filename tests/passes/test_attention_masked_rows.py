@@ -218,9 +218,9 @@ def two_min_masks(q, k, v, c):                         # min + min overflows to 
 
 @pytest.mark.parametrize("fn,extra,op", [
     (upcast_fill_then_add, lambda: [torch.zeros(4)], "flex_attention"),
-    (upcast_fill, lambda: [], "smx::attention"),
-    (int_mask_fp16, lambda: [torch.where(DEAD, -70000, 0)], "smx::attention"),
-    (two_min_masks, lambda: [~DEAD], "smx::attention")])
+    (upcast_fill, lambda: [], "scaled_dot_product_attention"),
+    (int_mask_fp16, lambda: [torch.where(DEAD, -70000, 0)], "scaled_dot_product_attention"),
+    (two_min_masks, lambda: [~DEAD], "scaled_dot_product_attention")])
 def test_masks_beyond_the_kernels_range_keep_eagers_rows(fn, extra, op):
     """Masking values that overflow where the fused kernel runs, or sum to -inf: eager's fully masked row
     (uniform, or NaN) either way; a mask added to scores cast up from fp16 is not added in fp16 by the SDPA

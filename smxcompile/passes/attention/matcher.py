@@ -107,7 +107,8 @@ class AttentionMatch(Match):
         return ", ".join(p for p in parts if p)
 
     def op_name(self) -> str:
-        return "flex_attention" if self.recipe else "smx::attention"
+        return "flex_attention" if self.recipe else "smx::attention" if self.normalizer != "softmax" or \
+            self.softcap is not None else "scaled_dot_product_attention"
 
 
 # --------------------------------------------------------------------------- matching

@@ -130,7 +130,7 @@ def _interior_escapes(m: AttentionMatch, live: set) -> str:
                         "not matched (an out-of-place masked_fill / where / add would be)")
             weights = n is m.softmax or (m.softmax is not None and m.softmax in n.all_input_nodes)
             what = "the attention weights" if weights else "the scores"
-            return f"{what} are also read outside the attention (returned to the caller, e.g. output_attentions): kept"
+            return f"{what} are also read outside the attention (by other ops, or returned as output_attentions): kept"
     return ""
 
 
@@ -145,8 +145,7 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         if why := _interior_escapes(m, live):
             return why
         _gqa(m, ctx.export)   # first: the op then reads K and V un-repeated, and the repeats join the pattern
-        mut = mutation_inside(m.anchor, m.dead)
-        if mut is not None:
+        if (mut := mutation_inside(m.anchor, m.dead)) is not None:
             return f"an in-place {op_label(mut)} runs between the attention's reads of its inputs"
         _causal_or_const(m, consts)
         if fill_meets_mask(m.masked, m.add_masks, consts, m.val("q").dtype):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from ..patterns.arith import scale_stage
+from ..patterns.arith import inplace_scale, scale_stage
 from ..patterns.casts import exact_cast
 from ..patterns.constants import depends_on
 from ..patterns.contraction import contraction, reshape_input
@@ -27,9 +27,10 @@ _MAX_NODES = 512
 
 
 def _written(n: Node) -> Node | None:
-    """The tensor ``s += m``, ``s -= m`` (or ``add_``, ``sub_``), ``s.masked_fill_(c, v)`` or ``s[idx] = s[idx] + b``
-    writes, else None."""
-    written = inplace_add_operands(n) or inplace_sub_operands(n) or inplace_fill(n) or region_add(n)
+    """The tensor ``s += m``, ``s -= m``, ``s *= f``, ``s /= f`` (or ``add_``...), ``s.masked_fill_(c, v)`` or
+    ``s[idx] = s[idx] + b`` writes, else None."""
+    written = inplace_add_operands(n) or inplace_sub_operands(n) or inplace_fill(n) or region_add(n) or \
+        inplace_scale(n)
     return n.args[0] if written is not None else None
 
 
@@ -113,7 +114,7 @@ def score_steps(qk: Node, path: list[Node], x: Node) -> list[tuple[Node, Node]] 
         if holds[s] is not last:
             return None
         if _written(n) is not None:
-            if _written(n) is not s or not fresh_tensor(s):
+            if _written(n) is not s or not (fresh_tensor(s) or _written(s) is not None):   # s: checked at its write
                 return None
             holds[s] = n
         holds[n] = last = n
@@ -130,8 +131,8 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
         return "cast", exact_cast(n) is not None
     if no_op_copy(n) is not None or reshape_input(n) is not None:
         return ("copy" if no_op_copy(n) is not None else "view"), None
-    if region_add(n) is not None:
-        return "region", region_add(n)
+    if region_add(n) is not None or inplace_scale(n) is not None:
+        return ("region", region_add(n)) if region_add(n) is not None else inplace_scale(n)[:2]
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         return "add", pair[1] if pair[0] is s else pair[0]
@@ -146,11 +147,11 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
     a, b = (c[1].get("input"), c[1].get("other")) if c is not None else (None, None)
     if c is not None and c[0] in ("sub", "tanh"):
         return ("tanh", None) if c[0] == "tanh" else ("sub", b) if a is s and isinstance(b, Node) else None
-    if c is None or c[0] not in ("mul", "div"):
-        return None
     scale = scale_stage(n)
     if scale is not None and scale[2] is s:
         return scale[0], scale[1]
+    if c is None or c[0] not in ("mul", "div"):
+        return None
     t = b if a is s else a if c[0] == "mul" else None
     tv, sv = tensor_val(t), tensor_val(s)
     if isinstance(t, Node) and tv is not None and sv is not None and 0 < tv.dim() <= sv.dim() \

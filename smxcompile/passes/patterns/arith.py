@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -64,41 +65,57 @@ def softcap(n: Node) -> tuple[Node, float, list[Node]] | None:
 
 
 def scale_stage(n: Node) -> tuple[str, Any, Node] | None:
-    """One scale of a score chain: ``("scale", factor, x)`` for a Python number,
+    """One scale of a score chain: ``("scale", factor, x)`` for a Python number (-1 for ``-x``),
     ``("scale_t", (t, "mul" | "div"), x)`` for a 0-d tensor or symbolic number ``t``; else None.
 
     ``x`` is the scaled operand (the scores side). A division by zero or by a non-finite number is not a
     scale."""
+    if isinstance(n, Node) and (n.target in (operator.neg, torch.neg) or n.op == "call_method" and n.target == "neg") \
+            and len(n.args) == 1 and isinstance(n.args[0], Node):
+        return "scale", -1.0, n.args[0]       # -s
     c = canon(n)
     if c is None or c[0] not in ("mul", "div"):
         return None
-    a, b = c[1].get("input"), c[1].get("other")
-    if c[0] == "mul" and not isinstance(a, Node) and isinstance(b, Node):
+    return _scale_of(c[0], c[1].get("input"), c[1].get("other"))
+
+
+def inplace_scale(n: Any) -> tuple[str, Any, Node] | None:
+    """``s *= f`` / ``s /= f`` / ``s.mul_(f)`` / ``s.div_(f)`` as :func:`scale_stage` reads ``s * f`` / ``s / f``."""
+    op = {operator.imul: "mul", operator.itruediv: "div", "mul_": "mul", "div_": "div"}.get(
+        n.target if isinstance(n, Node) and n.op in ("call_function", "call_method") else None)
+    if op is None or len(n.args) != 2 or n.kwargs or not isinstance(n.args[0], Node):
+        return None
+    found = _scale_of(op, *n.args)
+    return found if found is not None and found[2] is n.args[0] else None
+
+
+def _scale_of(op: str, a: Any, b: Any) -> tuple[str, Any, Node] | None:
+    if op == "mul" and not isinstance(a, Node) and isinstance(b, Node):
         a, b = b, a
     if not isinstance(a, Node):
         return None
     if is_number(b):
         if b == 0 or not math.isfinite(b):
             return None
-        return ("scale", float(b) if c[0] == "mul" else 1.0 / float(b), a)
+        return ("scale", float(b) if op == "mul" else 1.0 / float(b), a)
     bv = tensor_val(b)
     if isinstance(b, Node) and bv is not None and bv.dim() == 0:
-        if c[0] == "mul":
+        if op == "mul":
             # a 0-d tensor times the scores: either operand can be the 0-d one
             av = tensor_val(a)
             if av is not None and av.dim() == 0:
                 a, b = b, a
-        return ("scale_t", (b, c[0]), a)
-    if c[0] == "mul":
+        return ("scale_t", (b, op), a)
+    if op == "mul":
         av = tensor_val(a)
         if av is not None and av.dim() == 0 and isinstance(b, Node):
             return ("scale_t", (a, "mul"), b)
     # a symbolic Python number (dynamic shapes: ``head_dim ** -0.5`` turned into a graph input)
     if isinstance(b, Node) and isinstance(val(b), (torch.SymFloat, torch.SymInt)):
-        return ("scale_t", (b, c[0]), a)
-    if c[0] == "mul" and isinstance(val(a), (torch.SymFloat, torch.SymInt)) and isinstance(b, Node):
+        return ("scale_t", (b, op), a)
+    if op == "mul" and isinstance(val(a), (torch.SymFloat, torch.SymInt)) and isinstance(b, Node):
         return ("scale_t", (a, "mul"), b)
     return None
 
 
-__all__ = ["SOFTCAP_RTOL", "scalar_factor", "softcap", "scale_stage"]
+__all__ = ["SOFTCAP_RTOL", "scalar_factor", "softcap", "scale_stage", "inplace_scale"]

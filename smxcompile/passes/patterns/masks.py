@@ -137,11 +137,24 @@ def mild_mask(mask: Node, consts: Any, dtype: torch.dtype) -> bool:
 
 
 def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dtype) -> bool:
-    """A finite fill that does not absorb the scores (above :data:`ABSORBING`) merged with an additive mask that may
-    mask too: in a row masked whole, eager weighs the scores at the added entries and not at the filled ones, a
-    merged additive mask weighs them at both. ``masked`` as ``(cond, True if True masks, value)``."""
-    return bool(add_masks) and any(math.isfinite(v) and v > ABSORBING for *_, v in masked) and not all(
-        mild_mask(a, consts, dtype) for a in add_masks)
+    """A finite fill that does not absorb the scores (above :data:`ABSORBING`) merged with an additive mask known to
+    hold such a masking value too (``where(causal, s, -1e4) + pad * -1e4``, older GPT-2): in a row masked whole,
+    eager weighs the scores at the added entries and not at the filled ones, a merged additive mask at both.
+    ``masked`` as ``(cond, True if True masks, value)``; masks whose values are unknown are not counted."""
+    weak = lambda v: v is not None and math.isfinite(v) and ABSORBING < v <= MASK_VALUE   # noqa: E731
+    return any(weak(v) for *_, v in masked) and any(weak(v) for a in add_masks for v in _mask_values(a, consts))
+
+
+def _mask_values(mask: Node, consts: Any) -> list:
+    """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s ``c``."""
+    c = consts.known(mask)
+    if isinstance(c, torch.Tensor):
+        return c.unique().tolist() if c.numel() <= 1 << 20 else []
+    if mask.op == "call_function" and mask.target is torch.where and len(mask.args) == 3:
+        return [consts.number(a) for a in mask.args[1:] if not isinstance(a, Node)]
+    k = canon(mask)
+    other = k[1].get("other") if k is not None and k[0] == "mul" else None
+    return [float(other)] if isinstance(other, (int, float)) else []
 
 
 def _inplace_operands(n: Any, fn, method: str) -> tuple[Node, Node] | None:
