@@ -147,7 +147,7 @@ def written_softmax(node: Node) -> tuple[Node, int, list[Node], bool] | None:
     return x, dim, dedupe(interior + [s] + ([] if e2 is e else exp_base(e2, dim)[1])), shifted
 
 
-__all__ = ["same_dim_reduction", "keepdim_reduction", "unsqueezed", "row_statistic", "strip_detach", "max_shifted", "exp_base",
-           "same_expr", "written_softmax"]
+__all__ = ["same_dim_reduction", "keepdim_reduction", "unsqueezed", "row_statistic", "strip_detach", "max_shifted",
+           "exp_base", "same_expr", "written_softmax"]
 
 
