@@ -265,9 +265,8 @@ def _einsum(n: Node) -> Contraction | None:
     # are batch indices the other operand broadcasts along (multi-query attention: "bhid,bjd->bhij")
     fa, fb = [[c for c in x if c in o and c not in y][-1:] for x, y in ((a, b), (b, a))]
     batch = [c for c in o if c not in fa + fb]
-    if len(con) != 1 or len(fa) != 1 or len(fb) != 1 or set(o) != set(batch + fa + fb) \
-            or set(a) != set(c for c in batch + con + fa if c in a) or set(b) != set(c for c in batch + con + fb if c in b):
-        return None
+    if len(con) != 1 or len(fa) != 1 or len(fb) != 1 or not set(a + b) <= set(o) | set(con):
+        return None     # no free index, or an index summed within one operand
     canon_out = batch + fa + fb
     pa = tuple(a.index(c) if c in a else None for c in batch + fa + con)
     pb = tuple(b.index(c) if c in b else None for c in batch + con + fb)
@@ -276,4 +275,5 @@ def _einsum(n: Node) -> Contraction | None:
                        out_perm=None if po == tuple(range(len(po))) else po)
 
 
-__all__ = ["Operand", "Contraction", "contraction", "peel", "settle", "lead_view", "split_view", "reshape_input", "view_lead", "reorder_of", "apply_perm", "inverse_perm"]
+__all__ = ["Operand", "Contraction", "contraction", "peel", "settle", "lead_view", "split_view", "reshape_input",
+           "view_lead", "reorder_of", "apply_perm", "inverse_perm"]
