@@ -107,8 +107,8 @@ class AttentionMatch(Match):
         return ", ".join(p for p in parts if p)
 
     def op_name(self) -> str:
-        return "flex_attention" if self.recipe else "smx::attention" if self.normalizer != "softmax" or \
-            self.softcap is not None else "scaled_dot_product_attention"
+        plain = self.normalizer == "softmax" and self.softcap is None     # graph_attention calls torch's SDPA
+        return "flex_attention" if self.recipe else "scaled_dot_product_attention" if plain else "smx::attention"
 
 
 # --------------------------------------------------------------------------- matching
@@ -211,7 +211,7 @@ def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
             ins = [a for a in n.all_input_nodes if tensor_val(a) is not None] if isinstance(n, Node) else []
             sm = next((a for a in ins if softmax_input(a) is not None), None)
             if sm is not None and isinstance(score_graph(softmax_input(sm)[0], sm), tuple):
-                if contraction(n) is not None:
+                if inner is not None:
                     return None     # that contraction reads the weights: its own row says how
                 return _skip(AttentionMatch(anchor=anchor, softmax=sm), f"the weights are changed after the softmax "
                              f"({op_label(n)}): their rows no longer sum to 1, not one attention call")

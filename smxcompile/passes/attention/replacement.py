@@ -42,7 +42,7 @@ def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, 
 def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
                normalizer, norm_param, export, lead, safe_softmax, mask_floor):
     v_lead, nd = None, max(q.dim(), k.dim(), v.dim())     # matmul's leading dims, aligned from the right
-    q, k, v = (t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    q, k, v = (t if t.dim() == nd else t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     if lead is not None:
         v_lead = v.shape[:-2]
         q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))

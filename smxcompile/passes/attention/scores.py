@@ -131,8 +131,8 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
         return "cast", exact_cast(n) is not None
     if no_op_copy(n) is not None or reshape_input(n) is not None:
         return ("copy" if no_op_copy(n) is not None else "view"), None
-    if region_add(n) is not None or inplace_scale(n) is not None:
-        return ("region", region_add(n)) if region_add(n) is not None else inplace_scale(n)[:2]
+    if (region := region_add(n)) is not None or (scale := inplace_scale(n)) is not None:
+        return ("region", region) if region is not None else scale[:2]
     pair = add_operands(n) or inplace_add_operands(n)
     if pair is not None:
         return "add", pair[1] if pair[0] is s else pair[0]

@@ -120,20 +120,8 @@ def mild_mask(mask: Node, consts: Any, dtype: torch.dtype) -> bool:
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return bool((c.to(dtype) > MASK_VALUE).all())
-    n = mask
-    for _ in range(8):
-        if n.op == "call_method" and n.target in ("expand", "view", "reshape", "contiguous", "to", "__getitem__") \
-                or n.op == "call_function" and n.target is operator.getitem:
-            n = n.args[0]
-            if not isinstance(n, Node):
-                return False
-            continue
-        break
-    if n.op == "call_function" and n.target is torch.where and len(n.args) == 3:
-        vals = [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
-                else None for a in n.args[1:]]
-        return all(v is not None and MASK_VALUE < v < math.inf for v in vals)
-    return False
+    vals = _where_numbers(mask, consts)
+    return vals is not None and all(v is not None and MASK_VALUE < v < math.inf for v in vals)
 
 
 def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dtype) -> bool:
@@ -146,15 +134,39 @@ def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dty
 
 
 def _mask_values(mask: Node, consts: Any) -> list:
-    """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s ``c``."""
+    """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s ``c`` (through
+    views and casts)."""
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return c.unique().tolist() if c.numel() <= 1 << 20 else []
-    if mask.op == "call_function" and mask.target is torch.where and len(mask.args) == 3:
-        return [consts.number(a) for a in mask.args[1:] if not isinstance(a, Node)]
-    k = canon(mask)
+    vals = _where_numbers(mask, consts)
+    if vals is not None:
+        return [v for v in vals if v is not None]
+    n = _through_views(mask)
+    k = canon(n) if isinstance(n, Node) else None
     other = k[1].get("other") if k is not None and k[0] == "mul" else None
     return [float(other)] if isinstance(other, (int, float)) else []
+
+
+def _where_numbers(mask: Node, consts: Any) -> list | None:
+    """The numbers (None for a tensor) of ``where(c, a, b)``'s branches, through views and casts; None for another
+    op."""
+    n = _through_views(mask)
+    if not (isinstance(n, Node) and n.op == "call_function" and n.target is torch.where and len(n.args) == 3):
+        return None
+    return [consts.number(a) if not isinstance(a, Node) or tensor_val(a) is None or tensor_val(a).dim() == 0
+            else None for a in n.args[1:]]
+
+
+def _through_views(n: Node) -> Any:
+    """The tensor ``n`` views, copies or casts (up to 8 steps), or a non-node argument."""
+    for _ in range(8):
+        if not (isinstance(n, Node) and (n.op == "call_method" and n.target in (
+                "expand", "view", "reshape", "contiguous", "to", "__getitem__")
+                or n.op == "call_function" and n.target is operator.getitem)):
+            break
+        n = n.args[0]
+    return n
 
 
 def _inplace_operands(n: Any, fn, method: str) -> tuple[Node, Node] | None:
