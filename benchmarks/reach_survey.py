@@ -52,7 +52,7 @@ VITPT = {"vit.ViT": {}, "simple_vit.SimpleViT": {}, "cait.CaiT": dict(cls_depth=
          "pit.PiT": dict(depth=(1, 1)), "vit_for_small_dataset.ViT": {}, "simple_vit_with_qk_norm.SimpleViT": {},
          "vit_with_patch_merger.ViT": dict(patch_merge_layer=1, patch_merge_num_tokens=4),
          "simple_vit_with_register_tokens.SimpleViT": dict(num_register_tokens=2), "nest.NesT": None,
-         "max_vit.MaxViT": None, "levit.LeViT": None}
+         "max_vit.MaxViT": None, "levit.LeViT": None, "sep_vit.SepViT": None}
 
 
 def _torchvision_stand_in() -> None:
@@ -118,13 +118,17 @@ def vit_pytorch_models():
                                  block_repeats=(1, 1)),
                "max_vit.MaxViT": dict(num_classes=10, dim=32, depth=(1,), dim_head=16, window_size=4),
                "levit.LeViT": dict(image_size=64, num_classes=10, dim=(32, 48, 64), depth=1, heads=(2, 2, 2),
-                                   mlp_mult=2, stages=3, dim_key=16, dim_value=16)}
+                                   mlp_mult=2, stages=3, dim_key=16, dim_value=16),
+               # its blocks keep their default 7x7 windows: 56 pixels, 14 then 7 tokens a side
+               "sep_vit.SepViT": dict(num_classes=10, dim=32, depth=(1, 1), heads=(2, 2), dim_head=16)}
+    pixels = {"sep_vit.SepViT": 56}
     for path, kw in VITPT.items():
         def make(path=path, kw=kw):
             mod, cls = path.rsplit(".", 1)
             args = special[path] if kw is None else {**common, **kw}
             m = getattr(importlib.import_module(f"vit_pytorch.{mod}"), cls)(**args)
-            return m, (torch.randn(2, 3, args.get("image_size", 32), args.get("image_size", 32)),), {}
+            side = pixels.get(path, args.get("image_size", 32))
+            return m, (torch.randn(2, 3, side, side),), {}
         yield f"vit_pytorch/{path}", make
 
 

@@ -56,6 +56,16 @@ def k_other_dims(q, k, v):                      # k (B, E, S, H): swapping dims 
     return torch.softmax(q @ k.transpose(1, 3) * E ** -0.5, -1) @ v
 
 
+def value_features(q, k, v):                    # SepViT: each key's value is a (w, d) feature map
+    a = torch.einsum("bhid,bhjd->bhij", q * E ** -0.5, k).softmax(-1)
+    return torch.einsum("bhij,bhjwd->bhiwd", a, v)
+
+
+def value_features_reordered(q, k, v, mask):    # V first, the features' dims apart, the output laid out otherwise
+    a = (torch.einsum("bhid,bhjd->bhij", q, k) + mask).softmax(-1)
+    return torch.einsum("bwhjd,bhij->bhwid", v, a)
+
+
 def intermediates_kept(q, k, v):               # copies kept for optional intermediates, never returned
     s = q @ k.transpose(-2, -1) * E ** -0.5
     kept = {"sim": s.clone()}
@@ -230,6 +240,9 @@ CASES = {
     "keys_first_einsum": (keys_first_einsum, lambda: (*bhle(), _randn(B, 1, S, L, seed=9))),
     "keys_first_causal": (keys_first_causal, lambda: bhle(lk=L)),
     "keys_first_blind_query": (keys_first_blind_query, bhle),
+    "value_features": (value_features, lambda: (*bhle()[:2], _randn(B, H, S, 3, E, seed=2))),
+    "value_features_reordered": (value_features_reordered, lambda: (
+        *bhle()[:2], _randn(B, 3, H, S, E, seed=2), _randn(B, 1, L, S, seed=9))),
     "k_other_dims": (k_other_dims, lambda: (_randn(B, H, L, E, seed=0), _randn(B, E, E, H, seed=1),
                                             _randn(B, H, E, E, seed=2))),
 }
@@ -486,14 +499,14 @@ def weights_mixed_over_heads(q, k, v, m):        # talking heads after the softm
     return torch.einsum("bhij,bhjd->bhid", torch.einsum("bhij,hg->bgij", (q @ k.mT).softmax(-1), m[0, 0]), v)
 
 
-def value_with_two_trailing_dims(q, k, v, m):    # V (B, H, S, W, E): the weights broadcast along W
-    return torch.einsum("bhij,bhjwd->bhiwd", (q @ k.mT).softmax(-1), v.unsqueeze(-2).expand(-1, -1, -1, 2, -1))
+def weights_heads_before_batch(q, k, v, m):     # the contraction reads the weights' batch dims swapped
+    return torch.einsum("bhij,hbjd->hbid", (q @ k.mT).softmax(-1), v.transpose(0, 1))
 
 
 @pytest.mark.parametrize("fn,why", [(weights_masked_after_softmax, "changed after the softmax"),
                                     (weights_over_the_queries, "contracted over the query index"),
                                     (weights_mixed_over_heads, "mixed over another index"),
-                                    (value_with_two_trailing_dims, "in a layout the fused op does not take")])
+                                    (weights_heads_before_batch, "in a layout the fused op does not take")])
 def test_weights_read_otherwise_are_reported_not_rewritten(fn, why):
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
     r = rewrite(fn, q, k, v, torch.ones(2, 1, 3, 3) if fn is weights_mixed_over_heads else torch.ones(2, 1, 1, 5))

@@ -44,13 +44,21 @@ def pad_then_fill_1e4(q, k, v, m):
     return s.softmax(-1) @ v
 
 
+def known(fn, value):
+    """``fn`` with its padding mask built in the graph from a bool ``keep`` (its values known when compiling)."""
+    def padded(q, k, v, keep):
+        return fn(q, k, v, torch.where(keep, 0.0, value)[:, None, None, :])
+    padded.__name__ = f"{fn.__name__}_at_{value:g}"
+    return padded
+
+
 def fill_inf_then_fill_min(q, k, v, m):
     s = (q @ k.transpose(-1, -2) / math.sqrt(E)).masked_fill(~PAD[:, None, None, :], float("-inf"))
     return s.masked_fill(~CAUSAL, MIN).softmax(-1) @ v
 
 
-CASES = [(where_min_then_pad, MIN), (pad_then_where_min, MIN), (fill_1e4_then_pad, float("-inf")),
-         (pad_then_fill_1e4, -1e9), (pad_then_fill_1e4, MIN), (fill_inf_then_fill_min, 0.0)]
+CASES = [(where_min_then_pad, MIN), (pad_then_where_min, MIN), (known(fill_1e4_then_pad, float("-inf")), PAD),
+         (known(pad_then_fill_1e4, -1e9), PAD), (known(pad_then_fill_1e4, MIN), PAD), (fill_inf_then_fill_min, 0.0)]
 
 
 def _qkv():
@@ -58,11 +66,12 @@ def _qkv():
     return [torch.randn(B, H, L, E, generator=g) * 2 for _ in range(3)]
 
 
-@pytest.mark.parametrize("fn,pad_value", CASES, ids=lambda x: x.__name__ if callable(x) else f"{x:g}")
+@pytest.mark.parametrize("fn,pad_value", CASES, ids=lambda x: x.__name__ if callable(x) else
+                         "keep" if isinstance(x, torch.Tensor) else f"{x:g}")
 def test_fully_masked_rows_forward_and_gradients(fn, pad_value):
     q, k, v = _qkv()
-    m = _pad(pad_value)
-    r = rewrite(fn, q, k, v, m, check_values=False)
+    m = pad_value if isinstance(pad_value, torch.Tensor) else _pad(pad_value)
+    r = rewrite(fn, q, k, v, m, check_values=False, located=() if m is PAD else None)   # known(): fn's line
     assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
     ins = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
     mine = {id(a): b for a, b in zip((q, k, v), ins[0])}      # the graph also lifts the global masks
@@ -73,6 +82,23 @@ def test_fully_masked_rows_forward_and_gradients(fn, pad_value):
     w[0, :, :2] = 0                      # batch 0's padded query rows carry no loss
     for a, b in zip(torch.autograd.grad((got * w).sum(), ins[0]), torch.autograd.grad((want * w).sum(), ins[1])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_finite_fill_beside_a_mask_of_unknown_values_is_not_merged():
+    """``where(causal, s, -1e4) + m`` with ``m`` a graph input that masks at -1e4 too: in a left-padded query row
+    eager weighs the scores at the padded past keys and not at the filled future ones, which one merged mask
+    cannot say; the site is skipped (its values unknown when compiling) and the graph gives eager's values."""
+    q, k, v = _qkv()
+    r = rewrite(fill_1e4_then_pad, q, k, v, _pad(-1e4))
+    att = [s for s in r.report if s.kind == "attention"]
+    assert [s.action for s in att] == ["skipped"] and "may mask too" in att[0].reason, str(r.report)
+
+
+def test_bool_mask_added_beside_a_finite_fill_still_merges():
+    """An added bool / int mask holds 0 and 1 only, never a masking value: the merge is eager's."""
+    q, k, v = _qkv()
+    r = rewrite(fill_1e4_then_pad, q, k, v, PAD[:, None, None, :])
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
 
 
 def hf_mask_gqa(q, k, v, m):                            # transformers' eager attention: one 0 / min mask

@@ -174,12 +174,12 @@ def gpt2_where_plus_mask(q, k, v, causal, mask):         # pattern 19 (family d)
 
 
 def fill_add_fill(q, k, v, causal, mask):                # family d, stages interleaved: where, add, masked_fill
-    w = torch.where(causal, q @ k.transpose(-2, -1) / INV, -1e4) + mask
-    return w.masked_fill(causal.logical_not().flip(-1), -3e4).softmax(-1) @ v
+    w = torch.where(causal, q @ k.transpose(-2, -1) / INV, -1e30) + mask
+    return w.masked_fill(causal.logical_not().flip(-1), -3e30).softmax(-1) @ v
 
 
 def add_fill_add(q, k, v, causal, mask):                 # a bias before the fill and another after it
-    w = (q @ k.transpose(-2, -1) / INV + mask).masked_fill(causal.logical_not(), -1e4)
+    w = (q @ k.transpose(-2, -1) / INV + mask).masked_fill(causal.logical_not(), -1e30)
     return (w + 2 * mask).softmax(-1) @ v
 
 

@@ -22,7 +22,8 @@ from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, canon, cast_dtype, is_
     op_label, same_shape, same_size, static_shape, tensor_val
 from ..patterns.masks import ABSORBING, MASK_VALUE, is_masking_value
 from ..protocol import Match
-from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, view_lead
+from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, \
+    value_features, view_lead
 from ..patterns.selections import no_op_copy
 from ..patterns.written_softmax import row_statistic
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
@@ -69,13 +70,14 @@ class AttentionMatch(Match):
     mask_floor: float | None = None       # max(s, floor) after the masks: masking values clamped there
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask: the shape of its view of the scores
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
-    layout: dict = dataclasses.field(default_factory=dict)  # "q", "k", "v", "out", "scores" -> permutation or None
+    layout: dict = dataclasses.field(default_factory=dict)  # "q".."scores" -> permutation; "v_split": value_features
     recipe: tuple = ()                    # other pointwise changes of the scores, replayed as a score_mod
     sides: list = dataclasses.field(default_factory=list)   # their side inputs
 
     def val(self, role: str):
         """The fake tensor of q, k or v in the op's layout (..., L or S, E)."""
-        return Operand(getattr(self, role), self.layout.get(role)).val()
+        t, fold = Operand(getattr(self, role), self.layout.get(role)).val(), self.layout.get("v_split")
+        return t.flatten(-1 - fold) if role == "v" and fold and t is not None else t
 
     @property
     def layouts(self) -> dict:
@@ -144,7 +146,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
         return None
     for pv in (c, c.transposed()):
         views: list[Node] = []
-        weights = peel(pv.a, views)
+        pv, weights, v_split = value_features(pv, peel(pv.a, views))
         found = _weights(weights)
         if found is not None:
             break
@@ -156,7 +158,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     v = settle(pv.b)
     x, dim, sm_dtype = softmax_input(sm)
     m = AttentionMatch(anchor=anchor, softmax=sm, v=v.node, safe_softmax=is_safe_softmax(sm))
-    m.layout.update(v=v.perm, out=pv.out_perm)
+    m.layout.update(v=v.perm, out=pv.out_perm, v_split=v_split or None)
     m.dead = [anchor, *chain, sm, *softmax_interior(sm)]
     m.dropped += [pv.a.node, pv.b.node]     # reordering views of the operands, erased once unused
     if dropout is not None and dropout[2] and dropout[1] > 0:    # F.dropout(p, training=True)

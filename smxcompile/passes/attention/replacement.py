@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ..patterns.contraction import apply_perm
+from ..patterns.contraction import op_layout
 from ..patterns.masks import MASK_VALUE, is_masking_value
 from ...kernels.attention.masked_rows import absorbed_key_term, dead_rows, floored, keys_last, merged_mask, \
     nonfinite_rows, split_masks
@@ -29,14 +29,13 @@ def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, 
     scores viewed as ``shape`` (None: as q is grouped). ``mask_floor``: the masks clamped below there.
     ``scale_tensors``: ``[(tensor, "mul" | "div")]`` folded into q. ``fixup="auto"``: eager's values on fully
     masked rows (0 after ``_safe_softmax``); ``export``: MatMul / Softmax / MatMul semantics, no NaN fix-up."""
-    layout = layout or {}
-    q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v, laid_out = op_layout(q, k, v, layout)
     # masks as (..., rows, keys) with both dims present (a 0-d or (S,) mask broadcasts as eager's does)
-    masks = [keys_last(t) if "scores" in layout else t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)) for t in masks]
+    masks = [keys_last(t) if "scores" in (layout or {}) else t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)) for t in masks]
     out = _attention(q, k, v, masks, mask_kinds, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
                      dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
                      export=export, lead=lead, safe_softmax=safe_softmax, mask_floor=mask_floor)
-    return apply_perm(out, layout.get("out"))
+    return laid_out(out)
 
 
 def _attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
@@ -119,8 +118,7 @@ def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale:
     ``layout``, ``scale_tensors`` folded into q, then :func:`smxcompile.kernels.attention.score_mod_attention`."""
     from ...kernels.attention.flex import score_mod_attention
 
-    layout = layout or {}
-    q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v, laid_out = op_layout(q, k, v, layout)
     if n_rep == 1:      # operands broadcast along a batch index they lack (multi-query K and V)
         lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
@@ -128,7 +126,7 @@ def graph_flex_attention(q, k, v, sides, scale_tensors, *, recipe: tuple, scale:
         q = q * t.to(q.dtype) if op == "mul" else q / t.to(q.dtype)
     out = score_mod_attention(q, k, v, sides, recipe=recipe, scale=scale, enable_gqa=n_rep > 1,
                               safe_softmax=safe_softmax)
-    return apply_perm(out, layout.get("out"))
+    return laid_out(out)
 
 
 def graph_sdpa(q, k, v, sdpa_kwargs: dict, *, normalizer: str, norm_param):

@@ -177,6 +177,17 @@ def apply_perm(t: torch.Tensor, perm: tuple[int | None, ...] | None) -> torch.Te
     return t
 
 
+def op_layout(q, k, v, layout: dict | None):
+    """q, k, v permuted as ``layout`` says (``"q"``, ``"k"``, ``"v"``; ``"v_split"``: V's last dims flattened
+    into the features of each key), and the function that lays the op's output out as the graph's (``"out"``)."""
+    layout = layout or {}
+    q, k, v = (apply_perm(t, layout.get(r)) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    n = layout.get("v_split")
+    features = tuple(v.shape[-1 - n:]) if n else None
+    v = v.flatten(-1 - n) if n else v
+    return q, k, v, lambda out: apply_perm(out.unflatten(-1, features) if n else out, layout.get("out"))
+
+
 def inverse_perm(perm: tuple[int, ...] | None) -> tuple[int, ...] | None:
     if perm is None:
         return None
@@ -208,6 +219,27 @@ class Contraction:
         out = swap if self.out_perm is None else tuple(swap[i] for i in self.out_perm)
         return dataclasses.replace(self, a=self.b.mT, b=self.a.mT,
                                    out_perm=None if out == tuple(range(nd)) else out)
+
+
+def value_features(pv: Contraction, weights: Operand) -> tuple[Contraction, Operand, int]:
+    """Batch indices only V has (``einsum("bhij,bhjwd->bhiwd")``, SepViT): V's (w, d) are w * d features of each
+    key. They move next to V's last dim (the op reads them flattened, ``layout["v_split"]``): the contraction
+    so read, the weights without them, their count (0: none)."""
+    perm = weights.perm
+    base = pv.b.perm or tuple(range(len(perm or ())))
+    if perm is None or None not in perm[:-2] or None in perm[-2:]:
+        return pv, weights, 0
+    nd = len(perm)
+    split = [p for p in range(nd - 2) if perm[p] is None]
+    keep = [p for p in range(nd - 2) if perm[p] is not None]
+    if any(base[p] is None for p in split):
+        return pv, weights, 0
+    to_op = {p: i for i, p in enumerate((*keep, nd - 2, *split, nd - 1))}    # canonical dim -> the op's out dim
+    out = tuple(to_op[o] for o in (pv.out_perm or range(nd)))
+    v = Operand(pv.b.node, tuple(base[p] for p in (*keep, nd - 2, *split, nd - 1)))
+    w = Operand(weights.node, tuple(perm[p] for p in (*keep, nd - 2, nd - 1)))
+    w = w if w.perm != tuple(range(nd - len(split))) else Operand(weights.node)
+    return dataclasses.replace(pv, b=v, out_perm=None if out == tuple(range(nd)) else out), w, len(split)
 
 
 def contraction(n: Any) -> Contraction | None:
@@ -275,5 +307,5 @@ def _einsum(n: Node) -> Contraction | None:
                        out_perm=None if po == tuple(range(len(po))) else po)
 
 
-__all__ = ["Operand", "Contraction", "contraction", "peel", "settle", "lead_view", "split_view", "reshape_input",
+__all__ = ["Operand", "Contraction", "contraction", "value_features", "op_layout", "peel", "settle", "lead_view", "split_view", "reshape_input",
            "view_lead", "reorder_of", "apply_perm", "inverse_perm"]

@@ -125,23 +125,33 @@ def mild_mask(mask: Node, consts: Any, dtype: torch.dtype) -> bool:
 
 
 def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dtype) -> bool:
-    """A finite fill that does not absorb the scores (above :data:`ABSORBING`) merged with an additive mask known to
-    hold such a masking value too (``where(causal, s, -1e4) + pad * -1e4``, older GPT-2): in a row masked whole,
+    """A finite fill that does not absorb the scores (above :data:`ABSORBING`) merged with an additive mask that
+    may mask at a value near it (``where(causal, s, -1e4) + pad * -1e4``, older GPT-2): in a row masked whole,
     eager weighs the scores at the added entries and not at the filled ones, a merged additive mask at both.
-    ``masked`` as ``(cond, True if True masks, value)``; masks whose values are unknown are not counted."""
-    weak = lambda v: v is not None and math.isfinite(v) and ABSORBING < v <= MASK_VALUE   # noqa: E731
-    return any(weak(v) for *_, v in masked) and any(weak(v) for a in add_masks for v in _mask_values(a, consts))
+    Values :data:`MASK_VALUE` apart or more leave one side's weights at 0 (the run-time fix-up's rows).
+    ``masked`` as ``(cond, True if True masks, value)``; a mask whose values are unknown (a graph input) may."""
+    # finfo(float16).min is the lowest a half mask holds: taken as absorbing, as -1e30 is in fp32
+    floor = max(ABSORBING, torch.finfo(dtype).min)
+    fills = [v for *_, v in masked if v is not None and math.isfinite(v) and floor < v <= MASK_VALUE]
+    if not fills:
+        return False
+    for a in add_masks:
+        vals = _mask_values(a, consts)
+        if not vals and not mild_mask(a, consts, dtype) or any(
+                math.isfinite(v) and abs(v - f) < -MASK_VALUE for v in vals for f in fills):
+            return True
+    return False
 
 
 def _mask_values(mask: Node, consts: Any) -> list:
     """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s ``c`` (through
-    views and casts)."""
+    views and casts); [] where unknown."""
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return c.unique().tolist() if c.numel() <= 1 << 20 else []
     vals = _where_numbers(mask, consts)
     if vals is not None:
-        return [v for v in vals if v is not None]
+        return [] if None in vals else vals
     n = _through_views(mask)
     k = canon(n) if isinstance(n, Node) else None
     other = k[1].get("other") if k is not None and k[0] == "mul" else None
