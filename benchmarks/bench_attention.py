@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Eager-attention causal LMs (GPT-2, Llama from transformers), side by side: eager, Inductor, smx, SDPA+Inductor.
+"""Eager-attention causal LMs (GPT-2, Llama, gpt-oss from transformers), side by side: eager, Inductor, smx, SDPA+Inductor.
 
 What is measured: one step of a small causal LM built from a config with random weights (nothing is
 downloaded), attn_implementation="eager" (so every layer's attention is the textbook
@@ -9,6 +9,8 @@ use_cache=False, fp32, on CPU, batch --batch of token ids of length seq:
   gpt2   GPT2LMHeadModel: n_embd --hidden (256), --heads (4) heads, --layers (2), vocab --vocab (2048)
   llama  LlamaForCausalLM: hidden --hidden (256), --heads (4) heads, --kv-heads (2: grouped-query
          attention), intermediate 2 x hidden (512), --layers (2), vocab --vocab (2048), untied head
+  gpt_oss GptOssForCausalLM: as llama, plus a learned attention sink per head, a 128-key sliding
+         window on every other layer, 4 experts (2 per token); no sdpa variant (sinks need eager)
 
 The vocabulary is small on purpose, so that the LM head does not hide the attention. The eager
 attention materializes batch x heads x seq x seq scores per layer (O(seq^2) memory and time); a
@@ -103,7 +105,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear_ce as blc  # noqa: E402  (the memory meter, launcher, quiet-wait and table printing)
 from bench_linear_ce import GB, NOISY, StepPeak, _fmt_num, _write_json, say  # noqa: E402
 
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "gpt_oss")
 MODES = ("infer", "train")
 VARIANTS = ("eager", "inductor", "smx", "sdpa")
 MB = 1e6
@@ -114,6 +116,8 @@ GRAD_PARAMS = {
     "gpt2": ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight", "transformer.wte.weight"),
     "llama": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
               "model.layers.0.self_attn.v_proj.weight", "model.embed_tokens.weight"),
+    "gpt_oss": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.sinks",
+                "model.layers.1.self_attn.sinks", "model.embed_tokens.weight"),
 }
 
 
@@ -147,6 +151,15 @@ def build_model(spec: dict, attn: str):
             max_position_embeddings=max(spec["seq"], 1024), attention_dropout=0.0,
             bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn)
         model = transformers.LlamaForCausalLM(cfg)
+    elif spec["model"] == "gpt_oss":       # attention sinks; sliding (128) and full layers alternate; 4 experts
+        cfg = transformers.GptOssConfig(
+            vocab_size=vocab, hidden_size=h, intermediate_size=h, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=spec["kv_heads"], head_dim=h // heads,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=128, attention_dropout=0.0,
+            max_position_embeddings=max(spec["seq"], 1024), rope_parameters={"rope_type": "default", "rope_theta":
+                                                                               10000.0},
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn)
+        model = transformers.GptOssForCausalLM(cfg)
     else:
         raise ValueError(spec["model"])
     model.config._attn_implementation = attn
@@ -530,7 +543,8 @@ def _choice_list(choices: tuple[str, ...]):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=_choice_list(MODELS), default=list(MODELS), help="gpt2,llama (default both)")
+    p.add_argument("--models", type=_choice_list(MODELS), default=list(MODELS),
+                   help="gpt2,llama,gpt_oss (default all; gpt_oss, with attention sinks, runs no sdpa variant)")
     p.add_argument("--seq", type=blc._int_list, help=f"comma-separated sequence lengths (default "
                                                      f"{','.join(map(str, DEFAULT_SEQ))})")
     p.add_argument("--modes", type=_choice_list(MODES), default=list(MODES), help="infer,train (default both)")
@@ -638,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                     point = f"{model} seq={seq} {mode}"
                     ref_path = os.path.join(workdir, f"ref-{model}-{seq}-{mode}.pt")
                     for name in variants:
+                        if model == "gpt_oss" and name == "sdpa":     # transformers' SDPA path takes no sinks
+                            continue
                         spec = dict(base, model=model, seq=seq, mode=mode, variant=name, rounds=rounds[seq],
                                     ref=ref_path)
                         avail = blc.mem_available()

@@ -44,6 +44,7 @@ XTF = {"decoder": {}, "alibi": dict(alibi_pos_bias=True), "rel_pos_bias": dict(r
        "residual_attn": dict(residual_attn=True), "gate_values": dict(attn_gate_values=True),
        "value_residual": dict(add_value_residual=True), "max_attend_past": dict(attn_max_attend_past=4),
        "data_dependent_alibi": dict(attn_data_dependent_alibi=True), "add_zero_kv": dict(attn_add_zero_kv=True),
+       "learned_sink": dict(attn_head_learned_sink=True),
        # beyond one attention call: reported, never rewritten
        "talking_heads": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True),
        "sparse_topk": dict(attn_sparse_topk=4), "selective": dict(attn_selective=True),

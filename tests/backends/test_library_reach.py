@@ -8,7 +8,8 @@ is rewritten, and the compiled forward and parameter gradients are as close to a
 - transformers' LeViT: attention biases, K read through ``permute``;
 - transformers' VitDet: decomposed relative positions (MViT-v2), a bias computed from q per grid axis and added
   to the scores viewed as (B*H, Lh, Lw, Sh, Sw);
-- XLNet and SqueezeBERT, which no issue named."""
+- XLNet and SqueezeBERT, which no issue named;
+- gpt-oss: attention sinks (a learned logit column per head), GQA, sliding windows."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def _text(config_cls: str, model_cls: str, **cfg):
     def make():
         c = getattr(transformers, config_cls)(**cfg)
         c._attn_implementation = "eager"
+        c._experts_implementation = "eager"      # the grouped-mm experts take no float64 (the gold)
         torch.manual_seed(0)
         ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
         return getattr(transformers, model_cls)(c), {"input_ids": ids}
@@ -70,6 +72,10 @@ CASES = {
     # SqueezeBERT's (B, H, E, N) layout
     "xlnet": _text("XLNetConfig", "XLNetModel", vocab_size=64, d_model=32, n_layer=2, n_head=4, d_inner=64,
                    dropout=0.0),
+    # gpt-oss: a learned sink logit per head normalized with the scores, GQA, sliding and full layers
+    "gpt_oss": _text("GptOssConfig", "GptOssModel", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=32,
+                     num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
     "squeezebert": _text("SqueezeBertConfig", "SqueezeBertModel", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                          num_attention_heads=4, intermediate_size=64, embedding_size=32),
 }

@@ -73,6 +73,9 @@ ZOO = {
                        sliding_window=6, attn_logit_softcapping=50.0, final_logit_softcapping=None),
     "mixtral": _decoder("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
                         num_experts_per_tok=2),
+    # attention sinks: a learned logit per head appended to the scores (sliding and full layers alternate)
+    "gpt_oss": _decoder("GptOssConfig", "GptOssForCausalLM", head_dim=8, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=6),
     "phi": _decoder("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0),
     "gpt_neox": _gpt_neox,
     "distilbert": _distilbert,

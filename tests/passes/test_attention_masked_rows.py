@@ -310,9 +310,9 @@ def test_one_query_head_broadcast_over_the_key_heads():
 
 def test_padded_rows_cost_nothing_without_gradients_and_a_bad_key_stays_in_its_rows(monkeypatch):
     """No key-gradient term is built under no_grad; an inf key gives NaN only in the rows eager gives it."""
-    from smxcompile.passes.attention import replacement
+    from smxcompile.kernels.attention import masked_rows
     calls = []
-    monkeypatch.setattr(replacement, "absorbed_key_term", lambda *a, **kw: calls.append(1) or 0.0)
+    monkeypatch.setattr(masked_rows, "absorbed_key_term", lambda *a, **kw: calls.append(1) or 0.0)
     q, k, v = _qkv()
     m = torch.where(CAUSAL & PAD[:, None, None, :], 0.0, MIN)
     r = rewrite(hf_mask_gqa, q, k, v, m, check_values=False)

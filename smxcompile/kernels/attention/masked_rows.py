@@ -3,8 +3,22 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import operator
+
 import torch
 import torch.nn.functional as F
+
+#: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
+#: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
+MASK_VALUE = -1e4
+
+
+def is_masking_value(v):
+    """Whether a fill value masks a score (``-inf`` or any number <= :data:`MASK_VALUE`, e.g. ``finfo.min``);
+    elementwise (a bool tensor) for a tensor."""
+    return v <= MASK_VALUE
 
 
 def merged_mask(add_masks, masked, mask_order: str, *, dtype, device):
@@ -143,3 +157,106 @@ def split_masks(masks, mask_kinds, shape: tuple, *, dtype):
 def keys_last(t: torch.Tensor) -> torch.Tensor:
     """A mask of (..., S, L) scores, as a mask of (..., L, S) scores (broadcast dims kept)."""
     return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)).mT
+
+
+def with_sink(q, k, v, mask, sink, *, scale: float, is_causal: bool):
+    """Attention with a sink column (a logit ``sink`` per row, broadcast to (..., L, 1), that the softmax
+    normalizes with the scores and whose weight is dropped; gpt-oss) as attention over one more key of zero
+    value: ``q' = [q * scale, sink]``, ``k' = [[k, 0], [0, 1]]``, ``v' = [[v, 0], [0, 0]]``, one width so that
+    fused kernels take them (padded to a multiple of 8 on CUDA). Returns ``(q', k', v', mask', scale' = 1)``: the
+    mask (or the causal one) keeps the sink; the caller reads the output's first ``v.shape[-1]`` features."""
+    L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    width = max(E, Ev) + 1
+    width += -width % 8 if q.is_cuda else 0
+    c = torch.broadcast_to(sink.to(q.dtype), (*q.shape[:-1], 1))
+    q = torch.cat([F.pad(q * scale, (0, width - E - 1)), c], -1)
+    k = torch.cat([F.pad(k, (0, width - E)), F.pad(k.new_ones(*k.shape[:-2], 1, 1), (width - 1, 0))], -2)
+    v = F.pad(v, (0, width - Ev, 0, 1))
+    if is_causal:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        mask = F.pad(mask.expand(*mask.shape[:-1], S), (0, 1), value=True if mask.dtype == torch.bool else 0.0)
+    return q, k, v, mask, 1.0
+
+
+def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
+               normalizer, norm_param, export, lead, safe_softmax, mask_floor, sink):
+    """Attention with the masks of :func:`split_masks` on torch's fused kernel (the ``smx::attention`` op for
+    another normalizer or a soft-cap), eager's values kept on rows the masks empty and for non-finite q or k
+    (docs/DESIGN.md, "Attention"): q (..., L, E), k, v (..., S, E) broadcasting as matmul's; the arguments
+    are :func:`smxcompile.passes.attention.replacement.graph_attention`'s."""
+    v_lead, nd = None, max(q.dim(), k.dim(), v.dim())     # matmul's leading dims, aligned from the right
+    q, k, v = (t if t.dim() == nd else t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    if lead is not None:
+        v_lead = v.shape[:-2]
+        q, k, v = (t.reshape(*lead, *t.shape[-2:]) for t in (q, k, v))
+    add_masks, masked, mask_order = split_masks(masks, mask_kinds, (*(lead or ()), q.shape[-2], k.shape[-2]),
+                                                 dtype=q.dtype)
+    for t, op in scale_tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to(q.dtype)
+        q = q * t if op == "mul" else q / t
+    squeeze = 0
+    while q.dim() < 4:   # fused kernels want (B, H, L, E)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        add_masks = [mk.unsqueeze(0) if mk.dim() >= q.dim() else mk for mk in add_masks]
+        masked = [(c.unsqueeze(0) if c.dim() >= q.dim() else c, t, val) for c, t, val in masked]
+        squeeze += 1
+    if mask_floor is not None and add_masks:
+        q, add_masks = floored(q, add_masks, mask_floor)
+    keep = 3 if n_rep > 1 else 2        # GQA's K and V keep their kv heads; otherwise heads broadcast too
+    lead_dims = torch.broadcast_shapes(q.shape[:-keep], k.shape[:-keep], v.shape[:-keep])
+    q, k, v = (t.expand(*lead_dims, *t.shape[-keep:]) for t in (q, k, v))
+    mask = hidden = all_masked = uniform = None     # hidden: the entries a fill selects away (True = not seen)
+    if mask_order:
+        mask, hidden = merged_mask(add_masks, masked, mask_order, dtype=q.dtype, device=q.device)
+    elif masked:     # fills alone, of one value: a bool mask
+        hidden = functools.reduce(operator.or_, (c if true_masks else ~c for c, true_masks, _ in masked))
+        mask, all_masked = ~hidden, hidden.all(-1, keepdim=True) if fixup else None
+    elif add_masks:
+        mask = functools.reduce(operator.add, (mk if mk.is_floating_point() else mk.to(q.dtype) for mk in add_masks))
+    if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    if mask is not None and mask.dtype.is_floating_point and normalizer != "softmax":
+        # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
+        # softpick leaves them out of its denominator, n counts only the keys left
+        mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
+    q_eager, sdpa_scale = q, q.shape[-1] ** -0.5 if scale is None else scale
+    # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard); soft-capped scores: the op's
+    # own backward takes absorbed rows as they are, and tanh's derivative needs eager's s, so only fills count
+    if fixup and normalizer == "softmax" and not export and mask is not None and mask.dtype.is_floating_point \
+            and (softcap is None or mask_order):
+        q, mask, uniform = dead_rows(q, k, mask, hidden, scale=sdpa_scale, n_rep=n_rep, margin=MASK_VALUE,
+                                     keep_grad=softcap is None)
+    if not export:
+        q_bad, k, k_bad = nonfinite_rows(q, k, hidden, is_causal, n_rep)
+    features = v.shape[-1]
+    if sink is not None:
+        q, k, v, mask, scale = with_sink(q, k, v, mask, sink, scale=sdpa_scale, is_causal=is_causal)
+        is_causal = False
+    if normalizer == "softmax" and softcap is None:
+        # torch's fused flash kernels (CPU and CUDA); Inductor lowers the call to them
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                             scale=scale, enable_gqa=n_rep > 1)
+    else:
+        from . import attention
+
+        out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=n_rep > 1, softcap=softcap, normalizer=normalizer, norm_param=norm_param)
+    out = out[..., :features] if sink is not None else out
+    if uniform is not None and dropout_p == 0 and torch.is_grad_enabled() and k.requires_grad:
+        out = out + absorbed_key_term(q_eager, k, v, uniform, scale=sdpa_scale, n_rep=n_rep)
+    if not export:
+        out = out.masked_fill(q_bad | k_bad, float("nan"))
+    if fixup and normalizer == "softmax":
+        empty_row = 0.0 if safe_softmax else float("nan")    # a row of -inf
+        if all_masked is None:      # the masks' sum in q's dtype, as eager adds them
+            out = out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), empty_row)
+        elif all(math.isinf(val) for *_, val in masked):
+            out = torch.where(all_masked, torch.full((), empty_row, dtype=out.dtype, device=out.device), out)
+        else:       # a row filled whole with a finite value: uniform weights
+            vv = v.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else v
+            out = torch.where(all_masked, vv.mean(-2, keepdim=True).to(out.dtype), out)
+    for _ in range(squeeze):
+        out = out.squeeze(0)
+    return out if v_lead is None else out.reshape(*v_lead, *out.shape[-2:])

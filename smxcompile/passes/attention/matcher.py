@@ -25,6 +25,7 @@ from ..protocol import Match
 from ..patterns.contraction import Contraction, Operand, contraction, lead_view, peel, settle, split_view, \
     value_features, view_lead
 from ..patterns.selections import no_op_copy
+from ..patterns.sinks import dropped_column, drops_sink
 from ..patterns.written_softmax import row_statistic
 from .scores import flex_sides, score_graph, score_mod_recipe, score_step, score_steps
 from .operands import dropout_call, key_side, softmax_input, softmax_interior
@@ -71,6 +72,7 @@ class AttentionMatch(Match):
     mask_shapes: list = dataclasses.field(default_factory=list)   # per mask: the shape of its view of the scores
     dead_ends: list = dataclasses.field(default_factory=list)     # users of inner values that reach no output
     layout: dict = dataclasses.field(default_factory=dict)  # "q".."scores" -> permutation; "v_split": value_features
+    sink: tuple | None = None             # (column node, first) a logit column the softmax normalizes with the scores
     recipe: tuple = ()                    # other pointwise changes of the scores, replayed as a score_mod
     sides: list = dataclasses.field(default_factory=list)   # their side inputs
 
@@ -118,8 +120,8 @@ class AttentionMatch(Match):
 
 def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
     """The softmax whose output ``a`` is (as it is, or with its last two dims swapped: scores laid out (keys,
-    queries)), through casts, copies, one dropout and views of the leading dims: ``(softmax, nodes between,
-    dropout call)``, or None."""
+    queries)), through casts, copies, one dropout, views of the leading dims and a slice of the key index (a
+    sink's column dropped): ``(softmax, nodes between, dropout call)``, or None."""
     if a.perm is not None and a.perm != (*range(len(a.perm) - 2), len(a.perm) - 1, len(a.perm) - 2):
         return None
     chain: list[Node] = []
@@ -129,7 +131,7 @@ def _weights(a: Operand) -> tuple[Node, list[Node], tuple | None] | None:
             return n, chain, dropout
         d = dropout_call(n)
         if (d is None or dropout is not None) and cast_dtype(n) is None and no_op_copy(n) is None \
-                and lead_view(n) is None:
+                and lead_view(n) is None and (a.perm is not None or dropped_column(n) is None):
             return None
         dropout = dropout or d
         chain.append(n)
@@ -189,9 +191,13 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
         return None if found is None else _skip(m, found)
     qk, path = found
     steps = None if score_mod else score_steps(qk, path, x)
-    if steps is None:
-        return _score_mod(m, qk, path, consts)
-    return _scores(m, contraction(qk), steps, consts)
+    m = _score_mod(m, qk, path, consts) if steps is None else _scores(m, contraction(qk), steps, consts)
+    slices = [dropped_column(n) for n in chain if dropped_column(n) is not None]
+    cols = (static_shape(tensor_val(sm)) or (None,))[-1]
+    if (slices or m.sink) and m.action != "skipped" and not (m.sink and len(slices) == 1 and cols is not None and
+                                                             drops_sink(*slices[0][1:], cols, m.sink[1])):
+        return _skip(m, "the weights are sliced along the key index other than by dropping a sink's column")
+    return m
 
 
 def _changed_weights(anchor: Node, c: Contraction) -> AttentionMatch | None:
@@ -287,6 +293,8 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
             return _skip(m, f"{c[0] if c else op_label(node)} between the scores and the softmax is "
                             "not a scale, soft-cap, mask, cast or view")
         kind, data = step
+        if phase == 3 and kind not in ("cast", "copy", "add", "sub"):
+            return _skip(m, "the scores are changed after a sink column is appended")
         if kind == "cast" and not data:
             return _skip(m, f"the scores are rounded by a cast to {cast_dtype(node)} before the softmax")
         if kind == "view":
@@ -312,6 +320,7 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
             if not why and len(m.masks) == before:
                 shifted = True
                 continue
+            why = why or ("a mask is applied to the sink column too" if phase == 3 else "")
         elif kind == "region":      # s[idx] = s[idx] + b: b padded with zeros to the scores' shape
             m.dead += data.nodes
             why = "a region of scores laid out (keys, queries) is written" if "scores" in m.layout else ""
@@ -320,6 +329,12 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
                     tensor_val(at).shape)))
         elif kind == "fill":
             why = _take_fill(m, data, node if tensor_val(node) is not None else s, qk, consts, level=level)
+        elif kind == "sink":
+            if m.sink or depends_on(data[0], qk):
+                return _skip(m, "a second column appended to the scores, or one computed from them")
+            m.sink, phase = data, 3
+            m.absorbed.append("sink column")
+            continue
         elif kind == "floor":
             why = _take_floor(m, data, consts) if not shifted else "the scores are clamped below after a row shift"
         if why:

@@ -150,9 +150,12 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         _causal_or_const(m, consts)
         if fill_meets_mask(m.masked, m.add_masks, consts, m.val("q").dtype):
             return "a finite fill meets an additive mask that may mask too: rows masked whole would weigh differently"
-        if _needs_fixup(m, consts):
+        if _needs_fixup(m, consts) and m.sink is None:   # a finite sink keeps every row's weights
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
+    if m.sink is not None and (m.normalizer != "softmax" or m.softcap is not None or m.recipe or m.lead is not None
+                               or "scores" in m.layout):
+        return "a sink column with a normalizer, soft-cap, score_mod, views or scores laid out (keys, queries)"
     if m.normalizer != "softmax" and "row shift dropped" in m.absorbed:
         return f"the scores are shifted per row, which softmax ignores but {m.normalizer} does not"
     return ""
@@ -292,6 +295,8 @@ def _call(m: AttentionMatch, g, *, dropout_p: float, export: bool = False):
     q, k, v, scales = g(m.q), g(m.k), g(m.v), [(g(t), op) for t, op in m.scale_tensors]
     extras = {key: val for key, val in {"lead": m.lead, "mask_floor": m.mask_floor, "safe_softmax": m.safe_softmax,
               "layout": m.layouts, "export": export}.items() if val}      # kept out of the other sites' graphs
+    if m.sink:
+        extras["sink"] = g(m.sink[0])
     if m.recipe:
         flex = {key: extras[key] for key in ("safe_softmax", "layout") if key in extras}
         return graph_flex_attention, (q, k, v, [g(x) for x in m.sides], scales), {

@@ -21,6 +21,7 @@ from ..patterns.graph import broadcasts_to, canon, cast_dtype, is_mutation, op_l
 from ..patterns.masks import add_operands, fill_mask, inplace_add_operands, inplace_fill, inplace_sub_operands, \
     mask_floor, region_add
 from ..patterns.selections import no_op_copy
+from ..patterns.sinks import key_concat, sink_column
 from ..patterns.writes import fresh_tensor
 
 _MAX_NODES = 512
@@ -36,7 +37,7 @@ def _written(n: Node) -> Node | None:
 
 def _in_chain(n: Node) -> bool:
     return (pointwise(n) or cast_dtype(n) is not None or no_op_copy(n) is not None or reshape_input(n) is not None
-            or _written(n) is not None)
+            or _written(n) is not None or key_concat(n) is not None)
 
 
 def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
@@ -65,7 +66,8 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
             return "too many ops between the scores and the softmax"
         region = region_add(n)      # the value's own read of the scores is part of the write
         stack += [region.scores, *(b for b, _ in region.biases)] if region else n.all_input_nodes
-    size = tensor_val(x).numel()
+    xv = tensor_val(x)      # a column appended along the keys (a sink) is no entry of the scores
+    size = xv.numel() // xv.shape[-1] * (xv.shape[-1] - sum(key_concat(n) is not None for n in inner))
     qks = [n for n in x.graph.nodes if n in found and tensor_val(n) is not None
            and same_size(tensor_val(n).numel(), size)]
     if not qks:
@@ -126,11 +128,14 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
     """What chain node ``n`` does to the scores ``s`` it reads, in the fused op's terms: ``("cast", exact)``,
     ``("copy" | "view" | "tanh", None)``, ``("region", region_add(n))``, ``("scale", number)``, ``("scale_t", (t,
     "mul" | "div"))`` (``t`` 0-d, symbolic, or constant along the key index: a factor of q's rows), ``("add" |
-    "sub", mask)``, ``("fill", (cond, True if True masks, value))``, ``("floor", value)``; None otherwise."""
+    "sub", mask)``, ``("fill", (cond, True if True masks, value))``, ``("floor", value)``, ``("sink", (column,
+    first))``; None otherwise."""
     if cast_dtype(n) is not None:
         return "cast", exact_cast(n) is not None
     if no_op_copy(n) is not None or reshape_input(n) is not None:
         return ("copy" if no_op_copy(n) is not None else "view"), None
+    if key_concat(n) is not None:
+        return ("sink", sink_column(n, s)) if sink_column(n, s) is not None else None
     if (region := region_add(n)) is not None or (scale := inplace_scale(n)) is not None:
         return ("region", region) if region is not None else scale[:2]
     pair = add_operands(n) or inplace_add_operands(n)

@@ -15,12 +15,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
+from ...kernels.attention.masked_rows import MASK_VALUE, is_masking_value
 from .contraction import reshape_input
 from .graph import broadcasts_to, canon, is_mutation, same_shape, single_user, static_shape, tensor_val
 
-#: A ``masked_fill`` / ``where`` value at or below this masks a score: exp(value - row max) underflows
-#: to exactly 0 in fp32 for any row max above ``MASK_VALUE + 104``.
-MASK_VALUE = -1e4
 #: An additive mask value at or below this absorbs any finite fp32 score (ulp(1e30) / 2 ~ 4e22).
 ABSORBING = -1e30
 
@@ -78,12 +76,6 @@ def fill_mask(n: Node) -> tuple[tuple[Any, bool, Any], Node] | None:
         if b_full and not a_full:
             return (cond, True, a), b
     return None
-
-
-def is_masking_value(v):
-    """Whether a fill value masks a score (``-inf`` or any number <= :data:`MASK_VALUE`, e.g. ``finfo.min``);
-    elementwise (a bool tensor) for a tensor."""
-    return v <= MASK_VALUE
 
 
 def mask_floor(n: Node) -> tuple[Node, Any] | None:
