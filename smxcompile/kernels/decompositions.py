@@ -214,7 +214,8 @@ def ce_stats_ref(logits, target, probs, class_weight, ignore_index, scale, softc
 
 
 def linear_ce_stats_ref(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap,
-                        need_weighted_sum, return_logits, logits_dtype, chunk_bytes):
+                        need_weighted_sum, return_logits, logits_dtype, chunk_bytes, filter_eps=None,
+                        precise_grad=False):
     """``smx::linear_ce_stats``: :func:`ce_stats_ref` of ``input @ weight.T + bias`` (matmul in the input
     dtype, as ``F.linear``), plus the transformed logits in ``logits_dtype`` when ``return_logits``."""
     acc = acc_dtype(input)

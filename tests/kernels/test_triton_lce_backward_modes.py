@@ -329,3 +329,59 @@ def test_chunked_gemm_backward_split(split):
         for ours, t in zip((gi, gw, gb), torch_like):
             torch.testing.assert_close(ours.double(), t.bfloat16().double(), rtol=2**-7, atol=1e-6)
         assert not torch.equal(gi, gold[0].bfloat16())  # G's rounding is visible
+
+
+#: Apple CCE's per-element tolerance of its backward test (tests/test_cce_loss_backward.py), by dtype
+CCE_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
+def test_half_gradients_meet_cces_rule(mode, dtype):
+    """CCE's backward test, our fp64 gold: half of the classifier's rows copy embeddings (confident rows). By
+    default ``G`` is rounded once to the input dtype: ``|ours - gold| <= |torch - gold| + tol`` with CCE's
+    tolerance; ``precise_grad=True`` (``G`` as hi + lo) meets it with none beyond fp32 noise and the result's
+    own rounding, which the bf16 default does not everywhere."""
+    g = torch.Generator().manual_seed(21)
+    N, V, D = 48, 200, 40
+    inp = (torch.randn(N, D, generator=g) / math.sqrt(D)).to(dtype)
+    weight = torch.randn(V, D, generator=g).to(dtype)
+    weight[: N // 2] = inp[: N // 2]
+    target = torch.randint(0, V, (N,), generator=g)
+    kw = dict(ignore_index=-100, scale=1.0, softcap=None)
+    d_inp, d_w, d_t = inp.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
+    lse, _, om, _ = lce_forward(d_inp, d_w, None, d_t, **kw)
+    a, b, _ = _ce_coefs(target, None, V, -100, 0.0)
+    ce = dict(kw, cw=None, smoothing=0.0)
+    gold, _ = _torch_ce(inp, weight, None, target, torch.float64, **ce)
+    ref, _ = _torch_ce(inp, weight, None, target, dtype, **ce)
+    strict = []
+    for precise in (False, True):
+        got = lce_backward(d_inp, d_w, None, d_t, lse, om, a.to(DEVICE), b.to(DEVICE), None, mode=mode,
+                           precise_grad=precise, chunk_bytes=_chunk(V, dtype, 16), **kw, **SMALL)
+        for ours, r, gd in zip(got[:2], ref[:2], gold[:2]):
+            excess = (ours.double() - gd).abs() - (r.double() - gd).abs()
+            rounding = torch.finfo(dtype).eps / 2 * gd.abs() + 1e-5
+            assert bool((excess <= (rounding if precise else CCE_TOL[dtype])).all()), (precise, excess.max())
+            strict.append(bool((excess <= rounding).all()))
+    assert strict[2:] == [True, True] and (dtype == torch.float16 or not all(strict[:2])), strict
+
+
+def test_filtering_reads_probabilities_not_the_scaled_gradient():
+    """CCE filters a tile on its probabilities, before the rows' coefficients: with a mean over many rows (a
+    tiny ``a``) and every tile holding a probability above ``filter_eps``, nothing is skipped; a filter on the
+    scaled gradient would skip every tile without a target."""
+    g = torch.Generator().manual_seed(5)
+    N, V, D = 32, 128, 16
+    inp = (torch.randn(N, D, generator=g) * 0.1).bfloat16()
+    weight = (torch.randn(V, D, generator=g) * 0.1).bfloat16()       # near-uniform rows: p ~ 1 / V
+    target = torch.randint(0, V, (N,), generator=g)
+    d = [t.to(DEVICE) for t in (inp, weight)]
+    lse, _, om, _ = lce_forward(d[0], d[1], None, target.to(DEVICE), ignore_index=-100)
+    a = torch.full((N,), 1e-6).to(DEVICE)
+    args = (d[0], d[1], None, target.to(DEVICE), lse, om, a, a, None)
+    exact = lce_backward(*args, ignore_index=-100, mode="fused", **SMALL)
+    filtered = lce_backward(*args, ignore_index=-100, filter_eps=0.5 / V, **SMALL)
+    for x, y in zip(exact[:2], filtered[:2]):
+        torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=0)
+    assert backward_mode(None, 0.5 / V) == "fused"

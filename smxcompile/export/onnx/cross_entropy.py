@@ -152,7 +152,7 @@ def translations(target) -> dict[Any, Any]:
     def smx_linear_ce_stats(input, weight, bias=None, target=None, probs=None, class_weight=None,
                             ignore_index: int = -100, scale: float = 1.0, softcap=None,
                             need_weighted_sum: bool = False, return_logits: bool = False, logits_dtype=None,
-                            chunk_bytes: int = 0):
+                            chunk_bytes: int = 0, filter_eps=None, precise_grad: bool = False):
         acc = acc_type(input)
         # F.linear in the input dtype; the statistics in the accumulation dtype
         # (N, D) x (V, D)^T (+ bias): one Gemm, no transposed copy of the classifier

@@ -9,7 +9,8 @@ import torch
 from .. import config
 from ..common import FLOAT_DTYPES, HALF_DTYPES
 from .loss import (check_linear, check_options, compose_loss, finish_output, fp32_logit_operands,
-                   is_dtensor, loss_dtype, needs_grad, prediction_outputs, shift_targets, split_targets, unshift_output)
+                   is_dtensor, loss_dtype, needs_grad, prediction_outputs, resolve_filter_eps, shift_targets,
+                   split_targets, unshift_output)
 from .ops import ce_stats, linear_ce_loss, linear_ce_loss_argmax, linear_ce_stats, linear_ce_stats_argmax
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
@@ -35,7 +36,8 @@ def linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
     dtype: torch.dtype | None = None,
-    filter_eps: float | None = None,
+    filter_eps: float | str | None = None,
+    precise_grad: bool = False,
     chunk_bytes: int | None = None,
     process_group=None,
 ):
@@ -106,8 +108,13 @@ def linear_cross_entropy(
             half-dtype result on half logits; pass ``dtype=input.dtype`` for that) -- else ``input.dtype``.
             With ``process_group``: ``input.dtype`` (fp32 under autocast). The math is fp32 for half inputs
             (fp64 for fp64).
-        filter_eps: gradient filtering threshold of CCE (CUDA only; skips gradient tiles whose
-            entries are all below it). None (default) is exact.
+        filter_eps: CCE's gradient filtering (CUDA): a tile of the logits' gradient whose probabilities are
+            all below it and that holds no target is skipped. ``"auto"``: CCE's default, ``finfo(input.dtype).eps
+            / 32``. None (default): every tile (exact). Not with label smoothing or returned logits.
+        precise_grad: fp16 / bf16 on CUDA: the logits' gradient enters the products as ``hi + lo`` (~16
+            significant bits; results rounded once) at twice their FLOPs, instead of rounded once to the input
+            dtype as torch and CCE do (their rule: per element within ``|torch - gold| + 1e-2`` for bf16,
+            ``1e-3`` for fp16, against an fp64 gold).
         chunk_bytes: size of one logits chunk on the torch path (default 32 MiB).
         process_group: vocabulary parallelism. A ``torch.distributed`` group whose ranks each hold a
             slice of the classifier's rows (``weight`` is then this rank's ``(V_r, D)`` rows, ``bias``
@@ -150,6 +157,8 @@ def linear_cross_entropy(
     """
     target, token_weight, k = shift_targets(target, token_weight, shift, ignore_index)
     need_pred = bool(return_token_accuracy or return_predicted_tokens)
+    if isinstance(input, torch.Tensor):
+        filter_eps = resolve_filter_eps(filter_eps, input.dtype)
     if process_group is not None or is_dtensor(weight):
         if need_pred:
             raise NotImplementedError("return_token_accuracy / return_predicted_tokens are not supported with "
@@ -159,7 +168,7 @@ def linear_cross_entropy(
             token_weight=token_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, scale=scale, softcap=softcap, lse_square_scale=lse_square_scale,
             return_lse=return_lse, return_z_loss=return_z_loss, dtype=dtype, filter_eps=filter_eps,
-            chunk_bytes=chunk_bytes)
+            precise_grad=precise_grad, chunk_bytes=chunk_bytes)
         return unshift_output(out, k, reduction)
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -185,7 +194,7 @@ def linear_cross_entropy(
         x2, weight, bias, tgt, probs, class_weight, None if token_weight is None else token_weight.reshape(-1),
         int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale), float(scale),
         None if softcap is None else float(softcap), False, None, int(chunk_bytes or 0),
-        return_lse, filter_eps, need_pred)
+        return_lse, filter_eps, need_pred, bool(precise_grad))
     acc, tokens = (prediction_outputs(pred, tgt, int(ignore_index), reduction, lead, return_token_accuracy,
                                       return_predicted_tokens) if need_pred else (None, None))
     out = finish_output(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss, acc, tokens)
@@ -213,7 +222,7 @@ def linear_ce_core(x2, weight, bias, tgt, probs, class_weight, token_weight, ign
 
 
 def _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index, reduction, eps, z_scale, scale,
-          softcap, return_logits, logits_dtype, chunk_bytes, need_lse, filter_eps, need_pred):
+          softcap, return_logits, logits_dtype, chunk_bytes, need_lse, filter_eps, need_pred, precise_grad=False):
     """:func:`linear_ce_core`, plus each row's argmax (N,) int64 as a fifth result when ``need_pred`` (class-index
     targets, no returned logits; None otherwise), from the ``*_argmax`` ops."""
     n, v = x2.shape[0], weight.shape[0]
@@ -236,10 +245,12 @@ def _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index
     def stats(need_ws, t, p):
         if need_pred:
             lse, tl, om, ws, out["pred"] = linear_ce_stats_argmax(x2, weight, bias, t, class_weight, ignore_index,
-                                                                  scale, softcap, need_ws, chunk_bytes)
+                                                                  scale, softcap, need_ws, chunk_bytes, filter_eps,
+                                                                  precise_grad)
             return lse, tl, om, ws
         lse, tl, om, ws, logits = linear_ce_stats(x2, weight, bias, t, p, class_weight, ignore_index, scale, softcap,
-                                                  need_ws, return_logits, logits_dtype, chunk_bytes)
+                                                  need_ws, return_logits, logits_dtype, chunk_bytes, filter_eps,
+                                                  precise_grad)
         out["logits"] = logits if return_logits else None
         return lse, tl, om, ws
 

@@ -13,7 +13,7 @@ from ..common import FLOAT_DTYPES, HALF_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
            "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
-           "prediction_outputs", "fp32_logit_operands"]
+           "prediction_outputs", "fp32_logit_operands", "resolve_filter_eps"]
 
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -363,3 +363,17 @@ def is_dtensor(t) -> bool:
 def needs_grad(*ts) -> bool:
     """Whether grad mode is on and one of ``ts`` (tensors or None) requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> float | None:
+    """``filter_eps`` as a number: ``"auto"`` is CCE's ``finfo(dtype).eps / 32`` (cut_cross_entropy/utils.py).
+
+    Raises:
+        ValueError: not None, ``"auto"`` or a float >= 0.
+    """
+    if isinstance(filter_eps, str) and filter_eps == "auto":
+        return torch.finfo(dtype).eps / 32
+    if filter_eps is not None and (isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float))
+                                   or not filter_eps >= 0):
+        raise ValueError(f"filter_eps must be None, 'auto' or a float >= 0, got {filter_eps!r}")
+    return filter_eps

@@ -45,12 +45,14 @@ def linear_ce_stats(
     return_logits: bool,
     logits_dtype: torch.dtype | None,
     chunk_bytes: int,
+    filter_eps: float | None = None,
+    precise_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.smx.linear_ce_stats``: the row statistics of ``z = transform(input @ weight.T + bias)``
     (input (N, D), weight (V, D), bias (V,) or None; target (N,) int64 or probs (N, V)) -> ``(lse,
     target_logit, other_mass, weighted_sum or empty, logits or empty)``, (N,) fp32 (fp64) each, the logits
     (N, V) in ``logits_dtype`` when ``return_logits``. Differentiable w.r.t. input, weight, bias (and the
-    returned logits)."""
+    returned logits); ``filter_eps`` and ``precise_grad`` are the backward's (:func:`linear_ce_backward`)."""
     n, v = input.shape[0], weight.shape[0]
     logits_out = None
     if return_logits:
@@ -71,7 +73,7 @@ def linear_ce_stats(
 
 @linear_ce_stats.register_fake
 def _(input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap, need_weighted_sum,
-      return_logits, logits_dtype, chunk_bytes):
+      return_logits, logits_dtype, chunk_bytes, filter_eps=None, precise_grad=False):
     n, v = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     vec = input.new_empty(n, dtype=acc)
@@ -103,6 +105,7 @@ def linear_ce_backward(
     need_weight_grad: bool,
     need_bias_grad: bool,
     chunk_bytes: int,
+    precise_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.smx.linear_ce_backward``: the gradients ``(grad_input, grad_weight, grad_bias)`` of
     ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i`` (``coef_a``, ``coef_b``, ``coef_c``: (N,)), plus
@@ -117,7 +120,7 @@ def linear_ce_backward(
                                   # saved logits rounded below fp32 would disagree with the fp32 lse: recompute
                                   logits=logits if logits is not None and logits.dtype == torch.float32 else None,
                                   grad_logits=grad_logits,
-                                  filter_eps=filter_eps, need_input_grad=need_input_grad,
+                                  filter_eps=filter_eps, precise_grad=precise_grad, need_input_grad=need_input_grad,
                                   need_weight_grad=need_weight_grad, need_bias_grad=need_bias_grad)
     else:
         gi, gw, gb = torch_backward(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a,
@@ -132,7 +135,7 @@ def linear_ce_backward(
 @linear_ce_backward.register_fake
 def _(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a, coef_b, coef_c, ignore_index,
       scale, softcap, logits, grad_logits, filter_eps, need_input_grad, need_weight_grad, need_bias_grad,
-      chunk_bytes):
+      chunk_bytes, precise_grad=False):
     gi = empty_contiguous(input) if need_input_grad else input.new_empty(0)
     gw = empty_contiguous(weight) if need_weight_grad else weight.new_empty(0)
     gb = empty_contiguous(bias) if (need_bias_grad and bias is not None) else weight.new_empty(0)
@@ -141,9 +144,9 @@ def _(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a,
 
 def _lce_setup(ctx, inputs, output):
     (input, weight, bias, target, probs, class_weight, ignore_index, scale, softcap, need_ws, return_logits,
-     logits_dtype, chunk_bytes) = inputs
+     logits_dtype, chunk_bytes, filter_eps, precise_grad) = inputs
     lse, tl, om, ws, logits = output
-    ctx.args = (ignore_index, scale, softcap, chunk_bytes)
+    ctx.args = (ignore_index, scale, softcap, chunk_bytes, filter_eps, precise_grad)
     ctx.has_bias = bias is not None
     ctx.return_logits = return_logits
     ctx.save_for_backward(input, weight, bias, target, probs, class_weight, lse, om,
@@ -162,17 +165,16 @@ def coefs(lse, grad_lse, grad_tl, grad_ws):
 
 def _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, grad_logits):
     input, weight, bias, target, probs, class_weight, lse, om, logits = ctx.saved_tensors
-    ignore_index, scale, softcap, chunk_bytes = ctx.args
+    ignore_index, scale, softcap, chunk_bytes, filter_eps, precise_grad = ctx.args
     a, b, c = coefs(lse, grad_lse, grad_tl, grad_ws)
     if grad_logits is not None and (not ctx.return_logits or grad_logits.numel() == 0):
         grad_logits = None
     need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
     gi, gw, gb = linear_ce_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c,
-                                    ignore_index, scale, softcap, logits, grad_logits, None, need_in, need_w,
-                                    need_b, chunk_bytes)
-    return (gi if need_in else None, gw if need_w else None, gb if need_b else None,
-            None, None, None, None, None, None, None, None, None, None)
+                                    ignore_index, scale, softcap, logits, grad_logits, filter_eps, need_in, need_w,
+                                    need_b, chunk_bytes, precise_grad)
+    return (gi if need_in else None, gw if need_w else None, gb if need_b else None, *[None] * 12)
 
 
 linear_ce_stats.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -190,6 +192,8 @@ def linear_ce_stats_argmax(
     softcap: float | None,
     need_weighted_sum: bool,
     chunk_bytes: int,
+    filter_eps: float | None = None,
+    precise_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.smx.linear_ce_stats_argmax``: :func:`linear_ce_stats` (class-index ``target``, no returned
     logits) -> ``(lse, target_logit, other_mass, weighted_sum or empty, argmax)``, ``argmax`` (N,) int64: the
@@ -210,7 +214,8 @@ def linear_ce_stats_argmax(
 
 
 @linear_ce_stats_argmax.register_fake
-def _(input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_weighted_sum, chunk_bytes):
+def _(input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_weighted_sum, chunk_bytes,
+      filter_eps=None, precise_grad=False):
     n = input.shape[0]
     acc = acc_dtype(input)
     return (input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc),
@@ -218,9 +223,10 @@ def _(input, weight, bias, target, class_weight, ignore_index, scale, softcap, n
 
 
 def _lcea_setup(ctx, inputs, output):
-    input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_ws, chunk_bytes = inputs
+    (input, weight, bias, target, class_weight, ignore_index, scale, softcap, need_ws, chunk_bytes, filter_eps,
+     precise_grad) = inputs
     lse, tl, om, ws, am = output
-    ctx.args = (ignore_index, scale, softcap, chunk_bytes)
+    ctx.args = (ignore_index, scale, softcap, chunk_bytes, filter_eps, precise_grad)
     ctx.has_bias = bias is not None
     ctx.return_logits = False
     ctx.mark_non_differentiable(am)
@@ -228,8 +234,8 @@ def _lcea_setup(ctx, inputs, output):
 
 
 def _lcea_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, _grad_am):
-    # the saved tensors and ctx fields are linear_ce_stats' (no probs, no logits): its backward, 10 inputs
-    return _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, None)[:10]
+    # the saved tensors and ctx fields are linear_ce_stats' (no probs, no logits): its backward, 12 inputs
+    return _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, None)[:12]
 
 
 linear_ce_stats_argmax.register_autograd(_lcea_backward, setup_context=_lcea_setup)

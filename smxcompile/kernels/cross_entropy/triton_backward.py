@@ -11,6 +11,7 @@ import torch
 from ..common import FLOAT_DTYPES, HALF_DTYPES
 from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, interpreted, launch_opts, on_device,
                               pow2_block, tl, triton)  # triton, tl: None without it
+from .loss import resolve_filter_eps
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
                             float_tensor, tensor_arg)
 from .triton_backward_gemm import chunked_gemm_backward
@@ -127,9 +128,10 @@ if triton is not None:
         else:
             keep = True
             if FILTER:
-                # Gradient filtering (Wijmans et al., 2024): skip a tile whose |G| is all below
-                # filter_eps and that holds no target entry. NaN counts as large.
-                n_big = tl.sum(tl.sum(tl.where(tl.abs(g) < filter_eps, 0, 1), axis=1), axis=0)
+                # Gradient filtering (Wijmans et al., 2024): skip a tile whose probabilities (before the
+                # rows' coefficients, as CCE) are all below filter_eps and that holds no target entry.
+                # NaN counts as large.
+                n_big = tl.sum(tl.sum(tl.where(ok & ~(p < filter_eps), 1, 0), axis=1), axis=0)
                 n_t = tl.sum(tl.sum(is_t.to(tl.int32), axis=1), axis=0)
                 keep = (n_big + n_t) > 0
             if keep:
@@ -197,7 +199,8 @@ def backward_mode(mode: str | None, filter_eps: float | None, grad_logits=None) 
 
 def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int,
                  scale: float = 1.0, softcap: float | None = None, class_weight=None, logits=None, grad_logits=None,
-                 filter_eps: float | None = None, need_input_grad=True, need_weight_grad=True, need_bias_grad=None,
+                 filter_eps: float | None = None, precise_grad: bool = False,
+                 need_input_grad=True, need_weight_grad=True, need_bias_grad=None,
                  input_grad_dtype=None, weight_grad_dtype=None, mode: str | None = None,
                  chunk_bytes: int | None = None,
                  block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
@@ -211,19 +214,17 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
 
     * ``"fused"`` (Cut Cross-Entropy, Wijmans et al., 2024): one program per ``BLOCK_N x BLOCK_V`` tile of ``G``
       recomputes its logits (fp32) and adds its products to fp32 ``grad_input`` / ``grad_weight`` with atomics;
-      no ``N x V`` buffer at all. With fp16 / bf16 operands ``Gx`` enters the products as ``hi + lo`` (each part in
-      the operand dtype: ~16 significant bits), so the results are rounded to the input dtype once, at the end.
-      Cost: ``4 * D * N * V * (1 / BLOCK_N + 1 / BLOCK_V)`` bytes of fp32 atomics, and each product twice with
-      16-bit operands: at N = 8192, D = 4096, V = 128256 bf16, 43 TFLOP, 272 GB of atomics, ~460 GB of DRAM
-      traffic, a roofline of ~108 ms on an H200 (torch's backward: 17 TFLOP, ~17 ms).
+      no ``N x V`` buffer at all.
     * ``"gemm"`` (row chunks as Liger-Kernel's ``fused_linear_cross_entropy``;
       :func:`~.triton_backward_gemm.chunked_gemm_backward`): per chunk, fp32 logits by one matmul (cuBLAS),
-      ``Gx`` written once by this module's kernel (as ``hi + lo`` in the operand dtype for fp16 / bf16, the
-      fused mode's numerics), then ``Gx @ weight`` and ``Gx.T @ input`` by cuBLAS with fp32 accumulation. Same
-      shape: the same 43 TFLOP (34 with saved ``logits``), but no atomics: ~81 GB (8 chunks of 1024 rows: fp32
-      logits 8 GB, ``hi`` / ``lo`` 13 GB, ``weight`` re-read 25 GB, the fp32 ``grad_weight`` accumulator
-      32 GB), compute-bound: ~44 ms at the tensor cores' peak. Holds ``chunk_bytes`` of temporaries and fp32
-      ``(N, D)`` / ``(V, D)`` results, as the fused mode.
+      ``Gx`` written once by this module's kernel, then ``Gx @ weight`` and ``Gx.T @ input`` by cuBLAS with fp32
+      accumulation: no atomics; holds ``chunk_bytes`` of temporaries.
+
+    With fp16 / bf16 operands ``Gx`` is rounded to the operand dtype once before the products, as torch's and
+    CCE's backward do (their per-element rule: ``|ours - gold| <= |torch - gold| + 1e-2`` for bf16, ``1e-3`` for
+    fp16); ``precise_grad=True`` feeds it as ``hi + lo`` (two operands, ~16 significant bits: the results are
+    rounded once, at the end, within fp32 noise of that rule with no tolerance) at twice the products' FLOPs.
+    docs/PERFORMANCE.md ("GPU model") has each mode's bytes and FLOPs at N = 8192, D = 4096, V = 128256.
 
     ``mode=None`` picks ``"fused"`` only when gradient filtering is in effect (``filter_eps`` given,
     ``grad_logits`` None), else ``"gemm"`` (:func:`backward_mode`), saved ``logits`` included: the fused kernel
@@ -241,9 +242,11 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         logits: the saved ``z`` (``(N, V)``, any float dtype / strides) to read instead of
             recomputing the matmul, or None.
         grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
-        filter_eps: None (exact, default), or a float: a tile whose ``|G|`` entries are all
-            ``< filter_eps`` and that holds no target entry is skipped (gradient filtering, fused mode only).
-            Filtering is disabled when ``grad_logits`` is given.
+        filter_eps: None (exact, default), ``"auto"`` or a float: a tile whose probabilities are all
+            ``< filter_eps`` and that holds no target entry is skipped (CCE's gradient filtering, fused mode only; CCE's own default
+            is ``finfo(dtype).eps / 32``). Not with ``grad_logits`` or ``coef_c`` (label smoothing's uniform
+            term), where every tile counts.
+        precise_grad: feed ``Gx`` to the products as ``hi + lo`` (fp16 / bf16; see above).
         need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
             (``need_bias_grad`` defaults to ``bias is not None``).
         input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
@@ -275,13 +278,11 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         float_tensor("logits", logits, (N, V), dev)
     if grad_logits is not None:
         float_tensor("grad_logits", grad_logits, (N, V), dev)
-    if filter_eps is not None:
-        if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not filter_eps >= 0:
-            raise ValueError(f"filter_eps must be None or a float >= 0, got {filter_eps!r}")
+    filter_eps = resolve_filter_eps(filter_eps, input.dtype)
     if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
                                     or chunk_bytes < 1):
         raise ValueError(f"chunk_bytes must be None or a positive int, got {chunk_bytes!r}")
-    mode = backward_mode(mode, filter_eps, grad_logits)
+    mode = backward_mode(mode, filter_eps if coef_c is None else None, grad_logits)
     if need_bias_grad is None:
         need_bias_grad = bias is not None
     input_grad_dtype = input.dtype if input_grad_dtype is None else input_grad_dtype
@@ -320,7 +321,8 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         return chunked_gemm_backward(
             input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
             need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
-            bias_grad_dtype=bias_grad_dtype, chunk_bytes=chunk_bytes)
+            bias_grad_dtype=bias_grad_dtype, split=precise_grad and input.dtype in HALF_DTYPES,
+            chunk_bytes=chunk_bytes)
 
     f32 = dict(dtype=torch.float32, device=dev)
     gi = torch.zeros((N, D), **f32) if need_input_grad else None
@@ -331,9 +333,9 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
             src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
             om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
             gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
-            filter_eps=filter_eps if grad_logits is None else None,
+            filter_eps=filter_eps if grad_logits is None and coef_c is None else None,
             z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
-            prec=dot_precision(input.dtype),
+            prec=dot_precision(input.dtype), split=precise_grad,
         )
     return (
         None if gi is None else gi.to(input_grad_dtype),
@@ -343,7 +345,8 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
 
 
 def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c, grad_logits, gi, gw, gb, gx,
-                     N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec, gx_lo=None):
+                     N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec, gx_lo=None,
+                     split=False):
     bn, bv, bd = blocks
     anchor = lse  # any tensor: a placeholder for absent pointer arguments (never dereferenced)
     src_t = src if src is not None else anchor
@@ -372,7 +375,7 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
             NEED_GB=gb is not None, WRITE_GX=gx is not None,
-            SPLIT_GX=(gx_lo is not None) if gx is not None else (e is not None and e.dtype in HALF_DTYPES),
+            SPLIT_GX=(gx_lo is not None) if gx is not None else (split and e.dtype in HALF_DTYPES),
             GROUP_N=_GROUP_N,
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, PREC=prec, DOT_F32=dot_f32(e.dtype if e is not None else None),
             FIX_BF16=interpreted(), **opts,

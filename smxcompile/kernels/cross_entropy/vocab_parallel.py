@@ -42,7 +42,7 @@ from ..common import acc_dtype, autocast_off
 from .chunked import rows_per_chunk
 from .fused import MIN_CHUNK_ROWS, saved_grad_dtype, scalar_coefs
 from .loss import (check_linear, check_options, check_range, compose_loss, finish_output, fp32_logit_operands,
-                   is_dtensor, loss_dtype, needs_grad, split_targets)
+                   is_dtensor, loss_dtype, needs_grad, resolve_filter_eps, split_targets)
 from .ops import coefs, linear_ce_backward, linear_ce_stats
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
@@ -181,13 +181,13 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, tgt_local, owned, cw_local, group, scale, softcap, need_ws, chunk_bytes,
-                filter_eps, reduce_input_grad):
+                grad_options, reduce_input_grad):
         lse_r, tl_r, om_r, ws_r = _stats_local(x2, weight, bias, tgt_local, cw_local, scale, softcap, need_ws,
                                                chunk_bytes)
         lse, tl, other_mass, ws, _ = _merge(lse_r, tl_r, om_r, ws_r if need_ws else None, owned, group)
         ws = ws if need_ws else lse.new_empty(0)
         ctx.save_for_backward(x2, weight, bias, tgt_local, cw_local, lse, other_mass)
-        ctx.args = (group, scale, softcap, chunk_bytes, filter_eps, reduce_input_grad)
+        ctx.args = (group, scale, softcap, chunk_bytes, grad_options, reduce_input_grad)
         ctx.has_bias = bias is not None
         if not need_ws:
             ctx.mark_non_differentiable(ws)
@@ -199,14 +199,14 @@ class _VocabParallelStats(torch.autograd.Function):
             raise RuntimeError("double backward (create_graph=True) through vocabulary-parallel cross-entropy is not "
                                "supported; use F.cross_entropy(F.linear(...)) for higher-order gradients")
         x2, weight, bias, tgt_local, cw_local, lse, other_mass = ctx.saved_tensors
-        group, scale, softcap, chunk_bytes, filter_eps, reduce_input_grad = ctx.args
+        group, scale, softcap, chunk_bytes, (filter_eps, precise_grad), reduce_input_grad = ctx.args
         a, b, c = coefs(lse, grad_lse, grad_tl, grad_ws)
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         if weight.shape[0]:
             gi, gw, gb = linear_ce_backward(x2, weight, bias, tgt_local, None, cw_local, lse, other_mass, a, b, c,
                                             -1, scale, softcap, None, None, filter_eps, need_in, need_w, need_b,
-                                            chunk_bytes)
+                                            chunk_bytes, precise_grad)
         else:
             gi, gw, gb = torch.zeros_like(x2), torch.zeros_like(weight), (torch.zeros_like(bias) if need_b else None)
         if need_in and reduce_input_grad:
@@ -367,7 +367,8 @@ def vocab_parallel_linear_cross_entropy(
     return_lse: bool = False,
     return_z_loss: bool = False,
     dtype: torch.dtype | None = None,
-    filter_eps: float | None = None,
+    filter_eps: float | str | None = None,
+    precise_grad: bool = False,
     chunk_bytes: int | None = None,
     reduce_input_grad: bool = True,
 ):
@@ -395,7 +396,7 @@ def vocab_parallel_linear_cross_entropy(
         bias: this rank's slice of the bias ``(V_r,)`` (or a DTensor ``(V,)`` sharded like ``weight``).
         class_weight: the *full* per-class weights ``(V,)`` (replicated), as ``F.cross_entropy``'s ``weight``.
         token_weight, ignore_index, reduction, label_smoothing, scale, softcap, lse_square_scale,
-        return_lse, return_z_loss, dtype, filter_eps, chunk_bytes: as in
+        return_lse, return_z_loss, dtype, filter_eps, precise_grad, chunk_bytes: as in
             :func:`smxcompile.linear_cross_entropy`.
         reduce_input_grad: sum grad_input over the group (default), so that every rank gets the full
             gradient of its replicated input. False leaves each rank its partial ``G_r @ W_r`` (sum them
@@ -429,7 +430,7 @@ def vocab_parallel_linear_cross_entropy(
     try:
         prep = _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index,
                         reduction, label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss,
-                        dtype, filter_eps, chunk_bytes, reduce_input_grad)
+                        dtype, (filter_eps, bool(precise_grad)), chunk_bytes, reduce_input_grad)
         process_group = prep["group"]
     except Exception as e:  # re-raised by _exchange, after the collective
         error = e
@@ -471,7 +472,7 @@ def vocab_parallel_linear_cross_entropy(
                              return_z_loss)
     lse, tl, ws = _VocabParallelStats.apply(
         x2, weight, bias, tgt_local, owned, cw_local, process_group, float(scale),
-        None if softcap is None else float(softcap), bool(eps), int(chunk_bytes or 0), filter_eps,
+        None if softcap is None else float(softcap), bool(eps), int(chunk_bytes or 0), prep["grad_options"],
         bool(reduce_input_grad))
     # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as
     # the single-device kernels give, instead of a finite loss with a zero target logit
@@ -482,9 +483,10 @@ def vocab_parallel_linear_cross_entropy(
 
 
 def _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index, reduction,
-             label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss, dtype, filter_eps,
+             label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss, dtype, grad_options,
              chunk_bytes, reduce_input_grad) -> dict:
-    """This rank's argument checks (no communication) -> the flattened, local tensors and the options."""
+    """This rank's argument checks (no communication) -> the flattened, local tensors and the options;
+    ``grad_options`` ``(filter_eps, precise_grad)`` of the backward."""
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -523,8 +525,10 @@ def _prepare(input, weight, target, process_group, bias, class_weight, token_wei
                  and not needs_grad(tw))
     options = (reduction, int(ignore_index) if isinstance(ignore_index, int) else repr(ignore_index),
                repr(label_smoothing), repr(scale), repr(softcap), repr(lse_square_scale), repr(chunk_bytes),
-               bool(return_lse), bool(return_z_loss), repr(dtype), repr(filter_eps), bool(reduce_input_grad),
+               bool(return_lse), bool(return_z_loss), repr(dtype), repr(grad_options), bool(reduce_input_grad),
                str(x2.dtype), tuple(lead), int(x2.shape[1]), fused, bias is None,
                needs_grad(x2), needs_grad(weight, bias), needs_grad(tw), x2.device.type)
+    grad_options = (resolve_filter_eps(grad_options[0], x2.dtype), grad_options[1])
     return {"group": process_group, "x2": x2, "tgt": tgt, "weight": weight, "bias": bias, "cw": class_weight,
-            "tw": tw, "lead": lead, "fused": fused, "options": options, "vocab_size": vocab_size, "input": input}
+            "tw": tw, "lead": lead, "fused": fused, "options": options, "vocab_size": vocab_size, "input": input,
+            "grad_options": grad_options}

@@ -66,8 +66,9 @@ def score_graph(x: Node, softmax: Node) -> tuple[Node, list[Node]] | str | None:
             return "too many ops between the scores and the softmax"
         region = region_add(n)      # the value's own read of the scores is part of the write
         stack += [region.scores, *(b for b, _ in region.biases)] if region else n.all_input_nodes
-    xv = tensor_val(x)      # a column appended along the keys (a sink) is no entry of the scores
-    size = xv.numel() // xv.shape[-1] * (xv.shape[-1] - sum(key_concat(n) is not None for n in inner))
+    xv, sinks = tensor_val(x), sum(key_concat(n) is not None for n in inner)
+    # a column appended along the keys (a sink) is no entry of the scores
+    size = xv.numel() // xv.shape[-1] * (xv.shape[-1] - sinks) if sinks else xv.numel()
     qks = [n for n in x.graph.nodes if n in found and tensor_val(n) is not None
            and same_size(tensor_val(n).numel(), size)]
     if not qks:
