@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Eager-attention causal LMs (GPT-2, Llama, gpt-oss from transformers), side by side: eager, Inductor, smx, SDPA+Inductor.
+"""Eager-attention causal LMs (GPT-2, Llama, gpt-oss from transformers), side by side: eager, Inductor, smx,
+SDPA+Inductor.
 
 What is measured: one step of a small causal LM built from a config with random weights (nothing is
 downloaded), attn_implementation="eager" (so every layer's attention is the textbook

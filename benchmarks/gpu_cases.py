@@ -339,10 +339,12 @@ def _stored(tr) -> float:
     return float(sum(x.bytes_stored for x in tr.launches if not x.kernel.startswith("aten.")))
 
 
-def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, quick=False) -> Case:
+def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, precise=False,
+                   quick=False) -> Case:
     s = _size(dtype)
     Vs = V // shard_of
     label = f" (1 of {shard_of} vocabulary shards)" if shard_of > 1 else ""
+    label += ", precise_grad" if precise else ""
 
     def make(dev):
         a = dict(x=torch.randn(N, D, dtype=dtype, device=dev), w=torch.randn(Vs, D, dtype=dtype, device=dev) * 0.02,
@@ -354,7 +356,7 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
     def run(a):
         if backward:
             return lce_backward(a["x"], a["w"], None, a["y"], a["lse"], a["om"], a["ca"], a["cb"], None,
-                                ignore_index=-100)
+                                ignore_index=-100, precise_grad=precise)
         return lce_forward(a["x"], a["w"], None, a["y"], ignore_index=-100)
 
     ops = (N * D + Vs * D) * s
@@ -427,6 +429,7 @@ def all_cases(quick: bool = False) -> list[Case]:
     for N, D, V in ((4096, 2048, 32000), (8192, 4096, 128256), (16384, 4096, 262144)):
         cases += [linear_ce_case(N, D, V), linear_ce_case(N, D, V, backward=True)]
     cases += [linear_ce_case(8192, 4096, 128256, shard_of=8), linear_ce_case(8192, 4096, 128256, shard_of=8,
-                                                                             backward=True)]
+                                                                             backward=True),
+              linear_ce_case(8192, 4096, 128256, backward=True, precise=True)]
     cases += [ce_case(8192, 128256), ce_case(8192, 128256, backward=True)]
     return cases

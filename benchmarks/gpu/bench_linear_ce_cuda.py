@@ -1,5 +1,7 @@
 """Linear + cross-entropy on CUDA (part of benchmarks/gpu/run.sh): eager, Inductor, smx (default options: the
-site kept by CUDA_RULES), smx-rewrite (cuda="rewrite": smx's Triton cut CE) and the op called directly.
+site kept by CUDA_RULES), smx-rewrite (cuda="rewrite": smx's Triton cut CE) and the op called directly in its
+three backward modes: exact (default: the logits' gradient rounded once), filtered (``filter_eps="auto"``,
+CCE's gradient filtering) and precise (``precise_grad=True``: hi + lo).
 
 Prints, per vocabulary, the step time (fwd+bwd, median) and peak memory above the inputs
 (``torch.cuda.max_memory_allocated``), and checks loss and gradients against eager.
@@ -37,7 +39,11 @@ def main():
         variants = {"eager": eager, "inductor": torch.compile(eager),
                     "smx": torch.compile(eager, backend="smx"),
                     "smx-rewrite": torch.compile(eager, backend="smx", options={"cuda": "rewrite"}),
-                    "smx-op": lambda x, w, y: smxcompile.linear_cross_entropy(x, w, y, dtype=torch.float32)}
+                    "smx-op": lambda x, w, y: smxcompile.linear_cross_entropy(x, w, y, dtype=torch.float32),
+                    "smx-op-filtered": lambda x, w, y: smxcompile.linear_cross_entropy(
+                        x, w, y, dtype=torch.float32, filter_eps="auto"),
+                    "smx-op-precise": lambda x, w, y: smxcompile.linear_cross_entropy(
+                        x, w, y, dtype=torch.float32, precise_grad=True)}
         ref = None
         for name, fn in variants.items():
             for _ in range(2):

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernels_testing import DEVICE, INTERPRET
+from kernels_testing import CCE_TOL, DEVICE, INTERPRET
 
 import smxcompile
 from smxcompile.kernels import config
@@ -28,8 +28,6 @@ from smxcompile.kernels.cross_entropy import api as ce_api
 
 LCE = smxcompile.linear_cross_entropy
 HALF = [torch.bfloat16, torch.float16]
-#: Apple CCE's per-element tolerance of its backward test (tests/test_cce_loss_backward.py), by dtype
-CCE_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 PATHS = ["stats", "fused", "triton"]
 EPS32 = torch.finfo(torch.float32).eps
 

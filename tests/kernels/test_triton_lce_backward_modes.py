@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernels_testing import DEVICE, TRITON_MARKS, require_triton
+from kernels_testing import CCE_TOL, DEVICE, TRITON_MARKS, require_triton
 
 require_triton()
 
@@ -331,8 +331,6 @@ def test_chunked_gemm_backward_split(split):
         assert not torch.equal(gi, gold[0].bfloat16())  # G's rounding is visible
 
 
-#: Apple CCE's per-element tolerance of its backward test (tests/test_cce_loss_backward.py), by dtype
-CCE_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
 @pytest.mark.parametrize("mode", MODES)

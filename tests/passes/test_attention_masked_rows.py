@@ -94,6 +94,13 @@ def test_finite_fill_beside_a_mask_of_unknown_values_is_not_merged():
     assert [s.action for s in att] == ["skipped"] and "may mask too" in att[0].reason, str(r.report)
 
 
+def test_a_scaled_mask_of_unknown_values_beside_a_finite_fill_is_not_merged():
+    """``m * 0.5`` holds whatever ``m`` does, halved: a float ``m`` of -2e4 masks at -1e4 too."""
+    q, k, v = _qkv()
+    r = rewrite(lambda q, k, v, m: fill_1e4_then_pad(q, k, v, m * 0.5), q, k, v, _pad(-2e4), located=())
+    assert [s.action for s in r.report if s.kind == "attention"] == ["skipped"], str(r.report)
+
+
 def test_bool_mask_added_beside_a_finite_fill_still_merges():
     """An added bool / int mask holds 0 and 1 only, never a masking value: the merge is eager's."""
     q, k, v = _qkv()

@@ -117,3 +117,54 @@ def test_sink_exports_to_onnx(tmp_path):
     sess = ort.InferenceSession(str(tmp_path / "sink.onnx"))
     got = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})[0]
     torch.testing.assert_close(torch.from_numpy(got), model(*args).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_infinite_sinks_and_a_non_finite_key_keep_eagers_values():
+    """A sink of -inf weighs nothing (plain attention), one of +inf makes its rows NaN (eager's inf - inf); with a
+    causal mask, an inf key makes NaN only the rows that see it, as in eager."""
+    fn, make = CASES["causal_sink"]
+    q, k, v, sinks = make()
+    sinks[0], sinks[1] = float("-inf"), float("inf")
+    r = rewrite(fn, q, k, v, sinks)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["rewritten"], str(r.report)
+    bad = k.clone()
+    bad[0, 2, -1] = float("inf")
+    got, want = r.gm(*[bad if a is k else a for a in r.inputs])[0], fn(q, bad, v, sinks)
+    assert want.isnan().any() and not want.isnan().all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def floored_sink(q, k, v, sinks, mask):      # a floor after the masks lifts a row masked whole: eager then weighs
+    s = torch.clamp(q @ k.mT + mask, min=MIN)   # its keys uniformly against the sink
+    x = torch.cat([s, sinks.view(H, 1, 1).expand(B, H, L, 1)], -1)
+    return x.softmax(-1)[..., :-1] @ v
+
+
+def fill_beside_sink(q, k, v, sinks, keep):  # a finite fill below the sink
+    s = torch.where(keep, q @ k.mT, -1e4)
+    return torch.cat([s, sinks.view(H, 1, 1).expand(B, H, L, 1)], -1).softmax(-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("fn", [floored_sink, fill_beside_sink])
+def test_sinks_beside_a_floor_or_a_finite_fill_are_left_as_written(fn):
+    q, k, v = (_randn(B, H, L, E, seed=i) for i in range(3))
+    pad = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    pad[1] = False
+    extra = torch.where(pad, 0.0, float("-inf")) if fn is floored_sink else pad
+    r = rewrite(fn, q, k, v, _randn(H, seed=3) - 20, extra)
+    assert [s.action for s in r.report if s.kind == "attention"] == ["skipped"], str(r.report)
+
+
+def test_sink_is_rewritten_under_dynamic_shapes():
+    """Symbolic sequence lengths (Dynamo's recompile for a second length): ``[..., :-1]`` drops the sink whatever
+    the width."""
+    import smxcompile
+
+    fn, make = CASES["sink_first"]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="smx", options={"cpu": "rewrite"})
+    for length in (L, L + 3):
+        args = [*(_randn(B, H, length, E, seed=i) for i in range(3)), _randn(H, seed=3)]
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-5, atol=1e-6)
+    report = smxcompile.last_report()
+    assert [s.action for s in report if s.kind == "attention"] == ["rewritten"], str(report)

@@ -159,28 +159,28 @@ def keys_last(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)).mT
 
 
-def with_sink(q, k, v, mask, sink, *, scale: float, is_causal: bool):
+def with_sink(q, k, v, mask, sink, *, scale: float):
     """Attention with a sink column (a logit ``sink`` per row, broadcast to (..., L, 1), that the softmax
     normalizes with the scores and whose weight is dropped; gpt-oss) as attention over one more key of zero
     value: ``q' = [q * scale, sink]``, ``k' = [[k, 0], [0, 1]]``, ``v' = [[v, 0], [0, 0]]``, one width so that
     fused kernels take them (padded to a multiple of 8 on CUDA). Returns ``(q', k', v', mask', scale' = 1)``: the
-    mask (or the causal one) keeps the sink; the caller reads the output's first ``v.shape[-1]`` features."""
-    L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    mask keeps the sink (causal masks come explicit: the extra key breaks ``is_causal``'s alignment); the caller
+    reads the output's first ``v.shape[-1]`` features. A sink of -inf is clamped to the dtype's lowest (its
+    product with the real keys' 0 must not be NaN): it still weighs nothing; +inf gives NaN rows, as eager's."""
+    S, E, Ev = k.shape[-2], q.shape[-1], v.shape[-1]
     width = max(E, Ev) + 1
     width += -width % 8 if q.is_cuda else 0
-    c = torch.broadcast_to(sink.to(q.dtype), (*q.shape[:-1], 1))
+    c = torch.broadcast_to(sink.to(q.dtype).clamp(min=torch.finfo(q.dtype).min), (*q.shape[:-1], 1))
     q = torch.cat([F.pad(q * scale, (0, width - E - 1)), c], -1)
     k = torch.cat([F.pad(k, (0, width - E)), F.pad(k.new_ones(*k.shape[:-2], 1, 1), (width - 1, 0))], -2)
     v = F.pad(v, (0, width - Ev, 0, 1))
-    if is_causal:
-        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         mask = F.pad(mask.expand(*mask.shape[:-1], S), (0, 1), value=True if mask.dtype == torch.bool else 0.0)
     return q, k, v, mask, 1.0
 
 
-def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep, fixup,
-               normalizer, norm_param, export, lead, safe_softmax, mask_floor, sink):
+def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep,
+                     fixup, normalizer, norm_param, export, lead, safe_softmax, mask_floor, sink):
     """Attention with the masks of :func:`split_masks` on torch's fused kernel (the ``smx::attention`` op for
     another normalizer or a soft-cap), eager's values kept on rows the masks empty and for non-finite q or k
     (docs/DESIGN.md, "Attention"): q (..., L, E), k, v (..., S, E) broadcasting as matmul's; the arguments
@@ -228,12 +228,15 @@ def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softca
             and (softcap is None or mask_order):
         q, mask, uniform = dead_rows(q, k, mask, hidden, scale=sdpa_scale, n_rep=n_rep, margin=MASK_VALUE,
                                      keep_grad=softcap is None)
+    if sink is not None and is_causal:    # the sink's extra key breaks is_causal's alignment: an explicit mask
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        hidden, is_causal = ~mask, False
     if not export:
         q_bad, k, k_bad = nonfinite_rows(q, k, hidden, is_causal, n_rep)
     features = v.shape[-1]
     if sink is not None:
-        q, k, v, mask, scale = with_sink(q, k, v, mask, sink, scale=sdpa_scale, is_causal=is_causal)
-        is_causal = False
+        assert not fixup, "a sink leaves no row masked whole: no fix-up reads the padded k, v"
+        q, k, v, mask, scale = with_sink(q, k, v, mask, sink, scale=sdpa_scale)
     if normalizer == "softmax" and softcap is None:
         # torch's fused flash kernels (CPU and CUDA); Inductor lowers the call to them
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -157,8 +157,6 @@ def linear_cross_entropy(
     """
     target, token_weight, k = shift_targets(target, token_weight, shift, ignore_index)
     need_pred = bool(return_token_accuracy or return_predicted_tokens)
-    if isinstance(input, torch.Tensor):
-        filter_eps = resolve_filter_eps(filter_eps, input.dtype)
     if process_group is not None or is_dtensor(weight):
         if need_pred:
             raise NotImplementedError("return_token_accuracy / return_predicted_tokens are not supported with "
@@ -174,6 +172,7 @@ def linear_cross_entropy(
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     input, weight, bias = check_linear(input, weight, bias)
+    filter_eps = resolve_filter_eps(filter_eps, input.dtype)    # the operands' dtype (after autocast)
     v = weight.shape[0]
     lead = tuple(input.shape[:-1])
     tgt, probs = split_targets(target, lead, v, "input")

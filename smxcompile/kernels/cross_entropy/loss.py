@@ -4,6 +4,7 @@ checks the single-device and vocabulary-parallel functions share."""
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import NamedTuple
 
@@ -373,7 +374,7 @@ def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> float | None:
     """
     if isinstance(filter_eps, str) and filter_eps == "auto":
         return torch.finfo(dtype).eps / 32
-    if filter_eps is not None and (isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float))
+    if filter_eps is not None and (isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real)
                                    or not filter_eps >= 0):
         raise ValueError(f"filter_eps must be None, 'auto' or a float >= 0, got {filter_eps!r}")
-    return filter_eps
+    return None if filter_eps is None else float(filter_eps)

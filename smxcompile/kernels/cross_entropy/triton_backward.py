@@ -243,9 +243,9 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
             recomputing the matmul, or None.
         grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
         filter_eps: None (exact, default), ``"auto"`` or a float: a tile whose probabilities are all
-            ``< filter_eps`` and that holds no target entry is skipped (CCE's gradient filtering, fused mode only; CCE's own default
-            is ``finfo(dtype).eps / 32``). Not with ``grad_logits`` or ``coef_c`` (label smoothing's uniform
-            term), where every tile counts.
+            ``< filter_eps`` and that holds no target entry is skipped (CCE's gradient filtering, fused mode
+            only; ``"auto"``: CCE's default, ``finfo(dtype).eps / 32``). Not with ``grad_logits`` or ``coef_c``
+            (label smoothing's uniform term), where every tile counts.
         precise_grad: feed ``Gx`` to the products as ``hi + lo`` (fp16 / bf16; see above).
         need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
             (``need_bias_grad`` defaults to ``bias is not None``).

@@ -11,12 +11,10 @@ Per chunk of rows ``r0:r1`` (Liger-Kernel's ``fused_linear_cross_entropy``, whic
 
 The logits chunk stays fp32 (not rounded to the input dtype as F.linear's would be): it is what the forward's
 ``lse`` / ``other_mass`` were computed from, so ``G`` keeps the collapse-safe target entry of Cut Cross-Entropy
-(Wijmans et al., 2024). With fp16 / bf16 inputs ``G`` is written as ``hi + lo`` (two 16-bit operands, ~16
-significant bits) and each product is done on both (``grad_weight``: one matmul over the rows of both), so the
-results are rounded to the input dtype once, at the end, as in the fused mode and Cut Cross-Entropy's tests
-(per element at least as close to an fp64 gold as torch, + 1e-5). ``split=False`` rounds ``G`` to the input
-dtype first, as torch's own backward does: half the products' FLOPs, torch's accuracy on average but not per
-element. Only :func:`chunked_gemm_backward` knows the chunking; the Triton side is a callable, so this module
+(Wijmans et al., 2024). With fp16 / bf16 inputs ``G`` is rounded to the input dtype once (torch's and CCE's
+numerics), or, with ``split=True``, written as ``hi + lo`` (two 16-bit operands, ~16 significant bits) and each
+product done on both (``grad_weight``: one matmul over the rows of both), so that the results are rounded once, at
+the end. Only :func:`chunked_gemm_backward` knows the chunking; the Triton side is a callable, so this module
 imports no kernel.
 
 fp32 inputs: the matmuls follow torch's fp32 matmul setting, as ``F.linear`` (TF32 under
@@ -37,9 +35,9 @@ from .chunked import DEFAULT_CHUNK_BYTES
 
 __all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "gemm_rows", "mm_into", "addmm_into", "chunked_gemm_backward"]
 
-#: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU: with bf16 inputs, 512 MiB of fp32
-#: logits and 512 MiB of ``G`` as hi + lo, i.e. 1024 rows at V = 128256 (fewer, larger chunks amortize re-reading
-#: ``weight`` and the fp32 ``grad_weight`` accumulator once per chunk). CPU: :data:`~.chunked.DEFAULT_CHUNK_BYTES`.
+#: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU: with bf16 inputs 6 bytes per logit
+#: (8 as hi + lo), 1280 rows at V = 128256 (fewer, larger chunks amortize re-reading ``weight`` and the fp32
+#: ``grad_weight`` accumulator once per chunk). CPU: :data:`~.chunked.DEFAULT_CHUNK_BYTES`.
 GEMM_CHUNK_BYTES = 2**30
 #: Chunks of at least two of these many rows are rounded down to a multiple of it (whole GEMM tiles).
 ROW_ALIGN = 128
@@ -111,8 +109,9 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
         need_input_grad, need_weight_grad, need_bias_grad: which results to compute.
         input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their dtypes (floating point).
         split: multiply ``hi`` and ``lo`` (the gradient to ~16 significant bits in two 16-bit operands, so that
-            the results are rounded once, at the end: Cut Cross-Entropy's numerics, twice the products' FLOPs)
-            instead of ``G`` rounded to the input dtype (torch's numerics). None: for fp16 / bf16 inputs.
+            the results are rounded once, at the end; twice the products' FLOPs) instead of ``G`` rounded to the
+            input dtype (torch's and CCE's numerics). None: for fp16 / bf16 inputs (the caller,
+            :func:`~.triton_backward.lce_backward`, passes ``precise_grad`` explicitly).
         chunk_bytes: bytes of one chunk's temporaries (see :func:`gemm_rows`), None for the default.
 
     Returns:

@@ -18,8 +18,8 @@ and the backward takes per-row coefficients ``a, b, c`` and forms, tile by tile,
     Gx = G * dz/dx,  dz/dx = scale * (1 - (z / softcap)^2)  (or scale)
 
 then ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias = Gx.sum(0)``
-(accumulated in fp32 with atomics; with fp16 / bf16 operands the fp32 ``Gx`` tile enters the tensor-core
-products as ``hi + lo`` in the operand dtype, so nothing but the final gradients is rounded to it).
+(accumulated in fp32; with fp16 / bf16 operands the fp32 ``Gx`` tile is rounded once to the operand dtype, as
+torch and CCE do, or enters the products as ``hi + lo`` with ``precise_grad``).
 ``G`` is the gradient of ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i``; cross-entropy is
 ``a = b = grad_loss_i``, ``c = 0`` (label smoothing ``eps`` adds ``c = eps / V``-style terms).
 
@@ -64,8 +64,8 @@ Modules: :mod:`.triton_common` (this description, the logit tile shared by both 
 checks and launch options), :mod:`.triton_forward` (the statistics kernel: :func:`lce_forward`,
 :func:`ce_forward`), :mod:`.triton_backward` (the gradient kernel: :func:`lce_backward`, :func:`ce_backward`).
 :func:`lce_backward` runs the atomics described above only in its ``"fused"`` mode (gradient filtering); by
-default (``"gemm"``, :mod:`.triton_backward_gemm`) the kernel writes each row chunk's ``Gx`` once (as the same
-``hi + lo`` for 16-bit inputs) and cuBLAS matmuls form ``grad_input`` / ``grad_weight`` (fp32 accumulation).
+default (``"gemm"``, :mod:`.triton_backward_gemm`) the kernel writes each row chunk's ``Gx`` once (rounded as
+above) and cuBLAS matmuls form ``grad_input`` / ``grad_weight`` (fp32 accumulation).
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     m = _score_mod(m, qk, path, consts) if steps is None else _scores(m, contraction(qk), steps, consts)
     slices = [dropped_column(n) for n in chain if dropped_column(n) is not None]
     cols = (static_shape(tensor_val(sm)) or (None,))[-1]
-    if (slices or m.sink) and m.action != "skipped" and not (m.sink and len(slices) == 1 and cols is not None and
+    if (slices or m.sink) and m.action != "skipped" and not (m.sink and len(slices) == 1 and
                                                              drops_sink(*slices[0][1:], cols, m.sink[1])):
         return _skip(m, "the weights are sliced along the key index other than by dropping a sink's column")
     return m
@@ -330,8 +330,8 @@ def _assemble(m: AttentionMatch, steps: list, qk: Node, consts: ConstEvaluator) 
         elif kind == "fill":
             why = _take_fill(m, data, node if tensor_val(node) is not None else s, qk, consts, level=level)
         elif kind == "sink":
-            if m.sink or depends_on(data[0], qk):
-                return _skip(m, "a second column appended to the scores, or one computed from them")
+            if m.sink or depends_on(data[0], qk) or tensor_val(data[0]).dtype != tensor_val(s).dtype:
+                return _skip(m, "a second column appended to the scores, one computed from them, or of another dtype")
             m.sink, phase = data, 3
             m.absorbed.append("sink column")
             continue

@@ -25,10 +25,12 @@ def graph_attention(q, k, v, masks, scale_tensors, *, mask_kinds, scale: float, 
     masked rows (0 after ``_safe_softmax``); ``export``: MatMul / Softmax / MatMul semantics, no NaN fix-up."""
     q, k, v, laid_out = op_layout(q, k, v, layout)
     # masks as (..., rows, keys) with both dims present (a 0-d or (S,) mask broadcasts as eager's does)
-    masks = [keys_last(t) if "scores" in (layout or {}) else t.reshape((1,) * (2 - t.dim()) + tuple(t.shape)) for t in masks]
-    out = masked_attention(q, k, v, masks, mask_kinds, scale_tensors, scale=scale, softcap=softcap, is_causal=is_causal,
-                     dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer, norm_param=norm_param,
-                     export=export, lead=lead, safe_softmax=safe_softmax, mask_floor=mask_floor, sink=sink)
+    masks = [keys_last(t) if "scores" in (layout or {}) else t.reshape((1,) * (2 - t.dim()) + tuple(t.shape))
+             for t in masks]
+    out = masked_attention(q, k, v, masks, mask_kinds, scale_tensors, scale=scale, softcap=softcap,
+                           is_causal=is_causal, dropout_p=dropout_p, n_rep=n_rep, fixup=fixup, normalizer=normalizer,
+                           norm_param=norm_param, export=export, lead=lead, safe_softmax=safe_softmax,
+                           mask_floor=mask_floor, sink=sink)
     return laid_out(out)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from typing import Any
 
@@ -154,8 +155,13 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
     if m.sink is not None and (m.normalizer != "softmax" or m.softcap is not None or m.recipe or m.lead is not None
-                               or "scores" in m.layout):
-        return "a sink column with a normalizer, soft-cap, score_mod, views or scores laid out (keys, queries)"
+                               or "scores" in m.layout or m.mask_floor is not None):
+        return "a sink column with a normalizer, soft-cap, score_mod, floor, views or scores laid out (keys, queries)"
+    if m.sink is not None and not isinstance(m.val("q").shape[-1], int):
+        return "a sink column with a symbolic head dim (Inductor cannot lower the fused call on head dim + 1)"
+    if m.sink is not None and any(v is not None and math.isfinite(v) for *_, v in m.masked):
+        # a row the fill masks whole weighs the filled entries against the sink in eager, -inf ones here
+        return "a sink column beside a finite fill: rows masked whole would weigh differently"
     if m.normalizer != "softmax" and "row shift dropped" in m.absorbed:
         return f"the scores are shifted per row, which softmax ignores but {m.normalizer} does not"
     return ""

@@ -307,5 +307,5 @@ def _einsum(n: Node) -> Contraction | None:
                        out_perm=None if po == tuple(range(len(po))) else po)
 
 
-__all__ = ["Operand", "Contraction", "contraction", "value_features", "op_layout", "peel", "settle", "lead_view", "split_view", "reshape_input",
-           "view_lead", "reorder_of", "apply_perm", "inverse_perm"]
+__all__ = ["Operand", "Contraction", "contraction", "value_features", "op_layout", "peel", "settle", "lead_view",
+           "split_view", "reshape_input", "view_lead", "reorder_of", "apply_perm", "inverse_perm"]

@@ -129,15 +129,15 @@ def fill_meets_mask(masked: list, add_masks: list, consts: Any, dtype: torch.dty
         return False
     for a in add_masks:
         vals = _mask_values(a, consts)
-        if not vals and not mild_mask(a, consts, dtype) or any(
-                math.isfinite(v) and abs(v - f) < -MASK_VALUE for v in vals for f in fills):
+        if not vals and not mild_mask(a, consts, dtype) or any(   # only a masking value can empty a row too
+                math.isfinite(v) and v <= MASK_VALUE and abs(v - f) < -MASK_VALUE for v in vals for f in fills):
             return True
     return False
 
 
 def _mask_values(mask: Node, consts: Any) -> list:
-    """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s ``c`` (through
-    views and casts); [] where unknown."""
+    """Numbers an additive mask is known to hold: a constant's, ``where``'s numbers, ``x * c``'s 0 and ``c`` for a
+    bool ``x`` (through views and casts); [] where unknown."""
     c = consts.known(mask)
     if isinstance(c, torch.Tensor):
         return c.unique().tolist() if c.numel() <= 1 << 20 else []
@@ -147,7 +147,9 @@ def _mask_values(mask: Node, consts: Any) -> list:
     n = _through_views(mask)
     k = canon(n) if isinstance(n, Node) else None
     other = k[1].get("other") if k is not None and k[0] == "mul" else None
-    return [float(other)] if isinstance(other, (int, float)) else []
+    x = tensor_val(_through_views(k[1].get("input"))) if other is not None else None
+    # x * c holds 0 and c only for a bool x (a float x may hold anything: x * -1e9 can be -1e4)
+    return [0.0, float(other)] if isinstance(other, (int, float)) and x is not None and x.dtype == torch.bool else []
 
 
 def _where_numbers(mask: Node, consts: Any) -> list | None:
@@ -164,7 +166,7 @@ def _through_views(n: Node) -> Any:
     """The tensor ``n`` views, copies or casts (up to 8 steps), or a non-node argument."""
     for _ in range(8):
         if not (isinstance(n, Node) and (n.op == "call_method" and n.target in (
-                "expand", "view", "reshape", "contiguous", "to", "__getitem__")
+                "expand", "view", "reshape", "contiguous", "to", "float", "__getitem__")
                 or n.op == "call_function" and n.target is operator.getitem)):
             break
         n = n.args[0]

@@ -25,7 +25,8 @@ def key_concat(n: Any) -> tuple[Node, Node] | None:
     if set(bound) - {"tensors", "dim"} or not isinstance(ts, (list, tuple)) or len(ts) != 2 or out is None:
         return None
     vals = [tensor_val(t) if isinstance(t, Node) else None for t in ts]
-    if any(v is None or v.dim() != out.dim() for v in vals) or norm_dim(bound.get("dim", 0), out.dim()) != out.dim() - 1:
+    if any(v is None or v.dim() != out.dim() for v in vals) or \
+            norm_dim(bound.get("dim", 0), out.dim()) != out.dim() - 1:
         return None
     return tuple(ts) if any(same_size(v.shape[-1], 1) for v in vals) else None
 
@@ -61,8 +62,11 @@ def dropped_column(n: Any) -> tuple[Node, int, int] | None:
     return x, a or 0, b
 
 
-def drops_sink(start: int, stop: int | None, cols: int, first: bool) -> bool:
-    """The slice ``[start:stop]`` of ``cols`` columns keeps every column but the sink (first or last)."""
+def drops_sink(start: int, stop: int | None, cols: int | None, first: bool) -> bool:
+    """The slice ``[start:stop]`` of ``cols`` columns (None: symbolic) keeps every column but the sink (first or
+    last)."""
+    if cols is None:    # the forms that need no width
+        return (start, stop) == ((1, None) if first else (0, -1))
     stop = cols if stop is None else stop + cols if stop < 0 else min(stop, cols)
     return (start, stop) == ((1, cols) if first else (0, cols - 1))
 
