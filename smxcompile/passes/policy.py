@@ -138,9 +138,10 @@ CUDA_RULES: dict[str, DeviceRule] = {
         DeviceRule("linear_cross_entropy", "kept, Inductor's matmul + fused loss measured faster and as lean", None,
                    _GPU_RUN + " benchmarks/gpu/bench_linear_ce_cuda.py",
                    "training step 2.1-2.2x Inductor's time at N=8192, D=2048, V=32000 / 128256 bf16, peak memory "
-                   "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB; the GPU model (benchmarks/gpu_model.py, "
-                   "torch's kernels traced alike) predicts forward + backward at 0.70x torch's speed at N=8192, "
-                   "D=4096, V=128256 bf16"),
+                   "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB (G then as hi + lo); with G rounded once "
+                   "(the default since) the GPU model (benchmarks/gpu_model.py, torch's kernels traced alike) "
+                   "predicts forward + backward at 1.20x torch's speed at N=4096, D=2048, V=32000 bf16: kept "
+                   "until a GPU re-times it"),
         DeviceRule("attention_score_mod", "kept, FlexAttention with a score_mod not yet timed against Inductor on "
                    "CUDA", None, _GPU_RUN + " benchmarks/gpu/bench_attention_cuda.py (the -silu rows)",
                    "no GPU run yet"),

@@ -14,7 +14,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.constants import ConstEvaluator, additive_keep, is_causal_keep
-from ..patterns.masks import fill_meets_mask, mild_mask
+from ..patterns.masks import ABSORBING, fill_meets_mask, mild_mask
 from ..patterns.graph import FLOAT_DTYPES, broadcasts_to, erase_dead_ends, erase_unused_pure, is_mutation, live_nodes, \
     op_label, replace_anchor, same_shape, same_size, static_shape, tensor_val
 from ..patterns.writes import mutation_inside
@@ -159,9 +159,9 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         return "a sink column with a normalizer, soft-cap, score_mod, floor, views or scores laid out (keys, queries)"
     if m.sink is not None and not isinstance(m.val("q").shape[-1], int):
         return "a sink column with a symbolic head dim (Inductor cannot lower the fused call on head dim + 1)"
-    if m.sink is not None and any(v is not None and math.isfinite(v) for *_, v in m.masked):
+    if m.sink is not None and any(v is not None and math.isfinite(v) and v > ABSORBING for *_, v in m.masked):
         # a row the fill masks whole weighs the filled entries against the sink in eager, -inf ones here
-        return "a sink column beside a finite fill: rows masked whole would weigh differently"
+        return "a sink column beside a finite fill above -1e30: rows masked whole would weigh differently"
     if m.normalizer != "softmax" and "row shift dropped" in m.absorbed:
         return f"the scores are shifted per row, which softmax ignores but {m.normalizer} does not"
     return ""
