@@ -321,8 +321,7 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         return chunked_gemm_backward(
             input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
             need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
-            bias_grad_dtype=bias_grad_dtype, split=precise_grad and input.dtype in HALF_DTYPES,
-            chunk_bytes=chunk_bytes)
+            bias_grad_dtype=bias_grad_dtype, split=precise_grad, chunk_bytes=chunk_bytes)
 
     f32 = dict(dtype=torch.float32, device=dev)
     gi = torch.zeros((N, D), **f32) if need_input_grad else None

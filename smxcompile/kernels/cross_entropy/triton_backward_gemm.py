@@ -95,7 +95,7 @@ def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 @autocast_off
 def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input_grad: bool, need_weight_grad: bool,
                           need_bias_grad: bool, input_grad_dtype: torch.dtype, weight_grad_dtype: torch.dtype,
-                          bias_grad_dtype: torch.dtype, split: bool | None = None, chunk_bytes: int | None = None):
+                          bias_grad_dtype: torch.dtype, split: bool = False, chunk_bytes: int | None = None):
     """Gradients w.r.t. ``input``, ``weight`` and the bias of a linear layer followed by a loss whose gradient
     w.r.t. the logits ``write_grad`` computes, chunk by chunk (see the module docstring).
 
@@ -110,8 +110,7 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
         input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their dtypes (floating point).
         split: multiply ``hi`` and ``lo`` (the gradient to ~16 significant bits in two 16-bit operands, so that
             the results are rounded once, at the end; twice the products' FLOPs) instead of ``G`` rounded to the
-            input dtype (torch's and CCE's numerics). None: for fp16 / bf16 inputs (the caller,
-            :func:`~.triton_backward.lce_backward`, passes ``precise_grad`` explicitly).
+            input dtype (torch's and CCE's numerics). fp16 / bf16 inputs only.
         chunk_bytes: bytes of one chunk's temporaries (see :func:`gemm_rows`), None for the default.
 
     Returns:
@@ -125,7 +124,7 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
     N, D = input.shape
     V = weight.shape[0]
     dev, dt = input.device, input.dtype
-    planes = 2 if (dt in HALF_DTYPES if split is None else split) else 1
+    planes = 2 if split and dt in HALF_DTYPES else 1
     need_gi, need_gw = need_input_grad and D > 0, need_weight_grad and D > 0
     run = N > 0 and V > 0 and (need_gi or need_gw or need_bias_grad)
     step = gemm_rows(N, V, planes * dt.itemsize + (4 if saved_logits is None else 0), chunk_bytes, dev)

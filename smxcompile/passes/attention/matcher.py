@@ -192,7 +192,7 @@ def match_from_pv(anchor: Node, consts: ConstEvaluator, *, score_mod: bool = Fal
     qk, path = found
     steps = None if score_mod else score_steps(qk, path, x)
     m = _score_mod(m, qk, path, consts) if steps is None else _scores(m, contraction(qk), steps, consts)
-    slices = [dropped_column(n) for n in chain if dropped_column(n) is not None]
+    slices = [c for c in map(dropped_column, chain) if c is not None]
     cols = (static_shape(tensor_val(sm)) or (None,))[-1]
     if (slices or m.sink) and m.action != "skipped" and not (m.sink and len(slices) == 1 and
                                                              drops_sink(*slices[0][1:], cols, m.sink[1])):

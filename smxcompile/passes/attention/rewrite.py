@@ -154,16 +154,23 @@ def _checks(m: AttentionMatch, ctx: PassContext, consts: ConstEvaluator, live: s
         if _needs_fixup(m, consts) and m.sink is None:   # a finite sink keeps every row's weights
             m.fixup = "auto"
     m.normalizer, m.norm_param = ctx.options.attention_normalizer, ctx.options.attention_norm_param
-    if m.sink is not None and (m.normalizer != "softmax" or m.softcap is not None or m.recipe or m.lead is not None
-                               or "scores" in m.layout or m.mask_floor is not None):
-        return "a sink column with a normalizer, soft-cap, score_mod, floor, views or scores laid out (keys, queries)"
-    if m.sink is not None and not isinstance(m.val("q").shape[-1], int):
-        return "a sink column with a symbolic head dim (Inductor cannot lower the fused call on head dim + 1)"
-    if m.sink is not None and any(v is not None and math.isfinite(v) and v > ABSORBING for *_, v in m.masked):
-        # a row the fill masks whole weighs the filled entries against the sink in eager, -inf ones here
-        return "a sink column beside a finite fill above -1e30: rows masked whole would weigh differently"
+    if m.sink is not None and (why := _sink_checks(m)):
+        return why
     if m.normalizer != "softmax" and "row shift dropped" in m.absorbed:
         return f"the scores are shifted per row, which softmax ignores but {m.normalizer} does not"
+    return ""
+
+
+def _sink_checks(m: AttentionMatch) -> str:
+    """Why a site with a sink column cannot be one fused call with an extra key, or ""."""
+    if m.normalizer != "softmax" or m.softcap is not None or m.recipe or m.lead is not None \
+            or "scores" in m.layout or m.mask_floor is not None:
+        return "a sink column with a normalizer, soft-cap, score_mod, floor, views or scores laid out (keys, queries)"
+    if not isinstance(m.val("q").shape[-1], int):
+        return "a sink column with a symbolic head dim (Inductor cannot lower the fused call on head dim + 1)"
+    if any(v is not None and math.isfinite(v) and v > ABSORBING for *_, v in m.masked):
+        # a row the fill masks whole weighs the filled entries against the sink in eager, -inf ones here
+        return "a sink column beside a finite fill above -1e30: rows masked whole would weigh differently"
     return ""
 
 

@@ -136,7 +136,8 @@ def score_step(n: Node, s: Node) -> tuple[str, Any] | None:
     if no_op_copy(n) is not None or reshape_input(n) is not None:
         return ("copy" if no_op_copy(n) is not None else "view"), None
     if key_concat(n) is not None:
-        return ("sink", sink_column(n, s)) if sink_column(n, s) is not None else None
+        column = sink_column(n, s)
+        return ("sink", column) if column is not None else None
     if (region := region_add(n)) is not None or (scale := inplace_scale(n)) is not None:
         return ("region", region) if region is not None else scale[:2]
     pair = add_operands(n) or inplace_add_operands(n)
