@@ -8,6 +8,7 @@ L2 model as ours, from the ATen, FlashAttention and cuBLAS kernels each case nam
 from __future__ import annotations
 
 import dataclasses
+import unittest.mock
 import warnings
 from typing import Callable
 
@@ -21,6 +22,8 @@ from smxcompile.kernels.attention.triton_backward import attention_backward
 from smxcompile.kernels.attention.triton_forward import attention_forward
 from smxcompile.kernels.cross_entropy.triton_backward import ce_backward, lce_backward
 from smxcompile.kernels.cross_entropy.triton_forward import ce_forward, lce_forward
+from smxcompile.kernels.cross_entropy import triton_backward_gemm as lce_gemm
+from smxcompile.kernels.cross_entropy.triton_fused import fused_forward_gemm
 from smxcompile.kernels.quant_softmax.triton_kernels import quant_softmax_forward
 from smxcompile.kernels.softmax.triton_kernels import MAX_FUSED_BLOCK, softmax_backward, softmax_forward
 from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward, softmax_topk_forward
@@ -67,10 +70,10 @@ class Case:
 #: FLOPs over the useful ones: causal attention computes its diagonal tiles whole; sparsemax / entmax15 recompute
 #: the scores in every bracketing pass (SPARSE_ITERS = 10, plus the max and the finish)
 ATTENTION_FLOP_BOUND = {"softmax": 1.15, "softpick": 1.15, "sparsemax": 13.5, "entmax15": 13.5}
-#: cut cross-entropy: the forward is the logits matmul; the backward recomputes it (2 N V D), and with 16-bit
-#: inputs does each gradient product on G = hi + lo (8 N V D, so that the results are rounded once: 10 N V D against
-#: torch's 4 N V D)
-LCE_FLOP_BOUND = {False: 1.02, True: 2.52}
+#: cut cross-entropy: the forward is the logits matmul; the backward recomputes it (2 N V D) and does the gradient
+#: products (4 N V D; 6 N V D against torch's 4); with precise_grad on G = hi + lo (8 N V D: 10 against 4)
+LCE_FLOP_BOUND = {False: 1.02, True: 1.52}
+LCE_PRECISE_FLOP_BOUND = 2.52
 
 
 def _one_block(C: int) -> bool:
@@ -339,24 +342,33 @@ def _stored(tr) -> float:
     return float(sum(x.bytes_stored for x in tr.launches if not x.kernel.startswith("aten.")))
 
 
-def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, precise=False,
+def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, precise=False, kept=None,
                    quick=False) -> Case:
+    """``kept``: the backward filters (``filter_eps="auto"``) with this share of the columns kept in every row
+    chunk (an assumption: the flags of a sampled launch are not the kernel's, so the kept columns are set to the
+    first ``kept * V``); None: exact (``filter_eps=None``, the worst case of the default: no column filters)."""
     s = _size(dtype)
     Vs = V // shard_of
     label = f" (1 of {shard_of} vocabulary shards)" if shard_of > 1 else ""
     label += ", precise_grad" if precise else ""
+    label += f", filtered, {kept:.0%} of columns kept" if kept is not None else ""
 
     def make(dev):
+        hi = Vs if kept is None else max(1, int(kept * Vs))
         a = dict(x=torch.randn(N, D, dtype=dtype, device=dev), w=torch.randn(Vs, D, dtype=dtype, device=dev) * 0.02,
-                 y=torch.randint(0, Vs, (N,), device=dev))
+                 y=torch.randint(0, hi, (N,), device=dev))
         if backward:
             a.update(_row_vectors(N, dev))
+            a["kept"] = None if kept is None else torch.arange(hi, device=dev)
         return a
 
     def run(a):
         if backward:
-            return lce_backward(a["x"], a["w"], None, a["y"], a["lse"], a["om"], a["ca"], a["cb"], None,
-                                ignore_index=-100, precise_grad=precise)
+            with unittest.mock.patch.object(lce_gemm, "kept_columns",
+                                            lambda flags, V: a["kept"] if flags is not None else None):
+                return lce_backward(a["x"], a["w"], None, a["y"], a["lse"], a["om"], a["ca"], a["cb"], None,
+                                    ignore_index=-100, precise_grad=precise,
+                                    filter_eps=None if kept is None else "auto")
         return lce_forward(a["x"], a["w"], None, a["y"], ignore_index=-100)
 
     ops = (N * D + Vs * D) * s
@@ -367,11 +379,42 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
     return Case("linear_ce", "lce_backward" if backward else "lce_forward",
                 f"linear CE {'bwd' if backward else 'fwd'}{label}", f"N{N} D{D} V{Vs}", _short(dtype),
                 make=make, run=run, bytes_min=bmin, torch=tp, memory_bound=False, logits_stored=_stored,
-                flops_min=(4.0 if backward else 2.0) * N * Vs * D, bound=LCE_FLOP_BOUND[backward],
+                flops_min=(4.0 if backward else 2.0) * N * Vs * D,
+                bound=LCE_PRECISE_FLOP_BOUND if precise else LCE_FLOP_BOUND[backward],
                 note="never stores N x V", quick=quick,
                 torch_run=torch_backward(lambda a: (lambda x, w: (
                     torch.nn.functional.cross_entropy((x @ w.T).float(), a["y"]), (x, w), None))(*_leaves(a, "x", "w")))
                 if backward else lambda a: torch.nn.functional.cross_entropy((a["x"] @ a["w"].T).float(), a["y"]))
+
+
+def linear_ce_training_case(N, D, V, *, dtype=torch.bfloat16, quick=False) -> Case:
+    """The training step's loss and gradients in one pass over row chunks (``smx::linear_ce_loss`` on CUDA: the
+    mean loss with gradients), exact (no column filtered: the worst case of the default), against torch's
+    forward + backward."""
+    s = _size(dtype)
+
+    def make(dev):
+        return dict(x=torch.randn(N, D, dtype=dtype, device=dev),
+                    w=torch.randn(V, D, dtype=dtype, device=dev) * 0.02, y=torch.randint(0, V, (N,), device=dev))
+
+    def run(a):
+        return fused_forward_gemm(a["x"], a["w"], None, a["y"], None, None, -100, "mean", 0.0, 0.0, 1.0, None)
+
+    def torch_trace(t):
+        tp_.hf_linear_cross_entropy(t, N, D, V, s, False)
+        tp_.hf_linear_cross_entropy(t, N, D, V, s, True)
+
+    def torch_run(a):
+        x, w = _leaves(a, "x", "w")
+        loss = torch.nn.functional.cross_entropy((x @ w.T).float(), a["y"])
+        return torch.autograd.grad(loss, (x, w))
+
+    ops = (N * D + V * D) * s
+    return Case("linear_ce", "lce_fused", "linear CE fwd+bwd, fused", f"N{N} D{D} V{V}", _short(dtype),
+                make=make, run=run, bytes_min=2 * ops + N * 8,
+                torch=TorchPath("the forward's path, then the backward's", torch_trace), memory_bound=False,
+                logits_stored=_stored, flops_min=6.0 * N * V * D, bound=LCE_FLOP_BOUND[False],
+                note="never stores N x V", quick=quick, torch_run=torch_run)
 
 
 def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
@@ -430,6 +473,8 @@ def all_cases(quick: bool = False) -> list[Case]:
         cases += [linear_ce_case(N, D, V), linear_ce_case(N, D, V, backward=True)]
     cases += [linear_ce_case(8192, 4096, 128256, shard_of=8), linear_ce_case(8192, 4096, 128256, shard_of=8,
                                                                              backward=True),
-              linear_ce_case(4096, 2048, 32000, backward=True, precise=True)]
+              linear_ce_case(4096, 2048, 32000, backward=True, precise=True),
+              linear_ce_case(8192, 4096, 128256, backward=True, kept=0.25),
+              linear_ce_training_case(4096, 2048, 32000), linear_ce_training_case(8192, 4096, 128256)]
     cases += [ce_case(8192, 128256), ce_case(8192, 128256, backward=True)]
     return cases

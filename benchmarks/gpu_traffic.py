@@ -202,6 +202,22 @@ class Regions:
 _LOAD, _STORE, _ATOMIC = 0, 1, 2
 
 
+#: sector accesses replayed in one pass of :meth:`Counter.end_launch` (bounds its memory)
+_BUCKET_ACCESSES = 1 << 25
+
+
+class _RecordTable:
+    """Per-instruction fields of a launch's records as arrays (one row per instruction)."""
+
+    def __init__(self, records: list[tuple], length: float):
+        self.tau = np.array([r[1] * length + r[3] for r in records], dtype=float)
+        self.prog = np.array([r[2] for r in records], dtype=np.int64)
+        self.weight = np.array([float(r[4]) for r in records], dtype=float)
+        self.kind = np.array([r[5] for r in records], dtype=np.int8)
+        self.coords = np.array([r[6] for r in records], dtype=np.int64).reshape(-1, 3)
+        self.axis_weights = np.array([r[7] for r in records], dtype=float).reshape(-1, 3)
+
+
 class Counter:
     """The counts of the launch in progress. Programs run one after another in the interpreter; each sector access
     is recorded with the program's wave (its linear id, ``x`` fastest as CUDA orders blocks, over ``resident``)
@@ -280,17 +296,29 @@ class Counter:
         if not self.records:
             return
         length = float(np.mean(self.lengths)) if self.lengths else 0.0
-        n = [r[0].size for r in self.records]
-        key = np.concatenate([r[0] for r in self.records])
-        tau = np.repeat([r[1] * length + r[3] for r in self.records], n)
-        prog = np.repeat([r[2] for r in self.records], n)
-        w = np.repeat([float(r[4]) for r in self.records], n)
-        kind = np.repeat([r[5] for r in self.records], n)
-        coords = np.repeat(np.array([r[6] for r in self.records], dtype=np.int64).reshape(-1, 3), n, axis=0)
-        axis_w = np.repeat(np.array([r[7] for r in self.records], dtype=float).reshape(-1, 3), n, axis=0)
-        order = np.lexsort((tau, key))
-        key, tau, prog, w, kind = key[order], tau[order], prog[order], w[order], kind[order]
-        coords, axis_w = coords[order], axis_w[order]
+        records, self.records = self.records, []
+        per_record = _RecordTable(records, length)
+        key = np.concatenate([r[0] for r in records])
+        record = np.repeat(np.arange(len(records), dtype=np.int32), [r[0].size for r in records])
+        del records
+        regions = len(self.regions.starts)
+        first_touch, touched = np.zeros(regions), np.zeros(regions)
+        # the replay is per sector: buckets of sectors bound the memory of one pass (~150 bytes per access)
+        buckets = max(1, -(-key.size // _BUCKET_ACCESSES))
+        bucket = (key % buckets).astype(np.int32) if buckets > 1 else None
+        for b in range(buckets):
+            pick = slice(None) if bucket is None else np.flatnonzero(bucket == b)
+            self._replay(lx, key[pick], record[pick], per_record, first_touch, touched)
+        for r, start in enumerate(self.regions.starts):
+            lx.first_touch[int(start)] = SECTOR * float(first_touch[r])
+            lx.touched[int(start)] = min(SECTOR * float(touched[r]), self.regions.sizes[r])
+
+    def _replay(self, lx: Launch, key, record, table: "_RecordTable", first_touch, touched) -> None:
+        """One bucket of sectors through the L2 model; adds to ``lx`` and the per-region sums."""
+        order = np.lexsort((table.tau[record], key))
+        key, record = key[order], record[order]
+        del order
+        tau, prog, w, kind = table.tau[record], table.prog[record], table.weight[record], table.kind[record]
         first = np.ones(key.size, dtype=bool)
         first[1:] = key[1:] != key[:-1]
         # a first touch stands for as many distinct sectors as the least-weighted access of its sector: a sector
@@ -300,24 +328,27 @@ class Counter:
         w_first[starts] = np.minimum.reduceat(w, starts)
         gap = np.zeros(key.size)
         gap[1:] = np.diff(tau)
+        del tau
         same = np.zeros(key.size, dtype=bool)
         same[1:] = ~first[1:] & (prog[1:] == prog[:-1])
+        del prog
         reads = kind != _STORE
         # after another program's access, the skipped programs of the sampled one's strata along the axes the two
         # differ on (those that share the sector) read it in between too
+        coords = table.coords[record]
         differ = np.zeros(coords.shape, dtype=bool)
         differ[1:] = coords[1:] != coords[:-1]
-        gap = gap / np.where(differ, axis_w, 1.0).prod(axis=1)
+        del coords
+        gap = gap / np.where(differ, table.axis_weights[record], 1.0).prod(axis=1)
+        del differ
         miss = reads & ~first & (gap * lx.resident > self.gpu.l2_bytes)
         lx.bytes_reread += SECTOR * float(w[reads & same].sum())
         lx.bytes_capacity_miss += SECTOR * float(w[miss].sum())
         lx.bytes_written_back += SECTOR * float(w_first[first & (kind == _ATOMIC)].sum())
         region = key >> 40
         fresh = first & reads
-        for r, start in enumerate(self.regions.starts):
-            lx.first_touch[int(start)] = SECTOR * float(w_first[fresh & (region == r)].sum())
-            lx.touched[int(start)] = min(SECTOR * float(w_first[first & (region == r)].sum()), self.regions.sizes[r])
-        self.records = []
+        first_touch += np.bincount(region[fresh], weights=w_first[fresh], minlength=first_touch.size)
+        touched += np.bincount(region[first], weights=w_first[first], minlength=touched.size)
 
     def dot(self, a, b) -> None:
         if self.launch is None:

@@ -241,19 +241,15 @@ def test_empty(mode):
 
 
 def test_automatic_mode():
-    """None picks "fused" only when gradient filtering is in effect; an explicit mode is honoured."""
-    assert backward_mode(None, None) == "gemm"
-    assert backward_mode(None, 1e-6) == "fused"
-    assert backward_mode(None, 1e-6, grad_logits=torch.zeros(1, 1)) == "gemm"  # filtering off with grad_logits
-    assert backward_mode("fused", None) == "fused" and backward_mode("gemm", None) == "gemm"
+    """None picks "gemm" (which filters too); an explicit mode is honoured, a bad one refused."""
+    assert backward_mode(None) == "gemm"
+    assert backward_mode("fused") == "fused" and backward_mode("gemm") == "gemm"
     with pytest.raises(ValueError, match="mode"):
-        backward_mode("atomic", None)
-    with pytest.raises(ValueError, match="filter_eps"):
-        backward_mode("gemm", 0.0)
+        backward_mode("atomic")
 
 
 def test_lce_backward_routes_by_mode(monkeypatch):
-    """lce_backward runs the chunked matmul backward unless filtering asks for the fused kernel."""
+    """lce_backward runs the chunked matmul backward unless the fused kernel is asked for."""
     calls = []
     real = triton_backward.chunked_gemm_backward
     monkeypatch.setattr(triton_backward, "chunked_gemm_backward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -265,16 +261,60 @@ def test_lce_backward_routes_by_mode(monkeypatch):
     lce_backward(*args, ignore_index=-100)
     assert len(calls) == 1
     lce_backward(*args, ignore_index=-100, logits=torch.zeros(N, V))
-    assert len(calls) == 2
     lce_backward(*args, ignore_index=-100, filter_eps=1e-9)
+    assert len(calls) == 3
     lce_backward(*args, ignore_index=-100, mode="fused")
-    assert len(calls) == 2
-    with pytest.raises(ValueError, match="filter_eps"):
-        lce_backward(*args, ignore_index=-100, filter_eps=1e-9, mode="gemm")
+    lce_backward(*args, ignore_index=-100, filter_eps=1e-9, mode="fused")
+    assert len(calls) == 3
     with pytest.raises(ValueError, match="mode"):
         lce_backward(*args, ignore_index=-100, mode="GEMM")
     with pytest.raises(ValueError, match="chunk_bytes"):
         lce_backward(*args, ignore_index=-100, chunk_bytes=0)
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["fp32", "bf16-precise"])
+def test_gemm_filtering_drops_columns(precise):
+    """The gemm mode's filter, per row chunk: a column whose probabilities are all below filter_eps and that
+    holds no target leaves the products (the kept columns are gathered); a chunk keeping more than
+    COMPACT_KEPT_SHARE of the columns runs whole. Checked against the unfiltered result minus the dropped
+    columns' fp64 contribution."""
+    g = torch.Generator().manual_seed(21)
+    N, V, D = 32, 96, 16
+    dt = torch.bfloat16 if precise else torch.float32
+    inp = (torch.randn(N, D, generator=g) * 0.3).to(dt)
+    weight = (torch.randn(V, D, generator=g) * 0.3).to(dt)
+    bias = (torch.randn(V, generator=g) * 0.1).to(dt)
+    target = torch.randint(0, V, (N,), generator=g)
+    target[20:24] = -100
+    lse, _, om, _ = lce_forward(inp, weight, bias, target, ignore_index=-100)
+    lse[16:] += 3.0  # rows 16..31 (the second chunk): every probability below eps, only targets kept
+    a = torch.rand(N, generator=g) + 0.5
+    a[20:24] = 0.0
+    eps = 0.25 / V
+    f32 = dict(input_grad_dtype=torch.float32, weight_grad_dtype=torch.float32)
+    kw = dict(ignore_index=-100, mode="gemm", precise_grad=precise, chunk_bytes=16 * V * 8, **f32, **SMALL)
+    args = (inp, weight, bias, target, lse, om, a, a, None)
+    exact = lce_backward(*args, **kw)
+    got = lce_backward(*args, filter_eps=eps, **kw)
+
+    z = inp.double() @ weight.double().T + bias.double()
+    p = torch.exp(z - lse.double()[:, None])
+    onehot = torch.zeros(N, V, dtype=torch.bool)
+    onehot[target >= 0, target[target >= 0]] = True
+    big = (p >= eps) | onehot
+    assert big[:16].any(0).float().mean() > 0.75 and big[16:].any(0).float().mean() < 0.75
+    dropped = torch.zeros(N, V, dtype=torch.bool)
+    dropped[16:] = ~big[16:].any(0)
+    g_drop = a.double()[:, None] * p * dropped
+    want = (exact[0].double() - g_drop @ weight.double(), exact[1].double() - g_drop.T @ inp.double(),
+            exact[2].double() - g_drop.sum(0))
+    for name, ours, w, drop in zip(("input", "weight", "bias"), got, want, (g_drop @ weight.double(),
+                                                                           g_drop.T @ inp.double(), g_drop.sum(0))):
+        tol = 2e-5 * (1 + w.abs().max().item())
+        if name == "bias":  # returned in bias's dtype
+            tol += torch.finfo(dt).eps * w.abs().max().item()
+        assert name == "bias" or drop.abs().max() > 20 * tol, name  # the filter is visible
+        torch.testing.assert_close(ours.double(), w, rtol=0, atol=tol, msg=name)
 
 
 def test_gemm_rows_and_matmul_helpers():
@@ -365,6 +405,33 @@ def test_half_gradients_meet_cces_rule(mode, dtype):
     assert strict[2:] == [True, True] and (dtype == torch.float16 or not all(strict[:2])), strict
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
+def test_auto_filtering_meets_cces_rule(mode, dtype):
+    """``filter_eps="auto"`` (CCE's default, ``finfo(dtype).eps / 32``) on peaked rows, where it drops most of
+    the vocabulary: still ``|ours - gold| <= |torch - gold| + tol`` per element with CCE's tolerance."""
+    g = torch.Generator().manual_seed(22)
+    N, V, D = 32, 256, 32
+    inp = torch.randn(N, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * (30 / math.sqrt(D))).to(dtype)  # logits ~ N(0, 30^2)
+    target = torch.randint(0, 64, (N,), generator=g)  # vocabulary blocks past the first hold no target
+    kw = dict(ignore_index=-100, scale=1.0, softcap=None)
+    d_inp, d_w, d_t = inp.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
+    lse, _, om, _ = lce_forward(d_inp, d_w, None, d_t, **kw)
+    a, b, _ = _ce_coefs(target, None, V, -100, 0.0)
+    ce = dict(kw, cw=None, smoothing=0.0)
+    gold, _ = _torch_ce(inp, weight, None, target, torch.float64, **ce)
+    ref, _ = _torch_ce(inp, weight, None, target, dtype, **ce)
+    run = dict(mode=mode, chunk_bytes=_chunk(V, dtype, 16), block_n=16, block_v=16, **kw)
+    args = (d_inp, d_w, None, d_t, lse, om, a.to(DEVICE), b.to(DEVICE), None)
+    exact = lce_backward(*args, **run)
+    got = lce_backward(*args, filter_eps="auto", **run)
+    assert not torch.equal(got[1], exact[1])  # something was dropped
+    for ours, r, gd in zip(got[:2], ref[:2], gold[:2]):
+        excess = (ours.double() - gd).abs() - (r.double() - gd).abs()
+        assert bool((excess <= CCE_TOL[dtype]).all()), excess.max()
+
+
 def test_filtering_reads_probabilities_not_the_scaled_gradient():
     """CCE filters a tile on its probabilities, before the rows' coefficients: with a mean over many rows (a
     tiny ``a``) and every tile holding a probability above ``filter_eps``, nothing is skipped; a filter on the
@@ -379,7 +446,10 @@ def test_filtering_reads_probabilities_not_the_scaled_gradient():
     a = torch.full((N,), 1e-6).to(DEVICE)
     args = (d[0], d[1], None, target.to(DEVICE), lse, om, a, a, None)
     exact = lce_backward(*args, ignore_index=-100, mode="fused", **SMALL)
-    filtered = lce_backward(*args, ignore_index=-100, filter_eps=0.5 / V, **SMALL)
+    filtered = lce_backward(*args, ignore_index=-100, filter_eps=0.5 / V, mode="fused", **SMALL)
     for x, y in zip(exact[:2], filtered[:2]):
         torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=0)
-    assert backward_mode(None, 0.5 / V) == "fused"
+    exact, filtered = (lce_backward(*args, ignore_index=-100, filter_eps=f, mode="gemm", **SMALL)
+                       for f in (None, 0.5 / V))
+    for x, y in zip(exact[:2], filtered[:2]):
+        torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=0)

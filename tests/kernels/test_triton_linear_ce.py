@@ -431,17 +431,17 @@ def test_gradient_filtering():
     lse, _, om, _ = lce_forward(*d, ignore_index=-100, **SMALL)
     a, b, c = _coefs(N, target, -100, with_c=False)
     da, db = _dev(a, b)
-    # filtering runs the fused kernel (backward_mode): compare with the same kernel unfiltered
+    # tiles are the fused kernel's filter (the gemm mode's, by columns: test_triton_lce_backward_modes.py)
     exact = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, mode="fused", **SMALL)
     gold = _ref_linear(inp, weight, bias, target, torch.float64, ignore_index=-100, a=a, b=b)
     zmag = _magnitudes(inp, weight, bias, 1.0)
     gmag = _grad_mag(gold, a, b, None, zmag, 1.0)
     _check_grads(exact, gold, None, gmag, inp, weight, op_eps=0.0)
 
-    tiny = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e-30, **SMALL)
+    tiny = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e-30, mode="fused", **SMALL)
     for x, y in zip(tiny, exact):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
-    small = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e-9, **SMALL)
+    small = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e-9, mode="fused", **SMALL)
     _check_grads(small, gold, None, gmag, inp, weight, op_eps=0.0)
 
     # huge eps: only tiles with a target entry survive
@@ -454,7 +454,7 @@ def test_gradient_filtering():
     G = a.double()[:, None] * gold["p"] - b.double()[:, None] * gold["onehot"]
     G = G * keep
     gx_gold = (G @ weight.double(), G.T @ inp.double(), G.sum(0))
-    huge = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e9, **SMALL)
+    huge = lce_backward(*d, lse, om, da, db, None, ignore_index=-100, filter_eps=1e9, mode="fused", **SMALL)
     assert (huge[1][128:] == 0).all() and (huge[2][128:] == 0).all()
     gm = gmag * keep
     _assert_gold(huge[0], None, gx_gold[0], 8 * EPS32 * (gm @ weight.double().abs()), "filtered grad_input")

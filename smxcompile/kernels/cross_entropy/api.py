@@ -36,7 +36,7 @@ def linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
     dtype: torch.dtype | None = None,
-    filter_eps: float | str | None = None,
+    filter_eps: float | str | None = "auto",
     precise_grad: bool = False,
     chunk_bytes: int | None = None,
     process_group=None,
@@ -108,9 +108,10 @@ def linear_cross_entropy(
             half-dtype result on half logits; pass ``dtype=input.dtype`` for that) -- else ``input.dtype``.
             With ``process_group``: ``input.dtype`` (fp32 under autocast). The math is fp32 for half inputs
             (fp64 for fp64).
-        filter_eps: CCE's gradient filtering (CUDA): a tile of the logits' gradient whose probabilities are
-            all below it and that holds no target is skipped. ``"auto"``: CCE's default, ``finfo(input.dtype).eps
-            / 32``. None (default): every tile (exact). Not with label smoothing or returned logits.
+        filter_eps: CCE's gradient filtering (CUDA): entries of the logits' gradient whose probabilities are
+            all below it, over a column of a row chunk, and that hold no target may leave the products.
+            ``"auto"`` (default, as CCE): ``finfo(input.dtype).eps / 32``; None: exact. Off with label
+            smoothing or returned logits.
         precise_grad: fp16 / bf16 on CUDA: the logits' gradient enters the products as ``hi + lo`` (~16
             significant bits; results rounded once) at twice their FLOPs, instead of rounded once to the input
             dtype as torch and CCE do (their rule: per element within ``|torch - gold| + 1e-2`` for bf16,
@@ -227,8 +228,10 @@ def _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index
     n, v = x2.shape[0], weight.shape[0]
     # token_weight needing a gradient: the statistics op (the fused op has no gradient for it;
     # in compose_loss it is a plain differentiable factor)
-    fused = (probs is None and reduction != "none" and not need_lse and not config.use_triton(x2)
-             and needs_grad(x2, weight, bias) and not needs_grad(token_weight))
+    # CUDA: the fused path's matmul chunks neither return logits nor take the argmax
+    fused = (probs is None and reduction != "none" and not need_lse and needs_grad(x2, weight, bias)
+             and not needs_grad(token_weight)
+             and (not config.use_triton(x2) or (not return_logits and not need_pred)))
     if fused and need_pred:
         loss, zl, pred, _, _, _ = linear_ce_loss_argmax(x2, weight, bias, tgt, class_weight, token_weight,
                                                         ignore_index, reduction, eps, z_scale, scale, softcap,
@@ -237,7 +240,7 @@ def _core(x2, weight, bias, tgt, probs, class_weight, token_weight, ignore_index
     if fused:
         loss, zl, logits, _, _, _ = linear_ce_loss(x2, weight, bias, tgt, class_weight, token_weight, ignore_index,
                                                    reduction, eps, z_scale, scale, softcap, return_logits,
-                                                   logits_dtype, chunk_bytes)
+                                                   logits_dtype, chunk_bytes, filter_eps, precise_grad)
         return loss, (zl if z_scale else None), None, (logits if return_logits else None), None
     out = {}
 

@@ -344,13 +344,26 @@ def linear_ce_loss(
     return_logits: bool,
     logits_dtype: torch.dtype | None,
     chunk_bytes: int,
+    filter_eps: float | None = None,
+    precise_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.smx.linear_ce_loss``: (loss, z_loss, logits, grad_input, grad_weight, grad_bias) for
-    grad_output = 1 (:func:`~.fused.fused_forward`); fp32 loss, differentiable w.r.t. input, weight, bias.
+    grad_output = 1 (:func:`~.fused.fused_forward`; CUDA, without returned logits:
+    :func:`~.triton_fused.fused_forward_gemm`, which takes ``filter_eps`` and ``precise_grad``); fp32 loss,
+    differentiable w.r.t. input, weight, bias.
 
     The gradients of input / weight have their dtype, except fp16: fp32 (see
     :func:`~.fused.saved_grad_dtype`); the bias's is fp32 (fp64 for fp64)."""
     n, v = input.shape[0], weight.shape[0]
+    if config.use_triton(input) and not return_logits:
+        from .triton_fused import fused_forward_gemm
+
+        loss, zl, _, gi, gw, gb = fused_forward_gemm(
+            input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
+            lse_square_scale, scale, softcap, chunk_bytes=chunk_bytes, filter_eps=filter_eps,
+            precise_grad=precise_grad)
+        return (loss.float(), (zl if zl is not None else loss.new_zeros(())).float(), input.new_empty(0), gi, gw,
+                gb if gb is not None else weight.new_empty(0))
     logits_out = None
     if return_logits:
         logits_out = torch.empty((n, v), dtype=logits_dtype or input.dtype, device=input.device)
@@ -365,7 +378,8 @@ def linear_ce_loss(
 
 @linear_ce_loss.register_fake
 def _(input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
-      lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes):
+      lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes, filter_eps=None,
+      precise_grad=False):
     acc = acc_dtype(input)
     n, v = input.shape[0], weight.shape[0]
     logits = input.new_empty((n, v), dtype=logits_dtype or input.dtype) if return_logits else input.new_empty(0)
@@ -406,7 +420,7 @@ def linear_add_logits_grad_(
 
 def _fused_setup(ctx, inputs, output):
     (input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
-     lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes) = inputs
+     lse_square_scale, scale, softcap, return_logits, logits_dtype, chunk_bytes, *_) = inputs
     loss, zl, logits, gi, gw, gb = output
     ctx.has_bias = bias is not None
     ctx.return_logits = return_logits
@@ -426,7 +440,7 @@ def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
         # scaling them would silently give zero second-order gradients
         raise RuntimeError(
             "double backward (create_graph=True) through smxcompile.linear_cross_entropy is not supported "
-            "with reduction='mean'/'sum' on CPU; use F.cross_entropy(F.linear(...)) for higher-order gradients")
+            "with reduction='mean'/'sum'; use F.cross_entropy(F.linear(...)) for higher-order gradients")
     gl = grad_loss.reshape(()).to(acc)
     gi = (saved_gi.to(acc) * gl).to(input.dtype)
     gw = (saved_gw.to(acc) * gl).to(weight.dtype)
@@ -436,7 +450,7 @@ def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
         linear_add_logits_grad_(grad_logits, logits, input, weight, grad_loss, saved_gi, saved_gw, saved_gb, gi,
                                 gw, gb, scale, softcap, chunk_bytes)
     return ((gi if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
-             gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * 12)
+             gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * (len(ctx.needs_input_grad) - 3))
 
 
 linear_ce_loss.register_autograd(_fused_backward, setup_context=_fused_setup)

@@ -16,7 +16,7 @@ from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linea
                             float_tensor, tensor_arg)
 from .triton_backward_gemm import chunked_gemm_backward
 
-__all__ = ["MODES", "backward_mode", "lce_backward", "ce_backward"]
+__all__ = ["MODES", "backward_mode", "lce_backward", "ce_backward", "write_chunk_grad"]
 
 #: The modes of :func:`lce_backward`.
 MODES = ("fused", "gemm")
@@ -49,6 +49,7 @@ if triton is not None:
         gl_ptr, gl_s0, gl_s1,
         gi_ptr, gw_ptr, gb_ptr, gx_ptr,     # fp32 (N, D), (V, D), (V,) accumulators; (N, V) output
         gxl_ptr,                            # (N, V) output: the low part of a split Gx (WRITE_GX and SPLIT_GX)
+        act_ptr,                            # (V,) int8 output (WRITE_GX and FILTER): 1 where a column is kept
         N, V, D, ignore_index, scale, softcap, filter_eps,
         Z_FROM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr,
         HAS_C: tl.constexpr, HAS_GL: tl.constexpr, FILTER: tl.constexpr,
@@ -125,6 +126,11 @@ if triton is not None:
             if SPLIT_GX:
                 tl.store(gxl_ptr + (rows[:, None] * V + cols[None, :]),
                          cast_like(gx - gxh.to(tl.float32), gxl_ptr, FIX_BF16), mask=ok)
+            if FILTER:
+                # gradient filtering by columns (the gemm mode): a column is kept when one of its probabilities
+                # is >= filter_eps (NaN counts as large) or it holds a target; every writer writes 1
+                big = tl.sum(tl.where((ok & ~(p < filter_eps)) | is_t, 1, 0), axis=0) > 0
+                tl.store(act_ptr + cols, tl.full([BLOCK_V], 1, tl.int8), mask=col_ok & big)
         else:
             keep = True
             if FILTER:
@@ -179,21 +185,17 @@ def _check_backward_vectors(N, device, lse, other_mass, coef_a, coef_b, coef_c):
         _vec("coef_c", coef_c, N, device)
 
 
-def backward_mode(mode: str | None, filter_eps: float | None, grad_logits=None) -> str:
-    """The mode :func:`lce_backward` runs: ``mode`` if given, else ``"fused"`` when gradient filtering is in
-    effect (``filter_eps`` given and ``grad_logits`` None: only the fused kernel skips tiles), else ``"gemm"``
-    (see :func:`lce_backward` for the figures behind the rule).
+def backward_mode(mode: str | None) -> str:
+    """The mode :func:`lce_backward` runs: ``mode`` if given, else ``"gemm"`` (see :func:`lce_backward` for the
+    figures behind the rule; both modes filter).
 
     Raises:
-        ValueError: ``mode`` not None, "fused" or "gemm"; ``"gemm"`` asked for with filtering in effect.
+        ValueError: ``mode`` not None, "fused" or "gemm".
     """
-    filtering = filter_eps is not None and grad_logits is None
     if mode is None:
-        return "fused" if filtering else "gemm"
+        return "gemm"
     if mode not in MODES:
         raise ValueError(f"mode must be None, 'fused' or 'gemm', got {mode!r}")
-    if mode == "gemm" and filtering:
-        raise ValueError("filter_eps (gradient filtering) needs mode='fused' (or None)")
     return mode
 
 
@@ -226,10 +228,9 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     rounded once, at the end, within fp32 noise of that rule with no tolerance) at twice the products' FLOPs.
     docs/PERFORMANCE.md ("GPU model") has each mode's bytes and FLOPs at N = 8192, D = 4096, V = 128256.
 
-    ``mode=None`` picks ``"fused"`` only when gradient filtering is in effect (``filter_eps`` given,
-    ``grad_logits`` None), else ``"gemm"`` (:func:`backward_mode`), saved ``logits`` included: the fused kernel
-    then reads ``z`` instead of recomputing it but keeps its atomics (~400 GB at the shape above with its
-    128 x 64 saved-logits tile), while the gemm mode reads ``z`` once (4 GB) and skips the logits matmul.
+    ``mode=None`` picks ``"gemm"`` (:func:`backward_mode`), saved ``logits`` included: the fused kernel would
+    read ``z`` instead of recomputing it but keep its atomics (~400 GB at the shape above with its 128 x 64
+    saved-logits tile), while the gemm mode reads ``z`` once (4 GB) and skips the logits matmul.
 
     Ignored rows (``target == ignore_index``) have no target entry (``G = a p - c w``; callers
     pass ``a = b = c = 0`` for them). A target outside ``[0, V)`` is never indexed.
@@ -242,10 +243,11 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
         logits: the saved ``z`` (``(N, V)``, any float dtype / strides) to read instead of
             recomputing the matmul, or None.
         grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
-        filter_eps: None (exact, default), ``"auto"`` or a float: a tile whose probabilities are all
-            ``< filter_eps`` and that holds no target entry is skipped (CCE's gradient filtering, fused mode
-            only; ``"auto"``: CCE's default, ``finfo(dtype).eps / 32``). Not with ``grad_logits`` or ``coef_c``
-            (label smoothing's uniform term), where every tile counts.
+        filter_eps: None (exact, default), ``"auto"`` or a float: CCE's gradient filtering (``"auto"``: CCE's
+            ``finfo(dtype).eps / 32``). Entries whose probabilities are all ``< filter_eps`` and that hold no
+            target may be left out of the products: a tile of them (fused mode), or a column of a row chunk
+            (gemm mode, when at most :data:`~.triton_backward_gemm.COMPACT_KEPT_SHARE` of the columns are
+            kept). Off with ``grad_logits`` or ``coef_c`` (label smoothing's uniform term).
         precise_grad: feed ``Gx`` to the products as ``hi + lo`` (fp16 / bf16; see above).
         need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
             (``need_bias_grad`` defaults to ``bias is not None``).
@@ -266,7 +268,7 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     Raises:
         TypeError / ValueError / RuntimeError: as in :func:`lce_forward`; also for (N,) vectors,
             ``logits`` / ``grad_logits`` of the wrong shape, a negative ``filter_eps``, non-float gradient
-            dtypes, a bad ``mode`` (or ``"gemm"`` with filtering), or ``chunk_bytes`` not None / a positive int.
+            dtypes, a bad ``mode``, or ``chunk_bytes`` not None / a positive int.
     """
     N, V, D = check_linear(input, weight, bias)
     dev = input.device
@@ -282,7 +284,9 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
                                     or chunk_bytes < 1):
         raise ValueError(f"chunk_bytes must be None or a positive int, got {chunk_bytes!r}")
-    mode = backward_mode(mode, filter_eps if coef_c is None else None, grad_logits)
+    mode = backward_mode(mode)
+    if grad_logits is not None or coef_c is not None:
+        filter_eps = None  # an upstream logits gradient, label smoothing: no entry is negligible
     if need_bias_grad is None:
         need_bias_grad = bias is not None
     input_grad_dtype = input.dtype if input_grad_dtype is None else input_grad_dtype
@@ -301,27 +305,20 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     check_runtime(input, "linear-cross-entropy")
 
     if mode == "gemm":
-        gopts = launch_opts(num_warps, None, CE_WARPS, None)
-
         def write_grad(r0, r1, src, hi, lo):
-            rows = r1 - r0
-            _backward_launch(
-                src=src, e=None, w=None, bias=bias if logits is None else None, target=target[r0:r1],
+            return write_chunk_grad(
+                src, hi, lo, bias=bias if logits is None else None, target=target[r0:r1],
                 class_weight=class_weight, lse=lse[r0:r1], om=other_mass[r0:r1], a=coef_a[r0:r1],
                 b=coef_b[r0:r1], c=None if coef_c is None else coef_c[r0:r1],
-                grad_logits=None if grad_logits is None else grad_logits[r0:r1], gi=None, gw=None, gb=None,
-                gx=hi, gx_lo=lo, N=rows, V=V, D=0, ignore_index=ignore_index, scale=scale, softcap=softcap,
-                filter_eps=None,
-                z_from=_Z_SAVED if logits is not None else _Z_RAW,
-                blocks=(pow2_block("block_n", block_n, CE_BLOCKS[0], rows, 1),
-                        pow2_block("block_v", block_v, CE_BLOCKS[1], V, 1), 1),
-                opts=gopts, prec="ieee",
-            )
+                grad_logits=None if grad_logits is None else grad_logits[r0:r1], ignore_index=ignore_index,
+                scale=scale, softcap=softcap, filter_eps=filter_eps, saved=logits is not None, block_n=block_n,
+                block_v=block_v, num_warps=num_warps)
 
         return chunked_gemm_backward(
             input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
             need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
-            bias_grad_dtype=bias_grad_dtype, split=precise_grad, chunk_bytes=chunk_bytes)
+            bias_grad_dtype=bias_grad_dtype, split=precise_grad, chunk_bytes=chunk_bytes,
+            filtering=filter_eps is not None)
 
     f32 = dict(dtype=torch.float32, device=dev)
     gi = torch.zeros((N, D), **f32) if need_input_grad else None
@@ -332,7 +329,7 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
             src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
             om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
             gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
-            filter_eps=filter_eps if grad_logits is None and coef_c is None else None,
+            filter_eps=filter_eps,
             z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
             prec=dot_precision(input.dtype), split=precise_grad,
         )
@@ -343,9 +340,31 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     )
 
 
+def write_chunk_grad(src, hi, lo, *, bias, target, class_weight, lse, om, a, b, c, grad_logits, ignore_index: int,
+                     scale: float, softcap: float | None, filter_eps: float | None, saved: bool,
+                     block_n: int | None = None, block_v: int | None = None, num_warps: int | None = None):
+    """The gemm mode's step for one row chunk: ``Gx`` (see :func:`lce_backward`) from the chunk's logits ``src``
+    (``(n, V)``: raw fp32 ``input @ weight.T``, the bias added here, or the saved transformed ``z`` when
+    ``saved``) into ``hi`` (``(n, V)``, contiguous), and ``Gx - hi`` into ``lo`` when it is not None. The other
+    arguments are the chunk's rows of :func:`lce_backward`'s. Returns None, or with ``filter_eps`` the ``(V,)``
+    int8 flags of the columns kept (:func:`~.triton_backward_gemm.kept_columns`)."""
+    rows, V = src.shape
+    active = None if filter_eps is None else torch.zeros(V, dtype=torch.int8, device=src.device)
+    _backward_launch(
+        src=src, e=None, w=None, bias=bias, target=target, class_weight=class_weight, lse=lse, om=om, a=a, b=b,
+        c=c, grad_logits=grad_logits, gi=None, gw=None, gb=None, gx=hi, gx_lo=lo, N=rows, V=V, D=0,
+        ignore_index=ignore_index, scale=scale, softcap=softcap, filter_eps=filter_eps, active=active,
+        z_from=_Z_SAVED if saved else _Z_RAW,
+        blocks=(pow2_block("block_n", block_n, CE_BLOCKS[0], rows, 1),
+                pow2_block("block_v", block_v, CE_BLOCKS[1], V, 1), 1),
+        opts=launch_opts(num_warps, None, CE_WARPS, None), prec="ieee",
+    )
+    return active
+
+
 def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c, grad_logits, gi, gw, gb, gx,
                      N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec, gx_lo=None,
-                     split=False):
+                     split=False, active=None):
     bn, bv, bd = blocks
     anchor = lse  # any tensor: a placeholder for absent pointer arguments (never dereferenced)
     src_t = src if src is not None else anchor
@@ -368,6 +387,7 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
             grad_logits if grad_logits is not None else anchor, gl_s[0], gl_s[1],
             gi if gi is not None else anchor, gw if gw is not None else anchor, gb if gb is not None else anchor,
             gx if gx is not None else anchor, gx_lo if gx_lo is not None else anchor,
+            active if active is not None else anchor,
             N, V, D, ignore_index, scale, 1.0 if softcap is None else softcap,
             0.0 if filter_eps is None else float(filter_eps),
             Z_FROM=z_from, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,

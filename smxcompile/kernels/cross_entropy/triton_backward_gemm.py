@@ -33,7 +33,7 @@ from ..common import HALF_DTYPES, autocast_off
 from ..triton_helpers import planned_sms
 from .chunked import DEFAULT_CHUNK_BYTES
 
-__all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "gemm_rows", "mm_into", "addmm_into", "chunked_gemm_backward"]
+__all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "COMPACT_KEPT_SHARE", "gemm_rows", "kept_columns", "mm_into", "addmm_into", "chunked_gemm_backward"]
 
 #: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU: with bf16 inputs 6 bytes per logit
 #: (8 as hi + lo), 1280 rows at V = 128256 (fewer, larger chunks amortize re-reading ``weight`` and the fp32
@@ -41,6 +41,11 @@ __all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "gemm_rows", "mm_into", "addmm_into"
 GEMM_CHUNK_BYTES = 2**30
 #: Chunks of at least two of these many rows are rounded down to a multiple of it (whole GEMM tiles).
 ROW_ALIGN = 128
+
+#: Gradient filtering in the gemm mode: a chunk's kept columns are gathered (their ``G`` columns and ``weight``
+#: rows) when at most this share of the vocabulary is kept; above it the products run over every column. A
+#: gathered column costs ~2 (n + D) bytes moved per ~4 n D FLOPs a dropped one saves (docs/DESIGN.md).
+COMPACT_KEPT_SHARE = 0.75
 
 #: Whether ``torch.addmm(..., out_dtype=torch.float32)`` (an fp32 accumulator with 16-bit operands) worked on
 #: CUDA; set to False after its first failure (an older torch), which falls back to upcast operands.
@@ -61,6 +66,15 @@ def gemm_rows(n: int, v: int, bytes_per_entry: int, chunk_bytes: int | None, dev
     if rows >= 2 * ROW_ALIGN:
         rows -= rows % ROW_ALIGN
     return min(rows, max(n, 1))
+
+
+def kept_columns(kept: torch.Tensor | None, V: int) -> torch.Tensor | None:
+    """The indices (int64) of the columns flagged in ``kept`` (``(V,)`` int8, 1 = kept), or None for all of them
+    (``kept`` None, or more than :data:`COMPACT_KEPT_SHARE` of ``V`` kept). Synchronizes with the device."""
+    if kept is None:
+        return None
+    cols = kept.nonzero().squeeze(1)
+    return None if cols.numel() > COMPACT_KEPT_SHARE * V else cols
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,7 +109,8 @@ def addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 @autocast_off
 def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input_grad: bool, need_weight_grad: bool,
                           need_bias_grad: bool, input_grad_dtype: torch.dtype, weight_grad_dtype: torch.dtype,
-                          bias_grad_dtype: torch.dtype, split: bool = False, chunk_bytes: int | None = None):
+                          bias_grad_dtype: torch.dtype, split: bool = False, chunk_bytes: int | None = None,
+                          filtering: bool = False):
     """Gradients w.r.t. ``input``, ``weight`` and the bias of a linear layer followed by a loss whose gradient
     w.r.t. the logits ``write_grad`` computes, chunk by chunk (see the module docstring).
 
@@ -105,13 +120,16 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
             the bias), or an ``(N, V)`` tensor whose row slices are handed to ``write_grad`` instead.
         write_grad: ``write_grad(r0, r1, src, hi, lo)``: writes ``dLoss/dx`` of rows ``r0:r1`` into ``hi``
             (``(r1 - r0, V)`` contiguous, input dtype) from ``src`` (the fp32 logits chunk, or the saved slice);
-            when ``lo`` is not None (split), rounded as ``hi`` and its remainder ``x - hi`` into ``lo``.
+            when ``lo`` is not None (split), rounded as ``hi`` and its remainder ``x - hi`` into ``lo``. Returns
+            None, or (``filtering``) a ``(V,)`` int8 tensor, 1 on the columns kept: the others' gradient may be
+            dropped (see :func:`kept_columns`).
         need_input_grad, need_weight_grad, need_bias_grad: which results to compute.
         input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their dtypes (floating point).
         split: multiply ``hi`` and ``lo`` (the gradient to ~16 significant bits in two 16-bit operands, so that
             the results are rounded once, at the end; twice the products' FLOPs) instead of ``G`` rounded to the
             input dtype (torch's and CCE's numerics). fp16 / bf16 inputs only.
         chunk_bytes: bytes of one chunk's temporaries (see :func:`gemm_rows`), None for the default.
+        filtering: ``write_grad`` returns the kept columns (gradient filtering, Wijmans et al., 2024).
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``, contiguous; zeros
@@ -128,7 +146,9 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
     need_gi, need_gw = need_input_grad and D > 0, need_weight_grad and D > 0
     run = N > 0 and V > 0 and (need_gi or need_gw or need_bias_grad)
     step = gemm_rows(N, V, planes * dt.itemsize + (4 if saved_logits is None else 0), chunk_bytes, dev)
-    one = N <= step and planes == 1  # one product per result: written directly when its dtype allows
+    filtered = False  # a chunk's columns were compacted: grad_weight accumulates from zeros
+    # one product per result: written directly when its dtype allows (a compacted chunk accumulates in fp32)
+    one = N <= step and planes == 1 and not filtering
     f32 = torch.float32
 
     def result(shape, want, direct):
@@ -149,16 +169,29 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
             e = input[r0:r1]
             src = mm_into(xbuf[:n], e, weight.t()) if saved_logits is None else saved_logits[r0:r1]
             g = gbuf[: planes * n * V].view(planes * n, V)  # [hi; lo]: one matmul over both for grad_weight
-            write_grad(r0, r1, src, g[:n], g[n:] if planes == 2 else None)
+            kept = write_grad(r0, r1, src, g[:n], g[n:] if planes == 2 else None)
+            cols = kept_columns(kept, V)
+            if cols is not None and gw is not None and r0 == 0:
+                gw.zero_()
+            w_c = weight if cols is None else weight.index_select(0, cols)
+            g_c = g if cols is None else g.index_select(1, cols)
             if need_gi:
-                mm_into(gi[r0:r1], g[:n], weight)
+                mm_into(gi[r0:r1], g_c[:n], w_c)
                 if planes == 2:
-                    addmm_into(gi[r0:r1], g[n:], weight)
+                    addmm_into(gi[r0:r1], g_c[n:], w_c)
             if need_gw:
                 e2 = e if planes == 1 else torch.cat([e, e])
-                (mm_into if r0 == 0 else addmm_into)(gw, g.t(), e2)
+                if cols is not None:
+                    gw.index_add_(0, cols, mm_into(torch.empty((cols.numel(), D), dtype=f32, device=dev),
+                                                   g_c.t(), e2))
+                else:
+                    (mm_into if r0 == 0 and not filtered else addmm_into)(gw, g.t(), e2)
             if need_bias_grad:
-                gb.add_(g.sum(0, dtype=f32))
+                if cols is None:
+                    gb.add_(g.sum(0, dtype=f32))
+                else:
+                    gb.index_add_(0, cols, g_c.sum(0, dtype=f32))
+            filtered = filtered or cols is not None
     return (
         None if gi is None else gi.to(input_grad_dtype),
         None if gw is None else gw.to(weight_grad_dtype),

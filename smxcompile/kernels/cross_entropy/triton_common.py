@@ -101,7 +101,7 @@ if triton is not None:
         """Raw logits ``x`` of a [BLOCK_N, BLOCK_V] tile in fp32 (0 outside the problem).
 
         FROM_MATMUL: ``input[rows] @ weight[cols].T (+ bias)``, ``src`` being the input (N, D);
-        else ``src`` is the (N, V) logits tensor. ``rows``/``cols`` are int64."""
+        else ``src`` is the (N, V) logits tensor (``+ bias`` too with HAS_BIAS). ``rows``/``cols`` are int64."""
         if FROM_MATMUL:
             acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
             for k in range(0, D, BLOCK_D):
@@ -118,6 +118,8 @@ if triton is not None:
         else:
             acc = tl.load(src_ptr + (rows[:, None] * src_s0 + cols[None, :] * src_s1),
                           mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_BIAS:  # raw logits without the bias (a matmul's chunk)
+                acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return acc
 
     @triton.jit

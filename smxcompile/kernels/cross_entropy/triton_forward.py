@@ -12,7 +12,7 @@ from ..triton_helpers import (cdiv, check_runtime, dot_f32, dot_precision, inter
 from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linear, check_scalars, check_target,
                             float_tensor, tensor_arg)
 
-__all__ = ["lce_forward", "ce_forward"]
+__all__ = ["lce_forward", "ce_forward", "chunk_statistics"]
 
 # Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages. Not tuned on a GPU
 # yet; sized (compiled for sm_90) to use <= 96 KiB of shared memory in every variant, so
@@ -284,6 +284,16 @@ def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float 
                     scale=scale, softcap=softcap, class_weight=class_weight, need_weighted_sum=need_weighted_sum,
                     logits_out=logits_out, blocks=blocks, num_splits=num_splits, opts=opts,
                     prec=dot_precision(input.dtype), need_argmax=return_argmax)
+
+
+def chunk_statistics(chunk, bias, target, *, ignore_index: int, scale: float, softcap: float | None, class_weight,
+                     need_weighted_sum: bool, blocks: tuple, opts: dict):
+    """:func:`ce_forward`'s statistics of a chunk of raw logits ``chunk`` (``(n, V)`` fp32, without the bias:
+    ``bias`` (V,) or None is added in the kernel), for callers that validated their arguments."""
+    N, V = chunk.shape
+    return _forward(chunk, chunk, bias, target, from_matmul=False, N=N, V=V, D=0, ignore_index=ignore_index,
+                    scale=scale, softcap=softcap, class_weight=class_weight, need_weighted_sum=need_weighted_sum,
+                    logits_out=None, blocks=blocks, num_splits=None, opts=opts, prec="ieee")
 
 
 def ce_forward(logits, target, *, ignore_index: int, scale=1.0, softcap=None, class_weight=None,

@@ -367,7 +367,7 @@ def vocab_parallel_linear_cross_entropy(
     return_lse: bool = False,
     return_z_loss: bool = False,
     dtype: torch.dtype | None = None,
-    filter_eps: float | str | None = None,
+    filter_eps: float | str | None = "auto",
     precise_grad: bool = False,
     chunk_bytes: int | None = None,
     reduce_input_grad: bool = True,
