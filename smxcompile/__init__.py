@@ -14,6 +14,7 @@ from .kernels.softmax import log_softmax, softmax  # noqa: E402  (registers the 
 from .kernels.cross_entropy import CrossEntropyOutput, cross_entropy, linear_cross_entropy  # noqa: E402
 from .kernels.attention import NORMALIZERS, attention  # noqa: E402
 from .kernels.softmax_topk import softmax_topk  # noqa: E402
+from .kernels.sampling import sample  # noqa: E402
 from .kernels.quant_softmax import quant_softmax  # noqa: E402
 from .options import REWRITE_KINDS, SmxOptions  # noqa: E402
 from .report import Report, Site  # noqa: E402
@@ -78,5 +79,5 @@ def _register_backend_if_needed() -> None:
 
 _register_backend_if_needed()
 
-__all__ = ["softmax", "log_softmax", "distributed", "softmax_topk", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "export_mlir", "MlirExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
+__all__ = ["softmax", "log_softmax", "distributed", "softmax_topk", "sample", "quant_softmax", "quantize_softmax", "variants", "swap", "save", "load", "from_pretrained", "export_onnx", "OnnxExportError", "export_mlir", "MlirExportError", "attention", "NORMALIZERS", "cross_entropy", "linear_cross_entropy", "CrossEntropyOutput", "explain", "Report", "Site", "SmxOptions", "REWRITE_KINDS",
            "smx_backend", "last_report", "__version__"]

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 #: Every rewrite kind smxcompile knows, by name. Each can be switched off with
 #: ``options={"disable": ["softmax"]}`` or ``options={"softmax": False}``.
-REWRITE_KINDS = ("attention", "quant_softmax", "softmax_topk", "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
+REWRITE_KINDS = ("attention", "quant_softmax", "sample", "softmax_topk", "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
 
 #: Normalizers the attention op runs in place of softmax (``options={"attention_normalizer": ...}``);
 #: see :data:`smxcompile.kernels.attention.NORMALIZERS` for their formulas and papers.

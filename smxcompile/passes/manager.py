@@ -29,6 +29,7 @@ from .naming import name_site, softmax_calls, swapped_regions
 from .patterns.graph import functorch_op
 from .protocol import Match, PassContext, RewritePass
 from .quant_softmax import QuantSoftmaxPass
+from .sampling import SamplePass
 from .softmax import SoftmaxPass
 from .softmax_topk import SoftmaxTopkPass
 
@@ -37,8 +38,8 @@ log = logging.getLogger("smxcompile")
 #: Every rewrite kind, in the order they run. Each pass leaves alone the nodes of the sites earlier passes
 #: claimed: cross-entropy owns the log-softmax of ``nll_loss(log_softmax(x))``; a softmax feeding a quantizer is
 #: one site; an attention block is one site; softmax + top-k owns its softmax; the plain softmax pass comes last.
-PASSES: tuple[RewritePass, ...] = (CrossEntropyPass(), QuantSoftmaxPass(), AttentionPass(), SoftmaxTopkPass(),
-                                   SoftmaxPass())
+PASSES: tuple[RewritePass, ...] = (CrossEntropyPass(), QuantSoftmaxPass(), AttentionPass(), SamplePass(),
+                                   SoftmaxTopkPass(), SoftmaxPass())
 
 _PKG = Path(__file__).resolve().parent.parent
 

@@ -114,6 +114,11 @@ CPU_RULES: dict[str, DeviceRule] = {
         "quant_softmax", "softmax -> quantize is kept: Inductor fuses softmax, quantize and dequantize into one "
         "C++ loop", None, "python benchmarks/bench_quant_softmax.py --threads 1 --stat min --retry-noisy 1",
         "cpu='rewrite' 1.5-2.1x Inductor; kept: 1.00-1.03x"),
+    "sample": DeviceRule(
+        "sample", "the sampling step is rewritten at every measured shape", None,
+        "python benchmarks/bench_sampling.py --markdown",
+        "transformers' top-k / top-p / min-p chains at B = 1-256, V = 32K-256K: smx 0.02-0.52x Inductor's time "
+        "(ATen's multinomial sweeps the whole row; the op draws among a few candidates)"),
 }
 
 #: The lowerings ruled apart from their kind (a ``Match.route``), and the kind each belongs to.
@@ -138,13 +143,16 @@ CUDA_RULES: dict[str, DeviceRule] = {
         DeviceRule("linear_cross_entropy", "kept, Inductor's matmul + fused loss measured faster and as lean", None,
                    _GPU_RUN + " benchmarks/gpu/bench_linear_ce_cuda.py",
                    "training step 2.1-2.2x Inductor's time at N=8192, D=2048, V=32000 / 128256 bf16, peak memory "
-                   "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB (G then as hi + lo); with G rounded once "
-                   "(the default since) the GPU model (benchmarks/gpu_model.py, torch's kernels traced alike) "
-                   "predicts forward + backward at 1.20x torch's speed at N=4096, D=2048, V=32000 bf16: kept "
-                   "until a GPU re-times it"),
+                   "1.41 / 2.18 GB against Inductor's 0.52 / 2.10 GB (statistics then a recomputing backward, G "
+                   "as hi + lo); the GPU model (benchmarks/gpu_model.py, torch's kernels traced alike) predicts "
+                   "the one-pass training step since (G rounded once, 6 N V D FLOPs) at 1.27x torch eager's speed "
+                   "at N=8192, D=4096, V=128256 bf16 and 1.40x at N=4096, D=2048, V=32000: kept until a GPU "
+                   "times it against Inductor"),
         DeviceRule("attention_score_mod", "kept, FlexAttention with a score_mod not yet timed against Inductor on "
                    "CUDA", None, _GPU_RUN + " benchmarks/gpu/bench_attention_cuda.py (the -silu rows)",
                    "no GPU run yet"),
+        DeviceRule("sample", "kept, the Triton sampling kernel not yet timed against Inductor on CUDA", None,
+                   _GPU_RUN + " benchmarks/bench_sampling.py --device cuda", "no GPU run yet"),
         DeviceRule("cross_entropy", "kept, not yet timed against Inductor on CUDA", None,
                    _GPU_RUN + " benchmarks/gpu/compare_model.py",
                    "the backward kernel 4.99x eager's speed at 8192x128256 bf16; the forward failed to compile "

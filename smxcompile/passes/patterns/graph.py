@@ -39,8 +39,19 @@ _SPECS: dict[str, tuple[tuple[Any, ...], str | None, tuple[str, ...]]] = {
     "topk": ((torch.topk,), "topk", ("input", "k", "dim", "largest", "sorted")),
     "argmax": ((torch.argmax,), "argmax", ("input", "dim", "keepdim")),
     "matmul": ((operator.matmul, torch.matmul, torch.bmm, torch.baddbmm, torch.einsum, torch.mm), "matmul", ("input", "other")),
+    "lt": ((operator.lt, torch.lt, torch.less), "lt", ("input", "other")),
+    "le": ((operator.le, torch.le, torch.less_equal), "le", ("input", "other")),
+    "gt": ((operator.gt, torch.gt, torch.greater), "gt", ("input", "other")),
+    "ge": ((operator.ge, torch.ge, torch.greater_equal), "ge", ("input", "other")),
+    "masked_fill": ((torch.masked_fill,), "masked_fill", ("input", "mask", "value")),
+    "where": ((torch.where,), None, ("condition", "input", "other")),   # (Tensor.where puts self first)
+    "sort": ((torch.sort,), "sort", ("input", "dim", "descending")),
+    "cumsum": ((torch.cumsum,), "cumsum", ("input", "dim", "dtype")),
+    "scatter": ((torch.scatter,), "scatter", ("input", "dim", "index", "src")),
+    "multinomial": ((torch.multinomial,), "multinomial", ("input", "num_samples", "replacement")),
 }
-_METHOD_ALIASES = {"truediv": "div", "true_divide": "div", "subtract": "sub", "multiply": "mul", "bmm": "matmul", "mm": "matmul"}
+_METHOD_ALIASES = {"truediv": "div", "true_divide": "div", "subtract": "sub", "multiply": "mul", "bmm": "matmul", "mm": "matmul",
+                   "less": "lt", "less_equal": "le", "greater": "gt", "greater_equal": "ge"}
 _FN_TO_NAME: dict[Any, str] = {}
 for _name, (_fns, _meth, _params) in _SPECS.items():
     for _fn in _fns:
@@ -101,7 +112,7 @@ def canon(node: Node) -> tuple[str, dict[str, Any]] | None:
         return None
     if node.op == "call_function" and node.target in (torch.einsum, torch.baddbmm):
         bound = {"input": None}
-    extra = set(bound) - set(params) - {"alpha", "rounding_mode", "out"}
+    extra = set(bound) - set(params) - {"alpha", "rounding_mode", "out", "stable", "generator", "value", "reduce"}
     if extra or bound.get("out") is not None:
         return None
     return name, bound

@@ -1,0 +1,229 @@
+"""Find the sampling step of a language model in a torch-level FX graph and rewrite it into one ``smx::sample``.
+
+The site is ``multinomial(softmax(y, -1), 1)`` where ``y`` comes from logits ``x`` through, in order:
+
+* an optional temperature: ``x / T`` or ``x * c`` with a positive number (before the top-p / min-p filters:
+  they depend on it; a top-k commutes with it);
+* filters that set entries to ``-inf`` (:mod:`.patterns.filters`: top-k, top-p, min-p, each at most once, in
+  that order, as transformers' ``generate(do_sample=True)`` applies them), out of place or in place.
+
+The rewrite reads ``x`` once and draws the token (:func:`smxcompile.kernels.sampling.sample`): the same
+distribution as eager; the draws themselves differ (another use of the random numbers, as Inductor's RNG).
+Where an intermediate is used elsewhere (the filtered probabilities returned, say), only the draw is replaced
+and the rest stays for its other users; a chain writing in place into a tensor it did not create keeps that
+write.
+
+Not matched (reported as ``skipped``, with the reason): a multinomial with a ``generator`` or more than one
+sample, a filter value other than ``-inf``, a filter it does not recognize, filters out of that order, a
+temperature after a top-p or min-p filter, another write into the logits between the filters and the draw.
+Source: FlashInfer's sampling kernels (top-k / top-p / min-p from logits without sorting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top_p
+from .patterns.graph import canon, erase_dead, erase_unused_pure, is_mutation, is_number, op_label, tensor_val
+from .patterns.softmax_call import input_problem, softmax_call
+from .patterns.writes import mutation_inside
+from .policy import Ladder, decide
+from .protocol import Match, PassContext, RewritePass
+
+__all__ = ["SampleMatch", "SamplePass", "graph_sample"]
+
+_ORDER = ("top_k", "top_p", "min_p")
+
+
+@dataclasses.dataclass
+class SampleMatch(Match):
+    kind = "sample"
+    anchor: Node                    # the multinomial
+    base: Node | None = None        # the logits the op reads
+    temperature: float = 1.0
+    filters: list[Filter] = dataclasses.field(default_factory=list)
+    dead: list[Node] = dataclasses.field(default_factory=list)
+    private: bool = False           # every node of the chain is used only inside it: all of it goes
+
+    def params(self) -> dict:
+        got = {f.kind: f for f in self.filters}
+        keep = max([f.min_keep for f in self.filters], default=1)
+        return dict(temperature=self.temperature, top_k=int(got["top_k"].param) if "top_k" in got else 0,
+                    top_p=got["top_p"].param if "top_p" in got else 1.0,
+                    min_p=got["min_p"].param if "min_p" in got else 0.0, min_tokens_to_keep=keep)
+
+    def detail(self) -> str:
+        p = self.params()
+        parts = [f"temperature {p['temperature']:g}"] if p["temperature"] != 1.0 else []
+        parts += [f"{f.kind.replace('_', '-')} {f.param:g}" for f in self.filters]
+        return ", ".join(parts) or "plain softmax"
+
+    def op_name(self) -> str:
+        return "smx sample"
+
+
+def _temperature(n: Node) -> tuple[Node, float] | None:
+    """``x / T`` or ``x * c`` (a positive finite number) -> ``(x, T)``."""
+    c = canon(n)
+    if c is None or c[0] not in ("div", "mul"):
+        return None
+    a, b = c[1].get("input"), c[1].get("other")
+    if c[0] == "mul" and isinstance(b, Node):
+        a, b = b, a
+    if not isinstance(a, Node) or not is_number(b) or not (math.isfinite(float(b)) and float(b) > 0):
+        return None
+    return a, float(b) if c[0] == "div" else 1.0 / float(b)
+
+
+def _classify(mask: Node, x: Node) -> Filter | None:
+    for recognize in (top_k, top_p, min_p):
+        f = recognize(mask, x)
+        if f is not None:
+            return f
+    return None
+
+
+def _writes_before(x: Node, at: Node, order: dict) -> list[Node]:
+    return [u for u in x.users if is_mutation(u) and u.args and u.args[0] is x and order[u] < order[at]]
+
+
+def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
+    """Fill ``m`` from the softmax's input ``y`` up to the logits; returns why the chain cannot be fused."""
+    order = {n: i for i, n in enumerate(probs.graph.nodes)}
+    cur, at, stages = y, probs, []
+    while True:
+        writes = _writes_before(cur, at, order)
+        if len(writes) > 1:
+            return f"the logits are written in place {len(writes)} times before the softmax"
+        if writes:
+            got = filled_in_place(writes[0])
+            if got is None:
+                return f"the logits are written in place by {op_label(writes[0])} before the softmax"
+            stage, at = (writes[0], got[1], cur), writes[0]
+        elif (got := filled(cur)) is not None:
+            stage, at, cur = (cur, got[1], got[0]), cur, got[0]
+        elif (t := _temperature(cur)) is not None:
+            stages.append(("temperature", t[1], cur))
+            m.dead.append(cur)
+            at, cur = cur, t[0]
+            continue
+        else:
+            break
+        node, mask, src = stage
+        f = _classify(mask, src)
+        if f is None:
+            return f"an entry filter ({op_label(mask)} of the logits) that is not a top-k, top-p or min-p"
+        stages.append(("filter", f, node))
+        m.dead += [node, *f.nodes]
+    m.base = cur
+    stages.reverse()   # from the logits to the softmax
+    kinds = [s[1].kind for s in stages if s[0] == "filter"]
+    temps = [i for i, s in enumerate(stages) if s[0] == "temperature"]
+    if len(temps) > 1:
+        return "more than one temperature"
+    if temps and any(s[0] == "filter" and s[1].kind != "top_k" for s in stages[: temps[0]]):
+        return "a temperature after a top-p or min-p filter: the filter saw other probabilities"
+    if kinds != sorted(kinds, key=_ORDER.index) or len(set(kinds)) != len(kinds):
+        return f"filters in the order {', '.join(kinds)}: the op applies top-k, top-p, min-p, each once"
+    keeps = {f.min_keep for f in (s[1] for s in stages if s[0] == "filter") if f.kind != "top_k"}
+    if len(keeps) > 1:
+        return "filters keeping different numbers of tokens (min_tokens_to_keep)"
+    m.temperature = stages[temps[0]][1] if temps else 1.0
+    m.filters = [s[1] for s in stages if s[0] == "filter"]
+    return ""
+
+
+def _match(node: Node) -> SampleMatch | None:
+    c = canon(node)
+    if c is None or c[0] != "multinomial" or not isinstance(c[1].get("input"), Node):
+        return None
+    call = softmax_call(c[1]["input"])
+    if call is None or call.kind != "softmax":
+        return None
+    m = SampleMatch(anchor=node)
+    probs = call.node
+    pv = tensor_val(probs)
+    if pv is not None:
+        m.device = pv.device.type
+    m.dead.append(probs)
+    if node.kwargs.get("generator") is not None:
+        return m.skip("the draw uses a given torch.Generator, which the graph cannot hand to the op")
+    if c[1].get("num_samples") != 1:
+        return m.skip(f"num_samples={c[1].get('num_samples')!r}: the op draws one token per row")
+    if call.problem or input_problem(call.x):
+        return m.skip(call.problem or input_problem(call.x))
+    if pv is None or pv.dim() not in (1, 2) or call.dim != pv.dim() - 1 or call.pre_cast is not None:
+        return m.skip("a softmax that is not over the last dim of (V,) / (B, V) logits in their own dtype")
+    why = _walk(m, call.x, probs)
+    if why:
+        return m.skip(why)
+    pattern = set(m.dead) | {node}
+    m.private = all(u in pattern for n in m.dead for u in n.users) and all(
+        n.args[0] in pattern for n in m.dead if is_mutation(n))
+    return m
+
+
+def _checks(m: SampleMatch, ctx: PassContext) -> str:
+    if ctx.export:
+        return "no ONNX / MLIR translation of smx::sample: the draw stays as written"
+    w = mutation_inside(m.anchor, set(m.dead) | {m.base})
+    return f"the logits may be written in place ({op_label(w)}) before the draw" if w is not None else ""
+
+
+_LADDER = Ladder(checks=_checks)
+
+
+def graph_sample(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                 min_tokens_to_keep: int) -> torch.Tensor:
+    """What a rewritten site calls (traced by AOTAutograd): ``multinomial``'s result, ``(B, 1)`` or ``(1,)``."""
+    rows = x.reshape(-1, x.shape[-1])
+    uniform = torch.rand(rows.shape[0], device=x.device)
+    tokens = torch.ops.smx.sample.default(rows, uniform, temperature, top_k, top_p, min_p, min_tokens_to_keep)
+    return tokens.reshape(1) if x.dim() == 1 else tokens
+
+
+class SamplePass(RewritePass):
+    """``multinomial(softmax(filters(x / T)))`` -> one ``smx::sample`` call (see the module docstring)."""
+
+    name = "sample"
+
+    def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[SampleMatch]:
+        out: list[SampleMatch] = []
+        for node in graph.nodes:
+            if node in exclude:
+                continue
+            m = _match(node)
+            if m is None or any(n in exclude for n in m.dead):
+                continue
+            m.prefix = ctx.prefix
+            decide(m, ctx, _LADDER)
+            out.append(m)
+        return out
+
+    def rewrite(self, graph: Graph, m: SampleMatch, ctx: PassContext) -> None:
+        """Insert the op before the chain's first node (the logits are read before any in-place filter)."""
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(m.dead, key=order.__getitem__)
+        with graph.inserting_before(first):
+            call = graph.call_function(graph_sample, (m.base,), m.params())
+        for k in ("stack_trace", "nn_module_stack", "example_value", "val"):
+            if k in m.anchor.meta:
+                call.meta[k] = m.anchor.meta[k]
+        m.anchor.replace_all_uses_with(call)
+        inputs = m.anchor.all_input_nodes
+        graph.erase_node(m.anchor)
+        if m.private:
+            erase_dead(graph, m.dead)
+        else:
+            erase_unused_pure(graph, inputs)
+
+    def checkable(self, m: Match) -> bool:
+        return False   # random draws: nothing to compare value by value
+
+    def run_site(self, m: SampleMatch, values: dict[str, Any]) -> Any:
+        raise NotImplementedError("sampling sites draw random tokens: check does not compare them")

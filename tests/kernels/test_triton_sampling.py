@@ -1,0 +1,207 @@
+"""Tests of the fused sampling kernel (smxcompile.kernels.sampling.triton_kernels.sample_triton).
+
+On a machine without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
+before triton is imported) on CPU tensors; on a CUDA machine the same tests run the compiled kernel.
+
+Reference: ``filtered_candidates`` / ``draw`` (smxcompile.kernels.sampling.candidates) on the same logits and
+uniforms, with its kept set closed under ties (an entry equal to a kept entry is kept): the kernel keeps every
+entry tied at the top-p boundary or with the ``min_tokens_to_keep``-th value, where the reference's sort keeps
+some of them (bf16 logits tie often). A token must equal the reference's unless ``u * total`` lies within fp
+rounding of a boundary of the reference's cumulative weights (at most 1% of the draws), and must always have a
+positive reference weight. Uniforms at the middle of each kept entry's interval of the reference's CDF check
+that the kernel draws exactly the reference's kept entries (ties at the k-th value included).
+"""
+
+import pytest
+import torch
+from kernels_testing import DEVICE, TRITON_MARKS, compile_for_sm90, require_triton
+
+require_triton()
+
+from smxcompile.kernels.sampling.candidates import (  # noqa: E402
+    NONFINITE_MESSAGE, draw, filtered_candidates, sample_candidates)
+from smxcompile.kernels.sampling.triton_kernels import sample_triton  # noqa: E402
+
+pytestmark = TRITON_MARKS
+
+INF = float("inf")
+
+
+def _opts(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, min_tokens_to_keep=1):
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep)
+
+
+CONFIGS = {
+    "top_k": _opts(top_k=20),
+    "temperature_top_k": _opts(temperature=0.7, top_k=50),
+    "top_p": _opts(top_p=0.9),
+    "min_p": _opts(temperature=1.3, min_p=0.05),
+    "all": _opts(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),  # each binds on some row
+    "top_k_top_p": _opts(top_k=30, top_p=0.7),  # flat rows: top-p's mass is over the top-k's
+    "keep_3": _opts(top_p=0.3, min_p=0.5, min_tokens_to_keep=3),  # peaked rows: the 3 largest stay
+}
+#: The scale of the random logits of a configuration (3 unless given).
+SCALES = {"top_k_top_p": 1.0, "keep_3": 6.0}
+
+
+def _logits(B, V, dtype=torch.float32, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, V, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _uniform(n, seed=1):
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _ref_cdf(x, opts):
+    """Per row: the reference's kept weights in vocabulary order, closed under ties (fp64, (B, V)), and their
+    cumulative sums."""
+    idx, w = filtered_candidates(x, **opts)
+    dense = torch.zeros(x.shape, dtype=torch.float64, device=x.device).scatter_(-1, idx, w.double())
+    t = opts["temperature"]
+    s = (x if t == 1.0 else x / t).float()  # as the reference scales
+    e = torch.exp(s - s.amax(-1, keepdim=True)).double()
+    lowest = torch.where(dense > 0, s, torch.inf).amin(-1, keepdim=True)  # the smallest kept value
+    dense = torch.where((dense == 0) & (s == lowest), e, dense)  # the entries tied with it
+    return dense, dense.cumsum(-1)
+
+
+def _check_draws(x, u, opts, **launch):
+    """The kernel's tokens at ``u`` against the reference's (see the module docstring)."""
+    got = sample_triton(x, u, **opts, **launch)
+    assert got.shape == (x.shape[0], 1) and got.dtype == torch.int64
+    dense, cum = _ref_cdf(x, opts)
+    ref = draw(torch.arange(x.shape[1], device=x.device).expand(x.shape), dense.float(), u)
+    assert bool((dense.gather(-1, got) > 0).all()), "a token outside the reference's support"
+    target = u.double()[:, None] * cum[:, -1:]
+    near = ((cum - target).abs() <= 1e-5 * cum[:, -1:]).any(-1)  # within rounding of a boundary
+    assert int(near.sum()) <= 0.01 * x.shape[0] + 1
+    assert torch.equal(got[~near], ref[~near])
+
+
+def _midpoints(x, opts, per_row=None, min_weight=1e-6):
+    """Rows of ``x`` and uniforms at the middle of each kept entry's CDF interval (entries of relative weight
+    >= min_weight; ``per_row`` of them spread over each row), with the entries they must draw."""
+    dense, cum = _ref_cdf(x, opts)
+    rows, us, want = [], [], []
+    for r in range(x.shape[0]):
+        total = cum[r, -1]
+        cols = torch.nonzero(dense[r] >= min_weight * total).flatten()
+        if per_row is not None and len(cols) > per_row:
+            cols = cols[torch.linspace(0, len(cols) - 1, per_row).round().long()]
+        mids = (cum[r, cols] - dense[r, cols] / 2) / total
+        rows += [r] * len(cols)
+        us.append(mids.float())
+        want.append(cols)
+    rows = torch.tensor(rows, device=x.device)
+    return x[rows], torch.cat(us), torch.cat(want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_reference(name, dtype):
+    opts = CONFIGS[name]
+    x = _logits(4, 1200, dtype, scale=SCALES.get(name, 3.0), seed=len(name))
+    rows = torch.arange(16, device=DEVICE) % 4  # 4 draws per row
+    _check_draws(x[rows], _uniform(16, seed=len(name)), opts)
+
+
+def test_every_kept_entry_drawable():
+    """Uniforms in the middle of the reference's CDF intervals: exactly the reference's entries."""
+    x = _logits(2, 700, torch.float16, seed=3)
+    for opts in (CONFIGS["all"], CONFIGS["keep_3"], _opts(top_k=12)):
+        xs, u, want = _midpoints(x, opts, per_row=8)
+        assert torch.equal(sample_triton(xs, u, **opts, block_size=256).flatten(), want)
+
+
+def test_ties_at_kth_value_all_kept():
+    """Integer logits: many entries tie with the k-th value; every one of them can be drawn, as the reference."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-4, 3, (2, 300), generator=g).float().to(DEVICE)
+    for opts in (_opts(top_k=10), _opts(temperature=0.5, top_k=25, min_tokens_to_keep=3)):
+        dense, _ = _ref_cdf(x, opts)
+        assert int((dense > 0).sum(-1).min()) > opts["top_k"]  # the ties are there
+        xs, u, want = _midpoints(x, opts, per_row=16)
+        got = sample_triton(xs.to(torch.bfloat16), u, **opts, block_size=128).flatten()
+        assert torch.equal(got, want)
+    # -0.0 ties with +0.0 at the k-th value
+    z = torch.tensor([2.0] * 3 + [0.0, -0.0] * 4 + [-1.0] * 40)[torch.randperm(51, generator=g)].to(DEVICE)
+    xs, u, want = _midpoints(z[None], _opts(top_k=5))
+    assert len(want) == 11 and torch.equal(sample_triton(xs, u, **_opts(top_k=5), block_size=16).flatten(), want)
+    zeros = torch.tensor([[-0.0, 0.0, -0.0, 0.0], [0.0, -0.0, 0.0, -0.0]], device=DEVICE)
+    u = torch.tensor([0.1, 0.3, 0.6, 0.9] * 2, device=DEVICE)
+    got = sample_triton(zeros.repeat_interleave(4, 0), u, **_opts(top_k=1, top_p=0.6))
+    assert got.flatten().tolist() == [0, 1, 2, 3] * 2
+
+
+def test_strides():
+    """Any strides: a column stride of 2, a transposed matrix (row stride 1), a broadcast row (stride 0)."""
+    base = _logits(4, 2 * 900, seed=5)
+    opts = CONFIGS["all"]
+    _check_draws(base[:, ::2], _uniform(4, seed=2), opts)
+    _check_draws(base[:, :900].t().contiguous().t(), _uniform(4, seed=3), opts, block_size=256)
+    _check_draws(base[1].expand(16, 1800), _uniform(16, seed=4), opts)
+
+
+def test_edge_options():
+    """k >= V, top_p = 1.0, min_tokens_to_keep >= V (every filter off: plain sampling), and a row of V = 1."""
+    x = _logits(2, 100, seed=6)
+    plain = _opts(temperature=0.9)
+    xs, u, want = _midpoints(x, plain, per_row=10)
+    for opts in (_opts(temperature=0.9, top_k=100), _opts(temperature=0.9, top_k=500, top_p=1.0), plain,
+                 _opts(temperature=0.9, top_p=0.2, min_p=0.9, min_tokens_to_keep=100)):
+        assert torch.equal(sample_triton(xs, u, **opts).flatten(), want)
+    one = _logits(3, 1, seed=7)
+    assert sample_triton(one, _uniform(3), **CONFIGS["all"]).tolist() == [[0]] * 3
+    assert sample_triton(one[:0], _uniform(0), **CONFIGS["all"]).shape == (0, 1)
+
+
+def test_one_finite_logit():
+    x = torch.full((3, 257), -INF, device=DEVICE)
+    x[0, 0], x[1, 128], x[2, 256] = 5.0, -100.0, 0.0
+    for opts in list(CONFIGS.values()) + [_opts(top_k=300), _opts(min_p=1.0)]:
+        got = sample_triton(x, torch.tensor([0.0, 0.5, 0.999], device=DEVICE), **opts, block_size=64)
+        assert got.flatten().tolist() == [0, 128, 256]
+
+
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+def test_nonfinite_rows_raise(bad):
+    x = _logits(3, 300, seed=8)
+    if bad == "nan":
+        x[1, 17] = float("nan")
+    elif bad == "+inf":
+        x[1, 17] = INF
+    else:
+        x[1] = -INF
+    for opts in (CONFIGS["top_k"], CONFIGS["all"]):
+        with pytest.raises(RuntimeError, match="probability tensor contains"):
+            sample_candidates(x, uniform=_uniform(3), **opts)
+        with pytest.raises(RuntimeError) as err:
+            sample_triton(x, _uniform(3), **opts, block_size=128)
+        assert str(err.value) == NONFINITE_MESSAGE
+
+
+def test_compiles_for_sm90():
+    """The kernel compiles for a GPU (fp64 scans, while loops, int64 pointer offsets), no GPU needed."""
+    compile_for_sm90(
+        """
+        from smxcompile.kernels.sampling import triton_kernels as m
+        fn = m._sample_kernel
+        T = dict(u_ptr="*fp32", out_ptr="*i64", V="i32", stride_b="i64", stride_v="i64", temp="fp32",
+                 top_k="i32", keep_min="i32", one_minus_p="fp32", min_p="fp32")
+        n = 0
+        for dt, scale, on in (("*bf16", 2, True), ("*fp16", 1, True), ("*fp32", 0, False)):
+            cs = dict(SCALE=scale, TOP_K=on, KEEP_MIN=on, TOP_P=on, FIX_BF16=False, BLOCK=4096)
+            sig = {a: "constexpr" if a in cs else dict(T, x_ptr=dt)[a] for a in fn.arg_names}
+            k = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs=cs), target=target,
+                               options=dict(num_warps=8))
+            for line in k.asm["ttir"].splitlines():
+                mt = re.search(r"tt\\.addptr %[^,]+, %[^ ]+ : [^,]+, ([^ ]+?)(?: loc|$)", line.strip())
+                if mt:
+                    assert mt.group(1).endswith("i64>") or mt.group(1) == "i64", line
+            assert "ld.local" not in k.asm["ptx"]  # no register spills
+            n += 1
+        print("compiled", n)
+        """,
+        3,
+    )
