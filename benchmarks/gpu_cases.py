@@ -25,10 +25,11 @@ from smxcompile.kernels.cross_entropy.triton_forward import ce_forward, lce_forw
 from smxcompile.kernels.cross_entropy import triton_backward_gemm as lce_gemm
 from smxcompile.kernels.cross_entropy.triton_fused import fused_forward_gemm
 from smxcompile.kernels.quant_softmax.triton_kernels import quant_softmax_forward
+from smxcompile.kernels.sampling.triton_kernels import sample_triton
 from smxcompile.kernels.softmax.triton_kernels import MAX_FUSED_BLOCK, softmax_backward, softmax_forward
 from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward, softmax_topk_forward
 
-FAMILIES = ("softmax", "softmax_topk", "quant_softmax", "attention", "linear_ce", "cross_entropy")
+FAMILIES = ("softmax", "softmax_topk", "quant_softmax", "attention", "linear_ce", "cross_entropy", "sampling")
 #: FlashAttention-2's query tile (rows), which sets how often it reads K and V
 FA2_BLOCK_M = 128
 
@@ -443,6 +444,41 @@ def ce_case(N, V, *, backward=False, dtype=torch.bfloat16, quick=False) -> Case:
                 if backward else lambda a: torch.nn.functional.cross_entropy(a["z"].float(), a["y"]))
 
 
+def sample_case(B, V, *, temperature=1.0, top_k=0, top_p=1.0, quick=False) -> Case:
+    """generate's sampling step on ``(B, V)`` fp32 logits ``N(0, 4^2)`` (smx::sample's kernel, its inner loops
+    counted whole: the bisection's pass count depends on the values) against eager's chain."""
+    label = ", ".join(x for x in (f"T={temperature:g}" if temperature != 1.0 else "", f"top-k {top_k}" if top_k
+                                  else "", f"top-p {top_p:g}" if top_p < 1.0 else "") if x)
+
+    def make(dev):
+        g = torch.Generator().manual_seed(0)
+        return dict(x=(torch.randn(B, V, generator=g) * 4).to(dev), u=torch.rand(B, generator=g).to(dev))
+
+    def run(a):
+        try:
+            return sample_triton(a["x"], a["u"], temperature=temperature, top_k=top_k, top_p=top_p, min_p=0.0,
+                                 min_tokens_to_keep=1)
+        except RuntimeError:   # a sampled launch leaves the skipped rows' tokens unset: its check fails
+            return None
+
+    def torch_run(a):
+        s = a["x"] / temperature
+        if top_k:
+            s = s.masked_fill(s < torch.topk(s, top_k)[0][..., -1, None], -float("inf"))
+        if top_p < 1.0:
+            sv, si = torch.sort(s)
+            rm = sv.softmax(-1).cumsum(-1) <= 1 - top_p
+            rm[..., -1:] = 0
+            s = s.masked_fill(rm.scatter(1, si, rm), -float("inf"))
+        return torch.multinomial(torch.softmax(s, -1), 1)
+
+    return Case("sampling", "sample", f"sample {label}", f"{B}x{V}", "fp32", make=make, run=run,
+                bytes_min=B * V * 4, quick=quick, bound=float("inf"),
+                torch=TorchPath("warpers, softmax, multinomial", lambda t: tp_.hf_sampling(
+                    t, B, V, temperature=temperature, top_k=top_k, top_p=top_p)),
+                note="bisection passes re-read the row (from L2)", caps=(0, 1 << 20), torch_run=torch_run)
+
+
 def all_cases(quick: bool = False) -> list[Case]:
     """Every case (``quick``: one small case per family)."""
     bf, f32 = torch.bfloat16, torch.float32
@@ -452,7 +488,8 @@ def all_cases(quick: bool = False) -> list[Case]:
                 quant_case(1024, 1024, bf, quick=True),
                 attention_case(1, 4, 4, 1024, 64, quick=True),
                 linear_ce_case(1024, 512, 8192, quick=True),
-                ce_case(512, 8192, quick=True)]
+                ce_case(512, 8192, quick=True),
+                sample_case(8, 32000, top_k=50, quick=True)]
     cases = [softmax_case(R, C, bf) for R, C in ((16384, 1024), (4096, 4096), (1024, 16384), (256, 65536),
                                                   (64, 262144))]
     cases += [softmax_case(4096, 4096, f32), softmax_case(256, 65536, f32), softmax_case(1024, 32768, bf, log=True),
@@ -477,4 +514,6 @@ def all_cases(quick: bool = False) -> list[Case]:
               linear_ce_case(8192, 4096, 128256, backward=True, kept=0.25),
               linear_ce_training_case(4096, 2048, 32000), linear_ce_training_case(8192, 4096, 128256)]
     cases += [ce_case(8192, 128256), ce_case(8192, 128256, backward=True)]
+    cases += [sample_case(B, 128256, **o) for B in (1, 64) for o in (dict(top_k=50),
+                                                                    dict(temperature=0.7, top_k=50, top_p=0.9))]
     return cases

@@ -361,6 +361,45 @@ def hf_linear_cross_entropy(t: Tracer, N: int, D: int, V: int, s: int, backward:
         gemm(t, "grad_w", V, D, N, gl, x, t.buffer("grad_w", V * D * s), s, s)
 
 
+def hf_sampling(t: Tracer, B: int, V: int, *, temperature: float, top_k: int, top_p: float) -> None:
+    """transformers' warpers, ``softmax`` and ``multinomial(probs, 1)`` on ``(B, V)`` fp32 scores as eager runs
+    them: each elementwise op one launch reading its inputs and writing its output; ``torch.sort`` a segmented
+    radix sort (cub: 4 passes of 8-bit digits, each reading and writing the fp32 keys and int64 values);
+    ATen's one-sample multinomial one block per row, reading the row twice (its sum, then the scan)."""
+    n = B * V
+    cur = t.buffer("scores", n * 4)
+    if temperature != 1.0:
+        t.stream("aten.div", {cur: n * 4}, {t.buffer("scaled", n * 4): n * 4})
+        cur = "scaled"
+    if top_k:
+        topk(t, cur, B, V, 4, top_k)
+        mask, out = t.buffer("mask_k", n), t.buffer("filled_k", n * 4)
+        t.stream("aten.lt", {cur: n * 4}, {mask: n})
+        t.stream("aten.masked_fill", {cur: n * 4, mask: n}, {out: n * 4})
+        cur = out
+    if top_p < 1.0:
+        keys, vals = t.buffer("sorted", n * 4), t.buffer("sorted_idx", n * 8)
+        for _ in range(4):
+            t.stream("cub.radix_sort_pass", {cur if _ == 0 else keys: n * 4, vals: n * 8}, {keys: n * 4, vals: n * 8})
+        sp, cs, rm, rm2 = (t.buffer("sorted_p", n * 4), t.buffer("cumsum", n * 4), t.buffer("remove_sorted", n),
+                           t.buffer("remove", n))
+        softmax(t, keys, sp, B, V, 4, 4)
+        t.stream("aten.cumsum", {sp: n * 4}, {cs: n * 4})
+        t.stream("aten.le", {cs: n * 4}, {rm: n})
+        t.stream("aten.scatter", {rm: n, vals: n * 8}, {rm2: n})
+        out = t.buffer("filled_p", n * 4)
+        t.stream("aten.masked_fill", {cur: n * 4, rm2: n}, {out: n * 4})
+        cur = out
+    probs, tokens = t.buffer("probs", n * 4), t.buffer("tokens", B * 8)
+    softmax(t, cur, probs, B, V, 4, 4)
+
+    def program(r, _y, _z):
+        t.tile(probs, r * V * 4, V * 4)
+        t.tile(probs, r * V * 4, V * 4)
+        t.tile(tokens, r * 8, 8, kind="store")
+    t.launch("aten.multinomial", (B,), 8, program)
+
+
 __all__ = ["Tracer", "softmax_sweeps", "softmax", "softmax_backward", "topk", "gemm", "flash_forward",
            "mem_efficient_forward", "flash_backward", "written_out_attention", "hf_cross_entropy",
-           "hf_linear_cross_entropy"]
+           "hf_linear_cross_entropy", "hf_sampling"]

@@ -26,7 +26,8 @@ unset TRITON_INTERPRET
 # the sm_90 / sm_80 compile checks need no GPU (CI runs them) and are left out
 timeout 200 python -m pytest -q -ra --maxfail 25 -n 8 -k "not compile_for_cuda and not compiles_for_cuda" tests/kernels/test_triton_softmax.py tests/kernels/test_softmax_numerics.py \
   tests/kernels/test_triton_linear_ce.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_softmax_topk.py \
-  tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py -p no:cacheprovider 2>&1 \
+  tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py tests/kernels/test_triton_sampling.py \
+  tests/kernels/test_triton_fused_lce.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # vocabulary-parallel cut cross-entropy: the Triton kernels per shard (2 gloo ranks on this GPU) vs the unsharded op
 timeout 40 python benchmarks/gpu/check_vocab_parallel_cuda.py 2>&1 | tee "$OUT/check_vocab_parallel.txt" | tail -8
@@ -41,10 +42,12 @@ timeout 65 python benchmarks/bench_softmax_topk.py --device cuda --families rout
 # quantized softmax on CUDA: softmax -> quantize (fake-quant qdq, uint8 codes, quantized attention): eager / Inductor /
 # smx (the Triton smx::quant_softmax) / the op called directly (ms, peak memory, codes checked against eager)
 timeout 45 python benchmarks/bench_quant_softmax.py --device cuda --quick --json "$OUT/bench_quant_softmax.json" 2>&1 | tee "$OUT/bench_quant_softmax.txt" | tail -40
+# generate's sampling step on CUDA: eager / Inductor / smx (the Triton smx::sample)
+timeout 40 python benchmarks/bench_sampling.py --device cuda --vocab 128256 --batch 1,64 --configs top_k,temperature+top_k+top_p --min-run-time 0.2 --markdown 2>&1 | tee "$OUT/bench_sampling.txt" | tail -12
 # the GPU model against this GPU: cases of benchmarks/gpu_cases.py (a few per family, all in docs/gpu_model.json)
 # timed here, ours and torch's path, next to benchmarks/gpu_model.py's predictions (measured / predicted, measured
 # speedup vs torch); it gets what the steps above left of the 10 minutes (40..170 s; the JSON is written per case)
 left=$(( 585 - SECONDS )); (( left > 170 )) && left=170; (( left < 40 )) && left=40
 timeout $left python benchmarks/gpu/compare_model.py --only 4096x4096 --only "64x131072 k=50" --only 1x16x4096x128 \
-  --only "N8192 D4096 V128256" --only 8192x128256 --budget $(( left - 30 )) --json "$OUT/compare_model.json" 2>&1 \
+  --only "N8192 D4096 V128256" --only 8192x128256 --only "64x128256" --budget $(( left - 30 )) --json "$OUT/compare_model.json" 2>&1 \
   | tee "$OUT/compare_model.txt" | tail -30
