@@ -212,6 +212,22 @@ class Ladder:
     keep_whole: frozenset[str] = frozenset()
 
 
+def find_sites(graph, ctx: PassContext, exclude: set, match: Callable, ladder: Ladder) -> list:
+    """The sites ``match(node)`` finds in ``graph`` (None: no site), outside ``exclude``, each decided by
+    ``ladder``: the ``find`` of a pass whose sites do not overlap."""
+    out = []
+    for node in graph.nodes:
+        if node in exclude:
+            continue
+        m = match(node)
+        if m is None or any(n in exclude for n in m.dead):
+            continue
+        m.prefix = ctx.prefix
+        decide(m, ctx, ladder)
+        out.append(m)
+    return out
+
+
 def decide(m: Match, ctx: PassContext, ladder: Ladder) -> None:
     """Set ``m.action`` / ``m.reason`` by the ladder of the module docstring (a no-op on a site the matcher
     already skipped)."""

@@ -41,7 +41,7 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.
 from ..kernels.quant_softmax import QUANT_RANGES
 from .patterns.graph import cast_dtype, dtype_name, erase_dead, replace_anchor, tensor_val
 from .patterns.softmax_call import softmax_call
-from .policy import Ladder, decide
+from .policy import Ladder, find_sites
 from .protocol import Match, PassContext, RewritePass
 
 _QD = torch.ops.quantized_decomposed
@@ -222,18 +222,12 @@ class QuantSoftmaxPass(RewritePass):
     name = "quant_softmax"
 
     def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[QuantMatch]:
-        out: list[QuantMatch] = []
-        for node in graph.nodes:
-            if node in exclude:
-                continue
+        def match(node):
             m = _match(node)
-            if m is None or any(n in exclude for n in m.dead):
-                continue
-            m.prefix = ctx.prefix
-            _validate(m)
-            decide(m, ctx, _LADDER)
-            out.append(m)
-        return out
+            if m is not None:
+                _validate(m)
+            return m
+        return find_sites(graph, ctx, exclude, match, _LADDER)
 
     def rewrite(self, graph: Graph, m: QuantMatch, ctx: PassContext) -> None:
         """Replace softmax -> (casts) -> quantize by one ``smx::quant_softmax`` call."""

@@ -32,7 +32,7 @@ from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top
 from .patterns.graph import canon, erase_dead, erase_unused_pure, is_mutation, is_number, op_label, tensor_val
 from .patterns.softmax_call import input_problem, softmax_call
 from .patterns.writes import mutation_inside
-from .policy import Ladder, decide
+from .policy import Ladder, find_sites
 from .protocol import Match, PassContext, RewritePass
 
 __all__ = ["SampleMatch", "SamplePass", "graph_sample"]
@@ -193,17 +193,7 @@ class SamplePass(RewritePass):
     name = "sample"
 
     def find(self, graph: Graph, ctx: PassContext, exclude: set) -> list[SampleMatch]:
-        out: list[SampleMatch] = []
-        for node in graph.nodes:
-            if node in exclude:
-                continue
-            m = _match(node)
-            if m is None or any(n in exclude for n in m.dead):
-                continue
-            m.prefix = ctx.prefix
-            decide(m, ctx, _LADDER)
-            out.append(m)
-        return out
+        return find_sites(graph, ctx, exclude, _match, _LADDER)
 
     def rewrite(self, graph: Graph, m: SampleMatch, ctx: PassContext) -> None:
         """Insert the op before the chain's first node (the logits are read before any in-place filter)."""

@@ -373,6 +373,19 @@ def test_chunked_gemm_backward_split(split):
 
 
 
+def _cce_problem(inp, weight, target):
+    """CCE's backward test setup: ``(lce_backward's positional args, kw, fp64 gold grads, torch's grads)`` of the
+    mean cross-entropy of ``inp @ weight.T`` (no bias) in the inputs' dtype."""
+    kw = dict(ignore_index=-100, scale=1.0, softcap=None)
+    d_inp, d_w, d_t = inp.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
+    lse, _, om, _ = lce_forward(d_inp, d_w, None, d_t, **kw)
+    a, b, _ = _ce_coefs(target, None, weight.shape[0], -100, 0.0)
+    ce = dict(kw, cw=None, smoothing=0.0)
+    gold, _ = _torch_ce(inp, weight, None, target, torch.float64, **ce)
+    ref, _ = _torch_ce(inp, weight, None, target, inp.dtype, **ce)
+    return (d_inp, d_w, None, d_t, lse, om, a.to(DEVICE), b.to(DEVICE), None), kw, gold, ref
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
 def test_half_gradients_meet_cces_rule(mode, dtype):
@@ -386,17 +399,10 @@ def test_half_gradients_meet_cces_rule(mode, dtype):
     weight = torch.randn(V, D, generator=g).to(dtype)
     weight[: N // 2] = inp[: N // 2]
     target = torch.randint(0, V, (N,), generator=g)
-    kw = dict(ignore_index=-100, scale=1.0, softcap=None)
-    d_inp, d_w, d_t = inp.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
-    lse, _, om, _ = lce_forward(d_inp, d_w, None, d_t, **kw)
-    a, b, _ = _ce_coefs(target, None, V, -100, 0.0)
-    ce = dict(kw, cw=None, smoothing=0.0)
-    gold, _ = _torch_ce(inp, weight, None, target, torch.float64, **ce)
-    ref, _ = _torch_ce(inp, weight, None, target, dtype, **ce)
+    args, kw, gold, ref = _cce_problem(inp, weight, target)
     strict = []
     for precise in (False, True):
-        got = lce_backward(d_inp, d_w, None, d_t, lse, om, a.to(DEVICE), b.to(DEVICE), None, mode=mode,
-                           precise_grad=precise, chunk_bytes=_chunk(V, dtype, 16), **kw, **SMALL)
+        got = lce_backward(*args, mode=mode, precise_grad=precise, chunk_bytes=_chunk(V, dtype, 16), **kw, **SMALL)
         for ours, r, gd in zip(got[:2], ref[:2], gold[:2]):
             excess = (ours.double() - gd).abs() - (r.double() - gd).abs()
             rounding = torch.finfo(dtype).eps / 2 * gd.abs() + 1e-5
@@ -415,15 +421,8 @@ def test_auto_filtering_meets_cces_rule(mode, dtype):
     inp = torch.randn(N, D, generator=g).to(dtype)
     weight = (torch.randn(V, D, generator=g) * (30 / math.sqrt(D))).to(dtype)  # logits ~ N(0, 30^2)
     target = torch.randint(0, 64, (N,), generator=g)  # vocabulary blocks past the first hold no target
-    kw = dict(ignore_index=-100, scale=1.0, softcap=None)
-    d_inp, d_w, d_t = inp.to(DEVICE), weight.to(DEVICE), target.to(DEVICE)
-    lse, _, om, _ = lce_forward(d_inp, d_w, None, d_t, **kw)
-    a, b, _ = _ce_coefs(target, None, V, -100, 0.0)
-    ce = dict(kw, cw=None, smoothing=0.0)
-    gold, _ = _torch_ce(inp, weight, None, target, torch.float64, **ce)
-    ref, _ = _torch_ce(inp, weight, None, target, dtype, **ce)
+    args, kw, gold, ref = _cce_problem(inp, weight, target)
     run = dict(mode=mode, chunk_bytes=_chunk(V, dtype, 16), block_n=16, block_v=16, **kw)
-    args = (d_inp, d_w, None, d_t, lse, om, a.to(DEVICE), b.to(DEVICE), None)
     exact = lce_backward(*args, **run)
     got = lce_backward(*args, filter_eps="auto", **run)
     assert not torch.equal(got[1], exact[1])  # something was dropped
