@@ -13,8 +13,8 @@ Where an intermediate is used elsewhere (the filtered probabilities returned, sa
 and the rest stays for its other users; a chain writing in place into a tensor it did not create keeps that
 write.
 
-Not matched (reported as ``skipped``, with the reason): a multinomial with a ``generator`` or more than one
-sample, a filter value other than ``-inf``, a filter it does not recognize, filters out of that order, a
+Not matched (reported as ``skipped``, with the reason): a multinomial with a ``generator`` (Dynamo breaks the
+graph there first) or more than one sample, a filter value other than ``-inf``, a filter it does not recognize, filters out of that order, a
 temperature after a top-p or min-p filter, another write into the logits between the filters and the draw.
 Source: FlashInfer's sampling kernels (top-k / top-p / min-p from logits without sorting).
 """

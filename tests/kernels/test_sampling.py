@@ -83,6 +83,8 @@ def test_edge_cases_match_eager():
     one = torch.full((1, 30), -math.inf)
     one[0, 17] = 2.0
     assert smxcompile.sample(one, top_k=5, top_p=0.5, min_p=0.3).item() == 17
+    # top_p = 0 keeps the largest entry (transformers' TopPLogitsWarper(0.0) too)
+    assert (smxcompile.sample(x, top_p=0.0) == x.argmax(-1, keepdim=True)).all()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), math.inf], ids=["nan", "inf"])
@@ -100,7 +102,7 @@ def test_nonfinite_rows_raise_as_multinomial(bad):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=0.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=-0.1), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(min_p=-0.1), "min_p"), (dict(min_tokens_to_keep=0), "min_tokens_to_keep"),
 ])
 def test_bad_options_are_refused(kw, match):

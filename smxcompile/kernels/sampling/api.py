@@ -18,7 +18,7 @@ def check_sampling(temperature, top_k, top_p, min_p, min_tokens_to_keep) -> tupl
 
     Raises:
         ValueError: ``temperature`` not a positive finite number, ``top_k`` not None / an int >= 0, ``top_p``
-            not None / in (0, 1], ``min_p`` not None / in [0, 1], ``min_tokens_to_keep`` not an int >= 1
+            not None / in [0, 1] (0 keeps the ``min_tokens_to_keep`` largest), ``min_p`` not None / in [0, 1], ``min_tokens_to_keep`` not an int >= 1
             (transformers' warpers refuse the same values).
     """
     def real(v):
@@ -31,8 +31,8 @@ def check_sampling(temperature, top_k, top_p, min_p, min_tokens_to_keep) -> tupl
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if top_k is not None and (not integer(top_k) or top_k < 0):
         raise ValueError(f"top_k must be None or an int >= 0, got {top_k!r}")
-    if top_p is not None and (not real(top_p) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
+    if top_p is not None and (not real(top_p) or not 0.0 <= top_p <= 1.0):
+        raise ValueError(f"top_p must be None or a float in [0, 1], got {top_p!r}")
     if min_p is not None and (not real(min_p) or not 0.0 <= min_p <= 1.0):
         raise ValueError(f"min_p must be None or a float in [0, 1], got {min_p!r}")
     if not integer(min_tokens_to_keep) or min_tokens_to_keep < 1:

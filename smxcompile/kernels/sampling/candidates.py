@@ -50,7 +50,7 @@ def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_
     fp32)``, the weights proportional to the filtered probabilities (0 where filtered).
 
     Args: ``temperature`` > 0 (the logits are divided by it in their dtype, as eager), ``top_k`` 0 for none
-    (else >= 1), ``top_p`` in (0, 1] (1: none), ``min_p`` in [0, 1] (0: none), ``min_tokens_to_keep`` >= 1
+    (else >= 1), ``top_p`` in [0, 1] (1: none), ``min_p`` in [0, 1] (0: none), ``min_tokens_to_keep`` >= 1
     (transformers' argument: each filter keeps at least that many).
 
     Raises:
