@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top_p
 from .patterns.graph import canon, erase_dead, erase_unused_pure, is_mutation, is_number, op_label, tensor_val
 from .patterns.softmax_call import input_problem, softmax_call
-from .patterns.writes import mutation_inside
+from .patterns.writes import mutation_inside, writes_of
 from .policy import Ladder, find_sites
 from .protocol import Match, PassContext, RewritePass
 
@@ -77,6 +77,8 @@ def _temperature(n: Node) -> tuple[Node, float] | None:
         a, b = b, a
     if not isinstance(a, Node) or not is_number(b) or not (math.isfinite(float(b)) and float(b) > 0):
         return None
+    if c[0] == "mul" and math.frexp(float(b))[0] != 0.5:
+        return None   # x * c and x / (1 / c) round alike only for a power of two
     return a, float(b) if c[0] == "div" else 1.0 / float(b)
 
 
@@ -118,6 +120,11 @@ def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
         f = _classify(mask, src)
         if f is None:
             return f"an entry filter ({op_label(mask)} of the logits) that is not a top-k, top-p or min-p"
+        earlier = _writes_before(src, node, order)
+        if earlier and min(order[n] for n in f.nodes) < max(order[w] for w in earlier):
+            return "a filter's mask was computed before an in-place filter of the same logits"
+        if any(is_mutation(n) and order[n] > order[node] for n in f.nodes):
+            return "a filter's mask is edited in place after the filter used it"
         stages.append(("filter", f, node))
         m.dead += [node, *f.nodes]
     m.base = cur
@@ -135,6 +142,13 @@ def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
         return "filters keeping different numbers of tokens (min_tokens_to_keep)"
     m.temperature = stages[temps[0]][1] if temps else 1.0
     m.filters = [s[1] for s in stages if s[0] == "filter"]
+    top = [f.param for f in m.filters if f.kind == "top_k"]
+    if top and keeps and top[0] < max(keeps):
+        return "a top-k smaller than what a later filter keeps (min_tokens_to_keep)"
+    half = tensor_val(cur) is not None and tensor_val(cur).dtype in (torch.float16, torch.bfloat16)
+    if half and (set(kinds) - {"top_k"} or (temps and temps[0] > 0)):
+        return ("fp16 / bf16 logits with a top-p, min-p or a temperature after the top-k: eager computes those "
+                "in the logits' dtype, the op in fp32")
     return ""
 
 
@@ -163,6 +177,12 @@ def _match(node: Node) -> SampleMatch | None:
     if why:
         return m.skip(why)
     pattern = set(m.dead) | {node}
+    for n in m.dead:
+        writes = writes_of(n)
+        if writes is None or any(w not in pattern for w in writes):
+            return m.skip(f"{op_label(n)} of the chain is written in place (or through a view) before the draw")
+    if pv.dtype == torch.float64:
+        return m.skip("float64 probabilities: the op computes in fp32")
     m.private = all(u in pattern for n in m.dead for u in n.users) and all(
         n.args[0] in pattern for n in m.dead if is_mutation(n))
     return m
@@ -211,6 +231,10 @@ class SamplePass(RewritePass):
             erase_dead(graph, m.dead)
         else:
             erase_unused_pure(graph, inputs)
+
+    def touched(self, m: SampleMatch) -> set[Node]:
+        # a chain shared with another draw stays (only the draw is replaced): both can be rewritten in one round
+        return m.nodes() if m.private else {m.anchor}
 
     def checkable(self, m: Match) -> bool:
         return False   # random draws: nothing to compare value by value

@@ -151,6 +151,42 @@ def _two_samples(logits):
     return torch.multinomial(F.softmax(logits, -1), 2)
 
 
+def _probs_edited(logits):
+    p = F.softmax(logits, -1)
+    p[p < 0.05] = 0
+    return torch.multinomial(p, 1)
+
+
+def _scaled_edited_through_view(logits):
+    y = logits / 0.5
+    y.view(-1)[:20] = -float("inf")
+    return torch.multinomial(F.softmax(y.masked_fill(y < torch.topk(y, 3)[0][..., -1:], -float("inf")), -1), 1)
+
+
+def _mask_before_in_place_filter(logits):
+    y = logits / 1.0
+    v = torch.topk(y, 10)[0][..., -1:]
+    s, i = torch.sort(y)
+    sm = torch.cumsum(F.softmax(s, -1), -1) <= 0.5
+    sm[..., -1:] = 0
+    mask_p = sm.scatter(1, i, sm)   # computed on y before the top-k below writes it
+    y[y < v] = -float("inf")
+    return torch.multinomial(F.softmax(y.masked_fill(mask_p, -float("inf")), -1), 1)
+
+
+def _first_row_threshold(logits):
+    return torch.multinomial(F.softmax(logits.masked_fill(logits < torch.topk(logits, 3)[0][:1, -1:],
+                                                          -float("inf")), -1), 1)
+
+
+def _bf16_top_p(logits):
+    x = logits.bfloat16()
+    s, i = torch.sort(x)
+    sm = torch.cumsum(F.softmax(s, -1), -1) <= 0.5
+    sm[..., -1:] = 0
+    return torch.multinomial(F.softmax(x.masked_fill(sm.scatter(1, i, sm), -float("inf")), -1), 1)
+
+
 @pytest.mark.parametrize("fn, reason", [
     (_top_p_descending, "not a top-k, top-p or min-p"),
     (_kth_removed, "not a top-k, top-p or min-p"),
@@ -171,3 +207,14 @@ def test_a_finite_fill_is_not_a_filter():
     r = rewrite(_finite_fill, logits, check_values=False)
     assert [(s.action, s.detail) for s in r.report] == [("rewritten", "plain softmax")]
     assert "masked_fill" in r.after and "topk" in r.after
+
+
+def test_two_draws_from_one_chain_are_both_fused():
+    def two(logits):
+        p = F.softmax(logits.masked_fill(logits < torch.topk(logits, 4)[0][..., -1:], -float("inf")), -1)
+        return torch.multinomial(p, 1), torch.multinomial(p, 1)
+
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    r = rewrite(two, logits, check_values=False)
+    assert [s.action for s in r.report if s.kind == "sample"] == ["rewritten", "rewritten"]
+    assert "multinomial" not in r.after

@@ -355,7 +355,7 @@ def linear_ce_loss(
     The gradients of input / weight have their dtype, except fp16: fp32 (see
     :func:`~.fused.saved_grad_dtype`); the bias's is fp32 (fp64 for fp64)."""
     n, v = input.shape[0], weight.shape[0]
-    if config.use_triton(input) and not return_logits:
+    if config.use_triton(input) and not return_logits and input.shape[1] > 0:   # (D = 0: no chunk to run)
         from .triton_fused import fused_forward_gemm
 
         loss, zl, _, gi, gw, gb = fused_forward_gemm(

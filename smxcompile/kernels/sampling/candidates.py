@@ -47,7 +47,7 @@ def _tie_at_edge(vals: torch.Tensor, c: int) -> bool:
 def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float,
                         min_tokens_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept candidates of each row of logits ``x`` ``(B, V)``: ``(indices (B, c) int64, weights (B, c)
-    fp32)``, the weights proportional to the filtered probabilities (0 where filtered).
+    fp32, fp64 for fp64 logits)``, the weights proportional to the filtered probabilities (0 where filtered).
 
     Args: ``temperature`` > 0 (the logits are divided by it in their dtype, as eager), ``top_k`` 0 for none
     (else >= 1), ``top_p`` in [0, 1] (1: none), ``min_p`` in [0, 1] (0: none), ``min_tokens_to_keep`` >= 1
@@ -57,11 +57,12 @@ def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_
         RuntimeError: a row whose softmax is NaN (a NaN, a ``+inf``, or only ``-inf``), as torch.multinomial.
     """
     V = x.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     keep_min = min(min_tokens_to_keep, V)
     k = min(max(top_k, keep_min), V) if top_k else 0
     lse = None
     if not k and top_p < 1.0:
-        lse = torch.logsumexp(_scaled(x, temperature).float(), dim=-1, keepdim=True)
+        lse = torch.logsumexp(_scaled(x, temperature).to(acc), dim=-1, keepdim=True)
     c = k if k else min(V, max(FIRST_CANDIDATES, keep_min))   # (each filter keeps keep_min: all candidates)
     while True:
         # division by a positive number is monotone: the top of x is the top of x / temperature
@@ -72,10 +73,10 @@ def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_
         if _tie_at_edge(vals, c):
             c = V
             continue
-        if k or _enough(vals[..., :c].float(), lse, top_p, min_p):
+        if k or _enough(vals[..., :c].to(acc), lse, top_p, min_p):
             break
         c = min(V, 4 * c)
-    vals, idx = vals[..., :c].float(), idx[..., :c]
+    vals, idx = vals[..., :c].to(acc), idx[..., :c]
     m = vals[..., :1]
     if not bool(torch.isfinite(m).all()) or bool(torch.isnan(vals).any()):
         raise RuntimeError(NONFINITE_MESSAGE)

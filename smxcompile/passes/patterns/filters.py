@@ -107,6 +107,9 @@ def _kth_column(t: Node, x: Node) -> tuple[int, list[Node]] | None:
     if t.op == "call_function" and t.target is operator.getitem and isinstance(t.args[0], Node):
         idx = t.args[1] if isinstance(t.args[1], tuple) else (t.args[1],)
         last = idx[-1]
+        lead = idx[:-2] if last is None else idx[:-1]
+        if any(i is not Ellipsis and i != slice(None) for i in lead):
+            return None   # [:1, -1:] and the like pick another row's value
         if last is None and len(idx) >= 2 and idx[-2] == -1:   # [..., -1, None]
             src = t.args[0]
         elif last == [-1] or last == slice(-1, None, None):     # [:, [-1]], [..., -1:]

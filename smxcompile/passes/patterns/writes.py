@@ -95,6 +95,12 @@ def may_be_written(n: Node) -> bool:
     return aliases is None or any(is_mutation(a) for a in aliases)
 
 
+def writes_of(n: Node) -> list[Node] | None:
+    """The in-place ops that may write ``n`` or a view of it (None: its aliases are not known)."""
+    aliases = _aliases(_base(n) or n)
+    return None if aliases is None else [a for a in aliases if is_mutation(a)]
+
+
 def _private_write(write: Node, pattern: set, order: dict) -> bool:
     """``write`` changes a fresh tensor whose every alias the pattern reads only after ``write``."""
     base = _base(_written(write))
@@ -110,4 +116,4 @@ def fresh_tensor(n: Any) -> bool:
     return isinstance(n, Node) and (contraction(n) is not None or _allocates(n))
 
 
-__all__ = ["mutation_inside", "may_be_written", "fresh_tensor"]
+__all__ = ["mutation_inside", "may_be_written", "fresh_tensor", "writes_of"]
