@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 from torch.fx import Graph, Node
 
-from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top_p
-from .patterns.graph import canon, erase_dead, erase_unused_pure, is_mutation, is_number, op_label, tensor_val
+from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top_p, writes_into
+from .patterns.graph import canon, erase_unused_pure, is_mutation, is_number, op_label, replace_anchor, tensor_val
 from .patterns.softmax_call import input_problem, softmax_call
 from .patterns.writes import mutation_inside, writes_of
 from .policy import Ladder, find_sites
@@ -91,7 +90,7 @@ def _classify(mask: Node, x: Node) -> Filter | None:
 
 
 def _writes_before(x: Node, at: Node, order: dict) -> list[Node]:
-    return [u for u in x.users if is_mutation(u) and u.args and u.args[0] is x and order[u] < order[at]]
+    return [u for u in writes_into(x) if order[u] < order[at]]
 
 
 def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
@@ -129,6 +128,11 @@ def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
         m.dead += [node, *f.nodes]
     m.base = cur
     stages.reverse()   # from the logits to the softmax
+    return _order_problem(m, stages)
+
+
+def _order_problem(m: SampleMatch, stages: list) -> str:
+    """Fill ``m``'s temperature and filters from ``stages`` (logits first); why they are not one op's, or ""."""
     kinds = [s[1].kind for s in stages if s[0] == "filter"]
     temps = [i for i, s in enumerate(stages) if s[0] == "temperature"]
     if len(temps) > 1:
@@ -137,16 +141,17 @@ def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
         return "a temperature after a top-p or min-p filter: the filter saw other probabilities"
     if kinds != sorted(kinds, key=_ORDER.index) or len(set(kinds)) != len(kinds):
         return f"filters in the order {', '.join(kinds)}: the op applies top-k, top-p, min-p, each once"
-    keeps = {f.min_keep for f in (s[1] for s in stages if s[0] == "filter") if f.kind != "top_k"}
-    if len(keeps) > 1:
-        return "filters keeping different numbers of tokens (min_tokens_to_keep)"
     m.temperature = stages[temps[0]][1] if temps else 1.0
     m.filters = [s[1] for s in stages if s[0] == "filter"]
+    keeps = {f.min_keep for f in m.filters if f.kind != "top_k"}
+    if len(keeps) > 1:
+        return "filters keeping different numbers of tokens (min_tokens_to_keep)"
     top = [f.param for f in m.filters if f.kind == "top_k"]
     if top and keeps and top[0] < max(keeps):
         return "a top-k smaller than what a later filter keeps (min_tokens_to_keep)"
-    half = tensor_val(cur) is not None and tensor_val(cur).dtype in (torch.float16, torch.bfloat16)
-    if half and (set(kinds) - {"top_k"} or (temps and temps[0] > 0)):
+    bv = tensor_val(m.base)
+    if bv is not None and bv.dtype in (torch.float16, torch.bfloat16) and (
+            set(kinds) - {"top_k"} or (temps and temps[0] > 0)):
         return ("fp16 / bf16 logits with a top-p, min-p or a temperature after the top-k: eager computes those "
                 "in the logits' dtype, the op in fp32")
     return ""
@@ -221,15 +226,9 @@ class SamplePass(RewritePass):
         first = min(m.dead, key=order.__getitem__)
         with graph.inserting_before(first):
             call = graph.call_function(graph_sample, (m.base,), m.params())
-        for k in ("stack_trace", "nn_module_stack", "example_value", "val"):
-            if k in m.anchor.meta:
-                call.meta[k] = m.anchor.meta[k]
-        m.anchor.replace_all_uses_with(call)
         inputs = m.anchor.all_input_nodes
-        graph.erase_node(m.anchor)
-        if m.private:
-            erase_dead(graph, m.dead)
-        else:
+        replace_anchor(graph, m.anchor, call, call, m.dead if m.private else [])
+        if not m.private:   # the chain stays for its other users; what nobody reads any more goes
             erase_unused_pure(graph, inputs)
 
     def touched(self, m: SampleMatch) -> set[Node]:
@@ -238,6 +237,3 @@ class SamplePass(RewritePass):
 
     def checkable(self, m: Match) -> bool:
         return False   # random draws: nothing to compare value by value
-
-    def run_site(self, m: SampleMatch, values: dict[str, Any]) -> Any:
-        raise NotImplementedError("sampling sites draw random tokens: check does not compare them")

@@ -146,7 +146,6 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
     need_gi, need_gw = need_input_grad and D > 0, need_weight_grad and D > 0
     run = N > 0 and V > 0 and (need_gi or need_gw or need_bias_grad)
     step = gemm_rows(N, V, planes * dt.itemsize + (4 if saved_logits is None else 0), chunk_bytes, dev)
-    filtered = False  # a chunk's columns were compacted: grad_weight accumulates from zeros
     # one product per result: written directly when its dtype allows (a compacted chunk accumulates in fp32)
     one = N <= step and planes == 1 and not filtering
     f32 = torch.float32
@@ -173,9 +172,9 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
             cols = kept_columns(kept, V)
             if cols is not None and gw is not None and r0 == 0:
                 gw.zero_()
-            w_c = weight if cols is None else weight.index_select(0, cols)
             g_c = g if cols is None else g.index_select(1, cols)
             if need_gi:
+                w_c = weight if cols is None else weight.index_select(0, cols)
                 mm_into(gi[r0:r1], g_c[:n], w_c)
                 if planes == 2:
                     addmm_into(gi[r0:r1], g_c[n:], w_c)
@@ -185,13 +184,12 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
                     gw.index_add_(0, cols, mm_into(torch.empty((cols.numel(), D), dtype=f32, device=dev),
                                                    g_c.t(), e2))
                 else:
-                    (mm_into if r0 == 0 and not filtered else addmm_into)(gw, g.t(), e2)
+                    (mm_into if r0 == 0 else addmm_into)(gw, g.t(), e2)
             if need_bias_grad:
                 if cols is None:
                     gb.add_(g.sum(0, dtype=f32))
                 else:
                     gb.index_add_(0, cols, g_c.sum(0, dtype=f32))
-            filtered = filtered or cols is not None
     return (
         None if gi is None else gi.to(input_grad_dtype),
         None if gw is None else gw.to(weight_grad_dtype),

@@ -23,9 +23,9 @@ import operator
 import torch
 from torch.fx import Node
 
-from .graph import canon, is_number, norm_dim, tensor_val
+from .graph import canon, is_mutation, is_number, norm_dim, tensor_val
 
-__all__ = ["Filter", "filled", "filled_in_place", "top_k", "top_p", "min_p"]
+__all__ = ["Filter", "filled", "filled_in_place", "top_k", "top_p", "min_p", "writes_into"]
 
 
 @dataclasses.dataclass
@@ -163,9 +163,9 @@ def _keep_last(w: Node, target: Node, last: bool) -> int | None:
     return None
 
 
-def _writes(t: Node) -> list[Node]:
-    return [u for u in t.users if u.op in ("call_function", "call_method") and u.args and u.args[0] is t
-            and (u.target is operator.setitem or str(u.target).endswith("_"))]
+def writes_into(t: Node) -> list[Node]:
+    """The users of ``t`` that write it in place (``t[i] = v``, ``t.scatter_(...)``...)."""
+    return [u for u in t.users if is_mutation(u) and u.args and u.args[0] is t]
 
 
 def top_p(mask: Node, x: Node) -> Filter | None:
@@ -196,7 +196,7 @@ def top_p(mask: Node, x: Node) -> Filter | None:
     if srt is None or srt[0] != "sort" or srt[1].get("input") is not x or srt[1].get("descending", False) \
             or not _last_dim(srt[1].get("dim", -1), xv.dim()):
         return None
-    writes = _writes(sorted_mask)
+    writes = writes_into(sorted_mask)
     keep = [_keep_last(w, sorted_mask, last=True) for w in writes]
     if len(writes) > 1 or None in keep:
         return None
@@ -225,7 +225,7 @@ def min_p(mask: Node, x: Node) -> Filter | None:
     if not is_number(factor) or t is None or t[0] != "amax" or t[1].get("input") is not probs \
             or not _last_dim(t[1].get("dim"), xv.dim()) or t[1].get("keepdim") is not True:
         return None
-    writes = _writes(mask)
+    writes = writes_into(mask)
     keep = [_keep_top(w, mask, probs) for w in writes]
     if len(writes) > 1 or None in keep:
         return None
