@@ -12,6 +12,9 @@ positive reference weight. Uniforms at the middle of each kept entry's interval 
 that the kernel draws exactly the reference's kept entries (ties at the k-th value included).
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernels_testing import DEVICE, TRITON_MARKS, compile_for_sm90, require_triton
@@ -20,6 +23,7 @@ require_triton()
 
 from smxcompile.kernels.sampling.candidates import (  # noqa: E402
     NONFINITE_MESSAGE, draw, filtered_candidates, sample_candidates)
+from smxcompile.kernels.sampling import triton_kernels  # noqa: E402
 from smxcompile.kernels.sampling.triton_kernels import sample_triton  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -181,17 +185,58 @@ def test_nonfinite_rows_raise(bad):
         assert str(err.value) == NONFINITE_MESSAGE
 
 
+@pytest.fixture
+def row_passes(monkeypatch):
+    """The kernel without its candidate path: every threshold by bisection over the row."""
+    monkeypatch.setattr(triton_kernels, "MAX_CANDIDATES", 0)
+
+
+@pytest.mark.parametrize("name", ["all", "top_p", "keep_3", "min_p"])
+def test_row_passes_match_reference(name, row_passes):
+    x = _logits(4, 1200, scale=SCALES.get(name, 3.0), seed=len(name))
+    rows = torch.arange(16, device=DEVICE) % 4
+    _check_draws(x[rows], _uniform(16, seed=len(name)), CONFIGS[name])
+
+
+def _row_reads(x, opts):
+    """How many times the kernel reads the logits: loaded bytes over the logits' bytes, every program and
+    iteration counted (benchmarks/gpu_traffic.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_traffic import count_traffic
+
+    with count_traffic(axis_cap=1 << 20, loop_cap=1 << 20, count_torch=False) as traffic:
+        sample_triton(x, _uniform(x.shape[0]), **opts)
+    return traffic.bytes_loaded / (x.numel() * x.element_size())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts interpreted launches")
+def test_candidate_path_reads_row_five_times(monkeypatch):
+    """Top-k (with top-p / min-p on its candidates), or a nucleus that fits: the row is read five times (range,
+    three radix digits, compaction). A nucleus past MAX_CANDIDATES falls back to the bisection passes, which
+    still draw from eager's support."""
+    peaked, flat = _logits(2, 8192, scale=6.0, seed=9), _logits(2, 8192, scale=0.5, seed=9)
+    for opts in (CONFIGS["all"], _opts(temperature=0.7, top_k=50), _opts(top_p=0.9), _opts(min_p=0.1)):
+        scratch = 4096 * 8 / (8192 * 4) if not opts["top_k"] else 0.0  # the candidates read back, fp32 + int32
+        assert _row_reads(peaked, opts) < 5.1 + scratch, opts
+    assert _row_reads(flat, _opts(top_p=0.9)) > 8  # about 6000 of 8192 kept: the row's passes
+    _check_draws(flat, _uniform(2, seed=5), _opts(top_p=0.9))
+    monkeypatch.setattr(triton_kernels, "MAX_CANDIDATES", 0)
+    assert _row_reads(peaked, CONFIGS["all"]) > 15
+
+
 def test_compiles_for_sm90():
     """The kernel compiles for a GPU (fp64 scans, while loops, int64 pointer offsets), no GPU needed."""
     compile_for_sm90(
         """
         from smxcompile.kernels.sampling import triton_kernels as m
         fn = m._sample_kernel
-        T = dict(u_ptr="*fp32", out_ptr="*i64", V="i32", stride_b="i64", stride_v="i64", temp="fp32",
-                 top_k="i32", keep_min="i32", one_minus_p="fp32", min_p="fp32")
+        T = dict(u_ptr="*fp32", out_ptr="*i64", cand_s_ptr="*fp32", cand_i_ptr="*i32", V="i32", stride_b="i64",
+                 stride_v="i64", temp="fp32", top_k="i32", n_cand="i32", keep_min="i32", one_minus_p="fp32",
+                 min_p="fp32")
         n = 0
-        for dt, scale, on in (("*bf16", 2, True), ("*fp16", 1, True), ("*fp32", 0, False)):
-            cs = dict(SCALE=scale, TOP_K=on, KEEP_MIN=on, TOP_P=on, FIX_BF16=False, BLOCK=4096)
+        for dt, scale, on, cap in (("*bf16", 2, True, 128), ("*fp16", 1, True, 0), ("*fp32", 0, False, 4096)):
+            cs = dict(SCALE=scale, TOP_K=on, KEEP_MIN=on, TOP_P=True, CAND=cap > 0, CAP=max(cap, 1),
+                      FIX_BF16=False, BLOCK=4096)
             sig = {a: "constexpr" if a in cs else dict(T, x_ptr=dt)[a] for a in fn.arg_names}
             k = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs=cs), target=target,
                                options=dict(num_warps=8))

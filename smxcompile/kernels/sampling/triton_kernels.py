@@ -6,14 +6,13 @@ Contract (:func:`sample_triton`): logits ``(B, V)`` fp32 / fp16 / bf16, any stri
 the same uniforms, up to fp rounding at a filter's or the draw's boundary. A NaN, ``+inf`` or all ``-inf`` row
 raises ``NONFINITE_MESSAGE`` as ``torch.multinomial``.
 
-Method: sorting-free thresholds, as FlashInfer's sampling kernels (``flashinfer/sampling.cuh``): each filter
-keeps the entries at or above a value, found by bisection over the order-preserving int32 image of the fp32
-bits, each step one pass counting or summing over the row (re-read from L2), instead of a sort. One program per
-row; passes: max / min / NaNs; the k-th largest (exact: ties with it are kept); the ``min_tokens_to_keep``-th
-when top-p or min-p is on; top-p's kept mass and threshold (transformers' "ascending cumulative probability
-``<= 1 - top_p``" rule); min-p elementwise (``exp(s - m) < min_p``); the kept total (fp64) and the draw, the
-first index whose block-wise ``tl.cumsum`` exceeds ``u * W``. About 25 passes at V = 128K with top-k 50 and
-top-p 0.9 (docs/DESIGN.md, "Sampling").
+Method: one program per row, no sort of the row. The ``C`` largest entries (``C = k`` under a top-k, else
+up to ``MAX_CANDIDATES``) are found by a radix select over the order-preserving int32 image of the fp32 bits
+(three histogram passes of 11, 11, 10 bits), written to a scratch row, and filtered in registers (sorted there);
+the draw is the first candidate, in vocabulary order, whose cumulative kept weight exceeds ``u * W``: five reads
+of the row. Without a top-k, when top-p's mass or min-p's threshold reaches past the candidates (or ties at the
+``C``-th value overflow the scratch), the thresholds come from bisections over the row, each step one pass
+(FlashInfer's sorting-free thresholds, ``flashinfer/sampling.cuh``); docs/DESIGN.md, "Sampling".
 
 Ties at the top-p boundary or at the ``min_tokens_to_keep``-th value are all kept, where a sort keeps some.
 ``s = logits / temperature`` rounds as torch's on the same device (a division on CPU, the interpreter; a
@@ -31,6 +30,8 @@ __all__ = ["sample_triton"]
 
 #: Largest block of columns a pass loads at once.
 _MAX_BLOCK = 4096
+#: Most candidates the kernel filters in registers (a larger top-k, or ties past it, take the row's passes).
+MAX_CANDIDATES = 4096
 
 if triton is not None:
 
@@ -128,17 +129,101 @@ if triton is not None:
         return tl.where(keep, e, 0.0).to(tl.float64)
 
     @triton.jit
-    def _sample_kernel(x_ptr, u_ptr, out_ptr, V, stride_b, stride_v, temp, top_k, keep_min, one_minus_p, min_p,
-                       SCALE: tl.constexpr, TOP_K: tl.constexpr, KEEP_MIN: tl.constexpr, TOP_P: tl.constexpr,
-                       FIX_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """One row per program: ``out[row]`` = the drawn token, or -1 for a row whose softmax is NaN."""
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride_b  # int64: row * stride can exceed 2**31
-        m, low, bad = _row_range(base, stride_v, V, temp, SCALE, FIX_BF16, BLOCK)
-        key_m = _key(m)
-        t_k = _key(low)
+    def _radix_level(base, stride_v, V, temp, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                     SCALE: tl.constexpr, FIX_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """One digit of a radix select over the unsigned keys ``u = _key(s) + 2**31``: among the entries whose
+        bits above ``SHIFT + BITS`` are ``prefix``, the digit ``b`` of the ``rem``-th largest. Returns
+        ``(prefix * 2**BITS + b, rem - (count with a larger digit), count with digit b)``."""
+        NB: tl.constexpr = 1 << BITS
+        hist = tl.zeros([NB], tl.int32)
+        for start in range(0, V, BLOCK):
+            s, ok = _scores(base, stride_v, start + tl.arange(0, BLOCK), V, temp, SCALE, FIX_BF16)
+            u = _key(s) + 2147483648
+            digit = ((u >> SHIFT) & (NB - 1)).to(tl.int32)
+            hist += tl.histogram(digit, NB, mask=ok & ((u >> (SHIFT + BITS)) == prefix))
+        bins = tl.arange(0, NB)
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        b = tl.max(tl.where(at_or_above >= rem, bins, 0), 0)
+        at_b = tl.sum(tl.where(bins == b, hist, 0), 0)
+        above = tl.sum(tl.where(bins == b, at_or_above, 0), 0) - at_b
+        return prefix * NB + b, rem - above, at_b
+
+    @triton.jit
+    def _radix_select(base, stride_v, V, temp, k, SCALE: tl.constexpr, FIX_BF16: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """``(key of the k-th largest s, count of s >= it)``, 1 <= k <= V: three passes of 11, 11, 10 bits."""
+        prefix = tl.zeros([], tl.int64)
+        rem = k.to(tl.int64)
+        prefix, rem, _ = _radix_level(base, stride_v, V, temp, prefix, rem, 21, 11, SCALE, FIX_BF16, BLOCK)
+        prefix, rem, _ = _radix_level(base, stride_v, V, temp, prefix, rem, 10, 11, SCALE, FIX_BF16, BLOCK)
+        prefix, rem, at = _radix_level(base, stride_v, V, temp, prefix, rem, 0, 10, SCALE, FIX_BF16, BLOCK)
+        return prefix - 2147483648, k - rem + at
+
+    @triton.jit
+    def _compact(base, stride_v, V, temp, m, floor, cand_s, cand_i, SCALE: tl.constexpr,
+                 FIX_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """Writes the entries ``s >= floor`` (in vocabulary order) to ``cand_s`` / ``cand_i``; returns the mass
+        ``sum(exp(s - m))`` and the largest ``s`` of the entries below ``floor``."""
+        n = 0
+        mass_out = 0.0
+        max_out = float("-inf")
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            s, ok = _scores(base, stride_v, cols, V, temp, SCALE, FIX_BF16)
+            keep = ok & (s >= floor)
+            pos = (n + tl.cumsum(keep.to(tl.int32), 0) - 1).to(tl.int64)  # int64 pointer offsets throughout
+            tl.store(cand_s + pos, s, mask=keep)
+            tl.store(cand_i + pos, cols, mask=keep)
+            n += tl.sum(keep.to(tl.int32), 0)
+            out = ok & (s < floor)
+            mass_out += tl.sum(tl.where(out, tl.exp(s - m), 0.0), 0)
+            max_out = tl.maximum(max_out, tl.max(tl.where(out, s, float("-inf")), 0))
+        tl.debug_barrier()  # the candidates are read back by other threads
+        return mass_out, max_out
+
+    @triton.jit
+    def _candidate_draw(base, stride_v, V, temp, m, floor, n, u, cand_s, cand_i, keep_min, one_minus_p, min_p,
+                        TOP_K: tl.constexpr, KEEP_MIN: tl.constexpr, TOP_P: tl.constexpr, SCALE: tl.constexpr,
+                        FIX_BF16: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+        """The draw among the ``n <= CAP`` entries ``s >= floor``, the filters run on them in registers (sorted):
+        ``(token, 1)``, or ``(-1, 0)`` when an entry below ``floor`` could be kept (no top-k: top-p's mass or
+        min-p's threshold reaches past the candidates), the row's passes then decide."""
+        mass_out, max_out = _compact(base, stride_v, V, temp, m, floor, cand_s, cand_i, SCALE, FIX_BF16, BLOCK)
         if TOP_K:
-            t_k = _search(base, stride_v, V, temp, t_k, key_m, top_k, m, 0.0, 1.0, False, SCALE, FIX_BF16, BLOCK)
+            mass_out = 0.0  # the top-k removed the entries below floor: top-p's mass is the candidates'
+        idx = tl.arange(0, CAP)
+        valid = idx < n
+        cs = tl.load(cand_s + idx.to(tl.int64), mask=valid, other=float("-inf"))
+        ci = tl.load(cand_i + idx.to(tl.int64), mask=valid, other=0)
+        ce = tl.exp(cs - m)
+        asc = tl.sort(cs)  # the invalid lanes (-inf, weight 0) first
+        f_keep = m
+        if KEEP_MIN:
+            f_keep = tl.max(tl.where(idx == CAP - keep_min, asc, float("-inf")), 0)
+        f_p = floor
+        enough = TOP_K | (tl.exp(max_out - m) < min_p)  # min-p removes every entry below floor
+        if TOP_P:
+            ea = tl.exp(asc - m)
+            inv_z = 1.0 / (mass_out + tl.sum(ce, 0))
+            below = mass_out + tl.cumsum(ea, 0) - ea  # the mass below each value (at the first of a tie)
+            # no value qualifies when top-p's threshold lies below floor: -inf, all candidates pass it
+            f_p = tl.max(tl.where(below * inv_z <= one_minus_p, asc, float("-inf")), 0)
+            enough = enough | (mass_out * inv_z <= one_minus_p)
+        keep = valid & ((cs >= f_keep) | ((cs >= f_p) & (ce >= min_p)))
+        w = tl.where(keep, ce, 0.0).to(tl.float64)
+        cum = tl.cumsum(w, 0)
+        target = u.to(tl.float64) * tl.max(cum, 0)
+        first = tl.min(tl.where(cum > target, idx, CAP), 0)
+        last = tl.max(tl.where(w > 0, idx, -1), 0)
+        pick = tl.where(first < CAP, first, last)  # u * W rounded up to W: the last kept entry (as ``draw``)
+        tok = tl.sum(tl.where(idx == pick, ci, 0), 0).to(tl.int64)
+        return tl.where(enough, tok, -1), enough.to(tl.int32)
+
+    @triton.jit
+    def _row_draw(base, stride_v, V, temp, m, t_k, key_m, u, keep_min, one_minus_p, min_p,
+                  KEEP_MIN: tl.constexpr, TOP_P: tl.constexpr, SCALE: tl.constexpr, FIX_BF16: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        """The draw over the whole row, the thresholds found by bisection (each step a pass over the row)."""
         t_keep = key_m  # the largest value: top-p and min-p always keep it
         if KEEP_MIN:
             t_keep = _search(base, stride_v, V, temp, t_k, key_m, keep_min, m, 0.0, 1.0, False, SCALE, FIX_BF16,
@@ -158,7 +243,7 @@ if triton is not None:
             w = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, f_p, min_p, SCALE, FIX_BF16)
             total = tl.max(total + tl.cumsum(w, 0), 0)
             last = tl.maximum(last, tl.max(tl.where(w > 0, cols, -1), 0))
-        target = tl.load(u_ptr + row).to(tl.float64) * total
+        target = u.to(tl.float64) * total
         # the draw: the first column whose cumulative kept weight exceeds u * W, in vocabulary order
         acc = tl.zeros([], tl.float64)
         tok = -1
@@ -171,8 +256,51 @@ if triton is not None:
             tok = tl.where(first < V, first, tok)
             acc = tl.max(cum, 0)
             start += BLOCK
-        tok = tl.where(tok < 0, last, tok)  # u * W rounded up to W: the last kept column (as ``draw``)
-        tl.store(out_ptr + row, tl.where(bad, -1, tok).to(tl.int64))
+        return tl.where(tok < 0, last, tok).to(tl.int64)  # u * W rounded up to W: the last kept column
+
+    @triton.jit
+    def _sample_kernel(x_ptr, u_ptr, out_ptr, cand_s_ptr, cand_i_ptr, V, stride_b, stride_v, temp, top_k, n_cand,
+                       keep_min, one_minus_p, min_p, SCALE: tl.constexpr, TOP_K: tl.constexpr,
+                       KEEP_MIN: tl.constexpr, TOP_P: tl.constexpr, CAND: tl.constexpr, CAP: tl.constexpr,
+                       FIX_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program: ``out[row]`` = the drawn token, or -1 for a row whose softmax is NaN."""
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride_b  # int64: row * stride can exceed 2**31
+        u = tl.load(u_ptr + row)
+        m, low, bad = _row_range(base, stride_v, V, temp, SCALE, FIX_BF16, BLOCK)
+        key_m = _key(m)
+        t_k = _key(low)
+        tok = tl.zeros([], tl.int64) - 1
+        done = tl.zeros([], tl.int32)
+        if CAND:
+            # the n_cand largest (ties included) to a scratch row; the filters then run in registers
+            t_c, n_ge = _radix_select(base, stride_v, V, temp, n_cand, SCALE, FIX_BF16, BLOCK)
+            if TOP_K:
+                t_k = t_c
+            if n_ge <= CAP:
+                tok, done = _candidate_draw(base, stride_v, V, temp, m, _value(t_c), n_ge, u,
+                                            cand_s_ptr + row * CAP, cand_i_ptr + row * CAP, keep_min,
+                                            one_minus_p, min_p, TOP_K, KEEP_MIN, TOP_P, SCALE, FIX_BF16, BLOCK,
+                                            CAP)
+        elif TOP_K:
+            t_k = _search(base, stride_v, V, temp, t_k, key_m, top_k, m, 0.0, 1.0, False, SCALE, FIX_BF16, BLOCK)
+        if done == 0:
+            tok = _row_draw(base, stride_v, V, temp, m, t_k, key_m, u, keep_min, one_minus_p, min_p, KEEP_MIN,
+                            TOP_P, SCALE, FIX_BF16, BLOCK)
+        tl.store(out_ptr + row, tl.where(bad, -1, tok))
+
+
+def _candidates(V: int, k: int, keep_min: int, filtered: bool) -> tuple[int, int]:
+    """``(n_cand, CAP)`` of the candidate path: the ``n_cand`` largest entries (ties included, up to ``CAP``)
+    hold every kept one under a top-k ``k``; without one, top-p / min-p usually keep fewer than
+    ``MAX_CANDIDATES`` (the kernel checks, else it runs the row's passes). ``(0, 0)``: no candidate path."""
+    if k:
+        cap = max(64, triton.next_power_of_2(2 * k))  # room for ties at the k-th value
+        return (k, cap) if cap <= MAX_CANDIDATES else (0, 0)
+    if not filtered or keep_min > MAX_CANDIDATES:
+        return 0, 0  # nothing filtered: every entry is kept, the row's draw is two passes
+    cap = min(MAX_CANDIDATES, triton.next_power_of_2(V))
+    return min(cap, V), cap
 
 
 def _scale(logits: torch.Tensor, temperature: float) -> tuple[int, float]:
@@ -215,11 +343,15 @@ def sample_triton(logits: torch.Tensor, uniform: torch.Tensor, *, temperature: f
     scale, temp = _scale(logits, temperature)
     block = pow2_block("block_size", block_size, _MAX_BLOCK, V, 16)
     u = uniform.to(device=logits.device, dtype=torch.float32).contiguous()
+    keep_min_on = keep_min > 1 and (top_p_on or min_p_on)
+    n_cand, cap = _candidates(V, k if top_k_on else 0, keep_min, top_p_on or min_p_on)
+    cand_s = torch.empty((B, cap) if cap else (1,), dtype=torch.float32, device=logits.device)
+    cand_i = torch.empty((B, cap) if cap else (1,), dtype=torch.int32, device=logits.device)
     with on_device(logits):
         _sample_kernel[(B,)](
-            logits, u, out, V, logits.stride(0), logits.stride(1), temp, k, keep_min,
+            logits, u, out, cand_s, cand_i, V, logits.stride(0), logits.stride(1), temp, k, n_cand, keep_min,
             float(torch.tensor(1.0 - top_p, dtype=torch.float32)), float(min_p) if min_p_on else 0.0,
-            SCALE=scale, TOP_K=top_k_on, KEEP_MIN=keep_min > 1 and (top_p_on or min_p_on), TOP_P=top_p_on,
+            SCALE=scale, TOP_K=top_k_on, KEEP_MIN=keep_min_on, TOP_P=top_p_on, CAND=cap > 0, CAP=max(cap, 1),
             FIX_BF16=logits.dtype == torch.bfloat16 and interpreted(), BLOCK=block,
             num_warps=num_warps or (8 if block >= 4096 else 4),
         )
