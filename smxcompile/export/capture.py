@@ -1,13 +1,7 @@
-"""The capture shared by ONNX and MLIR export: the model through Dynamo and smxcompile's passes, as a module.
-
-:func:`capture` traces the model as one graph (``fullgraph=True``; static, or with the requested dims
-dynamic), rewrites it with smxcompile's passes exactly as the ``smx`` backend does (so the exported graph
-keeps the fusions), and wraps the rewritten ``GraphModule`` so that the model's parameters and buffers are
-attributes again, not graph inputs: an ``nn.Module`` that ``torch.export`` takes. The passes run in export
-mode (``SmxPass(..., export=True)``): the rewritten sites call the smx ops themselves (what the exporters
-translate) rather than their CPU decompositions, whoever runs or re-traces the graph later.
-:func:`export_options` gives the backend options of an export.
-"""
+"""The capture shared by ONNX and MLIR export: the model traced by Dynamo as one graph, rewritten by smxcompile's
+passes in export mode (the sites call the smx ops themselves), and wrapped so that its parameters and buffers
+are attributes again: an ``nn.Module`` for ``torch.export``. Design: docs/DESIGN.md, 'Deployment export (ONNX,
+MLIR)'."""
 
 from __future__ import annotations
 
@@ -31,19 +25,9 @@ DEFAULT_OPTIONS = {"cpu": "rewrite", "cuda": "rewrite"}
 
 
 def export_options(options: dict | None, rewrites: str | Iterable[str]) -> dict:
-    """The backend options of an export: ``cpu="rewrite"`` and ``cuda="rewrite"`` unless given (an ``SmxOptions``
-    instance gives every field), the kinds outside ``rewrites`` disabled.
-
-    Args:
-        options: ``smx`` backend options (a mapping or an :class:`~smxcompile.SmxOptions`), or None.
-        rewrites: ``"all"``, one rewrite kind, or an iterable of them (names of ``smxcompile.REWRITE_KINDS``).
-
-    Returns:
-        A dict for ``SmxOptions.from_mapping`` (``disable`` a sorted list).
-
-    Raises:
-        ExportError: an unknown rewrite kind in ``rewrites``.
-    """
+    """A dict for ``SmxOptions.from_mapping``: ``options`` (mapping, ``SmxOptions`` or None) over
+    :data:`DEFAULT_OPTIONS`, the kinds outside ``rewrites`` (``"all"``, a kind or several) disabled.
+    Raises ExportError for an unknown rewrite kind."""
     from ..options import REWRITE_KINDS
 
     if isinstance(options, SmxOptions):
@@ -64,9 +48,8 @@ def export_options(options: dict | None, rewrites: str | Iterable[str]) -> dict:
 
 
 def rewrite_kind(opname: str) -> str:
-    """The rewrite kind (``options={"disable": [...]}``) that emits op ``smx::<opname>``: what an export's error
-    names as the way to export that site unrewritten (``linear_ce_stats`` -> ``"linear_cross_entropy"``,
-    ``softmax_topk_backward`` -> ``"softmax_topk"``). Raises nothing."""
+    """The rewrite kind that emits op ``smx::<opname>`` (``linear_ce_stats`` -> ``"linear_cross_entropy"``): what
+    an export's error names to disable."""
     from ..options import REWRITE_KINDS
 
     if opname in REWRITE_KINDS:
@@ -78,11 +61,8 @@ def rewrite_kind(opname: str) -> str:
 
 
 class _Rewritten(nn.Module):
-    """The rewritten Dynamo graph with the model's parameters and buffers as attributes again.
-
-    ``slots[i]`` says where the graph's i-th input comes from: ``("state", name)`` a parameter or
-    buffer of ``model``, ``("input", leaf)`` the ``leaf``-th tensor of the flattened ``(args, kwargs)``,
-    ``("size", leaf, dim)`` a dynamic size of that tensor."""
+    """The rewritten Dynamo graph with the model's parameters and buffers as attributes again. ``slots[i]``: the
+    graph's i-th input, ``("state", name)``, ``("input", leaf index)`` or ``("size", leaf index, dim)``."""
 
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule, slots: list[tuple]):
         super().__init__()
@@ -97,8 +77,7 @@ class _Rewritten(nn.Module):
 
 
 def _dynamo_reason(e: BaseException) -> str:
-    """Dynamo's message in one line: its headline, the exception it observed (``Developer debug context``) or
-    its explanation, and the user's line it stopped at."""
+    """Dynamo's message in one line: headline, the exception it observed or its explanation, the user's line."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     if not lines:
         return type(e).__name__
@@ -115,9 +94,8 @@ def _dynamo_reason(e: BaseException) -> str:
 
 
 def logging_functions() -> set:
-    """Logger methods Dynamo may skip while capturing (a log call is a graph break otherwise, e.g. the
-    ``logger.warning_once`` in transformers' ``loss_function``); an export has no use for the messages.
-    For ``torch._dynamo.config.patch(ignore_logging_functions=...)``."""
+    """Logger methods Dynamo may skip while capturing (a log call, e.g. transformers' ``warning_once``, is a graph
+    break otherwise), for ``torch._dynamo.config.patch(ignore_logging_functions=...)``."""
     import logging
 
     fns = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning, logging.Logger.error}
@@ -128,25 +106,13 @@ def logging_functions() -> set:
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, options: dict | None = None,
             dynamic_shapes: Any = None) -> tuple[nn.Module, Report]:
-    """The model rewritten by smxcompile's passes as an ``nn.Module`` that ``torch.export`` can take.
-
-    Args:
-        model: the model (eval mode is the caller's business). args, kwargs: one call's inputs (tensors of
-            any shape and dtype, and other values, which are fixed as they were for this call).
-        options: the ``smx`` backend options, over :data:`DEFAULT_OPTIONS` where a mapping leaves ``cpu`` /
-            ``cuda`` out (the deployed graph keeps every fusion whatever the speed policy); an ``SmxOptions``
-            instance is taken as it is.
-        dynamic_shapes: dims captured as symbolic sizes (see :func:`smxcompile.export_onnx`).
-
-    Returns:
-        ``(module, report)``: ``module(*leaves)``, with ``leaves`` the tensors of ``(args, kwargs)`` in pytree
-        order (:func:`~smxcompile.export.inputs.input_leaves`), computes the rewritten graph; ``report`` is
-        the rewrite report.
+    """``(module, report)``: ``module(*leaves)`` (the tensors of ``(args, kwargs)`` in pytree order) computes the
+    model rewritten by smxcompile's passes with ``options`` (over :data:`DEFAULT_OPTIONS`; an ``SmxOptions`` as
+    it is); ``report`` is the rewrite report. Non-tensor arguments are fixed as they were for this call.
 
     Raises:
-        ExportError: Dynamo splits the model at a graph break (the message gives Dynamo's reason),
-            a graph input Dynamo took from outside the model's arguments (a global tensor), or a bad
-            ``dynamic_shapes``.
+        ExportError: a graph break (Dynamo's reason), a graph input from outside the model's arguments, a bad
+            ``dynamic_shapes``, or the model failing on the example.
     """
     from ..passes import SmxPass
 

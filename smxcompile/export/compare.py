@@ -6,12 +6,8 @@ import math
 
 
 def compare_arrays(got, ref, rtol: float, atol: float, name: str) -> tuple[float, str | None]:
-    """``(largest |got - ref|, None)``, or ``(NaN, why)`` when some entry is off by more than ``atol + rtol * |ref|``.
-
-    NaN matches NaN and inf matches inf (of the same sign); a NaN on one side only is a mismatch. ``got`` and
-    ``ref`` are numpy arrays of one shape and dtype (the exports' checks: ONNX in onnxruntime, MLIR on the JIT);
-    ``name`` names ``got`` in the message. Raises nothing (a mismatch is the returned ``why``; numpy's own errors
-    for arrays that do not broadcast)."""
+    """``(largest |got - ref|, None)``, or ``(NaN, why)`` when an entry is off by more than ``atol + rtol * |ref|``;
+    NaN matches NaN, inf the same inf. ``got``, ``ref``: numpy arrays of one shape; ``name`` names ``got``."""
     import numpy as np
 
     same = (np.isnan(got) & np.isnan(ref)) | (got == ref)

@@ -1,11 +1,6 @@
-"""The inputs of an export: the flattened tensors of one call and their names, and the dims kept dynamic.
-
-Shared by :func:`smxcompile.export_onnx` and :func:`smxcompile.export_mlir`. ``dynamic_shapes`` is taken in
-torch.export's format keyed by ``forward`` argument names (a dict ``{dim: Dim or name}`` or a per-dim tuple
-with None for static dims); here it is checked and marked for Dynamo (:func:`mark_dynamic`), turned into one
-spec per flattened tensor for ``torch.export`` (:func:`leaf_shapes`), and the ranges Dynamo narrowed a dim to
-are checked against the declared ``Dim`` range (:func:`check_ranges`).
-"""
+"""The inputs of an export (ONNX and MLIR): one call's flattened tensors and their names, and ``dynamic_shapes``
+(torch.export's format keyed by ``forward`` argument names) marked for Dynamo, checked against the ranges it
+traced, and re-keyed per flattened tensor for ``torch.export``."""
 
 from __future__ import annotations
 
@@ -21,21 +16,15 @@ from . import ExportError
 
 
 def forward_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """``model.forward``'s locals for a call: its arguments by name, defaults included.
-
-    Raises:
-        TypeError: ``(args, kwargs)`` do not bind to ``forward``'s signature.
-    """
+    """``model.forward``'s arguments by name for a call, defaults included; TypeError if they do not bind."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
 def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[str]]:
-    """The tensors of ``(args, kwargs)`` in pytree order, and a name for each: the ``forward`` argument
-    it is (``input_ids``), else ``input_<i>`` (also when the call does not bind to ``forward``); a tensor passed
-    twice is named ``<name>_<i>`` the second time. The tensors are the call's own (any shape and dtype).
-    Raises nothing."""
+    """The tensors of ``(args, kwargs)`` in pytree order, each named after its ``forward`` argument, else
+    ``input_<i>`` (``<name>_<i>`` the second time a tensor is passed). Raises nothing."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     try:
         frame = forward_arguments(model, args, kwargs)
@@ -51,18 +40,14 @@ def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torc
 
 def mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                  marked: list[tuple[str, torch.Tensor, int, Any]]) -> list[tuple[str, torch.Tensor, int, Any]]:
-    """Mark the dims ``dynamic_shapes`` (torch.export's format: per ``forward`` argument name, a dict
-    ``{dim: Dim}`` or a per-dim tuple/list with None for static dims) dynamic for Dynamo; returns
-    ``(name, tensor, dim, spec value)`` of each marked dim (``marked``, filled as it goes).
+    """Mark the dims of ``dynamic_shapes`` dynamic for Dynamo, appending ``(name, tensor, dim, spec value)`` of
+    each to ``marked`` as it goes (so the caller can unmark them after an error half-way), and return it.
 
     Raises:
-        ExportError: ``dynamic_shapes`` not a dict or tuple; a name that is not a ``forward`` argument or not a
-            tensor; a spec that is not a dict or tuple; a dim the tensor does not have, or of size 0 or 1 in
-            the example.
+        ExportError: a malformed ``dynamic_shapes``; a name that is not a tensor argument of ``forward``; a dim
+            the tensor does not have, or of size 0 or 1 in the example.
         TypeError: ``(args, kwargs)`` do not bind to ``forward``.
     """
-    # ``marked`` is the caller's list, filled as dims are marked: a bad spec raising half-way still leaves the
-    # caller able to unmark what was marked
     frame = forward_arguments(model, args, kwargs)
     if isinstance(dynamic_shapes, (tuple, list)):
         names = list(frame)[:len(dynamic_shapes)]
@@ -96,12 +81,7 @@ def mark_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: An
 
 
 def range_bound(v) -> int | None:
-    """A sympy range bound (of Dynamo's shape environment or an ``ExportedProgram``'s range constraints) as an
-    int (None when infinite).
-
-    Raises:
-        TypeError, ValueError: a bound that is not an integer or infinity.
-    """
+    """A sympy range bound as an int, None when infinite; TypeError / ValueError for any other value."""
     from torch.utils._sympy.numbers import int_oo
 
     if v in (int_oo, -int_oo) or str(v) in ("oo", "-oo", "int_oo", "-int_oo"):
@@ -110,18 +90,9 @@ def range_bound(v) -> int | None:
 
 
 def check_ranges(marked: list, ranges: dict) -> None:
-    """A dynamic dim whose valid sizes the capture narrowed (a Python branch on the size, or a limit such
-    as learned position embeddings) exports a graph that is wrong or fails outside that range: refuse
-    unless the user declared a range inside it (``Dim(name, min=, max=)``).
-
-    Args:
-        marked: what :func:`mark_dynamic` returned. ranges: ``{(id(tensor), dim): (lo, hi or None)}`` of the
-            captured graph's symbols.
-
-    Raises:
-        ExportError: a marked dim whose traced range is narrower than the declared one (names the input, the
-            dim and the ``Dim`` to declare).
-    """
+    """Refuse a dynamic dim whose traced range (``ranges``: ``{(id(tensor), dim): (lo, hi or None)}``) is
+    narrower than the declared ``Dim`` range: the graph would be wrong outside it. ``marked``: from
+    :func:`mark_dynamic`. Raises ExportError naming the input, the dim and the ``Dim`` to declare."""
     for name, t, d, spec in marked:
         lo, hi = ranges.get((id(t), d), (2, None))
         lo = 2 if lo is None else lo
@@ -143,12 +114,8 @@ def check_ranges(marked: list, ranges: dict) -> None:
 
 
 def named_dims(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> dict[str, Any]:
-    """``dynamic_shapes`` keyed by ``forward`` argument name, with each dim name turned into a ``Dim`` (one per
-    name: the same name is the same size); ``Dim`` s and None kept as given.
-
-    Raises:
-        TypeError: ``(args, kwargs)`` do not bind to ``forward``.
-    """
+    """``dynamic_shapes`` keyed by ``forward`` argument name, each dim name a ``Dim`` (one per name); TypeError
+    if ``(args, kwargs)`` do not bind."""
     from torch.export import Dim
 
     frame = forward_arguments(model, args, kwargs)
@@ -162,13 +129,8 @@ def named_dims(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any)
 
 
 def leaf_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple | None:
-    """``dynamic_shapes`` per flattened input tensor (the wrapper's arguments), for torch.export: None when
-    ``dynamic_shapes`` is None, else one entry per tensor of :func:`input_leaves` (None, ``{dim: Dim}`` with
-    ``Dim.AUTO`` for None, or the per-dim tuple as given).
-
-    Raises:
-        TypeError: ``(args, kwargs)`` do not bind to ``forward``.
-    """
+    """``dynamic_shapes`` per tensor of :func:`input_leaves`, for torch.export (``Dim.AUTO`` for a None dim), or
+    None; TypeError if ``(args, kwargs)`` do not bind."""
     if dynamic_shapes is None:
         return None
     from torch.export import Dim

@@ -1,7 +1,5 @@
-"""The check of an MLIR export: the module parsed back and verified, its op counts, and the run of a
-``linalg-on-tensors`` module on MLIR's JIT (:mod:`.run`) against the rewritten graph in PyTorch, with every
-check input matched against the exported program first (the compiled code trusts its inputs: an out-of-range
-size or index fails an assertion in it that aborts the process)."""
+"""The check of an MLIR export: the module verified, its op counts, and a ``linalg-on-tensors`` module run on MLIR's
+JIT (:mod:`.run`) against PyTorch, every input matched against the program first (compiled code trusts it)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def _walk(op, fn) -> None:
 
 
 def op_counts(module) -> dict[str, int]:
-    """``{operation name: count}`` over a parsed ``torch_mlir.ir.Module`` (``func.func`` included, the module
-    itself not); a ``torch.operator`` is counted as ``torch.operator "<its name>"``. Raises nothing."""
+    """``{operation name: count}`` over a parsed ``torch_mlir.ir.Module`` (itself not counted); a
+    ``torch.operator`` as ``torch.operator "<its name>"``."""
     counts: dict[str, int] = {}
 
     def add(op):
@@ -42,11 +40,7 @@ def op_counts(module) -> dict[str, int]:
 
 
 def reparse(text: str) -> dict[str, int]:
-    """Parse ``text`` in a fresh context and verify it; its op counts (:func:`op_counts`).
-
-    Raises:
-        MlirExportError: the text does not parse back, or the module does not verify (MLIR's diagnostics).
-    """
+    """The op counts of ``text`` parsed and verified in a fresh context; MlirExportError with MLIR's diagnostics."""
     from torch_mlir import ir
 
     from .run import new_context
@@ -100,16 +94,12 @@ def input_specs(ep, leaves: list[torch.Tensor], names: list[str]) -> tuple[list[
 
 
 def check_leaves(which: str, leaves: list, specs: list[_InputSpec], ranges: dict) -> None:
-    """Refuse inputs the module was not exported for, before anything runs them: the compiled code trusts
-    them, and a size it does not expect fails an assertion in it that aborts the process.
-
-    Args:
-        which: how the message names the input (``"check_inputs[0]"``). leaves: its flattened tensors.
-        specs, ranges: what :func:`input_specs` returned.
+    """Refuse ``leaves`` (the input ``which``, e.g. ``"check_inputs[0]"``) unless they fit ``specs`` and ``ranges``
+    (:func:`input_specs`): a size the compiled code does not expect aborts the process.
 
     Raises:
-        MlirExportError: another number of tensors, a dtype or rank other than the example's, a static dim of
-            another size, a dynamic dim outside its range (or below 2), tied dims of different sizes.
+        MlirExportError: another number of tensors, dtype or rank; a static dim of another size; a dynamic dim
+            outside its range (or below 2); tied dims of different sizes.
     """
     if len(leaves) != len(specs):
         raise MlirExportError(f"{which} has {len(leaves)} tensors; the module takes {len(specs)} "
@@ -155,12 +145,8 @@ def check_leaves(which: str, leaves: list, specs: list[_InputSpec], ranges: dict
 
 
 def check_input_leaves(model: nn.Module, check_inputs) -> list[list[torch.Tensor]]:
-    """``check_inputs`` as flattened tensors, one list per ``(args, kwargs)`` (one bare pair is taken as a list
-    of one; a non-tuple ``args`` as ``(args,)``).
-
-    Raises:
-        ValueError: an entry that is not an ``(args, kwargs)`` pair.
-    """
+    """``check_inputs`` (a list of ``(args, kwargs)``, or one bare pair) as flattened tensor lists; ValueError
+    for an entry that is not a pair."""
     check_inputs = check_inputs or ()
     if isinstance(check_inputs, tuple) and len(check_inputs) == 2 and isinstance(check_inputs[1], dict):
         check_inputs = [check_inputs]                          # one (args, kwargs) given bare
@@ -176,21 +162,13 @@ def check_input_leaves(model: nn.Module, check_inputs) -> list[list[torch.Tensor
 
 
 def runnable(leaves: list[torch.Tensor], model: nn.Module) -> bool:
-    """Whether the JIT can run the module: no bfloat16 input, parameter or buffer (its memref descriptors go
-    through numpy, which has no bfloat16). Raises nothing."""
+    """Whether the JIT can run the module: no bfloat16 tensor (its descriptors go through numpy, which lacks it)."""
     return not any(t.dtype == torch.bfloat16 for t in (*leaves, *model.parameters(), *model.buffers()))
 
 
 def reference_outputs(module: nn.Module, leaves: list[torch.Tensor], which: str) -> list[torch.Tensor]:
-    """``module`` (the rewritten graph) run in eager PyTorch with smxcompile's own kernels -- the model
-    itself unless ``options`` change its math (a requested attention normalizer) -- its output tensors. Run
-    before the JIT: an input the model rejects (an id past the vocabulary, a sequence past the position
-    table) is the model's error, raised here, and never reaches the compiled code, whose bounds assertions
-    abort the process.
-
-    Raises:
-        MlirExportError: the graph fails on ``leaves`` in PyTorch (``which`` names the input).
-    """
+    """The output tensors of ``module`` (the rewritten graph) run in eager PyTorch on ``leaves``; MlirExportError
+    when the model rejects them, so that they never reach the compiled code."""
     try:
         with torch.no_grad():
             ref = module(*leaves)
@@ -202,15 +180,8 @@ def reference_outputs(module: nn.Module, leaves: list[torch.Tensor], which: str)
 
 def run_and_compare(compiled, leaves: list[torch.Tensor], ref_leaves: list[torch.Tensor], rtol: float,
                     atol: float, which: str = "the example") -> float:
-    """Run the linalg module on the JIT on ``leaves`` and compare it with ``ref_leaves`` (:func:`reference_outputs`):
-    the largest ``|module - eager|``, compared in fp64 with :func:`~smxcompile.export.compare.compare_arrays`.
-
-    Args:
-        compiled: a :class:`~smxcompile.export.mlir.run.LinalgModule`.
-
-    Raises:
-        MlirExportError: the run fails; another number of outputs, or an output of another shape, dtype or value.
-    """
+    """Largest ``|module - eager|`` (in fp64) of ``compiled`` (a ``LinalgModule``) run on ``leaves`` against
+    ``ref_leaves``; MlirExportError when the run fails or outputs differ in number, shape, dtype or value."""
     import numpy as np
 
     from .run import RunError

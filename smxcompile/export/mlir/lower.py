@@ -1,9 +1,6 @@
-"""The lowering of an MLIR export: the decomposition table (the smx ops' reference forms and the changes to
-torch-mlir's own), torch-mlir's import and lowering pipelines, and the buffers made persistent for its importer.
-
-Source: torch-mlir's FX importer and pipelines (``torch_mlir.fx``, ``torch_mlir.compiler_utils``); the
-``has_value_semantics`` library hook of its ``ReduceOpVariants`` pass.
-"""
+"""The lowering of an MLIR export: the decomposition table, torch-mlir's import and pipelines (``torch_mlir.fx``;
+the ``has_value_semantics`` hook of its ``ReduceOpVariants`` pass), and buffers made persistent for its importer.
+Why each change to torch-mlir's table: docs/DESIGN.md, 'MLIR export: lowering and checks'."""
 
 from __future__ import annotations
 
@@ -20,28 +17,22 @@ from .result import MlirExportError, one_line
 
 
 def smx_ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
-    """``(op name, node name)`` of every smx op call in the graph (``("smx::softmax", "softmax_1")``). Raises
-    nothing."""
+    """``(op name, node name)`` of every smx op call in the graph (``("smx::softmax", "softmax_1")``)."""
     return [(f"smx::{n.target._opname}", n.name) for n in gm.graph.nodes
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
             and n.target.namespace == "smx"]
 
 
 def _isfinite(x):
-    """``aten.isfinite`` for ``linalg-on-tensors``, where torch-mlir has no lowering of it (and keeps it out
-    of its decomposition table for StableHLO's sake): ``|x| < inf`` is False for NaN and +-inf."""
+    """``aten.isfinite`` as ``|x| < inf`` (False for NaN and +-inf), for ``linalg-on-tensors``, which lacks it."""
     if not x.dtype.is_floating_point:
         return torch.ones_like(x, dtype=torch.bool)
     return torch.abs(x) < float("inf")
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``aten.scaled_dot_product_attention`` materialized, as torch defines it (its math, fully masked rows
-    giving 0 as the op does in torch 2.13; a row whose mask entries are all ``finfo.min`` averages V, as
-    torch does), returned in the fused CPU kernel's layout ((B, L, H, E) in memory) so the model's later
-    ``.view`` of the output traces as it did against the fused op. For StableHLO (torch-mlir lowers the
-    op itself only to ``linalg-on-tensors``) and, through :func:`_sdpa_linalg`, for every call
-    ``tm_tensor.attention`` would get wrong."""
+    """``aten.scaled_dot_product_attention`` materialized as torch 2.13 computes it (fully masked rows 0), in the
+    fused CPU kernel's memory layout (B, L, H, E) so the model's later ``.view`` still traces."""
     if dropout_p > 0:
         raise NotImplementedError("aten.scaled_dot_product_attention with dropout_p > 0 (a training graph) has no "
                                   "reference form; export the model in eval mode")
@@ -77,12 +68,8 @@ def _default_scale(scale, E) -> bool:
 
 
 def _sdpa_linalg(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA for ``linalg-on-tensors``: kept whole (``NotImplemented``: torch.export's marker for "preserve
-    this op") only where torch-mlir's lowering was found exact -- no mask, the default scale, fp32 (causal
-    or not, grouped-query heads or not; tests/export/test_mlir_export.py pins these) -- and :func:`_sdpa` for
-    everything else: ``tm_tensor.attention`` (torch-mlir 20261001) scales by ``1/sqrt(E)`` whatever
-    ``scale`` says, and with a mask gives rows whose entries are all ``finfo.min`` (left padding) other
-    values than torch, and wrong ones under a bool mask with a fully masked row."""
+    """SDPA for ``linalg-on-tensors``: kept whole (``NotImplemented``, torch.export's "preserve this op") where
+    torch-mlir's ``tm_tensor.attention`` is exact (no mask, the default scale, fp32), else :func:`_sdpa`."""
     if (attn_mask is None and dropout_p == 0 and query.dtype == torch.float32
             and _default_scale(scale, query.shape[-1])):
         return NotImplemented
@@ -90,22 +77,13 @@ def _sdpa_linalg(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 
 def decomposition_table_for(decompose: bool, output_type: str = "torch") -> dict:
-    """The table for ``ExportedProgram.run_decompositions`` before torch-mlir imports the program: a copy of
-    torch-mlir's own, SDPA kept whole or materialized per ``output_type`` (:func:`_sdpa_linalg`, :func:`_sdpa`),
-    ``aten.isfinite`` as ``|x| < inf`` for ``linalg-on-tensors``, and with ``decompose`` every smx op's
-    reference form (:func:`smxcompile.kernels.decompositions.decomposition_table`).
-
-    Raises:
-        ImportError: torch-mlir not installed.
-    """
+    """The table for ``ExportedProgram.run_decompositions``: a copy of torch-mlir's, SDPA kept whole or
+    materialized per ``output_type``, ``aten.isfinite`` for ``linalg-on-tensors``, and with ``decompose`` every
+    smx op's reference form. ImportError without torch-mlir."""
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
     table = dict(get_decomposition_table())       # a copy: torch-mlir caches (and shares) its table
-    # SDPA (what the attention pass emits for softmax attention): torch-mlir's table entry decomposes it
-    # through the math kernel, whose output strides differ from the fused kernel's, and the model's
-    # ``.view`` of the output (exported where the fused layout allowed it) then fails to trace. It stays one
-    # op in ``torch``; ``stablehlo`` has no lowering of it; ``linalg-on-tensors`` keeps it (tm_tensor.attention)
-    # only where that lowering is exact (see _sdpa_linalg)
+    # torch-mlir's math-kernel decomposition of SDPA breaks the model's later .view (other output strides)
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     table.pop(sdpa, None)
     if output_type == "stablehlo":
@@ -122,8 +100,8 @@ def decomposition_table_for(decompose: bool, output_type: str = "torch") -> dict
 
 
 def _value_semantics_library(op_names: list[str]) -> str:
-    """An extra library for torch-mlir's ``ReduceOpVariants`` that declares the given ``torch.operator``
-    names (``torch.smx.softmax``) value-semantic, so the backend-contract pipeline keeps them."""
+    """An extra library declaring ``torch.operator`` names (``torch.smx.softmax``) value-semantic, so torch-mlir's
+    backend-contract pipeline keeps them."""
     funcs = "".join(f'  func.func @"__torch_mlir_has_value_semantics_fn.{n}"() {{\n    return\n  }}\n'
                     for n in sorted(set(op_names)))
     return "module {\n" + funcs + "}\n"
@@ -135,8 +113,8 @@ _DIAG_OP = (re.compile(r"Unimplemented operator '([^']+)'"),
 
 
 def _failing_op(diags: list[str]) -> str | None:
-    """The op a torch-mlir diagnostic is about; a ``torch.operator`` is named by its ``name``
-    (``torch.operator "torch.aten.cummax"``: an ATen op the importer did not know)."""
+    """The op a torch-mlir diagnostic is about; a ``torch.operator`` by its ``name`` (``torch.operator
+    "torch.aten.cummax"``)."""
     for d in diags:
         for pat in _DIAG_OP:
             m = pat.search(d)
@@ -150,13 +128,8 @@ def _failing_op(diags: list[str]) -> str | None:
 
 
 def lower_program(ep, output_type: str, custom: list[str]):
-    """torch-mlir: import ``ep`` (already decomposed) and lower it to ``output_type``; ``custom``: the smx ops
-    kept as ``torch.operator`` (``"smx::softmax"``; declared value-semantic for the backend-contract pipeline).
-    Returns the ``torch_mlir.ir.Module``.
-
-    Raises:
-        MlirExportError: torch-mlir fails to lower an op (named from its diagnostics) or its importer fails.
-    """
+    """The ``torch_mlir.ir.Module`` of ``ep`` (decomposed) lowered to ``output_type``, the smx ops of ``custom``
+    (``"smx::softmax"``) kept as ``torch.operator``; MlirExportError naming the op torch-mlir fails on."""
     from torch_mlir import fx
     from torch_mlir.compiler_utils import TorchMlirCompilerError
     from torch_mlir.extras.fx_importer import FxImporter
@@ -202,12 +175,8 @@ def lower_program(ep, output_type: str, custom: list[str]):
 
 @contextlib.contextmanager
 def persistent_buffers(module: nn.Module):
-    """Every buffer of ``module`` persistent while the block runs, and as it was afterwards: torch.export
-    puts a non-persistent buffer (``rotary_emb.inv_freq`` of Llama-style models, BERT's ``position_ids`` /
-    ``token_type_ids``) among the program's constants, where torch-mlir's FX importer does not look for it
-    ("Could not find state mapping for buffer"); as a persistent one it is in the state dict and becomes a
-    constant of the module like any other buffer. Only the modules' ``_non_persistent_buffers_set`` is
-    touched (what ``state_dict`` reads); the tensors are not. Raises nothing of its own."""
+    """Every buffer of ``module`` persistent while the block runs (torch-mlir's importer reads the state dict
+    only), as it was afterwards; only ``_non_persistent_buffers_set`` is touched."""
     saved = [(m, set(m._non_persistent_buffers_set)) for m in module.modules() if m._non_persistent_buffers_set]
     try:
         for m, _ in saved:

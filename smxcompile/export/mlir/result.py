@@ -1,5 +1,4 @@
-"""What :func:`smxcompile.export_mlir` returns and raises: :class:`MlirExport` and :class:`MlirExportError`
-(with :func:`one_line`, how its messages quote an exception)."""
+"""What :func:`smxcompile.export_mlir` returns and raises."""
 
 from __future__ import annotations
 
@@ -13,26 +12,14 @@ from .. import ExportError
 
 
 class MlirExportError(ExportError):
-    """An export that cannot be done, failed to lower, or failed its check; the message names the op. A graph
-    break or a bad ``dynamic_shapes`` found by the shared capture is one too."""
+    """An export that cannot be done, failed to lower or failed its check (the capture's errors too)."""
 
 
 @dataclasses.dataclass
 class MlirExport:
-    """What :func:`smxcompile.export_mlir` produced and checked.
-
-    Attributes:
-        text: the MLIR module (textual form). report: the rewrite report of the exported graph.
-        output_type: ``torch``, ``linalg-on-tensors`` or ``stablehlo``. decomposed: whether the smx ops
-            were replaced by their reference forms.
-        ops: ``{operation name: count}`` over the whole module (``func.func`` included); a
-            ``torch.operator`` is counted under ``torch.operator "<its name>"``, e.g.
-            ``torch.operator "torch.smx.softmax"``.
-        path: the file written, or None.
-        checked: ``"run"`` (JIT-run and compared with eager), ``"verified"`` (parsed and verified
-            only), or ``"none"`` (``check=False``).
-        max_abs_diff: largest ``|module - eager|`` over the outputs when run, else NaN.
-    """
+    """What :func:`smxcompile.export_mlir` produced and checked: the module's ``text``; ``ops``, ``{operation
+    name: count}`` (a ``torch.operator`` as ``torch.operator "torch.smx.softmax"``); ``checked``, ``"run"``
+    (JIT-run against eager, ``max_abs_diff``), ``"verified"`` or ``"none"``."""
 
     text: str
     report: Report
@@ -63,7 +50,7 @@ class MlirExport:
 
 
 def one_line(e: BaseException) -> str:
-    """``Type: first line`` of an exception's message (at most 400 characters of it). Raises nothing."""
+    """``Type: first line`` of an exception's message (at most 400 characters of it)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0][:400]}" if lines else type(e).__name__
 

@@ -1,18 +1,9 @@
-"""Run a ``linalg-on-tensors`` module on the CPU with what the ``torch-mlir`` wheel ships: its passes and
-MLIR's ``ExecutionEngine`` (LLVM JIT). Used by :func:`smxcompile.export_mlir` to check an export against
-eager PyTorch.
+"""Run a ``linalg-on-tensors`` module on the CPU with what the ``torch-mlir`` wheel ships: its passes and MLIR's
+``ExecutionEngine`` (LLVM JIT), for :func:`smxcompile.export_mlir`'s check.
 
-The wheel has no Python reference backend (``torch_mlir_e2e_test`` is not part of it), but it has the
-passes that backend is made of: bufferization, torch-mlir's ``refback-*`` calling-convention passes, and
-the conversions to the LLVM dialect. :data:`PIPELINE` strings them together the way torch-mlir's e2e
-"RefBackend" does (same pass names, in the same order; MLIR's newer ``buffer-deallocation-pipeline``
-where the old single ``buffer-deallocation`` pass is gone). After ``refback-munge-calling-conventions``
-each public function takes its tensors as pointers to unranked memref descriptors and returns nothing:
-it calls ``refbackend_consume_func_return_<types>`` with its results instead, and the engine binds that
-symbol to a Python callback here that copies the results out.
-
-Sources: torch-mlir, ``projects/pt1/python/torch_mlir_e2e_test/linalg_on_tensors_backends/refbackend.py``
-(the pipeline and the calling convention); MLIR ``ExecutionEngine`` Python bindings.
+:data:`PIPELINE` and the calling convention (results passed to a ``refbackend_consume_func_return_<types>``
+callback) are those of torch-mlir's e2e RefBackend, ``projects/pt1/python/torch_mlir_e2e_test/
+linalg_on_tensors_backends/refbackend.py``. Design: docs/DESIGN.md, 'MLIR export: the JIT runner'.
 """
 
 from __future__ import annotations

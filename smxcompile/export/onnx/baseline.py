@@ -1,5 +1,4 @@
-"""The baseline of ``export_onnx(..., compare=True)``: the plain ``torch.onnx.export`` of the same model, its op
-types, and both files timed in onnxruntime in turn."""
+"""The baseline of ``export_onnx(..., compare=True)``: the plain ``torch.onnx.export``, timed against the file."""
 
 from __future__ import annotations
 
@@ -18,14 +17,8 @@ from .target import OnnxTarget
 
 def plain_export(model: nn.Module, args: tuple, kwargs: dict, path: Path, opset: int | None = None,
                  dynamic_shapes: Any = None) -> None:
-    """``torch.onnx.export(model, dynamo=True)`` of the model as written (the baseline of ``compare``), with
-    ``dynamic_shapes`` in :func:`smxcompile.export_onnx`'s format (names become shared ``Dim`` s), written to
-    ``path`` with torch.onnx's optimizer on.
-
-    Raises:
-        Exception: whatever ``torch.onnx.export`` raises for the model (a model it cannot export plainly).
-        TypeError: ``(args, kwargs)`` do not bind to ``forward`` (with ``dynamic_shapes``).
-    """
+    """``torch.onnx.export(model, dynamo=True, optimize=True)`` of the model as written to ``path``, with
+    ``dynamic_shapes`` as :func:`smxcompile.export_onnx` takes it; raises what torch.onnx raises."""
     if dynamic_shapes is not None:
         frame = forward_arguments(model, args, kwargs)
         named = named_dims(model, args, kwargs, dynamic_shapes)
@@ -37,15 +30,8 @@ def plain_export(model: nn.Module, args: tuple, kwargs: dict, path: Path, opset:
 
 def compare_with_plain(out: OnnxExport, model: nn.Module, args: tuple, kwargs: dict, tgt: OnnxTarget, threads: int,
                        dynamic_shapes: Any = None) -> None:
-    """Fill ``out.baseline`` and ``out.latency_ms``: the plain export at the same opset and with the same dynamic
-    dims (static when torch.onnx cannot export it so: ``baseline.dynamic``), both timed in turn
-    (:func:`~smxcompile.export.onnx.runtime.time_sessions`, ``threads`` intra-op threads).
-
-    A plain export or run that fails is recorded in ``out.baseline.error``, not raised.
-
-    Raises:
-        OnnxExportError: onnxruntime cannot load ``out.path`` (:func:`~smxcompile.export.onnx.runtime.ort_session`).
-    """
+    """Fill ``out.baseline`` and ``out.latency_ms``: the plain export (same opset and dynamic dims, else static)
+    and the file timed in turn; a failing plain export is recorded in ``out.baseline.error``, not raised."""
     import tempfile
 
     import onnx

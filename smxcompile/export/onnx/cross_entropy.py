@@ -1,45 +1,13 @@
 """ONNX translations of smxcompile's cross-entropy ops: ``smx::ce_stats`` and ``smx::linear_ce_stats``.
 
-What reaches an exported graph. :func:`smxcompile.export_onnx` captures and exports under
-``torch.no_grad()``, so every cross-entropy site -- a rewritten one (``F.cross_entropy`` with any of its
-options, ``nn.CrossEntropyLoss``, ``nll_loss(log_softmax)``, ``F.linear_cross_entropy``, the transformers
-LM losses with their label shift and ``num_items_in_batch``, linear -> CE with temperature / soft-cap /
-row slices) or a direct call of ``smxcompile.cross_entropy`` / ``smxcompile.linear_cross_entropy`` (which
-add z-loss, per-token weights, ``return_lse``, ``return_z_loss``) -- is one *statistics* op followed by
-ordinary ATen ops on N-vectors (:func:`smxcompile.kernels.cross_entropy.loss.compose_loss`: the ignore mask, class
-weight of the target, label smoothing, the reduction and its ``mean`` normalisation, the z-loss
-``scale * lse^2``), which torch.onnx translates itself. The fused op ``smx::linear_ce_loss`` (gradients in
-the forward) and the backward ops need gradients and never reach an export.
+Under ``torch.no_grad()`` every cross-entropy site is one *statistics* op followed by ATen ops on N-vectors
+(:func:`smxcompile.kernels.cross_entropy.loss.compose_loss`), which torch.onnx translates itself. Per row of the
+N x V logits ``z`` (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"): ``lse``
+(:data:`LSE_FORM`), the target logit (0 where ignored, NaN out of range), the other classes' mass and the
+weighted sum over classes; linear -> CE's logits are one ``Gemm``. No N x V log-probability tensor is written.
+fp16 / bf16 logits are read in fp32, fp64 stays fp64; :func:`refuse` turns down bf16 ``linear_ce_stats``.
 
-The statistics, per row i of the N x V logits (method: Wijmans et al. 2024, "Cut Your Losses in
-Large-Vocabulary Language Models", 2024):
-
-    z_ij = softcap * tanh(scale * x_ij / softcap)   (or scale * x_ij)
-    x    = input @ weight.T + bias                  (linear_ce_stats; ce_stats takes x itself)
-    lse_i  = log sum_j exp(z_ij) = m_i - log max_j softmax(z)_ij   -> ReduceMax, Softmax, ReduceMax, Log
-             (m_i the row max; or one ReduceLogSumExp, see LSE_FORM)
-    tl_i   = z_{i,y_i}; 0 where y_i == ignore_index; NaN where y_i is outside [0, V)
-                                                                  -> GatherElements(z, y) + Where
-    om_i   = sum_{j != y_i} exp(z_ij - lse_i)  (auxiliary of the backward; unused in an inference graph,
-             where the exporter's optimizer drops it)             -> ScatterElements(-inf) + Exp + ReduceSum
-    ws_i   = sum_j w_ij z_ij, w = class weight (V,) times the probability targets (N, V), either or
-             none (label smoothing / soft targets)                -> ReduceSum(z * w) / ReduceSum(z)
-
-No N x V *log-probability* tensor is built (the plain ``torch.onnx.export`` writes
-``SoftmaxCrossEntropyLoss``, which onnxruntime runs with three N x V temporaries, and drops
-``label_smoothing`` on the way); the one N x V temporary is the softmax whose row max gives the lse (see
-:data:`LSE_FORM` for the measurements). The logits of linear -> CE are one ``Gemm`` (the cut-CE chunking of
-the torch path is an execution strategy the file does not need). ``SoftmaxCrossEntropyLoss`` cannot
-translate the op: its outputs are the lse and the target logit separately (the lse is also returned and
-feeds the z-loss) and the loss around them is ATen.
-
-Dtypes: fp32 logits stay fp32; fp16 logits are read in fp32 (the torch path's accumulation dtype); fp64
-stays fp64. The returned logits (``return_logits``) are ``z`` rounded to ``logits_dtype`` and the loss
-reads that rounded tensor, as eager does. The matmul runs in the input's dtype, as ``F.linear``.
-
-Refused (:func:`refuse`): ``linear_ce_stats`` on bf16 operands (onnxruntime's CPU provider has no bf16
-Gemm / MatMul; an fp32 Gemm rounded to bf16 is not torch's bf16 matmul). bf16 logits of ``ce_stats`` are
-read in fp32 exactly as the torch path does (a ``Cast``).
+Derivation and measurements: docs/DESIGN.md, 'ONNX cross-entropy statistics'.
 """
 
 from __future__ import annotations
@@ -48,20 +16,9 @@ from typing import Any
 
 import torch
 
-#: How the row log-sum-exp is written:
-#:
-#: - ``"softmax"`` (default): ``lse = m - log(max_j softmax(z)_j)`` with ``m`` the row max (the max
-#:   probability is ``1 / sum_j exp(z_ij - m)``; the identity torch's fused CPU path uses), i.e. ``ReduceMax``,
-#:   ``Softmax``, ``ReduceMax``, ``Log``: one N x V temporary (probabilities, not log-probabilities).
-#: - ``"reduce"``: one ``ReduceLogSumExp``: no N x V temporary at all.
-#:
-#: Measured with onnxruntime 1.32, CPU, 1 thread, 512 x 32768 fp32 logits (lse minus the gathered target
-#: logit; one N x V temporary = 64 MB at this size, 256 MB at 2048 rows):
-#: ``"softmax"`` 27 ms, 1 temporary, 4.6e-6 max error against an fp64 gold (lse ~ 12);
-#: ``ReduceMax/Sub/Exp/ReduceSum/Log`` 29 ms, 2 temporaries, 8.3e-6; ``SoftmaxCrossEntropyLoss`` (what the plain
-#: export writes) 46 ms, 3 temporaries, 4.6e-6; ``"reduce"`` 135 ms, none, 6.6e-5 (onnxruntime sums the
-#: exponentials naively); LogSoftmax + GatherElements 20 ms, 1 temporary of log-probabilities (not used: the
-#: file would keep the N x V log-probability tensor the fused op exists to avoid).
+#: How the row log-sum-exp is written: ``"softmax"`` (``m - log(max_j softmax(z)_j)``, one N x V temporary, the
+#: fastest in onnxruntime) or ``"reduce"`` (one ``ReduceLogSumExp``, no temporary, 5x slower). Measured:
+#: docs/PERFORMANCE.md, 'ONNX cross-entropy: the row lse forms'.
 LSE_FORM = "softmax"
 
 #: The smxcompile ops this module translates.
@@ -182,9 +139,7 @@ def refuse(name: str, args: dict, node: torch.fx.Node) -> str | None:
         return None
     x = _val(args.get("input")) if name == "linear_ce_stats" else None
     if x is not None and x.dtype == torch.bfloat16:
-        # the logits of a bf16 linear layer are rounded to bf16 by torch's matmul; onnxruntime's CPU provider
-        # has no bf16 Gemm / MatMul (the plain export of the same layer cannot run there either), and an fp32
-        # Gemm rounded to bf16 can land one bf16 step (0.4%) away from torch's result
+        # no bf16 Gemm in onnxruntime's CPU provider; fp32 rounded to bf16 can be one bf16 step off torch's
         return ("computes its logits with a bf16 matmul (bf16 model or a bf16 autocast region): onnxruntime's CPU "
                 "provider has no bf16 Gemm / MatMul, and emulating it in fp32 does not round like torch; compute the "
                 "classifier in fp32 or fp16 for the export (options={'cpu': 'rewrite', 'disable': "

@@ -1,27 +1,8 @@
 """ONNX export of the *rewritten* model: ``smxcompile.export_onnx``.
 
-How. The model is captured by Dynamo as one graph (``fullgraph=True``; static, or with the requested dims dynamic;
-:func:`smxcompile.export.capture.capture`, shared with the MLIR export), smxcompile's passes rewrite it exactly as
-the ``smx`` backend does (so the deployed graph keeps the fusions), and the rewritten ``GraphModule`` -- wrapped so
-that the model's parameters and buffers are attributes again, not graph inputs -- goes through ``torch.export`` to
-``torch.onnx.export(..., dynamo=True)`` with a ``custom_translation_table`` mapping each smxcompile op to ONNX
-(onnxscript). Then the file is checked: ``onnx.checker``, loaded by the installed onnxruntime, and run on the
-example inputs (and more shapes) against eager PyTorch.
-
-The translations live in one module per op family
-(:data:`~smxcompile.export.onnx.translate.TRANSLATION_MODULES`), each written for an
-:class:`~smxcompile.export.onnx.target.OnnxTarget` (``target="onnxruntime"`` or ``"portable"``, the
-opset and the form of attention):
-
-- :mod:`.softmax`: ``smx::softmax`` / ``log_softmax`` (with their fused prologue),
-  ``smx::softmax_topk``, ``smx::quant_softmax``.
-- :mod:`.attention`: ``aten.scaled_dot_product_attention`` (softmax attention sites) as the ONNX
-  ``Attention`` op, com.microsoft ``MultiHeadAttention`` or MatMul / Softmax / MatMul with torch's
-  semantics, and ``smx::attention`` with every normalizer.
-- :mod:`.cross_entropy`: ``smx::ce_stats`` and ``smx::linear_ce_stats`` (cut cross-entropy's statistics).
-
-Variants swapped in by :func:`smxcompile.swap` export as their torch code. An smxcompile op no module
-translates raises :class:`OnnxExportError` naming it and the option that exports the site unrewritten.
+The shared capture (:mod:`smxcompile.export.capture`), ``torch.export``, then ``torch.onnx.export(dynamo=True)``
+with a translation per smxcompile op (:mod:`.translate`); the file checked in onnxruntime against eager PyTorch.
+Design: docs/DESIGN.md, 'Deployment export (ONNX, MLIR)'.
 """
 
 from __future__ import annotations
@@ -55,54 +36,25 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     """Export ``model`` as rewritten by smxcompile to ONNX and check the file in onnxruntime.
 
     Args:
-        model: an ``nn.Module`` that Dynamo traces as one graph (no graph break). Exported in its
-            current mode (call ``model.eval()`` first for inference).
-        args: positional example inputs (a tuple). kwargs: keyword example inputs.
-        path: the ``.onnx`` file to write.
-        dynamic_shapes: dims that stay symbolic in the ONNX graph, in torch.export's format keyed by
-            ``forward`` argument names: ``{"input_ids": {0: Dim("batch"), 1: Dim("seq")}}`` (or a dict
-            ``{dim: name}``, or a per-dim tuple with None for static dims). Example sizes must be >= 2
-            there. Default: every shape static.
-        opset: ONNX (ai.onnx) opset, at least 18 (default: the target's; 23 for onnxruntime when it
-            loads it, for the ``Attention`` op).
-        target: ``"onnxruntime"`` (default: the installed onnxruntime's best ops, com.microsoft ones
-            included) or ``"portable"`` (standard ONNX ops only, attention as MatMul / Softmax / MatMul);
-            see :mod:`smxcompile.export.onnx.target`.
-        attention_op: force the form of fused attention: ``"Attention"`` (ONNX, opset >= 23),
-            ``"MultiHeadAttention"`` (com.microsoft) or ``"decompose"``; None: the target's choice.
-        rewrites: the rewrite kinds to apply (names of ``smxcompile.REWRITE_KINDS``), or ``"all"``
-            (default); the others are exported as written. ``()`` exports the graph unrewritten.
-        options: further ``smx`` backend options; ``cpu`` defaults to ``"rewrite"`` here (the deployed
-            graph keeps every fusion, whatever Inductor's CPU policy is).
-        check: run ``onnx.checker`` and onnxruntime on the example inputs and compare every output
-            with eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|`` (with an ``attention_normalizer``
-            option, which changes the model, with the rewritten graph run in PyTorch instead).
-        check_inputs: more ``(args, kwargs)`` to compare on, e.g. other shapes of the dynamic dims. With
-            ``dynamic_shapes``, the check also runs the example narrowed by one along every dynamic dim (a
-            prefix of each tensor; skipped when the model itself fails on it or a dim cannot shrink).
-        compare: also export the model plainly (``torch.onnx.export(model, dynamo=True)`` at the same
-            opset, without smxcompile) and time both files in onnxruntime on the example inputs, in turn:
-            the op types before/after and the latencies land in the result (``print()`` it).
-        threads: onnxruntime intra-op threads of that timing (default 1).
+        model: an ``nn.Module`` that Dynamo traces as one graph, in its current mode (``model.eval()`` first).
+        args, kwargs: the example call; non-tensor values and branches on them are fixed as they were.
+        dynamic_shapes: symbolic dims in torch.export's format keyed by ``forward`` argument names
+            (``{"input_ids": {0: Dim("batch")}}``, ``{dim: name}`` or a per-dim tuple); example sizes >= 2.
+        opset: ai.onnx opset >= 18; target: ``"onnxruntime"`` or ``"portable"``; attention_op: ``"Attention"``,
+            ``"MultiHeadAttention"`` or ``"decompose"`` (:mod:`smxcompile.export.onnx.target`; None: the target's).
+        rewrites: the rewrite kinds to apply, or ``"all"``. options: ``smx`` backend options (``cpu="rewrite"``).
+        check: ``onnx.checker`` and onnxruntime on the example, ``check_inputs`` and (with ``dynamic_shapes``) the
+            example narrowed by one, against eager PyTorch: ``|ort - eager| <= atol + rtol * |eager|``.
+        compare: also time the plain ``torch.onnx.export`` of the model against the file (``threads`` threads).
 
     Returns:
-        :class:`OnnxExport` (path, rewrite report, op types, how each smxcompile op was exported, largest
-        difference, opset and target; with ``compare=True`` the plain export's op types and both latencies).
+        :class:`OnnxExport`; the file's outputs are the returned tensors in pytree order.
 
     Raises:
-        OnnxExportError: a graph break; an smxcompile op without an ONNX translation yet (named, with
-            the option that exports the site unrewritten); a dynamic dim that came out fixed or that the
-            model's code constrains (a branch on the size, a maximum length) beyond the declared ``Dim``
-            range; a bf16 model; a bad ``target`` / ``opset`` / ``attention_op`` / ``rewrites``; a file the
-            installed onnxruntime cannot load (its IR version and opset named); outputs the graph does not
-            compute; the check failing (which output, by how much).
+        OnnxExportError: a graph break; an op without a translation (and the option that exports it
+            unrewritten); a dynamic dim fixed or constrained by the model; bf16; a bad argument; a file
+            onnxruntime cannot load; the check failing (which output, by how much).
         ImportError: onnx / onnxscript / onnxruntime not installed (``pip install smxcompile[onnx]``).
-
-    Non-tensor arguments (a float temperature, a bool flag) and Python branches on values are fixed in
-    the file as they were for the example call; a branch on a dynamic size is refused (see above). The
-    file's outputs are the returned tensors in pytree order (a dict's keys are not output names).
-    onnxscript's optimizer (constant folding, dead code, common subexpressions) runs on the file, not its
-    opset-23 fusions (see :func:`_optimize`).
     """
     import onnx
 
@@ -125,68 +77,80 @@ def export_onnx(model: nn.Module, args: tuple, path: str | Path, *, kwargs: dict
     except ExportError as e:                          # the shared capture's errors, as this export's
         raise OnnxExportError(str(e)) from e
     if SmxOptions.from_mapping(opts).attention_normalizer != "softmax":
-        # the options change the model's math (another attention normalizer): the file is checked against the
-        # rewritten graph run in PyTorch (the smx ops' reference paths), not against the model as written
-        reference = RewrittenCall(module, model)
+        reference = RewrittenCall(module, model)      # another normalizer changes the math: check the graph
     else:
         reference = model
-    shapes = None
-    with torch.no_grad():
-        # torch.export first: the rewritten graph calls the smx ops through Python helpers; the exported
-        # program holds the ops themselves, which is what the translation table and the check see
-        leaves, names = input_leaves(model, args, kwargs)
-        shapes = leaf_shapes(model, args, kwargs, dynamic_shapes)
-        ep = torch.export.export(module, tuple(leaves), strict=False,
-                                 dynamic_shapes=None if shapes is None else (shapes,))   # the varargs tuple
-        table = translation_table(tgt)
-        check_graph(ep.graph_module, table)
-        try:
-            program = torch.onnx.export(ep, tuple(leaves), dynamo=True, opset_version=tgt.opset, input_names=names,
-                                        custom_translation_table=table, optimize=False, verbose=False)
-        except Exception as e:  # noqa: BLE001 - torch.onnx's ConversionError buries the translation's message
-            raise OnnxExportError(f"torch.onnx could not translate the rewritten graph: {_innermost(e)}") from e
+    leaves, names = input_leaves(model, args, kwargs)
+    shapes = leaf_shapes(model, args, kwargs, dynamic_shapes)
+    program = export_program(module, leaves=leaves, names=names, shapes=shapes, tgt=tgt)
     _optimize(program)
     _rename_dims(program.model, shapes)
     program.save(str(path))
     proto = onnx.load(str(path))
-    op_types = count_op_types(proto)
     opset_used = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), -1)
     if opset_used != tgt.opset:
         raise OnnxExportError(f"asked for opset {tgt.opset}, the exporter wrote opset {opset_used} (its version "
                               "converter failed); ask for another opset")
-    if shapes is not None:
-        # dynamic dims must come out symbolic (a dim_param), not baked to the example's size
-        for spec, inp in zip(shapes, proto.graph.input):
-            dims = inp.type.tensor_type.shape.dim
-            wanted = (list(spec) if isinstance(spec, dict)
-                      else [i for i, v in enumerate(spec) if v is not None] if spec is not None else [])
-            fixed = [d for d in wanted if d < len(dims) and not dims[d].dim_param]
-            if fixed:
-                raise OnnxExportError(f"input {inp.name}: dim(s) {fixed} came out fixed in the ONNX graph although "
-                                      "dynamic_shapes asks for them to be dynamic")
-    diff = math.nan
-    checked: list[tuple] = []
+    check_dims_dynamic(proto, shapes)
+    diff, checked = math.nan, []
     if check:
         onnx.checker.check_model(proto)
-        sess = ort_session(path)
         runs = [(args, kwargs)] + [(tuple(a), dict(k)) for a, k in check_inputs]
         narrowed = narrowed_inputs(args, kwargs, leaves, shapes)
-        if narrowed is not None:
-            runs.append(narrowed)                     # the dynamic dims really dynamic: one more shape
-        for i, (a, k) in enumerate(runs):
-            try:
-                d = run_and_compare(sess, model, a, k, rtol, atol, reference)
-            except EagerFailed:
-                if i < len(runs) - 1 or narrowed is None:
-                    raise
-                continue                              # the model itself does not take the narrowed shape
-            diff = d if math.isnan(diff) else max(diff, d)
-            checked.append(tuple(tuple(t.shape) for t in input_leaves(model, a, k)[0]))
-    out = OnnxExport(path=path, report=report, op_types=op_types, max_abs_diff=diff, opset=opset_used, target=tgt,
-                     exported=exported_ops(proto), checked_shapes=checked, dynamic=shapes is not None)
+        diff, checked = check_runs(path, model, reference=reference, runs=runs, narrowed=narrowed, rtol=rtol,
+                                   atol=atol)
+    out = OnnxExport(path=path, report=report, op_types=count_op_types(proto), max_abs_diff=diff, opset=opset_used,
+                     target=tgt, exported=exported_ops(proto), checked_shapes=checked, dynamic=shapes is not None)
     if compare:
         compare_with_plain(out, model, args, kwargs, tgt, threads, dynamic_shapes)
     return out
+
+
+def export_program(module: nn.Module, leaves: list, names: list, shapes: tuple | None, tgt):
+    """``torch.export`` of the captured module (its nodes the smx ops themselves), checked against the
+    translation table, then ``torch.onnx.export``; OnnxExportError naming what has no translation."""
+    with torch.no_grad():
+        program = torch.export.export(module, tuple(leaves), strict=False,
+                                      dynamic_shapes=None if shapes is None else (shapes,))
+        table = translation_table(tgt)
+        check_graph(program.graph_module, table)
+        try:
+            return torch.onnx.export(program, tuple(leaves), dynamo=True, opset_version=tgt.opset, input_names=names,
+                                     custom_translation_table=table, optimize=False, verbose=False)
+        except Exception as e:  # noqa: BLE001 - torch.onnx's ConversionError buries the translation's message
+            raise OnnxExportError(f"torch.onnx could not translate the rewritten graph: {_innermost(e)}") from e
+
+
+def check_dims_dynamic(proto, shapes: tuple | None) -> None:
+    """OnnxExportError if a dim ``shapes`` asks to be dynamic is not symbolic in the file's inputs."""
+    for spec, inp in zip(shapes or (), proto.graph.input):
+        dims = inp.type.tensor_type.shape.dim
+        wanted = (list(spec) if isinstance(spec, dict)
+                  else [i for i, v in enumerate(spec) if v is not None] if spec is not None else [])
+        fixed = [d for d in wanted if d < len(dims) and not dims[d].dim_param]
+        if fixed:
+            raise OnnxExportError(f"input {inp.name}: dim(s) {fixed} came out fixed in the ONNX graph although "
+                                  "dynamic_shapes asks for them to be dynamic")
+
+
+def check_runs(path: Path, model: nn.Module, reference, runs: list, narrowed, *, rtol: float,
+               atol: float) -> tuple[float, list[tuple]]:
+    """(largest difference, input shapes checked) of the file against ``reference`` on ``runs`` and ``narrowed``
+    (skipped if the model fails on it); OnnxExportError for a file onnxruntime cannot load or outputs that differ."""
+    sess = ort_session(path)
+    if narrowed is not None:
+        runs = [*runs, narrowed]
+    diff, checked = math.nan, []
+    for i, (run_args, run_kwargs) in enumerate(runs):
+        try:
+            d = run_and_compare(sess, model, run_args, run_kwargs, rtol, atol, reference)
+        except EagerFailed:
+            if i < len(runs) - 1 or narrowed is None:
+                raise
+            continue                                  # the model itself does not take the narrowed shape
+        diff = d if math.isnan(diff) else max(diff, d)
+        checked.append(tuple(tuple(t.shape) for t in input_leaves(model, run_args, run_kwargs)[0]))
+    return diff, checked
 
 
 def _innermost(e: BaseException) -> str:
@@ -222,8 +186,7 @@ def _check_arguments(path: Path, check_inputs, rtol, atol, rewrites, threads) ->
 
 
 def _rename_dims(model, shapes: tuple | None) -> None:
-    """Name the file's symbolic dims as ``dynamic_shapes`` did (``batch``, ``seq``) instead of the exporter's
-    symbols (``s28``), everywhere they appear (inputs, outputs, intermediate shapes, expressions)."""
+    """Name the file's symbolic dims as ``dynamic_shapes`` did (``batch``, not the exporter's ``s28``), everywhere."""
     if shapes is None:
         return
     import onnx_ir as ir
@@ -260,19 +223,14 @@ def _rename_dims(model, shapes: tuple | None) -> None:
 
 
 def _optimize(program) -> None:
-    """onnxscript's optimizer on the exported model: constant folding, dead code, common subexpressions.
-
-    Not the opset-23 fusions ``torch.onnx.export(optimize=True)`` adds after it (onnxscript's
-    ``onnx_fusions``: RMSNormalization, RotaryEmbedding, GQA): the fused RotaryEmbedding keeps a batch-1
-    cos/sin cache that onnxruntime 1.32 refuses for any batch > 1 once the batch dim is dynamic (a Llama file
-    that fails on its own example), and the fusions were measured to change nothing else in onnxruntime's
-    latency (Llama, 4 x 128 tokens: 72.8 vs 73.5 ms)."""
+    """onnxscript's optimizer on the exported model (constant folding, dead code, common subexpressions), without
+    the opset-23 fusions of ``torch.onnx.export(optimize=True)``: docs/DESIGN.md, 'Deployment export (ONNX,
+    MLIR)'."""
     import logging
 
     import onnxscript.optimizer
 
-    # its constant folder logs a warning for every node it cannot evaluate ("Evaluation failed: cannot reshape
-    # ..."), which is not a problem of the file
+    # its constant folder warns about every node it cannot evaluate, which is not a problem of the file
     folding = logging.getLogger("onnxscript.optimizer._constant_folding")
     level = folding.level
     folding.setLevel(logging.ERROR)

@@ -1,6 +1,4 @@
-"""What :func:`smxcompile.export_onnx` returns and raises: :class:`OnnxExport` (with its printed summary),
-:class:`OnnxBaseline` (the plain export it is compared with), :class:`OnnxExportError`, and the op counts read
-back from the written file."""
+"""What :func:`smxcompile.export_onnx` returns and raises, and the op counts read back from the written file."""
 
 from __future__ import annotations
 
@@ -14,23 +12,14 @@ from .target import OnnxTarget
 
 
 class OnnxExportError(ExportError):
-    """An export that cannot be done or that failed its check; the message names the op and the reason.
-
-    The shared capture's errors (:class:`~smxcompile.export.ExportError`) reach the caller of
-    :func:`smxcompile.export_onnx` as this class."""
+    """An export that cannot be done or that failed its check (the capture's errors too); the message says why."""
 
 
 @dataclasses.dataclass
 class OnnxBaseline:
-    """The plain ``torch.onnx.export`` of the same model (``export_onnx(..., compare=True)``).
-
-    Attributes:
-        op_types: ``{ONNX op type: count}`` of the plain file (empty when it failed).
-        latency_ms: its onnxruntime CPU latency (ms per call, median of rounds; None when it failed).
-        error: why the plain export or its run failed (None when it worked).
-        dynamic: whether it has the same dynamic dims as the smxcompile file (False: static, torch.onnx could not
-            export the model with them; a static file has fewer shape ops, so the comparison favours it).
-    """
+    """The plain ``torch.onnx.export`` of the same model (``compare=True``): its ``op_types``, ``latency_ms``
+    (onnxruntime CPU, ms per call), why it failed (``error``), and whether it kept the dynamic dims (``dynamic``;
+    False: static, which favours it)."""
 
     op_types: dict[str, int]
     latency_ms: float | None = None
@@ -42,20 +31,9 @@ class OnnxBaseline:
 class OnnxExport:
     """What :func:`smxcompile.export_onnx` wrote and checked; ``print()`` it for the report.
 
-    Attributes:
-        path: the ``.onnx`` file. report: the rewrite report of the exported graph.
-        op_types: ``{ONNX op type: count}`` of the exported graph.
-        max_abs_diff: largest ``|onnxruntime - eager|`` over the outputs on the example inputs
-            (NaN when ``check=False``).
-        opset: the ONNX opset of the file. target: what the file was written for (runtime, attention form).
-        exported: how each smxcompile op (and ``aten::scaled_dot_product_attention``, the form of fused
-            softmax attention) reached the file: ``{"smx::softmax_topk": {"calls": 1, "onnx": {"TopK": 1, ...}}}``,
-            read from the exporter's node metadata after onnxscript's optimizer.
-        latency_ms: onnxruntime CPU latency of the file on the example inputs (ms per call; ``compare=True``).
-        baseline: the plain ``torch.onnx.export`` of the model, its op types and latency (``compare=True``).
-        checked_shapes: the input shapes the check ran onnxruntime against eager on (the example, ``check_inputs``
-            and, with ``dynamic_shapes``, the example narrowed by one along every dynamic dim).
-        dynamic: whether the file has dynamic dims (``dynamic_shapes`` given).
+    ``max_abs_diff``: largest ``|onnxruntime - eager|`` (NaN without a check), over ``checked_shapes``.
+    ``exported``: how each smx op and SDPA reached the file, ``{"smx::softmax_topk": {"calls": 1, "onnx": {...}}}``.
+    ``latency_ms`` and ``baseline`` come with ``compare=True``.
     """
 
     path: Path
@@ -71,8 +49,7 @@ class OnnxExport:
     dynamic: bool = False
 
     def summary(self) -> str:
-        """The report as text: rewrites, how each smxcompile op was exported, op types (before/after with
-        ``compare=True``) and the latency side by side."""
+        """The report as text: rewrites, how each op was exported, op types and latencies (before / after)."""
         t = self.target
         lines = [str(self.report), "",
                  f"wrote {self.path} (opset {self.opset}" + (f", target {t.name}" if t else "")
@@ -117,7 +94,7 @@ class OnnxExport:
 
 
 def count_op_types(proto) -> dict[str, int]:
-    """``{ONNX op type: count}`` over the top-level graph of ``proto`` (an ``onnx.ModelProto``). Raises nothing."""
+    """``{ONNX op type: count}`` over the top-level graph of ``proto`` (an ``onnx.ModelProto``)."""
     out: dict[str, int] = {}
     for node in proto.graph.node:
         out[node.op_type] = out.get(node.op_type, 0) + 1
@@ -125,9 +102,8 @@ def count_op_types(proto) -> dict[str, int]:
 
 
 def exported_ops(proto) -> dict[str, dict]:
-    """``{"smx::<op>": {"calls": n, "onnx": {op_type: count}}}`` from the exporter's node metadata (the
-    torch op each ONNX node was translated from); ``aten::scaled_dot_product_attention`` too. ``proto``: the
-    written ``onnx.ModelProto``; nodes without that metadata are skipped. Raises nothing."""
+    """``{"smx::<op>": {"calls": n, "onnx": {op_type: count}}}`` (SDPA too) from the exporter's node metadata
+    in ``proto``, nodes without it skipped."""
     import ast
 
     found: dict[str, dict] = {}

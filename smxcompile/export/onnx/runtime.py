@@ -1,5 +1,4 @@
-"""The onnxruntime side of an ONNX export: a CPU session of the file, its inputs, the timing of ``compare=True``
-and the check's runs against eager PyTorch (or the rewritten graph in PyTorch)."""
+"""The onnxruntime side of an ONNX export: sessions, feeds, timing, and the check's runs against PyTorch."""
 
 from __future__ import annotations
 
@@ -16,13 +15,8 @@ from .result import OnnxExportError
 
 
 def ort_session(path: Path, threads: int | None = None):
-    """An onnxruntime CPU session of ``path`` (all graph optimizations; ``threads`` intra-op threads, onnxruntime's
-    default when None).
-
-    Raises:
-        OnnxExportError: a file the installed onnxruntime cannot load (names its IR version and opsets).
-        ImportError: onnx / onnxruntime not installed.
-    """
+    """An onnxruntime CPU session of ``path`` (all graph optimizations, ``threads`` intra-op threads or the
+    default); OnnxExportError naming the IR version and opsets of a file it cannot load."""
     import onnx
     import onnxruntime as ort
 
@@ -41,12 +35,8 @@ def ort_session(path: Path, threads: int | None = None):
 
 
 def ort_feeds(sess, leaves: list[torch.Tensor], names: list[str]) -> dict:
-    """Session inputs by name when the file kept the argument names, else in order: ``{input name: numpy array}``
-    of ``leaves`` (their dtypes and shapes), with ``names`` from :func:`~smxcompile.export.inputs.input_leaves`.
-
-    Raises:
-        OnnxExportError: the names do not match and the file takes another number of inputs.
-    """
+    """``{session input name: numpy array}`` of ``leaves``, by ``names`` where the file kept them, else in order;
+    OnnxExportError when neither fits."""
     ins = [i.name for i in sess.get_inputs()]
     by_name = dict(zip(names, leaves))
     if all(n in by_name for n in ins):
@@ -57,14 +47,8 @@ def ort_feeds(sess, leaves: list[torch.Tensor], names: list[str]) -> dict:
 
 
 def time_sessions(runs: dict[str, tuple[Any, dict]], rounds: int = 5, seconds: float = 0.2) -> dict[str, float]:
-    """onnxruntime latency of several sessions timed in turn: ``{name: ms per call}``, the median over
-    ``rounds`` rounds (the order alternating), each round as many calls as take about ``seconds``.
-
-    Args:
-        runs: ``{name: (InferenceSession, feeds)}``.
-
-    Raises whatever ``InferenceSession.run`` raises on the feeds.
-    """
+    """``{name: ms per call}`` of ``runs`` (``{name: (session, feeds)}``) timed in turn: the median of ``rounds``
+    rounds in alternating order, each about ``seconds`` of calls."""
     import statistics
     import time
 
@@ -86,15 +70,12 @@ def time_sessions(runs: dict[str, tuple[Any, dict]], rounds: int = 5, seconds: f
 
 
 class EagerFailed(OnnxExportError):
-    """Eager PyTorch itself fails on a check input (:func:`run_and_compare`): the narrowed shape the check adds
-    may be skipped then, a given input may not."""
+    """Eager PyTorch itself fails on a check input (then the narrowed one may be skipped, a given one not)."""
 
 
 def narrowed_inputs(args: tuple, kwargs: dict, leaves: list, shapes: tuple | None) -> tuple | None:
-    """``(args, kwargs)`` with every dynamic dim one smaller (prefixes of the example tensors; dims that share a
-    ``Dim`` stay equal), or None when no dim can shrink (size - 1 below 2 or below the Dim's min).
-    ``leaves`` and ``shapes``: the example's tensors and :func:`~smxcompile.export.inputs.leaf_shapes`. Raises
-    nothing."""
+    """``(args, kwargs)`` with every dynamic dim of ``shapes`` one smaller (prefixes; dims sharing a ``Dim`` stay
+    equal), or None when none can shrink (below 2 or the Dim's min)."""
     if shapes is None:
         return None
     sizes: dict[str, int] = {}
@@ -125,9 +106,8 @@ def narrowed_inputs(args: tuple, kwargs: dict, leaves: list, shapes: tuple | Non
 
 
 class RewrittenCall:
-    """Calls the captured, rewritten graph with a model's ``(args, kwargs)`` (the check's reference when the
-    options change the model's math); ``module`` is :func:`~smxcompile.export.capture.capture`'s.
-    Raises what the graph raises on the inputs."""
+    """The captured, rewritten graph called with a model's ``(args, kwargs)``: the check's reference when the
+    options change the model's math."""
 
     def __init__(self, module: nn.Module, model: nn.Module):
         self.module, self.model = module, model
@@ -138,15 +118,12 @@ class RewrittenCall:
 
 def run_and_compare(sess, model: nn.Module, args: tuple, kwargs: dict, rtol: float, atol: float,
                     reference=None) -> float:
-    """Largest ``|onnxruntime - reference|`` on one input (reference: ``model`` itself by default).
-
-    Outputs are compared in fp32 (fp64 outputs in fp64) with :func:`~smxcompile.export.compare.compare_arrays`:
-    ``|ort - ref| <= atol + rtol * |ref|``, NaN matching NaN.
+    """Largest ``|onnxruntime - reference|`` on one input (``model`` by default), in fp32 (fp64 for fp64), by
+    :func:`~smxcompile.export.compare.compare_arrays`.
 
     Raises:
         EagerFailed: the reference itself fails on the input.
-        OnnxExportError: onnxruntime fails on it; a different number of outputs, or a shape or value mismatch
-            (which output, by how much).
+        OnnxExportError: onnxruntime failing, or outputs that differ in number, shape or value.
     """
     leaves, names = input_leaves(model, args, kwargs)
     try:

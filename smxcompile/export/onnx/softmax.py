@@ -1,24 +1,13 @@
-"""ONNX translations of the softmax family: ``smx::softmax``, ``smx::log_softmax``, ``smx::softmax_topk``,
-``smx::quant_softmax`` (onnxscript functions for ``torch.onnx.export``'s ``custom_translation_table``).
+"""ONNX translations of the softmax family (onnxscript functions for ``torch.onnx.export``'s
+``custom_translation_table``). Each translation module has ``translations(target) -> {OpOverload: function}`` and
+``refuse(name, args, node) -> str | None``: why one call of ``smx::<name>`` cannot be translated (``args`` by the
+op's schema names).
 
-Each translation module of :mod:`smxcompile.export.onnx` has the same two functions:
-``translations(target) -> {OpOverload: onnxscript function}`` and ``refuse(name, args, node) -> str | None``
-(why one call of ``smx::<name>`` cannot be translated, None when it can; ``args`` maps the op's schema
-argument names to the node's arguments).
-
-- ``smx::softmax`` -> ``Softmax``, ``smx::log_softmax`` -> ``LogSoftmax``, with the op's fused prologue in
-  front (scale ``Mul``, soft-cap ``cap * Tanh(z / cap)``, additive mask ``Add``) in fp32 (fp64 for fp64; half
-  inputs are cast up and the result cast to ``dtype``, as the op computes), and the row's log-sum-exp as
-  ``ReduceLogSumExp`` when the graph uses it.
-- ``smx::softmax_topk``: renormalized (MoE routers, ``softmax(topk(x))``) -> ``TopK`` of the logits and
-  ``Softmax`` over the k values only. Not renormalized: ``target="portable"`` -> ``TopK`` of the logits and
-  ``Exp(values - m) / ReduceSum(Exp(x - m))`` with ``m`` the top value, never a full ``Softmax``
-  (``softmax(x)[topk] = exp(topk(x) - lse(x))``); ``target="onnxruntime"`` -> ``Softmax`` then ``TopK``, because onnxruntime's
-  fused Softmax kernel was measured faster on CPU than any form that avoids it
-  (``benchmarks/bench_onnx_forms.py``; its ``ReduceLogSumExp`` is 2-5x slower than ``Softmax``).
-- ``smx::quant_softmax`` -> ``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` for a code range narrower than
-  the 8-bit type); the graph's own dequantization and bias correction (Pandey et al. 2023, "Softmax Bias
-  Correction for Quantized Generative Models") follow as standard ops.
+``smx::softmax`` / ``log_softmax``: the fused prologue (scale, soft-cap, mask) in fp32 (fp64 for fp64), then
+``Softmax`` / ``LogSoftmax``. ``smx::softmax_topk``: ``TopK`` of the logits, then ``Softmax`` over the k values
+(renormalized) or ``Exp(values - m) / ReduceSum(Exp(x - m))`` (portable); ``Softmax`` then ``TopK`` for
+onnxruntime, the fastest there (docs/PERFORMANCE.md, 'ONNX softmax + top-k forms').
+``smx::quant_softmax``: ``Softmax`` + ``QuantizeLinear`` (+ ``Clip`` below 8 bits; Pandey et al. 2023).
 """
 
 from __future__ import annotations
@@ -34,8 +23,7 @@ def scaled(op, x, scale: float):
 
 
 def _float_type(v) -> int:
-    """The ONNX type the op computes in for input value ``v``: fp64 for fp64, else fp32 (half inputs and
-    integers are computed in fp32, as the op's CPU and Triton paths do)."""
+    """The ONNX type the op computes in for input ``v``: fp64 for fp64, else fp32 (as its CPU and Triton paths)."""
     import onnx
 
     return onnx.TensorProto.DOUBLE if _dtype_of(v) == onnx.TensorProto.DOUBLE else onnx.TensorProto.FLOAT
@@ -47,8 +35,8 @@ def _dtype_of(v) -> int | None:
 
 
 def prologue(op, x, scale: float, softcap, mask):
-    """``z = softcap * tanh(x * scale / softcap) + mask`` in fp32 (fp64 for fp64 input): the fused prologue of
-    ``smx::softmax`` / ``smx::log_softmax`` (:func:`smxcompile.kernels.softmax.ops.prologue`)."""
+    """``z = softcap * tanh(x * scale / softcap) + mask`` in fp32 (fp64 for fp64): the ops' fused prologue
+    (:func:`smxcompile.kernels.softmax.ops.prologue`)."""
     acc = _float_type(x)
     z = x if _dtype_of(x) == acc else op.Cast(x, to=acc)
     z = scaled(op, z, scale)
@@ -89,13 +77,11 @@ def translations(target) -> dict[Any, Any]:
             values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
             probs = op.Softmax(values, axis=dim)
         elif fused_softmax:
-            # onnxruntime's fused Softmax kernel then TopK was measured faster on CPU than every form that
-            # avoids it (ReduceLogSumExp 2-5x slower; benchmarks/bench_onnx_forms.py)
+            # measured faster in onnxruntime than every form that avoids the full Softmax
             probs, indices = op.TopK(op.Softmax(z, axis=dim), op.Constant(value_ints=[k]), axis=dim, largest=1,
                                      sorted=1)
         else:
-            # exp(topk(z) - m) / sum(exp(z - m)) with m the top value (the row max): no full Softmax written,
-            # no ReduceMax; ReduceLogSumExp measured 2-5x slower than this in onnxruntime
+            # softmax(z)[topk] = exp(topk(z) - m) / sum(exp(z - m)), m the top value: no full Softmax written
             values, indices = op.TopK(z, op.Constant(value_ints=[k]), axis=dim, largest=1, sorted=1)
             m = op.Slice(values, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), axes)
             d = op.ReduceSum(op.Exp(op.Sub(z, m)), axes, keepdims=1)
@@ -108,7 +94,7 @@ def translations(target) -> dict[Any, Any]:
 
     def smx_quant_softmax(x, dim: int, logit_scale: float, scale: float, zero_point: int, quant_min: int,
                           quant_max: int, dtype, prob_dtype=None):
-        # QuantizeLinear saturates to the full uint8 / int8 range; a narrower code range (bits < 8) is a Clip
+        # QuantizeLinear saturates to the full uint8 / int8 range; a narrower one (bits < 8) is a Clip
         import onnx
 
         onnx_type = onnx.TensorProto.UINT8 if quant_min >= 0 else onnx.TensorProto.INT8

@@ -1,19 +1,9 @@
-"""What an ONNX export is for: the runtime, the opset, and the ONNX form of attention.
+"""What an ONNX export is for: ``export_onnx``'s ``target`` / ``opset`` / ``attention_op`` resolved into an
+:class:`OnnxTarget` by probing the installed onnxruntime (one-node models, cached per process).
 
-``smxcompile.export_onnx(..., target=...)`` resolves its ``target`` / ``opset`` / ``attention_op``
-arguments into an :class:`OnnxTarget`, which every translation module receives:
-
-- ``"onnxruntime"`` (default): the installed onnxruntime's fastest exact ops. Fused attention sites become
-  the ONNX ``Attention`` op (opset 23; causal, grouped-query heads, soft-capping and masks as attributes /
-  inputs, with fix-ups where onnxruntime's semantics differ from torch's: :mod:`.attention`) when
-  onnxruntime has a kernel for it (the opset is then 23), else the MatMul / Softmax / MatMul
-  decomposition at the exporter's default opset. com.microsoft ``MultiHeadAttention`` is exact too but
-  was measured 13-22% slower at 128 tokens (``attention_op="MultiHeadAttention"`` asks for it).
-- ``"portable"``: standard ONNX ops only (no ``com.microsoft`` domain), attention as a
-  MatMul / Softmax / MatMul decomposition, at the exporter's default opset (18) or the one asked for;
-  for runtimes other than onnxruntime.
-
-Probing onnxruntime means loading a one-node model per (op, opset) once per process (milliseconds).
+``"onnxruntime"``: its fastest exact ops, fused attention as the ONNX ``Attention`` op (opset 23) when it has the
+kernel, else decomposed at opset 18. ``"portable"``: standard ONNX ops only, attention decomposed, opset 18 or
+the one asked for. The choice of forms: docs/PERFORMANCE.md, 'ONNX attention forms'.
 """
 
 from __future__ import annotations
@@ -21,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-#: The forms of attention an export can use: the ONNX op (opset >= 23), onnxruntime's contrib op,
-#: or MatMul / Softmax / MatMul.
+#: The forms of attention: the ONNX op (opset >= 23), onnxruntime's contrib op, or MatMul / Softmax / MatMul.
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "decompose")
 
 TARGETS = ("onnxruntime", "portable")
@@ -36,15 +25,9 @@ ATTENTION_OPSET = 23
 
 @dataclasses.dataclass(frozen=True)
 class OnnxTarget:
-    """A resolved export target.
-
-    Attributes:
-        name: ``"onnxruntime"`` or ``"portable"``.
-        opset: the ONNX (ai.onnx) opset of the file.
-        attention: how fused attention is written: one of :data:`ATTENTION_OPS`.
-        contrib: whether onnxruntime's ``com.microsoft`` ops may appear.
-        ort_version: the onnxruntime the target was resolved against (None for portable without it).
-    """
+    """A resolved export target: ``name`` (one of :data:`TARGETS`), the ai.onnx ``opset``, the form of
+    ``attention`` (one of :data:`ATTENTION_OPS`), whether ``com.microsoft`` ops may appear (``contrib``), and the
+    onnxruntime version it was resolved against (``ort_version``, None without one)."""
 
     name: str
     opset: int
@@ -67,14 +50,13 @@ def _ort():
 
 @functools.lru_cache(maxsize=None)
 def ort_loads(op_type: str, opset: int, domain: str = "", n_inputs: int = 1, ir_version: int | None = None) -> bool:
-    """Whether the installed onnxruntime's CPU provider loads a one-node model of ``op_type`` (fp32 inputs
-    of shape (1, 1, 2, 4); ``n_inputs`` of them) at ``opset``."""
+    """Whether the installed onnxruntime's CPU provider loads a one-node model of ``op_type`` (``n_inputs`` fp32
+    inputs, 4-D; 3-D for com.microsoft ops) at ``opset``."""
     ort = _ort()
     if ort is None:
         return False
     from onnx import TensorProto, helper
 
-    # com.microsoft ops take 3-D (batch, sequence, hidden) inputs; the ONNX ones here 4-D
     shape = [1, 2, 4] if domain == "com.microsoft" else [1, 1, 2, 4]
     attrs = {"num_heads": 1} if domain == "com.microsoft" else {}
     inputs = [f"x{i}" for i in range(n_inputs)]
@@ -92,12 +74,7 @@ def ort_loads(op_type: str, opset: int, domain: str = "", n_inputs: int = 1, ir_
 
 
 def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op: str | None = None) -> OnnxTarget:
-    """The :class:`OnnxTarget` of ``export_onnx``'s arguments.
-
-    Args:
-        target: ``"onnxruntime"`` or ``"portable"`` (see the module docstring).
-        opset: the ai.onnx opset asked for (None: the target's choice). At least 18.
-        attention_op: force a form of attention (one of :data:`ATTENTION_OPS`; None: the target's choice).
+    """The :class:`OnnxTarget` of ``export_onnx``'s arguments (``opset`` / ``attention_op`` None: the target's).
 
     Raises:
         OnnxTargetError: an unknown target / attention_op, an opset below 18, ``Attention`` below opset 23,
@@ -131,16 +108,12 @@ def resolve(target: str = "onnxruntime", opset: int | None = None, attention_op:
                               "use target='portable' to export for another runtime")
     has_attention = ort_loads("Attention", ATTENTION_OPSET, n_inputs=3)
     if opset is None:
-        # the Attention op's opset when onnxruntime has its kernel: export/onnx/attention.py writes Attention /
-        # MultiHeadAttention with torch's semantics (fully masked rows, finfo.min masks, NaN), else the default
+        # the Attention op's opset when onnxruntime has its kernel (attention.py keeps torch's semantics on it)
         opset = ATTENTION_OPSET if has_attention else DEFAULT_OPSET
     elif not ort_loads("Softmax", opset):
         raise OnnxTargetError(f"onnxruntime {version} does not load opset {opset} models; ask for a lower opset")
     if attention_op is None:
-        # the fastest exact form on onnxruntime 1.32 CPU (1 thread; B=4, H=8, E=64 blocks at L 128 / 512 / 1024,
-        # causal and padded, and GPT-2 / Llama / BERT at 512 tokens; quiet machine): Attention-23 2-8% faster than the
-        # decomposition on each; MultiHeadAttention within 5% of it at L >= 512 but 13-22% slower at L = 128 (its
-        # Transposes) and probed on 1.32 only, so without the Attention kernel: the decomposition
+        # the fastest exact form measured (docs/PERFORMANCE.md, 'ONNX attention forms'); without it, decomposed
         attention_op = "Attention" if opset >= ATTENTION_OPSET and has_attention else "decompose"
     if attention_op == "Attention" and (opset < ATTENTION_OPSET or not has_attention):
         raise OnnxTargetError(f"attention_op='Attention' needs opset >= {ATTENTION_OPSET} and an onnxruntime with "

@@ -1,9 +1,5 @@
-"""The translation table of an ONNX export, gathered from the per-op-family modules, and the refusals.
-
-Each translation module (:data:`TRANSLATION_MODULES`: :mod:`.softmax`, :mod:`.cross_entropy`,
-:mod:`.attention`) has the same two functions: ``translations(target) -> {OpOverload: onnxscript function}``
-and ``refuse(name, args, node) -> str | None`` (see :mod:`.softmax`).
-"""
+"""The translation table of an ONNX export, gathered from the modules of :data:`TRANSLATION_MODULES` (each with
+``translations(target)`` and ``refuse(name, args, node)``, see :mod:`.softmax`), and the refusals."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from ..capture import rewrite_kind
 from .result import OnnxExportError
 
 
-#: The modules whose ``translations(target)`` make up the ``custom_translation_table`` and whose
-#: ``refuse(name, args, node)`` says why a call cannot be translated (see :mod:`.softmax`).
+#: The per-op-family translation modules.
 TRANSLATION_MODULES = ("softmax", "cross_entropy", "attention")
 
 
@@ -27,13 +22,8 @@ def _modules() -> list:
 
 
 def translation_table(target=None) -> dict[Any, Any]:
-    """``torch.onnx.export``'s ``custom_translation_table`` for ``target`` (an
-    :class:`~smxcompile.export.onnx.target.OnnxTarget`; None: portable forms): ``{OpOverload: onnxscript
-    function}`` from every module of :data:`TRANSLATION_MODULES`.
-
-    Raises:
-        ImportError: onnx / onnxscript not installed.
-    """
+    """``torch.onnx.export``'s ``custom_translation_table`` for ``target`` (an ``OnnxTarget``; None: portable
+    forms); ImportError without onnx / onnxscript."""
     table: dict[Any, Any] = {}
     for m in _modules():
         table.update(m.translations(target))
@@ -41,17 +31,9 @@ def translation_table(target=None) -> dict[Any, Any]:
 
 
 def check_graph(gm: torch.fx.GraphModule, table: dict) -> None:
-    """Refuse smxcompile ops (or options of them) that ``table`` (the translations) does not cover.
-
-    Args:
-        gm: the exported program's graph module (``ExportedProgram.graph_module``). table: what
-            :func:`translation_table` returned.
-
-    Raises:
-        OnnxExportError: attention (SDPA or ``smx::attention``) with ``dropout_p > 0``; an smx op with no
-            translation (naming the ``disable`` option that exports the site unrewritten); a call a module's
-            ``refuse`` turns down (its reason).
-    """
+    """OnnxExportError for a call in ``gm`` (the exported program's) that ``table`` cannot translate: attention
+    with ``dropout_p > 0``, an smx op without translation (naming the option that exports it unrewritten), or
+    a call a module's ``refuse`` turns down."""
     translated = {op._opname for op in table}
     modules = _modules()
     for n in gm.graph.nodes:
