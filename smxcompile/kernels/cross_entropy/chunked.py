@@ -146,15 +146,16 @@ def _grad_chunk(z_raw, tgt, lse, om, a, b, c, w, ignore_index, scale, softcap, g
         z = z_raw.mul_(scale) if scale != 1.0 else z_raw
     # p * a, then the c-term, the collapse-safe target entry, grad_logits and dz/dx
     g = z.sub_(lse.unsqueeze(1)).exp_().mul_(a.unsqueeze(1))
-    return _finish_grad(g, tgt, om, a, b, c, w, ignore_index, glog, has_target, dzdx)
+    return _finish_grad(g, tgt, om, a, b, c, w=w, ignore_index=ignore_index, glog=glog, has_target=has_target,
+                        dzdx=dzdx)
 
 
 @autocast_off
 def torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c, ignore_index, scale,
                    softcap, logits, grad_logits, needs, chunk_bytes, raw_logits=None):
-    """Gradients by row chunks of ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i`` (see the package
-    docstring); returns (grad_input, grad_weight, grad_bias) — or the gradient of ``raw_logits`` for the
-    plain op. ``needs``: which of the three to compute."""
+    """Gradients by row chunks of ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i`` (docs/DESIGN.md,
+    "Cross-entropy: the statistics and the backward's coefficients"): (grad_input, grad_weight, grad_bias), the
+    ``needs`` of them, or the gradient of ``raw_logits`` for the plain op."""
     n = target.shape[0]
     base = input if raw_logits is None else raw_logits
     acc = acc_dtype(base)
@@ -163,7 +164,8 @@ def torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a,
     gi = empty_contiguous(input) if (raw_logits is None and need_in) else None
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if (raw_logits is None and need_w) else None
     gb = torch.zeros(v, dtype=acc, device=weight.device) if (raw_logits is None and need_b) else None
-    graw = torch.empty(raw_logits.shape, dtype=raw_logits.dtype, device=raw_logits.device) if raw_logits is not None else None
+    graw = None if raw_logits is None else torch.empty(raw_logits.shape, dtype=raw_logits.dtype,
+                                                       device=raw_logits.device)
     step = rows_per_chunk(v, chunk_bytes, acc)
     has_target = probs is None
     for r0 in range(0, n, step):
@@ -189,11 +191,12 @@ def torch_backward(input, weight, bias, target, probs, class_weight, lse, om, a,
         tgt = target[r0:r1] if has_target else None
         cc = None if c is None else c[r0:r1]
         if x is not None:
-            g = _grad_chunk(x, tgt, lse[r0:r1], om[r0:r1], a[r0:r1], b[r0:r1], cc, w, ignore_index, scale,
-                            softcap, glog, has_target)
+            g = _grad_chunk(x, tgt, lse[r0:r1], om[r0:r1], a[r0:r1], b[r0:r1], cc, w=w, ignore_index=ignore_index,
+                            scale=scale, softcap=softcap, glog=glog, has_target=has_target)
         else:
             # softcap with saved logits: same steps as _grad_chunk on z
-            g = _finish_grad(g, tgt, om[r0:r1], a[r0:r1], b[r0:r1], cc, w, ignore_index, glog, has_target, dzdx)
+            g = _finish_grad(g, tgt, om[r0:r1], a[r0:r1], b[r0:r1], cc, w=w, ignore_index=ignore_index, glog=glog,
+                             has_target=has_target, dzdx=dzdx)
         if graw is not None:
             graw[r0:r1] = g
             continue

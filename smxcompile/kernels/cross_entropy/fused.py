@@ -1,12 +1,6 @@
-"""The fused CPU path of linear cross-entropy (``smx::linear_ce_loss``): scalar reductions, gradients computed
-in the forward pass.
-
-For reduction mean/sum the per-row backward coefficients are known in the forward up to
-the scalar grad_output (they depend only on the targets, the weights and the row's own
-lse), so the forward computes the gradients while each logits chunk is hot in cache:
-3 matmuls (as eager) instead of 4 (stats, then recompute in backward). The same idea as
-PyTorch's chunked F.linear_cross_entropy and Liger-Kernel's fused linear CE.
-"""
+"""The fused CPU path of linear cross-entropy (``smx::linear_ce_loss``): for reduction mean / sum the gradients
+are computed in the forward, while each logits chunk is in cache (3 matmuls, as eager, instead of 4); see
+docs/DESIGN.md, "Cross-entropy". The same idea as PyTorch's chunked F.linear_cross_entropy and Liger-Kernel's."""
 
 from __future__ import annotations
 
@@ -55,12 +49,173 @@ def scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction,
 
 
 def saved_grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the gradients the fused forward computes for grad_output = 1, for inputs of ``dtype``.
-
-    fp16 keeps them in fp32: they are scaled by the real grad_output only in the backward, and
-    an unscaled fp16 gradient (``p / N`` of a mean, before a loss scaler's 2^16) underflows
-    where torch's scaled one does not. bf16 has fp32's range: it keeps its own dtype."""
+    """dtype of the gradients the fused forward computes for grad_output = 1, for inputs of ``dtype``: fp32 for
+    fp16, whose unscaled gradient (``p / N`` of a mean, before a loss scaler's 2^16) would underflow; else ``dtype``."""
     return torch.float32 if dtype == torch.float16 else dtype
+
+
+class _FusedChunks:
+    """The buffers and gradient accumulators of one :func:`fused_forward` call, and its per-chunk steps."""
+
+    def __init__(self, input, weight, bias, target, *, class_weight, ignore_index, eps, scale, softcap, logits_out,
+                 chunk_bytes):
+        rows, vocab, dim = target.shape[0], weight.shape[0], input.shape[1]
+        acc = self.acc = acc_dtype(input)
+        self.input, self.weight, self.bias, self.logits_out = input, weight, bias, logits_out
+        self.scale, self.softcap = scale, softcap
+        self.lse = torch.zeros(rows, dtype=acc, device=input.device)
+        self.target_logit = torch.zeros(rows, dtype=acc, device=input.device)
+        self.weighted_sum = torch.zeros(rows, dtype=acc, device=input.device) if eps else None
+        # the class weights of label smoothing's weighted sum (None: ones)
+        self.smoothing_weight = class_weight.to(acc) if (eps and class_weight is not None) else None
+        self.grad_dtype = saved_grad_dtype(input.dtype)
+        # the matmul for grad_input runs in the gradient's dtype (fp16: on an fp32 copy of the weight)
+        self.weight_gi = weight if weight.dtype == self.grad_dtype else weight.to(self.grad_dtype)
+        self.grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        self.grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if bias is not None else None
+        self.valid = target != ignore_index
+        self.rows = None
+        if logits_out is None or not vocab:
+            self.rows = self.valid.nonzero().squeeze(1)  # only the rows that contribute (data-dependent)
+            self.grad_input = torch.zeros(input.shape, dtype=self.grad_dtype, device=input.device)
+            self.count = self.rows.numel()
+        else:
+            self.grad_input = torch.empty(input.shape, dtype=self.grad_dtype, device=input.device)
+            self.count = rows
+        count = self.count
+        self.step = max(rows_per_chunk(vocab, chunk_bytes, acc), min(MIN_CHUNK_ROWS, count) if not chunk_bytes else 1)
+        height = min(self.step, count)
+        self.logits_buf = torch.empty((height, vocab), dtype=acc, device=input.device) if count else None
+        self.dzdx_buf = (torch.empty((height, vocab), dtype=acc, device=input.device)
+                         if count and softcap is not None else None)
+        self.grad_buf = torch.empty((height, dim), dtype=acc, device=input.device) if count else None
+        self.same = input.dtype == acc and weight.dtype == acc
+        # smoothing without soft-cap: the -c w^T term of the gradient is rank one, so its products are taken apart:
+        # grad_input -= c (w @ W) per chunk; grad_weight -= w (c @ E) and grad_bias -= w sum(c) once, at the end
+        self.rank_one = bool(eps) and softcap is None and count > 0
+        if self.rank_one:
+            self.c_sum = torch.zeros((), dtype=acc, device=input.device)
+            self.c_e = torch.zeros(dim, dtype=acc, device=input.device)
+            self.w_w = torch.zeros(dim, dtype=acc, device=input.device)
+            for j0 in range(0, vocab, self.step):  # w @ W in acc, a chunk of rows at a time (no copy of W)
+                rows_w = self.weight_gi[j0:j0 + self.step]
+                rows_w = rows_w if rows_w.dtype == acc else rows_w.to(acc)
+                weights = self.smoothing_weight
+                self.w_w += rows_w.sum(0) if weights is None else weights[j0:j0 + self.step] @ rows_w
+
+    def logits(self, sel, height):
+        """The chunk's transformed logits: ``(embeddings, z, zsrc)``, ``zsrc`` being ``z`` or, when the returned
+        logits are fp32 (fp64) rows, their slice that the matmul wrote in place."""
+        acc, weight, bias, logits_out = self.acc, self.weight, self.bias, self.logits_out
+        embeddings = self.input[sel]
+        z = self.logits_buf[:height]
+        direct = self.same and logits_out is not None and logits_out.dtype == acc and isinstance(sel, slice)
+        zsrc = logits_out[sel] if direct else z
+        if self.same:
+            if bias is not None:
+                torch.addmm(bias, embeddings, weight.t(), out=zsrc)
+            else:
+                torch.mm(embeddings, weight.t(), out=zsrc)
+        else:
+            z.copy_(torch.addmm(bias, embeddings, weight.t()) if bias is not None else embeddings @ weight.t())
+        transform_logits_(zsrc, self.scale, self.softcap)
+        if logits_out is not None and not direct:
+            logits_out[sel].copy_(z)
+            if logits_out.dtype != acc:
+                z.copy_(logits_out[sel])  # the loss sees the logits the caller sees, as in eager
+        return embeddings, z, zsrc
+
+    def softmax(self, sel, z, zsrc, target, argmax_out):
+        """The chunk's statistics, and ``z`` overwritten by ``P'`` (the softmax with the collapse-safe target
+        entry ``-(mass of the other classes)``): -> ``(valid, target index (r, 1), lse, dz/dx or None)``."""
+        scale, softcap = self.scale, self.softcap
+        valid = self.valid[sel]
+        idx = torch.where(valid, target[sel], 0).unsqueeze(1)
+        self.target_logit[sel] = torch.where(valid, zsrc.gather(1, idx).squeeze(1), 0.0)
+        if self.weighted_sum is not None:
+            self.weighted_sum[sel] = zsrc @ self.smoothing_weight if self.smoothing_weight is not None else zsrc.sum(1)
+        dzdx = None
+        if softcap is not None:
+            # dz/dx = scale * (1 - (z / softcap)^2), from z before the softmax overwrites it
+            dzdx = self.dzdx_buf[:z.shape[0]]
+            torch.mul(zsrc, zsrc, out=dzdx).mul_(-scale / (softcap * softcap)).add_(scale)
+        row_max, arg = zsrc.max(1)  # torch.max's index is the first maximum, as torch.argmax's
+        if argmax_out is not None:
+            argmax_out[sel] = arg
+        torch.ops.aten._softmax.out(zsrc, 1, False, out=z)  # out of place from the returned logits
+        # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
+        lse = row_max - torch.log(z.gather(1, arg.unsqueeze(1)).squeeze(1))
+        self.lse[sel] = lse
+        z.scatter_(1, idx, 0.0)
+        other_mass = z.sum(1)  # the collapse-safe 1 - p_target
+        z.scatter_(1, idx, (-other_mass).unsqueeze(1))
+        return valid, idx, lse, dzdx
+
+    def row_factors(self, sel, z, valid, idx, lse, dzdx, coefs):
+        """The rows' gradient factors from :func:`scalar_coefs`' ``coefs``; what cannot pass through the matmuls
+        (the smoothing term under a soft-cap, dz/dx) is applied to ``z`` here. -> ``(row factor or None, target
+        entry factor, smoothing factor or None)``."""
+        a0, b0, c0, zc = coefs
+        a = a0[sel] if zc is None else a0[sel] + zc[sel] * lse
+        a = torch.where(valid, a, 0.0)
+        ab = torch.where(valid, a - b0[sel], 0.0)
+        k = self.scale if dzdx is None else 1.0  # the scalar part of dz/dx
+        a_s, ab_s = a * k, ab * k
+        if dzdx is not None:
+            ab_s = ab_s * dzdx.gather(1, idx).squeeze(1)  # the target entry's dz/dx
+        row, c_s = a_s, None
+        if c0 is not None:
+            c_s = c0[sel] * k
+            if not self.rank_one:
+                # times the soft-cap's dz/dx the -c w^T term is elementwise: the row factor goes in first
+                z.mul_(a_s.unsqueeze(1))
+                if self.smoothing_weight is not None:
+                    z.addcmul_(c_s.unsqueeze(1), self.smoothing_weight, value=-1.0)
+                else:
+                    z.sub_(c_s.unsqueeze(1))
+                row = None
+        if dzdx is not None:
+            z.mul_(dzdx)
+        return row, ab_s, c_s
+
+    def products(self, sel, embeddings, z, idx, row, ab_s, c_s):
+        """Add the chunk's products with W and E to the gradients (``grad_input = row * (G @ W) + ab * W[y]``,
+        ``grad_weight += G^T @ (row * E) + index_add_y(ab * E)``)."""
+        acc, weight_gi, grad_bias = self.acc, self.weight_gi, self.grad_bias
+        has_ab = bool((ab_s != 0).any())
+        ef = embeddings if embeddings.dtype == acc else embeddings.to(acc)
+        g = self.grad_buf[:z.shape[0]]
+        if weight_gi.dtype == acc:
+            torch.mm(z, weight_gi, out=g)
+        else:
+            g.copy_(z.to(weight_gi.dtype) @ weight_gi)
+        if row is not None:
+            g.mul_(row.unsqueeze(1))
+        if has_ab:
+            g.add_(weight_gi.index_select(0, idx.squeeze(1)).to(acc) * ab_s.unsqueeze(1))
+        if self.rank_one:
+            g.addr_(c_s, self.w_w, alpha=-1.0)
+            self.c_sum += c_s.sum()
+            self.c_e += c_s @ ef
+        self.grad_input[sel] = g.to(self.grad_dtype)
+        self.grad_weight.addmm_(z.t(), ef * row.unsqueeze(1) if row is not None else ef)
+        if has_ab:
+            self.grad_weight.index_add_(0, idx.squeeze(1), ef * ab_s.unsqueeze(1))
+        if grad_bias is not None:
+            grad_bias.add_(z.t() @ row if row is not None else z.sum(0))
+            if has_ab:
+                grad_bias.index_add_(0, idx.squeeze(1), ab_s)
+
+    def finish_rank_one(self):
+        """The smoothing term's rank-one products: grad_weight -= w (c @ E), grad_bias -= w sum(c)."""
+        if not self.rank_one:
+            return
+        if self.smoothing_weight is not None:
+            self.grad_weight.addr_(self.smoothing_weight, self.c_e, alpha=-1.0)
+        else:
+            self.grad_weight.sub_(self.c_e)
+        if self.grad_bias is not None:
+            self.grad_bias.sub_(self.smoothing_weight * self.c_sum if self.smoothing_weight is not None else self.c_sum)
 
 
 @autocast_off
@@ -70,22 +225,9 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
     ``smx::linear_ce_loss``): every option of the scalar reductions (class / token weights, ignore_index,
     label smoothing ``eps``, z-loss ``z_scale``, ``scale``, ``softcap``, returned logits).
 
-    With ``P'`` = softmax with its target entry replaced by ``-(sum of the other classes)`` (the
-    collapse-safe ``p_y - 1``; Prieto et al., 2025), the gradient w.r.t. the transformed logits is
-    ``diag(a) P' + diag(a - b) Y - diag(c) 1 w^T`` (``Y`` one-hot, ``w`` the class weights or ones;
-    ``a == b`` and ``c == 0`` for plain CE), times ``dz/dx`` (``scale``, or ``scale * (1 - (z / softcap)^2)``
-    elementwise with a soft-cap). The row factors pass through the matmuls, so per chunk
-
-        grad_input  = a * (P' @ W) + (a - b) * W[y]
-        grad_weight += P'^T @ (a * E) + index_add_y((a - b) * E)
-
-    and without smoothing or soft-cap the only passes over the chunk's logits are the matmul that writes
-    them, a row max, ATen's in-place softmax and one sum. Label smoothing adds one pass (the weighted sum):
-    its ``c w^T`` term is rank one, so its products with W and E are taken apart (``c (w @ W)``,
-    ``w (c @ E)``). A soft-cap multiplies by ``dz/dx`` (one pass); the smoothing term is then elementwise:
-    the chunk is scaled by ``a`` first (one pass) and the term subtracted (one pass). Ignored rows are
-    skipped entirely (unless the logits are returned); chunks reuse one buffer, of at least
-    :data:`MIN_CHUNK_ROWS` rows unless ``chunk_bytes`` is given.
+    The row factors pass through the matmuls (docs/DESIGN.md, "Cross-entropy: the CPU fused path, pass by
+    pass"); ignored rows are skipped unless the logits are returned; chunks of at least :data:`MIN_CHUNK_ROWS`
+    rows (unless ``chunk_bytes`` is given) reuse one buffer.
 
     Args:
         input (N, D), weight (V, D), bias (V,) or None: one float dtype (the matmul runs in it, as F.linear).
@@ -93,153 +235,39 @@ def fused_forward(input, weight, bias, target, class_weight, token_weight, ignor
         ignore_index, reduction ("mean" / "sum"), eps, z_scale, scale, softcap: the loss's options.
         logits_out: an (N, V) tensor that receives the transformed logits, or None. chunk_bytes: 0 for the
             default (:func:`~.chunked.rows_per_chunk`).
-        argmax_out: an (N,) int64 tensor that receives each computed row's ``torch.argmax`` of the transformed
-            logits (the row max the softmax takes anyway), or None; skipped (ignored) rows are left as they are.
+        argmax_out: an (N,) int64 tensor that receives each computed row's first argmax of the transformed
+            logits, or None; skipped (ignored) rows are left as they are.
 
     Returns:
         ``(loss, z_loss or None, lse (N,), grad_input, grad_weight, grad_bias or None)``: loss in fp32 (fp64);
         the gradients of input / weight in :func:`saved_grad_dtype`, of bias in fp32 (fp64). ``lse`` is 0 on the
         skipped (ignored) rows.
 
-    Raises:
-        IndexError: a target outside [0, V) that is not ``ignore_index`` (CPU).
+    Raises IndexError for a target outside [0, V) that is not ``ignore_index`` (CPU).
 
     Source: the same idea as PyTorch's chunked ``F.linear_cross_entropy`` and Liger-Kernel's fused linear CE;
-    the statistics of cut cross-entropy (Wijmans et al., 2024).
+    the statistics of cut cross-entropy (Wijmans et al., 2024); the target entry: Prieto et al., 2025.
     """
-    n, v = target.shape[0], weight.shape[0]
-    acc = acc_dtype(input)
-    check_range(target, ignore_index, v)
-    a0, b0, c0, zc = scalar_coefs(target, v, class_weight, token_weight, ignore_index, reduction, eps, z_scale, acc)
-    lse = torch.zeros(n, dtype=acc, device=input.device)
-    tl = torch.zeros(n, dtype=acc, device=input.device)
-    ws = torch.zeros(n, dtype=acc, device=input.device) if eps else None
-    w_full = class_weight.to(acc) if (eps and class_weight is not None) else None
-    gdt = saved_grad_dtype(input.dtype)
-    # the matmul for grad_input runs in gi's dtype (fp16: on an fp32 copy of the weight)
-    w_gi = weight if weight.dtype == gdt else weight.to(gdt)
-    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    gb = torch.zeros(v, dtype=acc, device=weight.device) if bias is not None else None
-    valid_all = target != ignore_index
-    rows = None
-    if logits_out is None or not v:
-        rows = valid_all.nonzero().squeeze(1)  # only the rows that contribute (data-dependent: inside the op)
-        gi = torch.zeros(input.shape, dtype=gdt, device=input.device)
-        count = rows.numel()
-    else:
-        gi = torch.empty(input.shape, dtype=gdt, device=input.device)
-        count = n
-    step = max(rows_per_chunk(v, chunk_bytes, acc), min(MIN_CHUNK_ROWS, count) if not chunk_bytes else 1)
-    buf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count else None
-    dbuf = torch.empty((min(step, count), v), dtype=acc, device=input.device) if count and softcap is not None \
-        else None
-    gbuf = torch.empty((min(step, count), input.shape[1]), dtype=acc, device=input.device) if count else None
-    same = input.dtype == acc and weight.dtype == acc
-    # smoothing without soft-cap: the -c w^T term of the gradient is rank one, so its products are taken apart:
-    # grad_input -= c (w @ W) per chunk; grad_weight -= w (c @ E) and grad_bias -= w sum(c) once, at the end
-    rank_one = bool(eps) and softcap is None and count > 0
-    if rank_one:
-        c_sum = torch.zeros((), dtype=acc, device=input.device)
-        c_e = torch.zeros(input.shape[1], dtype=acc, device=input.device)
-        w_w = torch.zeros(input.shape[1], dtype=acc, device=input.device)
-        for j0 in range(0, v, step):  # w @ W in acc, a chunk of rows at a time (no copy of W)
-            wj = w_gi[j0:j0 + step] if w_gi.dtype == acc else w_gi[j0:j0 + step].to(acc)
-            w_w += w_full[j0:j0 + step] @ wj if w_full is not None else wj.sum(0)
-    for r0 in range(0, count, step):
-        r1 = min(count, r0 + step)
-        r = r1 - r0
-        sel = slice(r0, r1) if rows is None else rows[r0:r1]
-        e = input[sel]
-        z = buf[:r]
-        # the returned logits, when they are fp32 (fp64) rows: the matmul writes them in place
-        direct = same and logits_out is not None and logits_out.dtype == acc and isinstance(sel, slice)
-        zsrc = logits_out[sel] if direct else z
-        if same:
-            if bias is not None:
-                torch.addmm(bias, e, weight.t(), out=zsrc)
-            else:
-                torch.mm(e, weight.t(), out=zsrc)
-        else:
-            z.copy_(torch.addmm(bias, e, weight.t()) if bias is not None else e @ weight.t())
-        transform_logits_(zsrc, scale, softcap)
-        if logits_out is not None and not direct:
-            logits_out[sel].copy_(z)
-            if logits_out.dtype != acc:
-                z.copy_(logits_out[sel])  # the loss sees the logits the caller sees, as in eager
-        tgt = target[sel]
-        valid = valid_all[sel]
-        idx = torch.where(valid, tgt, 0).unsqueeze(1)
-        tl[sel] = torch.where(valid, zsrc.gather(1, idx).squeeze(1), 0.0)
-        if ws is not None:
-            ws[sel] = zsrc @ w_full if w_full is not None else zsrc.sum(1)
-        dzdx = None
-        if softcap is not None:
-            # dz/dx = scale * (1 - (z / softcap)^2), from z before the softmax overwrites it
-            dzdx = dbuf[:r]
-            torch.mul(zsrc, zsrc, out=dzdx).mul_(-scale / (softcap * softcap)).add_(scale)
-        m, am = zsrc.max(1)  # torch.max's index is the first maximum, as torch.argmax's
-        if argmax_out is not None:
-            argmax_out[sel] = am
-        torch.ops.aten._softmax.out(zsrc, 1, False, out=z)  # out of place from the returned logits
-        # lse = m + log(sum exp(z - m)) = m - log(p_max): the row max's probability is 1 / sum
-        l = m - torch.log(z.gather(1, am.unsqueeze(1)).squeeze(1))
-        lse[sel] = l
-        z.scatter_(1, idx, 0.0)
-        om = z.sum(1)  # mass of the other classes: the collapse-safe 1 - p_target
-        z.scatter_(1, idx, (-om).unsqueeze(1))
-        a = a0[sel] if zc is None else a0[sel] + zc[sel] * l
-        a = torch.where(valid, a, 0.0)
-        ab = torch.where(valid, a - b0[sel], 0.0)
-        k = scale if dzdx is None else 1.0  # the scalar part of dz/dx
-        a_s, ab_s = a * k, ab * k
-        if dzdx is not None:
-            ab_s = ab_s * dzdx.gather(1, idx).squeeze(1)  # the target entry's dz/dx
-        row = a_s  # the row factor applied after the matmuls
-        if c0 is not None:
-            c_s = c0[sel] * k
-            if not rank_one:
-                # times the soft-cap's dz/dx the -c w^T term is elementwise: the row factor goes in first
-                z.mul_(a_s.unsqueeze(1))
-                if w_full is not None:
-                    z.addcmul_(c_s.unsqueeze(1), w_full, value=-1.0)
-                else:
-                    z.sub_(c_s.unsqueeze(1))
-                row = None
-        if dzdx is not None:
-            z.mul_(dzdx)
-        has_ab = bool((ab_s != 0).any())
-        ef = e if e.dtype == acc else e.to(acc)
-        g = gbuf[:r]
-        if w_gi.dtype == acc:
-            torch.mm(z, w_gi, out=g)
-        else:
-            g.copy_(z.to(w_gi.dtype) @ w_gi)
-        if row is not None:
-            g.mul_(row.unsqueeze(1))
-        if has_ab:
-            g.add_(w_gi.index_select(0, idx.squeeze(1)).to(acc) * ab_s.unsqueeze(1))
-        if rank_one:
-            g.addr_(c_s, w_w, alpha=-1.0)
-            c_sum += c_s.sum()
-            c_e += c_s @ ef
-        gi[sel] = g.to(gdt)
-        gw.addmm_(z.t(), ef * row.unsqueeze(1) if row is not None else ef)
-        if has_ab:
-            gw.index_add_(0, idx.squeeze(1), ef * ab_s.unsqueeze(1))
-        if gb is not None:
-            gb.add_(z.t() @ row if row is not None else z.sum(0))
-            if has_ab:
-                gb.index_add_(0, idx.squeeze(1), ab_s)
-    if rank_one:  # grad_weight -= w (c @ E), grad_bias -= w sum(c)
-        if w_full is not None:
-            gw.addr_(w_full, c_e, alpha=-1.0)
-        else:
-            gw.sub_(c_e)
-        if gb is not None:
-            gb.sub_(w_full * c_sum if w_full is not None else c_sum)
-    loss, zl = compose_loss(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
-                            z_scale)
-    return loss, zl, lse, gi, gw.to(gdt), gb  # gb: V numbers, kept in fp32 (fp64): rounded once, in the backward
+    vocab = weight.shape[0]
+    check_range(target, ignore_index, vocab)
+    chunks = _FusedChunks(input, weight, bias, target, class_weight=class_weight, ignore_index=ignore_index, eps=eps,
+                          scale=scale, softcap=softcap, logits_out=logits_out, chunk_bytes=chunk_bytes)
+    coefs = scalar_coefs(target, vocab, class_weight, token_weight, ignore_index, reduction, eps, z_scale,
+                         chunks.acc)
+    for r0 in range(0, chunks.count, chunks.step):
+        r1 = min(chunks.count, r0 + chunks.step)
+        sel = slice(r0, r1) if chunks.rows is None else chunks.rows[r0:r1]
+        embeddings, z, zsrc = chunks.logits(sel, r1 - r0)
+        valid, idx, lse, dzdx = chunks.softmax(sel, z, zsrc, target, argmax_out)
+        row, ab_s, c_s = chunks.row_factors(sel, z, valid, idx, lse, dzdx, coefs)
+        chunks.products(sel, embeddings, z, idx, row, ab_s, c_s)
+    chunks.finish_rank_one()
+    loss, z_loss = compose_loss(chunks.lse, chunks.target_logit, chunks.weighted_sum, target=target, probs=None,
+                                v=vocab, class_weight=class_weight, token_weight=token_weight,
+                                ignore_index=ignore_index, reduction=reduction, label_smoothing=eps,
+                                lse_square_scale=z_scale)
+    # grad_bias: V numbers, kept in fp32 (fp64): rounded once, in the backward
+    return loss, z_loss, chunks.lse, chunks.grad_input, chunks.grad_weight.to(chunks.grad_dtype), chunks.grad_bias
 
 
 @autocast_off

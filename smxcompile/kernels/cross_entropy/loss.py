@@ -14,25 +14,17 @@ from ..common import FLOAT_DTYPES, HALF_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
            "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
-           "prediction_outputs", "fp32_logit_operands", "resolve_filter_eps"]
+           "prediction_outputs", "fp32_logit_operands", "resolve_filter_eps", "row_count"]
 
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
 
 class CrossEntropyOutput(NamedTuple):
-    """What the cross-entropy functions return when ``return_lse``, ``return_z_loss``, ``return_token_accuracy``
-    or ``return_predicted_tokens`` is set (the fields not asked for are None).
-
-    ``loss``: as ``F.cross_entropy`` (z-loss included when ``lse_square_scale > 0``);
-    ``lse``: per-token log-sum-exp (fp32, shape of ``target``; differentiable), or None;
-    ``z_loss``: the z-loss term alone, reduced like ``loss`` and detached (it is already
-    part of ``loss``; for logging), or None;
-    ``token_accuracy``: the fraction of non-ignored tokens whose predicted token is the target (fp32 scalar;
-    ``reduction="none"``: 1.0 / 0.0 per token, 0.0 on ignored ones), detached, or None;
-    ``predicted_tokens``: the argmax of each token's logits (int64, shape of ``target``; -1 on ignored
-    tokens), or None. Both as Liger-Kernel's ``CrossEntropyOutput``.
-    """
+    """What the cross-entropy functions return when a ``return_*`` flag is set (None in the fields not asked for):
+    ``loss`` (z-loss included), ``lse`` (per token, fp32, differentiable), ``z_loss`` (the z-loss term alone,
+    reduced like ``loss``, detached), ``token_accuracy`` (fp32, detached; per token for ``reduction="none"``,
+    0.0 on ignored tokens) and ``predicted_tokens`` (int64, -1 on ignored tokens), as Liger-Kernel's."""
 
     loss: torch.Tensor
     lse: torch.Tensor | None
@@ -84,7 +76,6 @@ def compose_loss(lse, tl, ws, target, probs, v, class_weight, token_weight, igno
             denom_w = denom_w * tw
         zvalid = valid
     else:
-        # ws = sum_j w_j q_j z_ij ; sum_j w_j q'_j computed from probs
         # ``probs`` are the (already smoothed) q'; ws = sum_j w_j q'_j z_ij
         qw = (probs.to(acc) if class_weight is None else probs.to(acc) * class_weight.to(acc)).sum(1)
         row = lse * qw - ws
@@ -113,12 +104,8 @@ def compose_loss(lse, tl, ws, target, probs, v, class_weight, token_weight, igno
 def check_options(target, n, v, class_weight, token_weight, ignore_index, reduction, label_smoothing, softcap,
                   scale, lse_square_scale, what, device, dtype):
     """Check the options the cross-entropy functions share (``n`` rows, ``v`` classes; ``what`` names the
-    tensor whose device the others must share, on ``device``).
-
-    Raises:
-        TypeError, ValueError, NotImplementedError, RuntimeError: as :func:`~smxcompile.kernels.cross_entropy.
-            linear_cross_entropy` documents them.
-    """
+    tensor on ``device`` whose device the others must share). Raises TypeError, ValueError, NotImplementedError
+    or RuntimeError, as :func:`~smxcompile.kernels.cross_entropy.linear_cross_entropy` documents them."""
     if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES):
         raise TypeError(f"dtype must be a floating point dtype (the loss's dtype) or None, got {dtype!r}")
     if reduction not in _REDUCTIONS:
@@ -155,13 +142,9 @@ def check_options(target, n, v, class_weight, token_weight, ignore_index, reduct
 
 
 def split_targets(target, lead_shape, v, what):
-    """Split class-index and probability targets; returns ``(index_target (N,) int64, None)`` or
-    ``(None, probs (N, V))``. ``lead_shape``: the rows' shape (N = its product); ``what`` names them.
-
-    Raises:
-        TypeError: not a tensor, neither integer nor float. ValueError: a shape that does not match the rows.
-        NotImplementedError: probability targets that require grad.
-    """
+    """``(index_target (N,) int64, None)`` or ``(None, probs (N, V))`` for rows of shape ``lead_shape`` (named
+    ``what`` in errors). Raises TypeError (not a tensor, neither integer nor float), ValueError (a shape that does
+    not match the rows), NotImplementedError (probability targets that require grad)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point:
@@ -180,11 +163,8 @@ def split_targets(target, lead_shape, v, what):
 
 
 def check_range(target, ignore_index, v):
-    """torch's error for a target outside [0, V) (runs inside the op, so also under torch.compile).
-
-    Raises:
-        IndexError: a target (not ``ignore_index``) outside ``[0, v)``, on CPU (nothing is checked on CUDA).
-    """
+    """torch's IndexError for a target (not ``ignore_index``) outside ``[0, v)``, on CPU (nothing is checked on
+    CUDA); it runs inside the ops, so also under torch.compile."""
     if target is None or target.numel() == 0 or target.is_cuda:
         return  # on CUDA the kernels give NaN for an out-of-range target instead of a host sync
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
@@ -236,11 +216,9 @@ def prediction_outputs(pred, target, ignore_index, reduction, lead_shape, want_a
 def shift_targets(target, token_weight, shift, ignore_index):
     """Apple CCE's ``shift``: position ``i``'s hidden state predicts ``target[..., i + k]`` (``k = int(shift)``).
 
-    Instead of slicing the hidden states (a copy of ``input[..., :-k, :]``), the targets move left by ``k``
-    along their last (sequence) dim and the last ``k`` positions get ``ignore_index`` (``token_weight``, of
-    the target's shape, moves with them; 0 there): the loss, its mean's denominator and the gradients are
-    those of ``input[..., :-k, :]`` with ``target[..., k:]``; :func:`unshift_output` drops the padded rows of
-    the per-token outputs. Returns ``(target, token_weight, k)`` (unchanged for ``k == 0``).
+    The targets (and ``token_weight``, of their shape) move left by ``k`` along the last dim, the last ``k``
+    positions ignored (weight 0): the loss and gradients of ``input[..., :-k, :]`` with ``target[..., k:]``
+    without copying the hidden states. Returns ``(target, token_weight, k)`` (unchanged for ``k == 0``).
 
     Raises:
         TypeError: ``shift`` not a bool / int, ``target`` not a tensor, a non-int ``ignore_index``.
@@ -309,22 +287,16 @@ def loss_dtype(dtype, input):
 def fp32_logit_operands(x2, weight, bias):
     """``(x2, weight, bias)`` as fp32 when ``x2`` is fp16 / bf16, else unchanged: Apple CCE's numerics (fp32
     logits) on the torch path, whose ops form the logits in their operands' dtype (as ``F.linear``, which the
-    graph passes rely on). Upcasting once per call measured faster on CPU than a per-chunk upcast and 5x faster
-    than the half matmuls (no fp32-output half GEMM on CPU); autograd rounds the gradients back once."""
+    graph passes rely on); autograd rounds the gradients back once."""
     if x2.dtype not in HALF_DTYPES:
         return x2, weight, bias
     return x2.float(), weight.float(), (bias.float() if bias is not None else None)
 
 
 def check_linear(input, weight, bias, rows: str = "V"):
-    """``F.linear``'s operands, cast as autocast would, checked: -> (input, weight, bias).
-
-    ``rows`` names the classifier's rows in the messages ("V", or "V_r": one rank's shard).
-
-    Raises:
-        TypeError: non-float or mismatched dtypes. ValueError: shapes (input (*, D), weight (V, D), bias (V,)).
-        RuntimeError: tensors on different devices.
-    """
+    """``F.linear``'s operands, cast as autocast would, checked: -> (input, weight, bias). ``rows`` names the
+    classifier's rows in the messages ("V", or "V_r": one rank's shard). Raises TypeError (non-float or mismatched
+    dtypes), ValueError (shapes: input (*, D), weight (V, D), bias (V,)), RuntimeError (different devices)."""
     input, weight, bias = autocast_operands(input, weight, bias)
     if input.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         raise TypeError(f"input and weight must be floating point, got {input.dtype} and {weight.dtype}")
@@ -361,6 +333,14 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def row_count(lead_shape) -> int:
+    """The number of rows, the product of ``lead_shape`` (1 for ``()``)."""
+    rows = 1
+    for size in lead_shape:
+        rows *= size
+    return rows
+
+
 def needs_grad(*ts) -> bool:
     """Whether grad mode is on and one of ``ts`` (tensors or None) requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
@@ -368,10 +348,7 @@ def needs_grad(*ts) -> bool:
 
 def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> float | None:
     """``filter_eps`` as a number: ``"auto"`` is CCE's ``finfo(dtype).eps / 32`` (cut_cross_entropy/utils.py).
-
-    Raises:
-        ValueError: not None, ``"auto"`` or a float >= 0.
-    """
+    Raises ValueError for anything but None, ``"auto"`` or a float >= 0."""
     if isinstance(filter_eps, str) and filter_eps == "auto":
         return torch.finfo(dtype).eps / 32
     if filter_eps is not None and (isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real)

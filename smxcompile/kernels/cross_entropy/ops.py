@@ -64,8 +64,9 @@ def linear_ce_stats(
                                       softcap=softcap, class_weight=class_weight,
                                       need_weighted_sum=need_weighted_sum, logits_out=logits_out)
     else:
-        lse, tl, om, ws = torch_forward(input, weight, bias, target, probs, class_weight, ignore_index, scale,
-                                        softcap, need_weighted_sum, logits_out, chunk_bytes)
+        lse, tl, om, ws = torch_forward(input, weight, bias, target, probs, class_weight=class_weight,
+                                        ignore_index=ignore_index, scale=scale, softcap=softcap,
+                                        need_ws=need_weighted_sum, logits_out=logits_out, chunk_bytes=chunk_bytes)
     if ws is None:
         ws = lse.new_empty(0)
     return lse, tl, om, ws, (logits_out if logits_out is not None else input.new_empty(0))
@@ -78,7 +79,8 @@ def _(input, weight, bias, target, probs, class_weight, ignore_index, scale, sof
     acc = acc_dtype(input)
     vec = input.new_empty(n, dtype=acc)
     ws = input.new_empty(n if need_weighted_sum else 0, dtype=acc)
-    logits = input.new_empty((n, v) if return_logits else (0,), dtype=(logits_dtype or input.dtype) if return_logits else input.dtype)
+    shape, dtype = ((n, v), logits_dtype or input.dtype) if return_logits else ((0,), input.dtype)
+    logits = input.new_empty(shape, dtype=dtype)
     return vec, input.new_empty(n, dtype=acc), input.new_empty(n, dtype=acc), ws, logits
 
 
@@ -123,9 +125,11 @@ def linear_ce_backward(
                                   filter_eps=filter_eps, precise_grad=precise_grad, need_input_grad=need_input_grad,
                                   need_weight_grad=need_weight_grad, need_bias_grad=need_bias_grad)
     else:
-        gi, gw, gb = torch_backward(input, weight, bias, target, probs, class_weight, lse, other_mass, coef_a,
-                                    coef_b, coef_c, ignore_index, scale, softcap, logits, grad_logits,
-                                     (need_input_grad, need_weight_grad, need_bias_grad), chunk_bytes)
+        gi, gw, gb = torch_backward(input, weight, bias, target, probs, class_weight=class_weight, lse=lse,
+                                    om=other_mass, a=coef_a, b=coef_b, c=coef_c, ignore_index=ignore_index,
+                                    scale=scale, softcap=softcap, logits=logits, grad_logits=grad_logits,
+                                    needs=(need_input_grad, need_weight_grad, need_bias_grad),
+                                    chunk_bytes=chunk_bytes)
     gi = gi.contiguous() if gi is not None else input.new_empty(0)
     gw = gw.to(weight.dtype) if gw is not None else weight.new_empty(0)
     gb = gb.to(bias.dtype) if (gb is not None and bias is not None) else weight.new_empty(0)
@@ -155,8 +159,8 @@ def _lce_setup(ctx, inputs, output):
 
 def coefs(lse, grad_lse, grad_tl, grad_ws):
     """The backward's per-row coefficients ``(a, b, c or None)`` (in ``lse``'s dtype) from the gradients of the
-    statistics (lse, target logit, weighted sum; None for an unused output): ``a = grad_lse``,
-    ``b = -grad_tl``, ``c = -grad_ws`` (see the package docstring)."""
+    statistics (lse, target logit, weighted sum; None for an unused output): ``a = grad_lse``, ``b = -grad_tl``,
+    ``c = -grad_ws`` (docs/DESIGN.md, "Cross-entropy: the statistics and the backward's coefficients")."""
     a = grad_lse if grad_lse is not None else torch.zeros_like(lse)
     b = -grad_tl if grad_tl is not None else torch.zeros_like(lse)
     c = -grad_ws if (grad_ws is not None and grad_ws.numel()) else None
@@ -171,9 +175,11 @@ def _lce_backward(ctx, grad_lse, grad_tl, grad_om, grad_ws, grad_logits):
         grad_logits = None
     need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
-    gi, gw, gb = linear_ce_backward(input, weight, bias, target, probs, class_weight, lse, om, a, b, c,
-                                    ignore_index, scale, softcap, logits, grad_logits, filter_eps, need_in, need_w,
-                                    need_b, chunk_bytes, precise_grad)
+    gi, gw, gb = linear_ce_backward(
+        input, weight, bias, target, probs, class_weight=class_weight, lse=lse, other_mass=om, coef_a=a, coef_b=b,
+        coef_c=c, ignore_index=ignore_index, scale=scale, softcap=softcap, logits=logits, grad_logits=grad_logits,
+        filter_eps=filter_eps, need_input_grad=need_in, need_weight_grad=need_w, need_bias_grad=need_b,
+        chunk_bytes=chunk_bytes, precise_grad=precise_grad)
     return (gi if need_in else None, gw if need_w else None, gb if need_b else None, *[None] * 12)
 
 
@@ -208,8 +214,10 @@ def linear_ce_stats_argmax(
                                           softcap=softcap, class_weight=class_weight,
                                           need_weighted_sum=need_weighted_sum, return_argmax=True)
     else:
-        lse, tl, om, ws = torch_forward(input, weight, bias, target, None, class_weight, ignore_index, scale,
-                                        softcap, need_weighted_sum, None, chunk_bytes, argmax_out=am)
+        lse, tl, om, ws = torch_forward(input, weight, bias, target, None, class_weight=class_weight,
+                                        ignore_index=ignore_index, scale=scale, softcap=softcap,
+                                        need_ws=need_weighted_sum, logits_out=None, chunk_bytes=chunk_bytes,
+                                        argmax_out=am)
     return lse, tl, om, (ws if ws is not None else lse.new_empty(0)), am
 
 
@@ -261,8 +269,10 @@ def ce_stats(
         lse, tl, om, ws = ce_forward(logits, target, ignore_index=ignore_index, scale=scale, softcap=softcap,
                                      class_weight=class_weight, need_weighted_sum=need_weighted_sum)
     else:
-        lse, tl, om, ws = torch_forward(logits, None, None, target, probs, class_weight, ignore_index, scale,
-                                        softcap, need_weighted_sum, None, chunk_bytes, logits=logits)
+        lse, tl, om, ws = torch_forward(logits, None, None, target, probs, class_weight=class_weight,
+                                        ignore_index=ignore_index, scale=scale, softcap=softcap,
+                                        need_ws=need_weighted_sum, logits_out=None, chunk_bytes=chunk_bytes,
+                                        logits=logits)
     return lse, tl, om, (ws if ws is not None else lse.new_empty(0))
 
 
@@ -297,8 +307,9 @@ def ce_backward(
 
         return triton_ce_backward(logits, target, lse, other_mass, coef_a, coef_b, coef_c, ignore_index=ignore_index,
                                   scale=scale, softcap=softcap, class_weight=class_weight, out_dtype=logits.dtype)
-    return torch_backward(logits, logits, None, target, probs, class_weight, lse, other_mass, coef_a, coef_b,
-                          coef_c, ignore_index, scale, softcap, None, None, (False, False, False), chunk_bytes,
+    return torch_backward(logits, logits, None, target, probs, class_weight=class_weight, lse=lse, om=other_mass,
+                          a=coef_a, b=coef_b, c=coef_c, ignore_index=ignore_index, scale=scale, softcap=softcap,
+                          logits=None, grad_logits=None, needs=(False, False, False), chunk_bytes=chunk_bytes,
                           raw_logits=logits)
 
 
@@ -319,8 +330,8 @@ def _ce_backward_autograd(ctx, grad_lse, grad_tl, grad_om, grad_ws):
     logits, target, probs, class_weight, lse, om = ctx.saved_tensors
     ignore_index, scale, softcap, chunk_bytes = ctx.args
     a, b, c = coefs(lse, grad_lse, grad_tl, grad_ws)
-    g = ce_backward(logits, target, probs, class_weight, lse, om, a, b, c, ignore_index, scale, softcap,
-                    chunk_bytes)
+    g = ce_backward(logits, target, probs, class_weight, lse=lse, other_mass=om, coef_a=a, coef_b=b, coef_c=c,
+                    ignore_index=ignore_index, scale=scale, softcap=softcap, chunk_bytes=chunk_bytes)
     return g, None, None, None, None, None, None, None, None
 
 
@@ -350,26 +361,26 @@ def linear_ce_loss(
     """``torch.ops.smx.linear_ce_loss``: (loss, z_loss, logits, grad_input, grad_weight, grad_bias) for
     grad_output = 1 (:func:`~.fused.fused_forward`; CUDA, without returned logits:
     :func:`~.triton_fused.fused_forward_gemm`, which takes ``filter_eps`` and ``precise_grad``); fp32 loss,
-    differentiable w.r.t. input, weight, bias.
-
-    The gradients of input / weight have their dtype, except fp16: fp32 (see
-    :func:`~.fused.saved_grad_dtype`); the bias's is fp32 (fp64 for fp64)."""
+    differentiable w.r.t. input, weight, bias; gradients in :func:`~.fused.saved_grad_dtype`, the bias's in fp32
+    (fp64 for fp64)."""
     n, v = input.shape[0], weight.shape[0]
     if config.use_triton(input) and not return_logits and input.shape[1] > 0:   # (D = 0: no chunk to run)
         from .triton_fused import fused_forward_gemm
 
         loss, zl, _, gi, gw, gb = fused_forward_gemm(
-            input, weight, bias, target, class_weight, token_weight, ignore_index, reduction, label_smoothing,
-            lse_square_scale, scale, softcap, chunk_bytes=chunk_bytes, filter_eps=filter_eps,
-            precise_grad=precise_grad)
+            input, weight, bias, target, class_weight=class_weight, token_weight=token_weight,
+            ignore_index=ignore_index, reduction=reduction, eps=label_smoothing, z_scale=lse_square_scale,
+            scale=scale, softcap=softcap, chunk_bytes=chunk_bytes, filter_eps=filter_eps, precise_grad=precise_grad)
         return (loss.float(), (zl if zl is not None else loss.new_zeros(())).float(), input.new_empty(0), gi, gw,
                 gb if gb is not None else weight.new_empty(0))
     logits_out = None
     if return_logits:
         logits_out = torch.empty((n, v), dtype=logits_dtype or input.dtype, device=input.device)
-    loss, zl, _, gi, gw, gb = fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index,
-                                            reduction, label_smoothing, lse_square_scale, scale, softcap,
-                                            logits_out, chunk_bytes)
+    loss, zl, _, gi, gw, gb = fused_forward(input, weight, bias, target, class_weight=class_weight,
+                                            token_weight=token_weight, ignore_index=ignore_index,
+                                            reduction=reduction, eps=label_smoothing, z_scale=lse_square_scale,
+                                            scale=scale, softcap=softcap, logits_out=logits_out,
+                                            chunk_bytes=chunk_bytes)
     acc = acc_dtype(input)
     return (loss.to(acc), (zl if zl is not None else loss.new_zeros(())).to(acc),
             logits_out if logits_out is not None else input.new_empty(0), gi, gw,
@@ -406,16 +417,13 @@ def linear_add_logits_grad_(
     softcap: float | None,
     chunk_bytes: int,
 ) -> None:
-    """Add the gradient that a *returned* logits tensor receives to the linear layer's gradients, in place.
-
-    ``logits = transform(input @ weight.T + bias)`` (N x V) was returned by the fused op;
-    ``grad_logits`` is its incoming gradient. Usually nothing used the returned logits and
-    autograd hands a zero gradient: then this does nothing (one read of ``grad_logits``).
-    Otherwise it adds ``G @ weight``, ``G^T @ input`` and ``G.sum(0)`` chunk by chunk, in fp32, to
-    ``saved * grad_loss`` (recomputed from the forward's gradients, so the sum is rounded once) and
-    overwrites the three gradients with the result."""
-    add_logits_grad(grad_logits, logits, input, weight, grad_loss, saved_input_grad, saved_weight_grad,
-                    saved_bias_grad, grad_input, grad_weight, grad_bias, scale, softcap, chunk_bytes)
+    """Add the gradient ``grad_logits`` of the (N, V) logits the fused op returned to the linear layer's
+    gradients, in place: nothing when it is zero (the usual case: nothing used them); else ``G @ weight``,
+    ``G^T @ input`` and ``G.sum(0)`` added chunk by chunk, in fp32, to ``saved * grad_loss``, overwriting them."""
+    add_logits_grad(grad_logits, logits, input, weight, grad_loss, saved_gi=saved_input_grad,
+                    saved_gw=saved_weight_grad, saved_gb=saved_bias_grad, grad_input=grad_input,
+                    grad_weight=grad_weight, grad_bias=grad_bias, scale=scale, softcap=softcap,
+                    chunk_bytes=chunk_bytes)
 
 
 def _fused_setup(ctx, inputs, output):
@@ -447,8 +455,9 @@ def _fused_backward(ctx, grad_loss, grad_zl, grad_logits, _gi, _gw, _gb):
     gb = (saved_gb.to(acc) * gl).to(weight.dtype) if saved_gb is not None else None
     if ctx.return_logits and grad_logits is not None and grad_logits.numel():
         # a returned logits tensor that something used: its gradient is added (nothing when it is zero)
-        linear_add_logits_grad_(grad_logits, logits, input, weight, grad_loss, saved_gi, saved_gw, saved_gb, gi,
-                                gw, gb, scale, softcap, chunk_bytes)
+        linear_add_logits_grad_(grad_logits, logits, input, weight, grad_loss, saved_input_grad=saved_gi,
+                                saved_weight_grad=saved_gw, saved_bias_grad=saved_gb, grad_input=gi, grad_weight=gw,
+                                grad_bias=gb, scale=scale, softcap=softcap, chunk_bytes=chunk_bytes)
     return ((gi if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
              gb if (ctx.has_bias and ctx.needs_input_grad[2]) else None) + (None,) * (len(ctx.needs_input_grad) - 3))
 
@@ -476,9 +485,11 @@ def linear_ce_loss_argmax(
     first maximum of ``z``: ``(loss, z_loss, argmax, grad_input, grad_weight, grad_bias)``, ``argmax`` (N,)
     int64, -1 on the ignored rows (the fused path skips them)."""
     am = torch.full((input.shape[0],), -1, dtype=torch.int64, device=input.device)
-    loss, zl, _, gi, gw, gb = fused_forward(input, weight, bias, target, class_weight, token_weight, ignore_index,
-                                            reduction, label_smoothing, lse_square_scale, scale, softcap, None,
-                                            chunk_bytes, argmax_out=am)
+    loss, zl, _, gi, gw, gb = fused_forward(input, weight, bias, target, class_weight=class_weight,
+                                            token_weight=token_weight, ignore_index=ignore_index,
+                                            reduction=reduction, eps=label_smoothing, z_scale=lse_square_scale,
+                                            scale=scale, softcap=softcap, logits_out=None, chunk_bytes=chunk_bytes,
+                                            argmax_out=am)
     acc = acc_dtype(input)
     return (loss.to(acc), (zl if zl is not None else loss.new_zeros(())).to(acc), am, gi, gw,
             gb if gb is not None else weight.new_empty(0))

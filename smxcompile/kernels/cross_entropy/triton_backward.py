@@ -1,10 +1,10 @@
-"""The gradient kernel of the fused linear + cross-entropy (:func:`lce_backward`: w.r.t. input, weight and
-bias, recomputing the logit tiles; :func:`ce_backward`: w.r.t. given logits) and its launcher: see
-:mod:`smxcompile.kernels.cross_entropy.triton_common` for the method. :func:`lce_backward` has two modes
-(:func:`backward_mode`): ``"fused"`` (the kernel accumulates the products with atomics) and ``"gemm"`` (the kernel
-writes each row chunk's logit gradient, matmuls do the products: :mod:`.triton_backward_gemm`)."""
+"""The gradient kernel of the fused linear + cross-entropy and its launchers: :func:`lce_backward` (w.r.t. input,
+weight and bias, in a ``"fused"`` or ``"gemm"`` mode) and :func:`ce_backward` (w.r.t. given logits); the method is
+in :mod:`smxcompile.kernels.cross_entropy.triton_common`."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -172,22 +172,17 @@ if triton is not None:
                                           mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")
 
 
-def _vec(name: str, t, N: int, device: torch.device) -> torch.Tensor:
-    return float_tensor(name, t, (N,), device)
-
-
 def _check_backward_vectors(N, device, lse, other_mass, coef_a, coef_b, coef_c):
-    _vec("lse", lse, N, device)
-    _vec("other_mass", other_mass, N, device)
-    _vec("coef_a", coef_a, N, device)
-    _vec("coef_b", coef_b, N, device)
+    """Check the (N,) float vectors of the backward on ``device``. Raises TypeError / ValueError."""
+    vectors = {"lse": lse, "other_mass": other_mass, "coef_a": coef_a, "coef_b": coef_b}
     if coef_c is not None:
-        _vec("coef_c", coef_c, N, device)
+        vectors["coef_c"] = coef_c
+    for name, vector in vectors.items():
+        float_tensor(name, vector, (N,), device)
 
 
 def backward_mode(mode: str | None) -> str:
-    """The mode :func:`lce_backward` runs: ``mode`` if given, else ``"gemm"`` (see :func:`lce_backward` for the
-    figures behind the rule; both modes filter).
+    """The mode :func:`lce_backward` runs: ``mode`` if given, else ``"gemm"`` (both modes filter).
 
     Raises:
         ValueError: ``mode`` not None, "fused" or "gemm".
@@ -199,6 +194,21 @@ def backward_mode(mode: str | None) -> str:
     return mode
 
 
+class _BackwardArgs(NamedTuple):
+    """:func:`lce_backward`'s checked options and launch settings."""
+
+    sizes: tuple                # (N, V, D)
+    ignore_index: int
+    scale: float
+    softcap: float | None
+    filter_eps: float | None    # None: exact
+    mode: str
+    need_bias_grad: bool
+    grad_dtypes: tuple          # of grad_input, grad_weight, grad_bias
+    blocks: tuple               # the fused kernel's (BLOCK_N, BLOCK_V, BLOCK_D)
+    opts: dict                  # the fused kernel's num_warps, num_stages
+
+
 def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int,
                  scale: float = 1.0, softcap: float | None = None, class_weight=None, logits=None, grad_logits=None,
                  filter_eps: float | None = None, precise_grad: bool = False,
@@ -207,69 +217,83 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
                  chunk_bytes: int | None = None,
                  block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None):
-    """Gradients of ``L = sum_i a_i lse_i - b_i z_{i,y_i} - c_i sum_j w_j z_ij`` (plus
-    ``sum grad_logits * z``) w.r.t. ``input``, ``weight`` and ``bias``, recomputing the logits.
+    """Gradients of ``L = sum_i a_i lse_i - b_i z_{i,y_i} - c_i sum_j w_j z_ij`` (plus ``sum grad_logits * z``)
+    w.r.t. ``input``, ``weight`` and ``bias``, recomputing the logits.
 
-    ``G = a p - b onehot(y) - c w`` with the target entry computed collapse-safe as
-    ``-a * other_mass + (a - b) - c w_y``; ``G += grad_logits``; ``Gx = G * dz/dx``; then
-    ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias = Gx.sum(0)``, in one of two modes:
-
-    * ``"fused"`` (Cut Cross-Entropy, Wijmans et al., 2024): one program per ``BLOCK_N x BLOCK_V`` tile of ``G``
-      recomputes its logits (fp32) and adds its products to fp32 ``grad_input`` / ``grad_weight`` with atomics;
-      no ``N x V`` buffer at all.
-    * ``"gemm"`` (row chunks as Liger-Kernel's ``fused_linear_cross_entropy``;
-      :func:`~.triton_backward_gemm.chunked_gemm_backward`): per chunk, fp32 logits by one matmul (cuBLAS),
-      ``Gx`` written once by this module's kernel, then ``Gx @ weight`` and ``Gx.T @ input`` by cuBLAS with fp32
-      accumulation: no atomics; holds ``chunk_bytes`` of temporaries.
-
-    With fp16 / bf16 operands ``Gx`` is rounded to the operand dtype once before the products, as torch's and
-    CCE's backward do (their per-element rule: ``|ours - gold| <= |torch - gold| + 1e-2`` for bf16, ``1e-3`` for
-    fp16); ``precise_grad=True`` feeds it as ``hi + lo`` (two operands, ~16 significant bits: the results are
-    rounded once, at the end, within fp32 noise of that rule with no tolerance) at twice the products' FLOPs.
+    ``G = a p - b onehot(y) - c w`` with the collapse-safe target entry ``-a * other_mass + (a - b) - c w_y``,
+    ``G += grad_logits``, ``Gx = G * dz/dx``; then ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``,
+    ``grad_bias = Gx.sum(0)``, in one of two modes. ``"fused"`` (Cut Cross-Entropy, Wijmans et al., 2024): one
+    program per ``BLOCK_N x BLOCK_V`` tile adds its products to fp32 gradients with atomics, no ``N x V`` buffer.
+    ``"gemm"`` (the default; row chunks as Liger-Kernel's, :func:`~.triton_backward_gemm.chunked_gemm_backward`):
+    per chunk ``Gx`` written once by this module's kernel, then cuBLAS products; no atomics. With fp16 / bf16
+    operands ``Gx`` is rounded to the operand dtype once, as torch's and CCE's backward do. Ignored rows have no
+    target entry (callers pass ``a = b = c = 0`` for them); a target outside ``[0, V)`` is never indexed.
     docs/PERFORMANCE.md ("GPU model") has each mode's bytes and FLOPs at N = 8192, D = 4096, V = 128256.
 
-    ``mode=None`` picks ``"gemm"`` (:func:`backward_mode`), saved ``logits`` included: the fused kernel would
-    read ``z`` instead of recomputing it but keep its atomics (~400 GB at the shape above with its 128 x 64
-    saved-logits tile), while the gemm mode reads ``z`` once (4 GB) and skips the logits matmul.
-
-    Ignored rows (``target == ignore_index``) have no target entry (``G = a p - c w``; callers
-    pass ``a = b = c = 0`` for them). A target outside ``[0, V)`` is never indexed.
-
     Args:
-        input, weight, bias, target, ignore_index, scale, softcap, class_weight: as in
-            :func:`lce_forward` (the same values as the forward).
+        input, weight, bias, target, ignore_index, scale, softcap, class_weight: as in :func:`lce_forward`.
         lse, other_mass: ``(N,)`` float, from :func:`lce_forward`.
-        coef_a, coef_b: ``(N,)`` float per-row coefficients ``a``, ``b``; coef_c: ``(N,)`` or None (0).
-        logits: the saved ``z`` (``(N, V)``, any float dtype / strides) to read instead of
-            recomputing the matmul, or None.
+        coef_a, coef_b: ``(N,)`` float coefficients ``a``, ``b``; coef_c: ``(N,)`` or None (0).
+        logits: the saved ``z`` (``(N, V)``, any float dtype / strides) to read instead of recomputing, or None.
         grad_logits: an extra ``(N, V)`` gradient w.r.t. ``z`` (any float dtype / strides), or None.
-        filter_eps: None (exact, default), ``"auto"`` or a float: CCE's gradient filtering (``"auto"``: CCE's
-            ``finfo(dtype).eps / 32``). Entries whose probabilities are all ``< filter_eps`` and that hold no
-            target may be left out of the products: a tile of them (fused mode), or a column of a row chunk
-            (gemm mode, when at most :data:`~.triton_backward_gemm.COMPACT_KEPT_SHARE` of the columns are
-            kept). Off with ``grad_logits`` or ``coef_c`` (label smoothing's uniform term).
-        precise_grad: feed ``Gx`` to the products as ``hi + lo`` (fp16 / bf16; see above).
-        need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute
-            (``need_bias_grad`` defaults to ``bias is not None``).
-        input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's);
-            ``grad_bias`` has bias's dtype (weight's when bias is None).
-        mode: ``"fused"``, ``"gemm"`` or None (automatic, see above).
-        chunk_bytes: gemm mode: bytes of one row chunk's temporaries (fp32 logits unless ``logits`` is given,
-            plus ``Gx`` in the input dtype, twice for fp16 / bf16); None: 1 GiB on CUDA, 32 MiB on CPU
-            (:func:`~.triton_backward_gemm.gemm_rows`). Ignored by the fused mode.
-        block_n, block_v, block_d, num_warps, num_stages: launch overrides (blocks >= 16, powers of two; shrunk
-            to small problems). Fused: defaults 128 x 128 x 32 for fp16 / bf16 (128 x 64 x 32 with ``logits``),
-            64 x 64 x 32 for fp32, 8 warps, 2 stages. Gemm: ``block_n``, ``block_v``, ``num_warps`` apply to the
-            gradient kernel (defaults as :func:`ce_backward`), the others are only validated.
+        filter_eps: None (exact, default), ``"auto"`` (CCE's ``finfo(dtype).eps / 32``) or a float: entries whose
+            probabilities are all ``< filter_eps`` and that hold no target may leave the products (a tile in the
+            fused mode; a column of a row chunk in the gemm mode, when at most
+            :data:`~.triton_backward_gemm.COMPACT_KEPT_SHARE` of them are kept). Off with grad_logits or coef_c.
+        precise_grad: fp16 / bf16: ``Gx`` enters the products as ``hi + lo`` (~16 significant bits, results
+            rounded once) at twice the products' FLOPs.
+        need_input_grad, need_weight_grad, need_bias_grad: which gradients to compute (``need_bias_grad``
+            defaults to ``bias is not None``).
+        input_grad_dtype, weight_grad_dtype: result dtypes (defaults: input's / weight's); ``grad_bias`` has
+            bias's dtype (weight's when bias is None).
+        mode: ``"fused"``, ``"gemm"`` or None (:func:`backward_mode`: ``"gemm"``, saved ``logits`` included).
+        chunk_bytes: gemm mode: bytes of one row chunk's temporaries; None: 1 GiB on CUDA, 32 MiB on CPU
+            (:func:`~.triton_backward_gemm.gemm_rows`).
+        block_n, block_v, block_d, num_warps, num_stages: launch overrides (powers of two >= 16, shrunk to small
+            problems; fused defaults: the ``_BWD_*`` constants). Gemm: ``block_n``, ``block_v``, ``num_warps`` go
+            to the gradient kernel (defaults as :func:`ce_backward`), the others are only validated.
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``.
 
     Raises:
-        TypeError / ValueError / RuntimeError: as in :func:`lce_forward`; also for (N,) vectors,
-            ``logits`` / ``grad_logits`` of the wrong shape, a negative ``filter_eps``, non-float gradient
-            dtypes, a bad ``mode``, or ``chunk_bytes`` not None / a positive int.
+        TypeError / ValueError / RuntimeError: as in :func:`lce_forward`; also for (N,) vectors, ``logits`` /
+            ``grad_logits`` of the wrong shape, a negative ``filter_eps``, non-float gradient dtypes, a bad
+            ``mode``, or ``chunk_bytes`` not None / a positive int.
     """
+    args = _checked_backward_args(
+        input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, ignore_index=ignore_index, scale=scale,
+        softcap=softcap, class_weight=class_weight, logits=logits, grad_logits=grad_logits, filter_eps=filter_eps,
+        need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
+        mode=mode, chunk_bytes=chunk_bytes, block_n=block_n, block_v=block_v, block_d=block_d, num_warps=num_warps,
+        num_stages=num_stages)
+    vectors = dict(target=target, lse=lse, om=other_mass, a=coef_a, b=coef_b, c=coef_c)
+    if args.mode == "gemm":
+        return _gemm_mode(input, weight, bias, args, **vectors, class_weight=class_weight, logits=logits,
+                          grad_logits=grad_logits, precise_grad=precise_grad, need_input_grad=need_input_grad,
+                          need_weight_grad=need_weight_grad, chunk_bytes=chunk_bytes, block_n=block_n,
+                          block_v=block_v, num_warps=num_warps)
+    N, V, D = args.sizes
+    dev = input.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    gi = torch.zeros((N, D), **f32) if need_input_grad else None
+    gw = torch.zeros((V, D), **f32) if need_weight_grad else None
+    gb = torch.zeros((V,), **f32) if args.need_bias_grad else None
+    if N and V and ((D and (need_input_grad or need_weight_grad)) or args.need_bias_grad):
+        _backward_launch(
+            src=logits, e=input, w=weight, bias=bias, **vectors, class_weight=class_weight, grad_logits=grad_logits,
+            gi=gi, gw=gw, gb=gb, gx=None, N=N, V=V, D=D, ignore_index=args.ignore_index, scale=args.scale,
+            softcap=args.softcap, filter_eps=args.filter_eps, z_from=_Z_SAVED if logits is not None else _Z_MATMUL,
+            blocks=args.blocks, opts=args.opts, prec=dot_precision(input.dtype), split=precise_grad,
+        )
+    return tuple(None if grad is None else grad.to(dtype) for grad, dtype in zip((gi, gw, gb), args.grad_dtypes))
+
+
+def _checked_backward_args(input, weight, bias, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index,
+                           scale, softcap, class_weight, logits, grad_logits, filter_eps, need_bias_grad,
+                           input_grad_dtype, weight_grad_dtype, mode, chunk_bytes, block_n, block_v, block_d,
+                           num_warps, num_stages) -> _BackwardArgs:
+    """Check :func:`lce_backward`'s arguments (raising as it documents) and resolve its defaults."""
     N, V, D = check_linear(input, weight, bias)
     dev = input.device
     check_target(target, N, dev)
@@ -287,11 +311,8 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
     mode = backward_mode(mode)
     if grad_logits is not None or coef_c is not None:
         filter_eps = None  # an upstream logits gradient, label smoothing: no entry is negligible
-    if need_bias_grad is None:
-        need_bias_grad = bias is not None
     input_grad_dtype = input.dtype if input_grad_dtype is None else input_grad_dtype
     weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
-    bias_grad_dtype = bias.dtype if bias is not None else weight.dtype
     for name, dt in (("input_grad_dtype", input_grad_dtype), ("weight_grad_dtype", weight_grad_dtype)):
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise TypeError(f"{name} must be a floating-point torch.dtype, got {dt!r}")
@@ -303,41 +324,32 @@ def lce_backward(input, weight, bias, target, lse, other_mass, coef_a, coef_b, c
               pow2_block("block_d", block_d, bd, D, 16))
     opts = launch_opts(num_warps, num_stages, _BWD_WARPS, _BWD_STAGES)
     check_runtime(input, "linear-cross-entropy")
+    return _BackwardArgs(
+        sizes=(N, V, D), ignore_index=ignore_index, scale=scale, softcap=softcap, filter_eps=filter_eps, mode=mode,
+        need_bias_grad=bias is not None if need_bias_grad is None else need_bias_grad,
+        grad_dtypes=(input_grad_dtype, weight_grad_dtype, bias.dtype if bias is not None else weight.dtype),
+        blocks=blocks, opts=opts)
 
-    if mode == "gemm":
-        def write_grad(r0, r1, src, hi, lo):
-            return write_chunk_grad(
-                src, hi, lo, bias=bias if logits is None else None, target=target[r0:r1],
-                class_weight=class_weight, lse=lse[r0:r1], om=other_mass[r0:r1], a=coef_a[r0:r1],
-                b=coef_b[r0:r1], c=None if coef_c is None else coef_c[r0:r1],
-                grad_logits=None if grad_logits is None else grad_logits[r0:r1], ignore_index=ignore_index,
-                scale=scale, softcap=softcap, filter_eps=filter_eps, saved=logits is not None, block_n=block_n,
-                block_v=block_v, num_warps=num_warps)
 
-        return chunked_gemm_backward(
-            input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
-            need_bias_grad=need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
-            bias_grad_dtype=bias_grad_dtype, split=precise_grad, chunk_bytes=chunk_bytes,
-            filtering=filter_eps is not None)
+def _gemm_mode(input, weight, bias, args: _BackwardArgs, *, target, lse, om, a, b, c, class_weight, logits,
+               grad_logits, precise_grad, need_input_grad, need_weight_grad, chunk_bytes, block_n, block_v,
+               num_warps):
+    """:func:`lce_backward`'s ``"gemm"`` mode: :func:`write_chunk_grad` per row chunk of
+    :func:`~.triton_backward_gemm.chunked_gemm_backward`."""
+    def write_grad(r0, r1, src, hi, lo):
+        return write_chunk_grad(
+            src, hi, lo, bias=bias if logits is None else None, target=target[r0:r1], class_weight=class_weight,
+            lse=lse[r0:r1], om=om[r0:r1], a=a[r0:r1], b=b[r0:r1], c=None if c is None else c[r0:r1],
+            grad_logits=None if grad_logits is None else grad_logits[r0:r1], ignore_index=args.ignore_index,
+            scale=args.scale, softcap=args.softcap, filter_eps=args.filter_eps, saved=logits is not None,
+            block_n=block_n, block_v=block_v, num_warps=num_warps)
 
-    f32 = dict(dtype=torch.float32, device=dev)
-    gi = torch.zeros((N, D), **f32) if need_input_grad else None
-    gw = torch.zeros((V, D), **f32) if need_weight_grad else None
-    gb = torch.zeros((V,), **f32) if need_bias_grad else None
-    if N and V and ((D and (need_input_grad or need_weight_grad)) or need_bias_grad):
-        _backward_launch(
-            src=logits, e=input, w=weight, bias=bias, target=target, class_weight=class_weight, lse=lse,
-            om=other_mass, a=coef_a, b=coef_b, c=coef_c, grad_logits=grad_logits, gi=gi, gw=gw, gb=gb,
-            gx=None, N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=softcap,
-            filter_eps=filter_eps,
-            z_from=_Z_SAVED if logits is not None else _Z_MATMUL, blocks=blocks, opts=opts,
-            prec=dot_precision(input.dtype), split=precise_grad,
-        )
-    return (
-        None if gi is None else gi.to(input_grad_dtype),
-        None if gw is None else gw.to(weight_grad_dtype),
-        None if gb is None else gb.to(bias_grad_dtype),
-    )
+    input_grad_dtype, weight_grad_dtype, bias_grad_dtype = args.grad_dtypes
+    return chunked_gemm_backward(
+        input, weight, logits, write_grad, need_input_grad=need_input_grad, need_weight_grad=need_weight_grad,
+        need_bias_grad=args.need_bias_grad, input_grad_dtype=input_grad_dtype, weight_grad_dtype=weight_grad_dtype,
+        bias_grad_dtype=bias_grad_dtype, split=precise_grad, chunk_bytes=chunk_bytes,
+        filtering=args.filter_eps is not None)
 
 
 def write_chunk_grad(src, hi, lo, *, bias, target, class_weight, lse, om, a, b, c, grad_logits, ignore_index: int,
@@ -365,6 +377,7 @@ def write_chunk_grad(src, hi, lo, *, bias, target, class_weight, lse, om, a, b, 
 def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c, grad_logits, gi, gw, gb, gx,
                      N, V, D, ignore_index, scale, softcap, filter_eps, z_from, blocks, opts, prec, gx_lo=None,
                      split=False, active=None):
+    """Launch ``_bwd_kernel`` on one ``(N, V)`` problem; absent tensors (None) are not read."""
     bn, bv, bd = blocks
     anchor = lse  # any tensor: a placeholder for absent pointer arguments (never dereferenced)
     src_t = src if src is not None else anchor
@@ -377,19 +390,20 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
     grid = (cdiv(N, bn) * cdiv(V, bv),)
     with on_device(lse):
         _bwd_kernel[grid](
-            src_t, src_s[0], src_s[1],
-            e_t, e_s[0], e_s[1], w_t, w_s[0], w_s[1], bias if bias is not None else anchor,
-            target, target.stride(0),
-            class_weight if class_weight is not None else anchor,
-            class_weight.stride(0) if class_weight is not None else 0,
-            lse, lse.stride(0), om, om.stride(0), a, a.stride(0), b, b.stride(0),
-            c if c is not None else anchor, c.stride(0) if c is not None else 0,
-            grad_logits if grad_logits is not None else anchor, gl_s[0], gl_s[1],
-            gi if gi is not None else anchor, gw if gw is not None else anchor, gb if gb is not None else anchor,
-            gx if gx is not None else anchor, gx_lo if gx_lo is not None else anchor,
-            active if active is not None else anchor,
-            N, V, D, ignore_index, scale, 1.0 if softcap is None else softcap,
-            0.0 if filter_eps is None else float(filter_eps),
+            src_ptr=src_t, src_s0=src_s[0], src_s1=src_s[1],
+            e_ptr=e_t, e_s0=e_s[0], e_s1=e_s[1], w_ptr=w_t, w_s0=w_s[0], w_s1=w_s[1],
+            bias_ptr=bias if bias is not None else anchor,
+            tgt_ptr=target, tgt_s=target.stride(0),
+            cw_ptr=class_weight if class_weight is not None else anchor,
+            cw_s=class_weight.stride(0) if class_weight is not None else 0,
+            lse_ptr=lse, lse_s=lse.stride(0), om_ptr=om, om_s=om.stride(0), a_ptr=a, a_s=a.stride(0), b_ptr=b,
+            b_s=b.stride(0), c_ptr=c if c is not None else anchor, c_s=c.stride(0) if c is not None else 0,
+            gl_ptr=grad_logits if grad_logits is not None else anchor, gl_s0=gl_s[0], gl_s1=gl_s[1],
+            gi_ptr=gi if gi is not None else anchor, gw_ptr=gw if gw is not None else anchor,
+            gb_ptr=gb if gb is not None else anchor, gx_ptr=gx if gx is not None else anchor,
+            gxl_ptr=gx_lo if gx_lo is not None else anchor, act_ptr=active if active is not None else anchor,
+            N=N, V=V, D=D, ignore_index=ignore_index, scale=scale, softcap=1.0 if softcap is None else softcap,
+            filter_eps=0.0 if filter_eps is None else float(filter_eps),
             Z_FROM=z_from, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, HAS_C=c is not None, HAS_GL=grad_logits is not None,
             FILTER=filter_eps is not None, NEED_GI=gi is not None and D > 0, NEED_GW=gw is not None and D > 0,
@@ -404,20 +418,10 @@ def _backward_launch(*, src, e, w, bias, target, class_weight, lse, om, a, b, c,
 def ce_backward(logits, target, lse, other_mass, coef_a, coef_b, coef_c, *, ignore_index: int, scale=1.0,
                 softcap=None, class_weight=None, out_dtype=None,
                 block_n: int | None = None, block_v: int | None = None, num_warps: int | None = None):
-    """Gradient w.r.t. the raw logits ``x`` of :func:`ce_forward`'s statistics.
-
-    ``G`` as in :func:`lce_backward` (collapse-safe target entry), times ``dz/dx``; computed
-    in fp32 per tile and written once in ``out_dtype`` (no fp32 ``N x V`` temporary).
-
-    Args:
-        logits: ``(N, V)`` raw logits (any float dtype, any 2-D strides), as given to :func:`ce_forward`.
-        target, lse, other_mass, coef_a, coef_b, coef_c, ignore_index, scale, softcap,
-            class_weight: as in :func:`lce_backward`.
-        out_dtype: dtype of the result (default ``logits.dtype``).
-        block_n, block_v, num_warps: launch overrides (defaults 8 x 1024, 8 warps).
-
-    Returns:
-        ``grad_x``: a new contiguous ``(N, V)`` tensor in ``out_dtype``.
+    """Gradient w.r.t. the raw ``(N, V)`` logits (any float dtype and 2-D strides) of :func:`ce_forward`'s
+    statistics: ``G`` as in :func:`lce_backward`, times ``dz/dx``, computed in fp32 per tile and written once as a
+    new contiguous ``(N, V)`` tensor in ``out_dtype`` (default ``logits.dtype``). The other arguments are
+    :func:`lce_backward`'s; block_n, block_v, num_warps: launch overrides (defaults 8 x 1024, 8 warps).
 
     Raises:
         TypeError / ValueError / RuntimeError: as in :func:`ce_forward` / :func:`lce_backward`.

@@ -1,28 +1,12 @@
 """The "gemm" mode of :func:`~.triton_backward.lce_backward`: the gradients of the fused linear + cross-entropy by
-row chunks, with the gradient products done by matmuls (cuBLAS on a GPU) instead of per-tile atomics.
+row chunks, the products done by matmuls (cuBLAS on a GPU) instead of per-tile atomics.
 
-Per chunk of rows ``r0:r1`` (Liger-Kernel's ``fused_linear_cross_entropy``, which chunks the rows the same way)::
-
-    x_c  = input[r0:r1] @ weight.T                  # fp32 (bf16 / fp16 operands, fp32 output on a GPU)
-    G_c  = dLoss/dx_c                                # the caller's Triton kernel, written once (see below)
-    grad_input[r0:r1]  = G_c @ weight                # fp32 accumulation
-    grad_weight       += G_c.T @ input[r0:r1]        # fp32 accumulator across chunks
-    grad_bias         += G_c.sum(0)                  # fp32
-
-The logits chunk stays fp32 (not rounded to the input dtype as F.linear's would be): it is what the forward's
-``lse`` / ``other_mass`` were computed from, so ``G`` keeps the collapse-safe target entry of Cut Cross-Entropy
-(Wijmans et al., 2024). With fp16 / bf16 inputs ``G`` is rounded to the input dtype once (torch's and CCE's
-numerics), or, with ``split=True``, written as ``hi + lo`` (two 16-bit operands, ~16 significant bits) and each
-product done on both (``grad_weight``: one matmul over the rows of both), so that the results are rounded once, at
-the end. Only :func:`chunked_gemm_backward` knows the chunking; the Triton side is a callable, so this module
-imports no kernel.
-
-fp32 inputs: the matmuls follow torch's fp32 matmul setting, as ``F.linear`` (TF32 under
-``torch.set_float32_matmul_precision("high")``, where the fused kernel uses tf32x3).
-
-CPU tensors (Triton's interpreter, the tests): ATen has no fp32-output kernels for fp16 / bf16 matmuls on CPU, so
-the 16-bit operands are upcast there (their products are exact in fp32: the same arithmetic as the GPU's fp32
-accumulation, in another order).
+Per chunk of rows (as Liger-Kernel's ``fused_linear_cross_entropy``): the fp32 logits ``input[r0:r1] @ weight.T``,
+their gradient ``G`` written once by the caller's Triton kernel, then ``grad_input[r0:r1] = G @ weight``,
+``grad_weight += G.T @ input[r0:r1]`` and ``grad_bias += G.sum(0)``, accumulated in fp32. The logits stay fp32
+(what the forward's statistics came from, so ``G`` keeps Cut Cross-Entropy's collapse-safe target entry); with
+fp16 / bf16 inputs ``G`` is rounded to the input dtype once, or split into ``hi + lo`` (``split=True``). On CPU
+(Triton's interpreter) the 16-bit operands are upcast. See docs/DESIGN.md, "Cross-entropy: the gemm backward".
 """
 
 from __future__ import annotations
@@ -33,18 +17,17 @@ from ..common import HALF_DTYPES, autocast_off
 from ..triton_helpers import planned_sms
 from .chunked import DEFAULT_CHUNK_BYTES
 
-__all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "COMPACT_KEPT_SHARE", "gemm_rows", "kept_columns", "mm_into", "addmm_into", "chunked_gemm_backward"]
+__all__ = ["GEMM_CHUNK_BYTES", "ROW_ALIGN", "COMPACT_KEPT_SHARE", "gemm_rows", "kept_columns", "mm_into",
+           "addmm_into", "chunked_gemm_backward"]
 
-#: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU: with bf16 inputs 6 bytes per logit
-#: (8 as hi + lo), 1280 rows at V = 128256 (fewer, larger chunks amortize re-reading ``weight`` and the fp32
-#: ``grad_weight`` accumulator once per chunk). CPU: :data:`~.chunked.DEFAULT_CHUNK_BYTES`.
+#: Default bytes of one chunk's temporaries (fp32 logits + ``G``) on a GPU (CPU: :data:`~.chunked.DEFAULT_CHUNK_BYTES`):
+#: large chunks amortize re-reading ``weight`` and the fp32 ``grad_weight`` accumulator once per chunk.
 GEMM_CHUNK_BYTES = 2**30
 #: Chunks of at least two of these many rows are rounded down to a multiple of it (whole GEMM tiles).
 ROW_ALIGN = 128
 
-#: Gradient filtering in the gemm mode: a chunk's kept columns are gathered (their ``G`` columns and ``weight``
-#: rows) when at most this share of the vocabulary is kept; above it the products run over every column. A
-#: gathered column costs ~2 (n + D) bytes moved per ~4 n D FLOPs a dropped one saves (docs/DESIGN.md).
+#: Gradient filtering in the gemm mode: a chunk's kept columns are gathered when at most this share of the
+#: vocabulary is kept, else the products run over every column (docs/DESIGN.md, "Cross-entropy": the cost model).
 COMPACT_KEPT_SHARE = 0.75
 
 #: Whether ``torch.addmm(..., out_dtype=torch.float32)`` (an fp32 accumulator with 16-bit operands) worked on
@@ -54,7 +37,7 @@ _ADDMM_OUT_DTYPE = {"ok": True}
 
 def _gpu(device: torch.device) -> bool:
     """A CUDA device, or launches planned as on one (:func:`~..triton_helpers.plan_for_sms`, for byte counts)."""
-    return device.type == "cuda" or planned_sms(device) is not None  # (no SM query needed for CUDA)
+    return device.type == "cuda" or planned_sms(device) is not None
 
 
 def gemm_rows(n: int, v: int, bytes_per_entry: int, chunk_bytes: int | None, device: torch.device) -> int:
@@ -118,26 +101,20 @@ def chunked_gemm_backward(input, weight, saved_logits, write_grad, *, need_input
         input: ``(N, D)`` fp16 / bf16 / fp32, any strides. weight: ``(V, D)``, same dtype, any strides.
         saved_logits: None (each chunk's raw logits ``input[r0:r1] @ weight.T`` are computed in fp32, without
             the bias), or an ``(N, V)`` tensor whose row slices are handed to ``write_grad`` instead.
-        write_grad: ``write_grad(r0, r1, src, hi, lo)``: writes ``dLoss/dx`` of rows ``r0:r1`` into ``hi``
-            (``(r1 - r0, V)`` contiguous, input dtype) from ``src`` (the fp32 logits chunk, or the saved slice);
-            when ``lo`` is not None (split), rounded as ``hi`` and its remainder ``x - hi`` into ``lo``. Returns
-            None, or (``filtering``) a ``(V,)`` int8 tensor, 1 on the columns kept: the others' gradient may be
-            dropped (see :func:`kept_columns`).
+        write_grad: ``write_grad(r0, r1, src, hi, lo)`` writes ``dLoss/dx`` of rows ``r0:r1`` into ``hi``
+            (``(r1 - r0, V)`` contiguous, input dtype) from ``src`` (the logits chunk or saved slice), and the
+            remainder ``x - hi`` into ``lo`` when it is not None; returns None, or (``filtering``) the ``(V,)`` int8
+            flags of the columns kept (:func:`kept_columns`).
         need_input_grad, need_weight_grad, need_bias_grad: which results to compute.
-        input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their dtypes (floating point).
-        split: multiply ``hi`` and ``lo`` (the gradient to ~16 significant bits in two 16-bit operands, so that
-            the results are rounded once, at the end; twice the products' FLOPs) instead of ``G`` rounded to the
-            input dtype (torch's and CCE's numerics). fp16 / bf16 inputs only.
-        chunk_bytes: bytes of one chunk's temporaries (see :func:`gemm_rows`), None for the default.
+        input_grad_dtype, weight_grad_dtype, bias_grad_dtype: their (floating-point) dtypes.
+        split: multiply ``hi`` and ``lo`` (~16 significant bits, twice the FLOPs) instead of ``G`` rounded to
+            the input dtype; fp16 / bf16 inputs only.
+        chunk_bytes: bytes of one chunk's temporaries (:func:`gemm_rows`), None for the default.
         filtering: ``write_grad`` returns the kept columns (gradient filtering, Wijmans et al., 2024).
 
     Returns:
         ``(grad_input (N, D) or None, grad_weight (V, D) or None, grad_bias (V,) or None)``, contiguous; zeros
-        where nothing contributes (``N == 0``, ``V == 0``).
-
-    Raises:
-        RuntimeError: from torch for inconsistent shapes / devices (nothing is checked here: the caller,
-            :func:`~.triton_backward.lce_backward`, validates its arguments).
+        where nothing contributes (``N == 0``, ``V == 0``). Nothing is checked here (the caller validates).
     """
     N, D = input.shape
     V = weight.shape[0]

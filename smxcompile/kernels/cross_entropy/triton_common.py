@@ -1,71 +1,22 @@
 """Fused linear + cross-entropy statistics, forward and backward, in Triton: what the kernels share.
 
-The logits ``x = input @ weight.T + bias`` (``N x V``) are computed tile by tile and
-reduced on chip; the ``N x V`` matrix never reaches global memory (unless asked for).
-Per row ``i`` (classes ``j``), in fp32::
+The logits ``x = input @ weight.T + bias`` are computed tile by tile and reduced on chip in fp32. Per row ``i``:
+``z = scale * x`` (then ``softcap * tanh(z / softcap)``), ``lse_i``, the target logit ``z_{i,y_i}``, the other
+classes' mass ``sum_{j != y_i} p_ij`` (the collapse-safe ``1 - p_target``) and optionally ``sum_j w_j z_ij``. The
+backward forms ``G = a p - b onehot(y) - c w`` tile by tile, its target entry ``-a other_mass + (a - b) - c w_y``,
+and ``Gx = G * dz/dx``; then ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias =
+Gx.sum(0)``, accumulated in fp32. Pointer offsets are int64; special values (NaN, infinite logits) follow torch.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``; see
+:mod:`smxcompile.kernels.triton_helpers`). See docs/DESIGN.md, "Cross-entropy: the Triton kernels".
 
-    z_ij = scale * x_ij
-    z_ij = softcap * tanh(z_ij / softcap)                  # if softcap is not None
-    lse_i          = log sum_j exp(z_ij)
-    target_logit_i = z_{i, y_i}
-    other_mass_i   = sum_{j != y_i} exp(z_ij - lse_i)        # = 1 - p_target, collapse-safe
-    weighted_sum_i = sum_j w_j z_ij                          # optional (label smoothing)
+Method: cut cross-entropy (Wijmans et al., 2024: logit tiles reduced on chip, a recomputing backward, gradient
+filtering); the online softmax (Milakov & Gimelshein, 2018: a running ``(m, d)`` pair across vocabulary blocks,
+also split across programs and merged, so ``V`` has no limit); the collapse-safe target entry (Prieto et al.,
+"Grokking at the Edge of Numerical Stability", 2025).
 
-and the backward takes per-row coefficients ``a, b, c`` and forms, tile by tile,
-
-    G_ij = a_i p_ij - b_i [j == y_i] - c_i w_j                (p_ij = exp(z_ij - lse_i))
-    G_{i,y_i} = -a_i other_mass_i + (a_i - b_i) - c_i w_{y_i}  (the target entry, collapse-safe)
-    Gx = G * dz/dx,  dz/dx = scale * (1 - (z / softcap)^2)  (or scale)
-
-then ``grad_input = Gx @ weight``, ``grad_weight = Gx.T @ input``, ``grad_bias = Gx.sum(0)``
-(accumulated in fp32; with fp16 / bf16 operands the fp32 ``Gx`` tile is rounded once to the operand dtype, as
-torch and CCE do, or enters the products as ``hi + lo`` with ``precise_grad``).
-``G`` is the gradient of ``sum_i a_i lse_i - b_i z_{i,y_i} - c_i weighted_sum_i``; cross-entropy is
-``a = b = grad_loss_i``, ``c = 0`` (label smoothing ``eps`` adds ``c = eps / V``-style terms).
-
-Methods:
-
-* "Cut Your Losses in Large-Vocabulary Language Models" (Wijmans, Huval, Hertzberg,
-  Koltun, Kr\u00e4henb\u00fchl, 2024): the blockwise matmul whose logit tiles are reduced in
-  on-chip memory, the target logit taken from the same tiles, the recomputing backward
-  with atomically accumulated weight/input gradients, and optional gradient filtering
-  (``filter_eps``: skip tiles whose gradient is negligible; off by default = exact).
-* "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018): the running
-  ``(m, d)`` pair across vocabulary blocks. The vocabulary is also split across programs
-  (for GPU occupancy when ``N`` is small); the partial ``(m, d)`` states are merged with
-  ``m = max(m_s)``, ``d = sum_s d_s exp(m_s - m)`` in a tiny torch reduction afterwards.
-  There is no limit on ``V``.
-* Softmax collapse (Prieto et al., "Grokking at the Edge of Numerical Stability", 2025): when the target dominates, ``1 - p_y``
-  rounds to 0 while the other probabilities do not; ``other_mass`` is therefore summed
-  over the other classes (``sum_{j != y} exp(z_j - m)``, rescaled like ``d``), and the
-  backward uses it for the target entry, so gradients still sum to ~0 per row.
-
-``ce_forward`` / ``ce_backward`` are the same kernels with the logits given as an
-``(N, V)`` tensor (any 2-D strides) instead of a matmul.
-
-All pointer offsets are int64 (``N*V``, ``N*D`` and ``V*D`` may exceed ``2**31``).
-Special values follow torch: a row with NaN gets NaN ``lse``; a row of all ``-inf`` gets
-``lse = -inf``; a ``+inf`` logit gives ``lse = +inf``.
-
-fp32 inputs: ``tl.dot``'s precision follows ``torch.get_float32_matmul_precision()``:
-``"highest"`` (torch's default) -> IEEE fp32 FMA (exact fp32, slow), ``"high"`` ->
-``tf32x3`` (about fp32 accuracy on tensor cores), ``"medium"`` -> ``tf32``. fp16 / bf16
-inputs use the tensor cores with fp32 accumulation; the logits stay fp32 from the accumulator
-to the reductions (no rounding to the input dtype: Cut Cross-Entropy's numerics, not torch's bf16 logits).
-
-On a machine without a GPU the kernels run through Triton's interpreter when
-``TRITON_INTERPRET=1`` was set before triton was imported; they then accept CPU tensors.
-Two interpreter-only constexprs (both False on a GPU) make it compute what the GPU does:
-``DOT_F32`` upcasts bf16 ``tl.dot`` operands (the interpreter multiplies their uint16 bit
-patterns) and ``FIX_BF16`` rounds fp32 -> bf16 casts to nearest even (it truncates); see
-:mod:`smxcompile.kernels.triton_helpers`.
-
-Modules: :mod:`.triton_common` (this description, the logit tile shared by both kernels, argument
-checks and launch options), :mod:`.triton_forward` (the statistics kernel: :func:`lce_forward`,
-:func:`ce_forward`), :mod:`.triton_backward` (the gradient kernel: :func:`lce_backward`, :func:`ce_backward`).
-:func:`lce_backward` runs the atomics described above only in its ``"fused"`` mode (gradient filtering); by
-default (``"gemm"``, :mod:`.triton_backward_gemm`) the kernel writes each row chunk's ``Gx`` once (rounded as
-above) and cuBLAS matmuls form ``grad_input`` / ``grad_weight`` (fp32 accumulation).
+Modules: :mod:`.triton_common` (the logit tile, argument checks), :mod:`.triton_forward` (:func:`lce_forward`,
+:func:`ce_forward`), :mod:`.triton_backward` (:func:`lce_backward`, :func:`ce_backward`; its default ``"gemm"``
+mode is :mod:`.triton_backward_gemm`).
 """
 
 from __future__ import annotations
@@ -75,8 +26,8 @@ import torch
 from ..common import FLOAT_DTYPES
 from ..triton_helpers import tl, triton  # None without triton
 
-__all__ = ["CE_BLOCKS", "CE_WARPS", "tensor_arg", "float_tensor", "check_target", "check_scalars", "check_linear",
-           "check_class_weight"]
+__all__ = ["CE_BLOCKS", "CE_WARPS", "tensor_arg", "float_tensor", "check_target", "check_scalars",
+           "check_linear", "check_class_weight"]
 
 # Logits-given paths (no tl.dot: any block sizes).
 CE_BLOCKS = (8, 1024)

@@ -14,9 +14,8 @@ from .triton_common import (CE_BLOCKS, CE_WARPS, check_class_weight, check_linea
 
 __all__ = ["lce_forward", "ce_forward", "chunk_statistics"]
 
-# Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages. Not tuned on a GPU
-# yet; sized (compiled for sm_90) to use <= 96 KiB of shared memory in every variant, so
-# they also fit sm_80 / sm_86 / sm_89.
+# Default block sizes (BLOCK_N, BLOCK_V, BLOCK_D), num_warps, num_stages: <= 96 KiB of shared memory in every
+# variant (compiled for sm_90), so they also fit sm_80 / sm_86 / sm_89; not tuned on a GPU.
 _FWD_BLOCKS_16 = (128, 128, 64)
 _FWD_BLOCKS_32 = (128, 128, 32)
 _FWD_WARPS, _FWD_STAGES = 8, 3
@@ -195,11 +194,11 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
     am_p = torch.empty((S, N), dtype=torch.int64, device=dev) if need_argmax else part
     with on_device(src):
         _fwd_kernel[(nb_n, S)](
-            src, src.stride(0), src.stride(1),
-            w, w.stride(0), w.stride(1), bias if bias is not None else part,
-            target, target.stride(0), cw, cw.stride(0) if class_weight is not None else 0,
-            out, out_s[0], out_s[1], part, am_p,
-            N, V, D, v_per_split, scale, 1.0 if softcap is None else softcap,
+            src_ptr=src, src_s0=src.stride(0), src_s1=src.stride(1),
+            w_ptr=w, w_s0=w.stride(0), w_s1=w.stride(1), bias_ptr=bias if bias is not None else part,
+            tgt_ptr=target, tgt_s=target.stride(0), cw_ptr=cw, cw_s=cw.stride(0) if class_weight is not None else 0,
+            out_ptr=out, out_s0=out_s[0], out_s1=out_s[1], part_ptr=part, am_ptr=am_p,
+            N=N, V=V, D=D, v_per_split=v_per_split, scale=scale, softcap=1.0 if softcap is None else softcap,
             FROM_MATMUL=from_matmul, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
             HAS_CW=class_weight is not None, NEED_WS=bool(need_weighted_sum), WRITE_LOGITS=logits_out is not None,
             NEED_ARGMAX=bool(need_argmax),
@@ -212,8 +211,9 @@ def _forward(src, w, bias, target, *, from_matmul, N, V, D, ignore_index, scale,
     amx = torch.empty(N, dtype=torch.int64, device=dev) if need_argmax else None
     with on_device(src):
         _merge_kernel[(cdiv(N, _MERGE_BLOCK),)](
-            part, am_p, target, target.stride(0), lse, target_logit, other_mass,
-            ws if ws is not None else lse, amx if amx is not None else am_p, N, S, V, ignore_index,
+            part_ptr=part, am_ptr=am_p, tgt_ptr=target, tgt_s=target.stride(0), lse_ptr=lse, tlog_ptr=target_logit,
+            om_ptr=other_mass, ws_ptr=ws if ws is not None else lse, amx_ptr=amx if amx is not None else am_p, N=N,
+            S=S, V=V, ignore_index=ignore_index,
             NEED_WS=bool(need_weighted_sum), NEED_ARGMAX=bool(need_argmax), BLOCK=_MERGE_BLOCK, num_warps=4,
         )
     if not need_argmax:
@@ -225,41 +225,31 @@ def lce_forward(input, weight, bias, target, *, ignore_index: int, scale: float 
                 class_weight=None, need_weighted_sum: bool = False, logits_out=None, return_argmax: bool = False,
                 block_n: int | None = None, block_v: int | None = None, block_d: int | None = None,
                 num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
-    """Per-row cross-entropy statistics of ``z = transform(input @ weight.T + bias)`` without
-    materializing the logits (Cut Cross-Entropy, Wijmans et al., 2024; online softmax,
-    Milakov & Gimelshein, 2018).
-
-    ``z = scale * x``, then ``softcap * tanh(z / softcap)`` if ``softcap`` is given, in fp32
-    (the matmul accumulates in fp32).
+    """Per-row cross-entropy statistics of ``z = transform(input @ weight.T + bias)`` without materializing the
+    logits (Cut Cross-Entropy, Wijmans et al., 2024; online softmax, Milakov & Gimelshein, 2018). ``z = scale *
+    x``, then ``softcap * tanh(z / softcap)`` if ``softcap`` is given, in fp32 (the matmul accumulates in fp32).
 
     Args:
-        input: ``(N, D)`` fp16 / bf16 / fp32, any strides. CUDA, or CPU under ``TRITON_INTERPRET=1``.
-        weight: ``(V, D)``, same dtype and device as ``input``, any strides.
-        bias: ``(V,)`` any float dtype, or None.
-        target: ``(N,)`` int64 or int32 class indices. A row with ``target == ignore_index``
-            is ignored; any other target outside ``[0, V)`` is never read out of bounds and
-            gives a NaN ``target_logit``.
-        ignore_index: the ignored label (any sign).
-        scale: multiplies the raw logits first.
-        softcap: ``> 0`` to soft-cap the scaled logits, or None.
-        class_weight: ``(V,)`` float class weights ``w`` for ``weighted_sum`` (ones if None).
+        input: ``(N, D)`` fp16 / bf16 / fp32, any strides; CUDA, or CPU under ``TRITON_INTERPRET=1``.
+        weight: ``(V, D)``, same dtype and device as ``input``, any strides. bias: ``(V,)`` any float, or None.
+        target: ``(N,)`` int64 / int32 class indices; rows with ``ignore_index`` (any sign) are ignored, another
+            target outside ``[0, V)`` is never read out of bounds and gives a NaN ``target_logit``.
+        scale: multiplies the raw logits first. softcap: ``> 0`` to soft-cap the scaled logits, or None.
+        class_weight: ``(V,)`` float weights ``w`` of ``weighted_sum`` (ones if None).
         need_weighted_sum: also return ``sum_j w_j z_ij`` (for label smoothing).
         logits_out: an ``(N, V)`` float tensor (any dtype and strides) to receive ``z``, or None.
-        return_argmax: also return each row's argmax of ``z`` (int64 ``(N,)``, every row), from the same
-            tiles: the first maximum, as ``torch.argmax`` (0 when ``V == 0``; unspecified for a row with NaN).
-        block_n, block_v, block_d: power-of-two block overrides (>= 16: ``tl.dot``).
-            Defaults: 128 x 128 x 64 (fp16/bf16) or x 32 (fp32), shrunk to small problems.
-        num_splits: programs per row block along the vocabulary (default: enough programs
-            for ~2 per SM on a GPU; 1 in the interpreter).
-        num_warps, num_stages: launch overrides (defaults 8 and 3).
+        return_argmax: also return each row's first argmax of ``z`` (int64 ``(N,)``, as ``torch.argmax``; 0 when
+            ``V == 0``, unspecified for a row with NaN), from the same tiles.
+        block_n, block_v, block_d: power-of-two block overrides (>= 16: ``tl.dot``); defaults 128 x 128 x 64
+            (fp16 / bf16) or x 32 (fp32), shrunk to small problems.
+        num_splits: programs per row block along the vocabulary (default: ~2 per SM on a GPU; 1 in the
+            interpreter). num_warps, num_stages: launch overrides (defaults 8 and 3).
 
     Returns:
-        ``(lse, target_logit, other_mass, weighted_sum)``, each fp32 ``(N,)``:
-        ``lse`` for every row (ignored or not; ``-inf`` when ``V == 0``);
-        ``target_logit = z[i, y_i]`` (0 for ignored rows, NaN for an out-of-range target);
-        ``other_mass = sum_{j != y_i} softmax(z_i)_j`` (0 for ignored rows; 1 for an
-        out-of-range target); ``weighted_sum`` (every row) or None unless ``need_weighted_sum``; then the
-        argmax when ``return_argmax`` (a 5-tuple).
+        ``(lse, target_logit, other_mass, weighted_sum)``, each fp32 ``(N,)``: ``lse`` for every row (``-inf``
+        when ``V == 0``); ``target_logit = z[i, y_i]`` (0 for ignored rows, NaN for an out-of-range target);
+        ``other_mass = sum_{j != y_i} softmax(z_i)_j`` (0 for ignored rows, 1 for an out-of-range target);
+        ``weighted_sum`` or None unless ``need_weighted_sum``; then the argmax when ``return_argmax``.
 
     Raises:
         TypeError: non-tensor arguments, input not fp16/bf16/fp32, input/weight dtypes differ,
@@ -299,19 +289,10 @@ def chunk_statistics(chunk, bias, target, *, ignore_index: int, scale: float, so
 def ce_forward(logits, target, *, ignore_index: int, scale=1.0, softcap=None, class_weight=None,
                need_weighted_sum=False, block_n: int | None = None, block_v: int | None = None,
                num_splits: int | None = None, num_warps: int | None = None):
-    """:func:`lce_forward`'s statistics with the raw logits ``x`` given as a tensor.
-
-    Args:
-        logits: ``(N, V)`` raw logits, fp16 / bf16 / fp32 / fp64 (computed in fp32), any 2-D
-            strides (transposed, sliced, expanded): never copied.
-        target, ignore_index, scale, softcap, class_weight, need_weighted_sum: as in
-            :func:`lce_forward`.
-        block_n, block_v: power-of-two block overrides (defaults 8 x 1024, shrunk to the problem).
-        num_splits, num_warps: launch overrides.
-
-    Returns:
-        ``(lse, target_logit, other_mass, weighted_sum_or_None)``, fp32 ``(N,)`` each, as in
-        :func:`lce_forward`.
+    """:func:`lce_forward`'s statistics ``(lse, target_logit, other_mass, weighted_sum or None)`` of the raw
+    logits given as an ``(N, V)`` tensor: fp16 / bf16 / fp32 / fp64 (computed in fp32), any 2-D strides
+    (transposed, sliced, expanded), never copied. The other arguments are :func:`lce_forward`'s; block_n,
+    block_v: power-of-two overrides (defaults 8 x 1024, shrunk to the problem).
 
     Raises:
         TypeError / ValueError / RuntimeError: as in :func:`lce_forward`.

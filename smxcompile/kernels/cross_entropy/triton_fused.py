@@ -65,6 +65,7 @@ def fused_forward_gemm(input, weight, bias, target, class_weight, token_weight, 
         need_bias_grad=bias is not None, input_grad_dtype=gdt, weight_grad_dtype=saved_grad_dtype(weight.dtype),
         bias_grad_dtype=torch.float32, split=precise_grad, chunk_bytes=chunk_bytes or None,
         filtering=filter_eps is not None and c0 is None)
-    loss, zl = compose_loss(lse, tl, ws, target, None, v, class_weight, token_weight, ignore_index, reduction, eps,
-                            z_scale)
+    loss, zl = compose_loss(lse, tl, ws, target=target, probs=None, v=v, class_weight=class_weight,
+                            token_weight=token_weight, ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=eps, lse_square_scale=z_scale)
     return loss, zl, lse, gi, gw, gb

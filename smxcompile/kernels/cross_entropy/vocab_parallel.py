@@ -1,36 +1,15 @@
 """Vocabulary-parallel cut cross-entropy: the classifier sharded by vocabulary rows across a process group.
 
-Method: cut cross-entropy ("Cut Your Losses in Large-Vocabulary Language Models", Wijmans et al.,
-2024) per shard, merged with the online-softmax rule for two partial (max, sum) states ("Online
-normalizer calculation for softmax", Milakov & Gimelshein, 2018); the layout is Megatron-LM's
-vocabulary-parallel cross-entropy (Shoeybi et al., 2019), which shards *logits*; here the logits
-never exist, on any rank.
+Each rank runs the single-device statistics op on its rows ``[s_r, s_r + V_r)`` of the classifier, with the same
+(replicated) embeddings and targets; the partial rows (lse, target logit, other mass, weighted sum) merge as
+online-softmax states in three collectives of O(N) numbers (:func:`_exchange`, :func:`_merge`), and the loss is
+composed from them as on one device. The backward runs the single-device backward op on each shard with the
+global lse and other mass (the unsharded, collapse-safe formula); grad_input is summed over the group. See
+docs/DESIGN.md, "Cross-entropy: vocabulary parallelism, the three collectives".
 
-Rank r holds rows ``[s_r, s_r + V_r)`` of the classifier ``W`` (V x D) and the same (replicated)
-embeddings ``e`` (N x D) and targets. It runs the single-device statistics op on its shard,
-
-    lse_r = log sum_{j in r} exp(z_ij)        tl_r = z_{i,y_i} if it owns y_i, else 0
-    om_r  = sum_{j in r, j != y_i} exp(z_ij - lse_r)       ws_r = sum_{j in r} w_j z_ij
-
-and the partials merge with three collectives of O(N) numbers (never N x V):
-
-    1. all_gather of 9 numbers per rank: the shard size (hence the offsets s_r), checksums that
-       verify the targets, embeddings, class and token weights (and their sizes) and options are the same on
-       every rank, and whether the rank's own argument checks passed (so a rank that rejects its
-       arguments makes every rank raise, instead of leaving them waiting in the next collective);
-    2. all_reduce(MAX) of lse_r -> M (N numbers);
-    3. all_reduce(SUM) of [exp(lse_r - M), m_r exp(lse_r - M), tl_r, ws_r] (3 or 4 x N), with
-       m_r = om_r on the rank that owns the target and 1 elsewhere, so that
-       lse = M + log S_0,  other_mass = S_1 / S_0  (the global mass of the non-target classes).
-
-The loss is then composed from (lse, target_logit, weighted_sum) exactly as on one device, so
-every option of :func:`~smxcompile.kernels.cross_entropy.linear_cross_entropy` except
-probability targets works unchanged. The backward runs the single-device backward op on each
-shard with the *global* lse and other mass: ``G_ij = a_i p_ij - b_i [j == y_i] - c_i w_ij`` with
-the collapse-safe target entry ``-a_i * other_mass_i + (a_i - b_i)`` on the owning rank — the same
-formula, rounded the same way, as the unsharded op. grad_weight / grad_bias stay on their shard;
-grad_input (N x D) is summed over the group with one all_reduce (as the backward of Megatron's
-column-parallel LM head), unless ``reduce_input_grad=False``.
+Method: cut cross-entropy (Wijmans et al., 2024) per shard, merged with the online-softmax rule (Milakov &
+Gimelshein, 2018), in the layout of Megatron-LM's vocabulary-parallel cross-entropy (Shoeybi et al., 2019),
+which shards the logits; here no rank holds any.
 """
 
 from __future__ import annotations
@@ -42,7 +21,7 @@ from ..common import acc_dtype, autocast_off
 from .chunked import rows_per_chunk
 from .fused import MIN_CHUNK_ROWS, saved_grad_dtype, scalar_coefs
 from .loss import (check_linear, check_options, check_range, compose_loss, finish_output, fp32_logit_operands,
-                   is_dtensor, loss_dtype, needs_grad, resolve_filter_eps, split_targets)
+                   is_dtensor, loss_dtype, needs_grad, resolve_filter_eps, row_count, split_targets)
 from .ops import coefs, linear_ce_backward, linear_ce_stats
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
@@ -171,8 +150,9 @@ def _stats_local(x2, weight, bias, tgt_local, cw_local, scale, softcap, need_ws,
     if weight.shape[0] == 0:  # an empty shard: exp(lse_r) = 0 adds nothing
         z = torch.zeros(n, dtype=acc, device=x2.device)
         return torch.full_like(z, float("-inf")), z, z, z
-    lse, tl, om, ws, _ = linear_ce_stats(x2, weight, bias, tgt_local, None, cw_local, -1, scale, softcap,
-                                         need_ws, False, None, chunk_bytes)
+    lse, tl, om, ws, _ = linear_ce_stats(x2, weight, bias, tgt_local, None, class_weight=cw_local, ignore_index=-1,
+                                         scale=scale, softcap=softcap, need_weighted_sum=need_ws, return_logits=False,
+                                         logits_dtype=None, chunk_bytes=chunk_bytes)
     return lse, tl, om, (ws if need_ws else torch.zeros_like(lse))
 
 
@@ -204,9 +184,11 @@ class _VocabParallelStats(torch.autograd.Function):
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         if weight.shape[0]:
-            gi, gw, gb = linear_ce_backward(x2, weight, bias, tgt_local, None, cw_local, lse, other_mass, a, b, c,
-                                            -1, scale, softcap, None, None, filter_eps, need_in, need_w, need_b,
-                                            chunk_bytes, precise_grad)
+            gi, gw, gb = linear_ce_backward(
+                x2, weight, bias, tgt_local, None, class_weight=cw_local, lse=lse, other_mass=other_mass, coef_a=a,
+                coef_b=b, coef_c=c, ignore_index=-1, scale=scale, softcap=softcap, logits=None, grad_logits=None,
+                filter_eps=filter_eps, need_input_grad=need_in, need_weight_grad=need_w, need_bias_grad=need_b,
+                chunk_bytes=chunk_bytes, precise_grad=precise_grad)
         else:
             gi, gw, gb = torch.zeros_like(x2), torch.zeros_like(weight), (torch.zeros_like(bias) if need_b else None)
         if need_in and reduce_input_grad:
@@ -231,16 +213,9 @@ def _merge(lse_r, tl_r, om_r, ws_r, owned, group):
 class _VocabParallelFused(torch.autograd.Function):
     """CPU, reduction mean/sum, no soft-cap / smoothing, a gradient needed: the gradients in the forward.
 
-    The single-device CPU fast path (:func:`~.fused.fused_forward`: 3 matmuls, each chunk of logits used
-    while it is in cache) with the merge done per row chunk: a chunk's local softmax ``P_r`` (normalized by the
-    shard's lse), then the two merge collectives for the chunk's rows, then the gradients
-
-        G = (a * f) P_r  (+ t at the target, owning rank only),  f = exp(lse_r - lse),
-        t = -a * other_mass + (a - b)                           (collapse-safe ``a p_y - b``)
-
-    so the stats pass and the recomputation of the logits in the backward collapse into one pass.
-    Every rank runs the same chunks (the rows are the non-ignored targets, the same everywhere; the chunk
-    height comes from the largest shard), so the collectives pair up."""
+    :func:`~.fused.fused_forward` with the merge collectives run per row chunk: ``G = (a * f) P_r`` (the shard's
+    softmax, ``f = exp(lse_r - lse)``) plus ``t = -a * other_mass + (a - b)`` at the target on the owning rank.
+    Every rank runs the same chunks (non-ignored rows, height from the largest shard), so the collectives pair up."""
 
     @staticmethod
     @autocast_off
@@ -306,8 +281,9 @@ class _VocabParallelFused(torch.autograd.Function):
                     gb.index_add_(0, idx.squeeze(1), t)
         if reduce_input_grad and need_in:
             dist.all_reduce(gi, op=dist.ReduceOp.SUM, group=group)
-        loss, zl = compose_loss(lse, tl, None, tgt, None, v, class_weight, token_weight, ignore_index, reduction, 0.0,
-                                z_scale)
+        loss, zl = compose_loss(lse, tl, None, target=tgt, probs=None, v=v, class_weight=class_weight,
+                                token_weight=token_weight, ignore_index=ignore_index, reduction=reduction,
+                                label_smoothing=0.0, lse_square_scale=z_scale)
         ctx.save_for_backward(gi, gw, gb)
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
         zl = zl if zl is not None else loss.new_zeros(())
@@ -374,115 +350,121 @@ def vocab_parallel_linear_cross_entropy(
 ):
     """Cut cross-entropy with the classifier sharded by vocabulary rows across ``process_group``.
 
-    Equals ``linear_cross_entropy(input, W, target, ...)`` (hence ``F.cross_entropy(F.linear(input,
-    W, b), target, ...)``) for the full classifier ``W = cat([weight of rank 0, weight of rank 1,
-    ...])``, forward and backward, on every rank; no rank ever holds logits (not even its own N x V_r
-    slice: each shard runs the cut cross-entropy kernels). Communication per call: forward, one
-    all_gather of 9 numbers per rank and all_reduces of 4N (5N with label smoothing) fp32 numbers;
-    backward, one all_reduce of grad_input (N x D). The naive alternative, all-gathering the logits,
-    moves N x V numbers per rank (see ``benchmarks/bench_vocab_parallel_ce.py``).
+    Equals :func:`smxcompile.linear_cross_entropy` for the full classifier ``W = cat([weight of rank 0, weight of
+    rank 1, ...])``, forward and backward, on every rank; no rank holds logits, not even its own N x V_r slice.
+    Communication: forward, one all_gather of 9 numbers per rank and all_reduces of 4N (5N with label smoothing)
+    fp32 numbers; backward, one all_reduce of grad_input (N x D).
 
     Args:
-        input: embeddings ``(*, D)`` — the same on every rank of the group (replicated); a plain tensor
-            or a DTensor with placements ``(Replicate(),)``.
-        weight: this rank's rows of the classifier, ``(V_r, D)``, rank ``r`` holding rows
-            ``[V_0 + ... + V_{r-1}, ... + V_r)`` (contiguous, in group-rank order; shards may differ in
-            size, e.g. V not divisible by the world size, and may be empty). Or a DTensor of the full
-            ``(V, D)`` classifier with placements ``(Shard(0),)`` on a 1-d mesh (then ``process_group`` is
-            the mesh's group and may be omitted).
+        input: embeddings ``(*, D)``, the same on every rank (a tensor, or a DTensor placed ``(Replicate(),)``).
+        weight: this rank's rows ``(V_r, D)`` of the classifier, in group-rank order (shards may differ in size
+            or be empty); or a DTensor of the full ``(V, D)`` classifier placed ``(Shard(0),)`` on a 1-d mesh.
         target: class indices ``(*)`` in ``[0, V)`` (global ids), the same on every rank.
-        process_group: the group the vocabulary is sharded over (default: the DTensor's mesh group, else
-            the default group).
-        bias: this rank's slice of the bias ``(V_r,)`` (or a DTensor ``(V,)`` sharded like ``weight``).
-        class_weight: the *full* per-class weights ``(V,)`` (replicated), as ``F.cross_entropy``'s ``weight``.
+        process_group: the group sharding the vocabulary (default: the DTensor's mesh group, else the default).
+        bias: this rank's slice ``(V_r,)`` of the bias, or a DTensor sharded like ``weight``.
+        class_weight: the full per-class weights ``(V,)``, replicated.
         token_weight, ignore_index, reduction, label_smoothing, scale, softcap, lse_square_scale,
         return_lse, return_z_loss, dtype, filter_eps, precise_grad, chunk_bytes: as in
             :func:`smxcompile.linear_cross_entropy`.
-        reduce_input_grad: sum grad_input over the group (default), so that every rank gets the full
-            gradient of its replicated input. False leaves each rank its partial ``G_r @ W_r`` (sum them
-            yourself, e.g. a reduce-scatter for sequence parallelism).
+        reduce_input_grad: sum grad_input over the group (default); False leaves each rank its partial
+            ``G_r @ W_r`` (to sum yourself, e.g. a reduce-scatter for sequence parallelism).
 
     Returns:
-        As :func:`smxcompile.linear_cross_entropy`: ``loss`` (the same on every rank), or
-        ``CrossEntropyOutput(loss, lse, z_loss)``. ``weight.grad`` / ``bias.grad`` hold this rank's rows.
+        As :func:`smxcompile.linear_cross_entropy` (the same on every rank); the shards' grads hold this rank's rows.
 
     Raises:
-        NotImplementedError: probability (soft) targets — an N x V target defeats the sharding.
-        ValueError: targets or embeddings that differ between ranks (checked with checksums in the first
-            collective), a DTensor with another placement or a 2-d mesh, ``class_weight`` not of the
-            global ``(V,)`` shape, and everything :func:`smxcompile.linear_cross_entropy` rejects.
+        NotImplementedError: probability targets (an N x V target defeats the sharding).
+        ValueError: targets, embeddings or options that differ between ranks (checked in the first
+            collective), a DTensor with another placement or a 2-d mesh, ``class_weight`` not of the global
+            ``(V,)`` shape, and everything :func:`smxcompile.linear_cross_entropy` rejects.
         IndexError: a target outside ``[0, V)`` that is not ``ignore_index`` (CPU).
         RuntimeError: torch.distributed unavailable or not initialised.
 
-    Runs eagerly (``torch._dynamo.disable``): under ``torch.compile`` it is a graph break, and the
-    collectives are plain c10d calls.
-
-    Source: Wijmans et al. 2024 (cut cross-entropy), Milakov & Gimelshein 2018 (merging (max, sum)
-    partials), Shoeybi et al. 2019 (Megatron-LM's vocabulary-parallel cross-entropy).
+    Runs eagerly (a graph break under ``torch.compile``). Source: Wijmans et al. 2024, Milakov & Gimelshein 2018,
+    Shoeybi et al. 2019 (Megatron-LM).
     """
     dist = _dist()
     if not dist.is_initialized():
         raise RuntimeError("vocabulary-parallel cross-entropy: torch.distributed is not initialised "
                            "(call torch.distributed.init_process_group first)")
-    # Local checks first; whatever they find, every rank still joins the first collective (a rank that
-    # raised alone would leave the others waiting in it), which then reports the failure on every rank.
-    error, prep = None, None
-    try:
-        prep = _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index,
-                        reduction, label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss,
-                        dtype, (filter_eps, bool(precise_grad)), chunk_bytes, reduce_input_grad)
-        process_group = prep["group"]
-    except Exception as e:  # re-raised by _exchange, after the collective
-        error = e
-        if is_dtensor(weight):
-            process_group = weight.device_mesh.get_group() if process_group is None else process_group
-    if error is None:
-        x2, tgt, weight, bias, class_weight = prep["x2"], prep["tgt"], prep["weight"], prep["bias"], prep["cw"]
-        tw, lead, fused = prep["tw"], prep["lead"], prep["fused"]
-        shard = _exchange(process_group, weight.shape[0], x2.detach(), tgt, class_weight, tw, prep["options"], None)
-    else:
-        _exchange(process_group, 0, None, None, None, None, (), error)  # raises on every rank
+    prep, shard = _checked_on_every_rank(
+        input, weight, target, process_group=process_group, bias=bias, class_weight=class_weight,
+        token_weight=token_weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        scale=scale, softcap=softcap, lse_square_scale=lse_square_scale, return_lse=return_lse,
+        return_z_loss=return_z_loss, dtype=dtype, grad_options=(filter_eps, bool(precise_grad)),
+        chunk_bytes=chunk_bytes, reduce_input_grad=reduce_input_grad)
+    x2, tgt, weight, bias, class_weight = prep["x2"], prep["tgt"], prep["weight"], prep["bias"], prep["cw"]
     if not config.use_triton(x2):
         x2, weight, bias = fp32_logit_operands(x2, weight, bias)     # fp32 logits, as on one device
-    v = shard.vocab_size
-    # from here on every check sees the same values on every rank (verified above): all raise alike
-    if prep["vocab_size"] is not None and prep["vocab_size"] != v:
-        raise ValueError(f"weight's DTensor shape says V = {prep['vocab_size']} but the shards hold {v} rows")
-    check_options(tgt, tgt.shape[0], v, class_weight, tw, ignore_index, reduction, label_smoothing, softcap,
-                  scale, lse_square_scale, "input", x2.device, dtype)
-    check_range(tgt, ignore_index, v)
+    vocab = shard.vocab_size
     start, stop = shard.start, shard.start + shard.size
     owned = (tgt != ignore_index) & (tgt >= start) & (tgt < stop)
     tgt_local = torch.where(owned, tgt - start, -1)
-    cw_local = class_weight[start:stop] if class_weight is not None else None
-    eps = float(label_smoothing)
     out_dtype = loss_dtype(dtype, prep["input"])
-    if fused:
-        # rows per chunk from the largest shard, so that every rank runs the same chunks
-        acc = acc_dtype(x2)
-        cb = int(chunk_bytes or 0)
-        step = max(rows_per_chunk(max(shard.sizes), cb, acc), MIN_CHUNK_ROWS if not cb else 1)
-        loss, zl = _VocabParallelFused.apply(
-            x2, weight, bias, tgt, tgt_local, owned, class_weight, tw, v, int(ignore_index), reduction,
-            float(lse_square_scale), float(scale), process_group, step, bool(reduce_input_grad))
-        # a target outside [0, V) on CUDA (not checked above, to avoid a host sync) makes the loss NaN
-        bad = ((tgt != ignore_index) & ((tgt < 0) | (tgt >= v))).any()
-        loss = torch.where(bad, float("nan"), loss)
-        return finish_output(loss, zl if lse_square_scale else None, None, lead, reduction, out_dtype, False,
-                             return_z_loss)
+    # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as the
+    # single-device kernels give, instead of a finite loss with a zero target logit
+    bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab))
+    if prep["fused"]:
+        loss, zl = _fused_loss(x2, weight, bias, tgt, tgt_local, owned, class_weight, prep=prep, shard=shard,
+                               ignore_index=ignore_index, reduction=reduction, lse_square_scale=lse_square_scale,
+                               scale=scale, chunk_bytes=chunk_bytes, reduce_input_grad=reduce_input_grad)
+        loss = torch.where(bad.any(), float("nan"), loss)
+        return finish_output(loss, zl if lse_square_scale else None, None, lead_shape=prep["lead"],
+                             reduction=reduction, out_dtype=out_dtype, return_lse=False, return_z_loss=return_z_loss)
+    eps = float(label_smoothing)
     lse, tl, ws = _VocabParallelStats.apply(
-        x2, weight, bias, tgt_local, owned, cw_local, process_group, float(scale),
-        None if softcap is None else float(softcap), bool(eps), int(chunk_bytes or 0), prep["grad_options"],
-        bool(reduce_input_grad))
-    # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as
-    # the single-device kernels give, instead of a finite loss with a zero target logit
-    tl = torch.where((tgt != ignore_index) & ((tgt < 0) | (tgt >= v)), float("nan"), tl)
-    loss, zl = compose_loss(lse, tl, ws if eps else None, tgt, None, v, class_weight, tw, int(ignore_index),
-                            reduction, eps, float(lse_square_scale))
-    return finish_output(loss, zl, lse, lead, reduction, out_dtype, return_lse, return_z_loss)
+        x2, weight, bias, tgt_local=tgt_local, owned=owned,
+        cw_local=class_weight[start:stop] if class_weight is not None else None, group=prep["group"],
+        scale=float(scale), softcap=None if softcap is None else float(softcap), need_ws=bool(eps),
+        chunk_bytes=int(chunk_bytes or 0), grad_options=prep["grad_options"],
+        reduce_input_grad=bool(reduce_input_grad))
+    tl = torch.where(bad, float("nan"), tl)
+    loss, zl = compose_loss(lse, tl, ws if eps else None, target=tgt, probs=None, v=vocab, class_weight=class_weight,
+                            token_weight=prep["tw"], ignore_index=int(ignore_index), reduction=reduction,
+                            label_smoothing=eps, lse_square_scale=float(lse_square_scale))
+    return finish_output(loss, zl, lse, lead_shape=prep["lead"], reduction=reduction, out_dtype=out_dtype,
+                         return_lse=return_lse, return_z_loss=return_z_loss)
 
 
-def _prepare(input, weight, target, process_group, bias, class_weight, token_weight, ignore_index, reduction,
+def _checked_on_every_rank(input, weight, target, *, process_group, **options) -> tuple[dict, VocabShard]:
+    """This rank's argument checks (:func:`_prepare`), then collective 1 (:func:`_exchange`), which every rank
+    joins whatever its checks found, so that a rank that rejects its arguments makes every rank raise instead
+    of leaving the others waiting; then the checks of the replicated values. -> (``_prepare``'s dict, shard)."""
+    try:
+        prep = _prepare(input, weight, target, process_group=process_group, **options)
+    except Exception as error:  # re-raised by _exchange, after the collective
+        if is_dtensor(weight):
+            process_group = weight.device_mesh.get_group() if process_group is None else process_group
+        _exchange(process_group, 0, None, None, None, None, (), error)  # raises on every rank
+        raise  # (not reached)
+    shard = _exchange(prep["group"], prep["weight"].shape[0], prep["x2"].detach(), prep["tgt"], prep["cw"],
+                      prep["tw"], prep["options"], None)
+    # from here on every check sees the same values on every rank (verified above): all raise alike
+    vocab, tgt = shard.vocab_size, prep["tgt"]
+    if prep["vocab_size"] is not None and prep["vocab_size"] != vocab:
+        raise ValueError(f"weight's DTensor shape says V = {prep['vocab_size']} but the shards hold {vocab} rows")
+    check_options(tgt, tgt.shape[0], vocab, class_weight=prep["cw"], token_weight=prep["tw"],
+                  ignore_index=options["ignore_index"], reduction=options["reduction"],
+                  label_smoothing=options["label_smoothing"], softcap=options["softcap"], scale=options["scale"],
+                  lse_square_scale=options["lse_square_scale"], what="input", device=prep["x2"].device,
+                  dtype=options["dtype"])
+    check_range(tgt, options["ignore_index"], vocab)
+    return prep, shard
+
+
+def _fused_loss(x2, weight, bias, tgt, tgt_local, owned, class_weight, *, prep, shard, ignore_index, reduction,
+                lse_square_scale, scale, chunk_bytes, reduce_input_grad):
+    """(loss, z_loss) of the fused path (:class:`_VocabParallelFused`), rows per chunk from the largest shard so
+    that every rank runs the same chunks."""
+    cb = int(chunk_bytes or 0)
+    step = max(rows_per_chunk(max(shard.sizes), cb, acc_dtype(x2)), MIN_CHUNK_ROWS if not cb else 1)
+    # positional: apply binds keywords by forward's own signature, which autocast_off's wrapper hides
+    return _VocabParallelFused.apply(x2, weight, bias, tgt, tgt_local, owned, class_weight, prep["tw"],
+                                     shard.vocab_size, int(ignore_index), reduction, float(lse_square_scale),
+                                     float(scale), prep["group"], step, bool(reduce_input_grad))
+
+
+def _prepare(input, weight, target, *, process_group, bias, class_weight, token_weight, ignore_index, reduction,
              label_smoothing, scale, softcap, lse_square_scale, return_lse, return_z_loss, dtype, grad_options,
              chunk_bytes, reduce_input_grad) -> dict:
     """This rank's argument checks (no communication) -> the flattened, local tensors and the options;
@@ -514,10 +496,7 @@ def _prepare(input, weight, target, process_group, bias, class_weight, token_wei
     if token_weight is not None and not isinstance(token_weight, torch.Tensor):
         raise ValueError(f"token_weight must be a tensor, got {type(token_weight).__name__}")
     lead = tuple(input.shape[:-1])
-    n = 1
-    for s in lead:
-        n *= s
-    x2 = input.reshape(n, input.shape[-1])
+    x2 = input.reshape(row_count(lead), input.shape[-1])
     tgt, _ = split_targets(target, lead, weight.shape[0], "input")
     tw = None if token_weight is None else token_weight.reshape(-1)
     fused = bool(softcap is None and not label_smoothing and reduction != "none"

@@ -1,29 +1,11 @@
-"""Matching cross-entropy sites: ``linear -> ... -> cross_entropy`` becomes cut cross-entropy.
+"""Matching cross-entropy sites in the Dynamo (pre-grad) graph, where the loss is still one call.
 
-Matched in the Dynamo (pre-grad) graph, where the loss is still one call:
-
-* ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``, inlined to it), ``F.nll_loss(F.log_softmax(x))``
-  (also with the log-probabilities flattened in between: ``nll_loss(lprobs.view(-1, V), y.view(-1))``)
-  and ``F.linear_cross_entropy``; 3-D logits whose classes were moved to dim 1 for the loss
-  (``F.cross_entropy(logits.transpose(1, 2), y)``) count as classes-last logits;
-* whose logits come from ``F.linear`` / ``nn.Linear``, ``x @ W.T``, ``matmul(x, M)`` with a 2-D
-  ``M``, or ``addmm`` (GPT-2's Conv1D), through the ops real code puts in between: up-casts
-  (``.float()``), ``view``/``reshape``/``flatten`` of the token dims, next-token shifting by
-  slicing (``logits[..., :-1, :]``, also of flattened rows: ``logits.view(-1, V)[:-1]``), temperature
-  (``x / T``, ``x * s``) and soft-capping (``cap * tanh(x / cap)``).
-
-Such a site (kind ``linear_cross_entropy``) is replaced by
-:func:`smxcompile.kernels.cross_entropy` 's cut cross-entropy (Wijmans et al., "Cut Your
-Losses in Large-Vocabulary Language Models", 2024): the N x V logits, their fp32 copy, the
-log-softmax and the logits gradient are never materialized. When the logits are also
-returned by the graph (Hugging Face models return them), the op writes them once, in their
-own dtype, and computes the loss from the same chunks; only that returned tensor remains. When the
-loss reads only some rows of the returned logits (the next-token shift), every row is computed and the
-dropped ones get ``ignore_index`` targets. Under autocast the layer's dtype is applied explicitly, so a
-loss outside the autocast region still sees the logits the layer computed.
-
-Cross-entropy on logits that do not come from a linear layer (kind ``cross_entropy``)
-becomes the online CE op ``smx::ce_stats`` (no log-softmax, no fp32 copy).
+A loss call (``F.cross_entropy``, ``nn.CrossEntropyLoss``, ``F.nll_loss(F.log_softmax(x))`` also with flattened
+log-probabilities, ``F.linear_cross_entropy``) whose logits come from a linear layer (``F.linear``, ``x @ W.T``,
+``matmul(x, M)``, ``addmm``) through up-casts, views of the token dims, row slices (the next-token shift),
+temperature and soft-capping is a ``linear_cross_entropy`` site, replaced by cut cross-entropy (Wijmans et al.,
+2024); any other cross-entropy call is a ``cross_entropy`` site, replaced by the online CE op ``smx::ce_stats``.
+See docs/DESIGN.md, "Cross-entropy".
 """
 
 from __future__ import annotations
@@ -296,112 +278,142 @@ def _leading_slice(n: Node, ndim: int) -> tuple | None:
     return tuple(idx)
 
 
-def walk_to_linear(m: CEMatch) -> str:
-    """Fill the linear part of ``m`` by walking up from the CE input; returns why it is not cut CE ('' if it is)."""
-    n = m.logits
-    lv = tensor_val(n)
-    if lv is None:
+@dataclasses.dataclass
+class _Walk:
+    """What walking up the logits chain towards the linear layer has collected."""
+
+    vocab: Any                                                  # the class dim's size
+    chain: list[Node] = dataclasses.field(default_factory=list)
+    slices: list = dataclasses.field(default_factory=list)     # (index, lead shape in, lead shape out), bottom-up
+    scale: float = 1.0
+    softcap: float | None = None
+    seen_softcap: bool = False
+    absorbed: list[str] = dataclasses.field(default_factory=list)
+
+
+def walk_to_linear(match: CEMatch) -> str:
+    """Fill the linear part of ``match`` by walking up from the CE input; returns why it is not cut CE ('' if it is)."""
+    node = match.logits
+    logits_val = tensor_val(node)
+    if logits_val is None:
         return "logits have no recorded shape"
-    if lv.dim() == 0 or (lv.dim() >= 3 and not m.classes_last):
-        return f"logits of rank {lv.dim()}: cut CE needs (N, V) logits with the classes last"
-    v = lv.shape[-1]
-    chain: list[Node] = []
-    slices: list = []   # (index, lead shape of the sliced tensor, lead shape of the result), bottom-up
-    scale, cap = 1.0, None
-    seen_softcap = False
-    absorbed: list[str] = []
+    if logits_val.dim() == 0 or (logits_val.dim() >= 3 and not match.classes_last):
+        return f"logits of rank {logits_val.dim()}: cut CE needs (N, V) logits with the classes last"
+    walk = _Walk(vocab=logits_val.shape[-1])
     for _ in range(64):
-        lin = _linear(n)
-        if lin is not None:
-            hv = tensor_val(lin[0])
-            ov = tensor_val(n)
-            if hv is None or ov is None or not same_size(ov.shape[-1], v):
+        linear = _linear(node)
+        if linear is not None:
+            hidden_val, out_val = tensor_val(linear[0]), tensor_val(node)
+            if hidden_val is None or out_val is None or not same_size(out_val.shape[-1], walk.vocab):
                 return "the linear layer's output does not keep the class dim last"
-            m.linear, (m.h, m.weight, m.weight_t, m.bias) = n, lin
+            match.linear, (match.h, match.weight, match.weight_t, match.bias) = node, linear
             # ``x @ W.T``: the transpose of W goes with the matmul (unless something else reads it)
-            other = n.args[1] if n.op == "call_function" and len(n.args) == 2 else None
-            if isinstance(other, Node) and other is not m.weight and other.args and other.args[0] is m.weight \
-                    and len(other.users) == 1:
-                chain.append(other)
+            other = node.args[1] if node.op == "call_function" and len(node.args) == 2 else None
+            if isinstance(other, Node) and other is not match.weight and other.args \
+                    and other.args[0] is match.weight and len(other.users) == 1:
+                walk.chain.append(other)
             break
-        if n.op not in ("call_function", "call_method"):
-            # a graph input (the model and the loss in different graphs, or a loss function compiled alone)
-            return f"logits come from '{n.name}' ({n.op}), not a linear layer"
-        if not n.args:
-            return f"logits come from '{n.name}' ({op_label(n)}), not a linear layer"
-        nv = tensor_val(n)
-        if nv is None:
-            return f"'{n.name}' has no recorded value"
-        nxt = None
-        if cast_dtype(n) is not None:
-            src, dst = dtype_of(n.args[0]), cast_dtype(n)
-            if widening_cast(n) is None:
-                if src is not None and src.is_floating_point and torch.finfo(dst).bits < torch.finfo(src).bits:
-                    return f"'{n.name}' casts the logits down ({src} -> {dst})"
-                if dst == torch.float64:
-                    return f"'{n.name}' casts the logits to float64: fp64 math, which the op would do in fp32"
-                return f"'{n.name}' casts the logits {src} -> {dst}, which rounds them"
-            nxt = n.args[0]
-            absorbed.append(f"{str(cast_dtype(n)).replace('torch.', '')} cast")
-        elif (n.op == "call_method" and n.target in _VIEW_METHODS) or (n.op == "call_function" and n.target in _VIEW_FNS):
-            src = n.args[0]
-            sv = tensor_val(src)
-            if sv is None or sv.dim() == 0 or nv.dim() == 0 or not same_size(sv.shape[-1], v) or not same_size(nv.shape[-1], v):
-                return f"'{n.name}' reshapes across the class dim"
-            if n.target == "contiguous" or n.target == "clone":
-                if n.kwargs:
-                    return f"'{n.name}' has unsupported arguments"
-            nxt = src
-        elif (sl := _leading_slice(n, (tensor_val(n.args[0]).dim() if isinstance(n.args[0], Node)
-                                       and tensor_val(n.args[0]) is not None else 0))) is not None:
-            slices.append((sl, tuple(tensor_val(n.args[0]).shape[:-1]), tuple(nv.shape[:-1])))
-            nxt = n.args[0]
-            absorbed.append("row slice " + _fmt_index(n.args[1]))
-        elif (sc := softcap(n)) is not None:
-            if seen_softcap:
-                return "two soft-caps"
-            if scale != 1.0:
-                return "a scale after the soft-cap (the op scales before capping)"
-            seen_softcap = True
-            cap = sc[1]
-            chain.extend(sc[2][1:])   # n itself joins the chain below
-            nxt = sc[0]
-            absorbed.append(f"softcap={sc[1]:g}")
-        elif (s := scalar_factor(n)) is not None:
-            scale *= s[1]
-            nxt = s[0]
-            absorbed.append(f"scale={s[1]:g}")
-        else:
-            return f"logits come from '{n.name}' ({n.target if n.op != 'call_method' else '.' + str(n.target)}), " \
-                   "not a linear layer"
-        chain.append(n)
-        n = nxt
-        if not isinstance(n, Node):
+        source, why = _step_up(node, walk)
+        if why:
+            return why
+        walk.chain.append(node)
+        node = source
+        if not isinstance(node, Node):
             return "logits are not a tensor node"
     else:
         return "chain too long"
-    # replay the slices on h's rows top-down; a reshape of the rows before a slice is replayed too
-    # (``logits.view(-1, V)[:-1]`` slices the flattened rows, not h's first dim)
-    cur = tuple(tensor_val(m.linear).shape[:-1])
+    row_ops, why = _replay_slices(tuple(tensor_val(match.linear).shape[:-1]), walk.slices)
+    if why:
+        return why
+    match.scale, match.softcap = walk.scale, walk.softcap
+    match.row_ops = row_ops
+    match.absorbed = match.absorbed + walk.absorbed
+    linear_val, hidden_val = tensor_val(match.linear), tensor_val(match.h)
+    if linear_val is not None and hidden_val is not None and linear_val.dtype != hidden_val.dtype:
+        match.compute_dtype = linear_val.dtype   # autocast: the layer ran in its dtype, wherever the loss runs
+    match.dead = [match.anchor] + [d for d in match.dead if d is not match.anchor] + walk.chain + [match.linear]
+    return ""
+
+
+def _step_up(node: Node, walk: _Walk) -> tuple[Any, str]:
+    """One node up the logits chain: ``(its input, '')`` when ``node`` is a widening cast, a view keeping the class
+    dim, a row slice, a soft-cap or a scale (recorded in ``walk``); else ``(None, why it is not cut CE)``."""
+    if node.op not in ("call_function", "call_method"):
+        # a graph input (the model and the loss in different graphs, or a loss function compiled alone)
+        return None, f"logits come from '{node.name}' ({node.op}), not a linear layer"
+    if not node.args:
+        return None, f"logits come from '{node.name}' ({op_label(node)}), not a linear layer"
+    node_val = tensor_val(node)
+    if node_val is None:
+        return None, f"'{node.name}' has no recorded value"
+    source = node.args[0]
+    if cast_dtype(node) is not None:
+        why = _cast_refusal(node)
+        if why:
+            return None, why
+        walk.absorbed.append(f"{str(cast_dtype(node)).replace('torch.', '')} cast")
+        return source, ""
+    if (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+            node.op == "call_function" and node.target in _VIEW_FNS):
+        source_val = tensor_val(source)
+        if (source_val is None or source_val.dim() == 0 or node_val.dim() == 0
+                or not same_size(source_val.shape[-1], walk.vocab) or not same_size(node_val.shape[-1], walk.vocab)):
+            return None, f"'{node.name}' reshapes across the class dim"
+        if node.target in ("contiguous", "clone") and node.kwargs:
+            return None, f"'{node.name}' has unsupported arguments"
+        return source, ""
+    source_val = tensor_val(source) if isinstance(source, Node) else None
+    index = _leading_slice(node, source_val.dim() if source_val is not None else 0)
+    if index is not None:
+        walk.slices.append((index, tuple(source_val.shape[:-1]), tuple(node_val.shape[:-1])))
+        walk.absorbed.append("row slice " + _fmt_index(node.args[1]))
+        return source, ""
+    if (capped := softcap(node)) is not None:
+        if walk.seen_softcap:
+            return None, "two soft-caps"
+        if walk.scale != 1.0:
+            return None, "a scale after the soft-cap (the op scales before capping)"
+        walk.seen_softcap, walk.softcap = True, capped[1]
+        walk.chain.extend(capped[2][1:])   # node itself joins the chain in walk_to_linear
+        walk.absorbed.append(f"softcap={capped[1]:g}")
+        return capped[0], ""
+    if (factor := scalar_factor(node)) is not None:
+        walk.scale *= factor[1]
+        walk.absorbed.append(f"scale={factor[1]:g}")
+        return factor[0], ""
+    label = node.target if node.op != "call_method" else "." + str(node.target)
+    return None, f"logits come from '{node.name}' ({label}), not a linear layer"
+
+
+def _cast_refusal(node: Node) -> str:
+    """Why a dtype cast of the logits cannot be absorbed ('' for a widening float cast, which can)."""
+    if widening_cast(node) is not None:
+        return ""
+    source, target = dtype_of(node.args[0]), cast_dtype(node)
+    if source is not None and source.is_floating_point and torch.finfo(target).bits < torch.finfo(source).bits:
+        return f"'{node.name}' casts the logits down ({source} -> {target})"
+    if target == torch.float64:
+        return f"'{node.name}' casts the logits to float64: fp64 math, which the op would do in fp32"
+    return f"'{node.name}' casts the logits {source} -> {target}, which rounds them"
+
+
+def _replay_slices(linear_lead: tuple, slices: list) -> tuple[list, str]:
+    """The row ops that replay ``slices`` (bottom-up) on h's rows, top-down, from the linear layer's leading
+    shape; a reshape of the rows before a slice is replayed too (``logits.view(-1, V)[:-1]`` slices the flattened
+    rows, not h's first dim). -> ``(row_ops, '')``, or ``([], why not)``."""
+    current = linear_lead
     row_ops: list = []
-    for idx, lead_in, lead_out in reversed(slices):
-        if not same_shape(lead_in, cur):
+    for index, lead_in, lead_out in reversed(slices):
+        if not same_shape(lead_in, current):
             if len(lead_in) == 1:
                 row_ops.append(("flatten", None))   # the usual case: ``.view(-1, V)`` then slice; any shapes
             elif all(isinstance(d, int) for d in lead_in):
                 row_ops.append(("reshape", lead_in))
             else:
-                return "a row slice of reshaped logits with symbolic shapes"
-        row_ops.append(("slice", idx))
-        cur = lead_out
-    m.scale, m.softcap = scale, cap
-    m.row_ops = row_ops
-    m.absorbed = m.absorbed + absorbed
-    lin_v, h_v = tensor_val(m.linear), tensor_val(m.h)
-    if lin_v is not None and h_v is not None and lin_v.dtype != h_v.dtype:
-        m.compute_dtype = lin_v.dtype   # autocast: the layer ran in its dtype, wherever the loss runs
-    m.dead = [m.anchor] + [d for d in m.dead if d is not m.anchor] + chain + [m.linear]
-    return ""
+                return [], "a row slice of reshaped logits with symbolic shapes"
+        row_ops.append(("slice", index))
+        current = lead_out
+    return row_ops, ""
 
 
 def _fmt_index(idx: Any) -> str:

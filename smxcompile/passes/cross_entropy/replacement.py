@@ -43,9 +43,10 @@ def graph_linear_cross_entropy(h, weight, bias, target, class_weight, ignore_ind
                 (sel,), tgt)
     if bias is not None and bias.dtype != x2.dtype:
         bias = bias.to(x2.dtype)
-    loss, zl, lse, logits = linear_ce_core(x2, weight, bias, tgt, probs, class_weight, None, ignore_index, reduction,
-                                            float(label_smoothing), 0.0, scale, softcap, return_logits, logits_dtype,
-                                            0)  # 0: the default chunk policy
+    loss, _, _, logits = linear_ce_core(
+        x2, weight, bias, tgt, probs, class_weight=class_weight, token_weight=None, ignore_index=ignore_index,
+        reduction=reduction, eps=float(label_smoothing), z_scale=0.0, scale=scale, softcap=softcap,
+        return_logits=return_logits, logits_dtype=logits_dtype, chunk_bytes=0)  # 0: the default chunk policy
     if reduction == "none":
         if sel is not None:
             loss = loss[sel]

@@ -164,19 +164,24 @@ class CrossEntropyPass(RewritePass):
             m.logits, m.target, m.class_weight]
         return [n for n in ns if isinstance(n, Node)]
 
-    def run_site(self, m: CEMatch, values: dict[str, Any]):
+    def run_site(self, match: CEMatch, values: dict[str, Any]):
         """The rewritten site's loss on captured values."""
-        def get(a):
-            return values[a.name] if isinstance(a, Node) else a
+        def value(arg):
+            return values[arg.name] if isinstance(arg, Node) else arg
 
-        loss_dtype = dtype_of(m.anchor)
-        if m.kind == "linear_cross_entropy":
-            return graph_linear_cross_entropy(apply_row_ops(get(m.h), m.row_ops), get(m.weight), get(m.bias),
-                                              get(m.target), get(m.class_weight), int(m.ignore_index), m.reduction,
-                                              float(m.label_smoothing), float(m.scale), m.softcap, loss_dtype, False,
-                                              None, m.weight_t, compute_dtype=m.compute_dtype)[0]
-        return graph_cross_entropy(get(m.logits), get(m.target), get(m.class_weight), int(m.ignore_index),
-                                   m.reduction, float(m.label_smoothing), loss_dtype, classes_last=m.classes_last)
+        loss_dtype = dtype_of(match.anchor)
+        if match.kind == "linear_cross_entropy":
+            return graph_linear_cross_entropy(
+                apply_row_ops(value(match.h), match.row_ops), value(match.weight), value(match.bias),
+                target=value(match.target), class_weight=value(match.class_weight),
+                ignore_index=int(match.ignore_index), reduction=match.reduction,
+                label_smoothing=float(match.label_smoothing), scale=float(match.scale), softcap=match.softcap,
+                loss_dtype=loss_dtype, return_logits=False, logits_dtype=None, weight_t=match.weight_t,
+                compute_dtype=match.compute_dtype)[0]
+        return graph_cross_entropy(value(match.logits), value(match.target), value(match.class_weight),
+                                   ignore_index=int(match.ignore_index), reduction=match.reduction,
+                                   label_smoothing=float(match.label_smoothing), loss_dtype=loss_dtype,
+                                   classes_last=match.classes_last)
 
 
 __all__ = ["CrossEntropyPass"]
