@@ -30,13 +30,9 @@ def use_triton(x) -> bool:
 
 
 def eager_aten(x) -> bool:
-    """Whether a public op called on ``x`` runs its ATen composition directly (torch's autograd) instead of the
-    custom op: outside ``torch.compile`` / ``torch.export`` tracing, on a tensor without a Triton kernel.
-
-    There the custom op only adds its dispatch and Python autograd (~10-30 us a call, and an unfused CPU
-    backward), measured slower than the torch code it replaces (``python benchmarks/bench_eager_ops.py``,
-    docs/PERFORMANCE.md); inside a traced graph the op stays, for the passes and the exporters to see.
-    """
+    """Whether a public op called on ``x`` runs its ATen composition under torch's autograd instead of the custom
+    op: outside ``torch.compile`` / ``torch.export`` tracing, on a tensor without a Triton kernel, where the op
+    measured slower (docs/PERFORMANCE.md, "Public ops called eagerly, against the torch code they replace")."""
     import torch
 
     return not torch.compiler.is_compiling() and not use_triton(x)

@@ -1,36 +1,9 @@
 """Reference ATen forms of smxcompile's forward ops, for exporters: ``{torch.ops.smx.<op>: fn}``.
 
-Each function takes the op's schema arguments and returns what the op returns (same shapes, dtypes and
-number of outputs), written in plain torch with no Python branch on tensor values, so
-``ExportedProgram.run_decompositions(table)`` can trace it (static or symbolic shapes) and replace every
-call of the op by ATen ops. :func:`smxcompile.export_mlir` uses the table; any exporter whose target
-does not know ``smx::*`` can. They follow the math of the op's torch (CPU) path, rewritten without
-in-place updates, chunking or blocking:
-
-* ``smx::softmax`` / ``smx::log_softmax``: the op's prologue (:func:`.softmax.prologue`: scale,
-  soft-cap, additive mask; fp32 for half inputs), then ``torch.softmax`` / ``torch.log_softmax`` and the
-  cast to ``dtype``; the log-sum-exp when ``return_lse``.
-* ``smx::softmax_topk``: ``topk`` of the scaled logits (softmax is monotone), values ``exp(z_top - m) /
-  sum(exp(z - m))`` with ``m`` the row max, or ``softmax(z_top)`` when ``renormalize``; ``logd =
-  log(sum(exp(z - m)))`` (see :mod:`.softmax_topk`). Ties may pick other columns than the op's selection
-  networks (as ``torch.topk`` may).
-* ``smx::quant_softmax``: :func:`.quant_softmax.quant_softmax_decomposed` itself (already pure torch).
-* ``smx::attention``: the materialized definition (as :func:`.attention.attention_reference`) with the
-  op's calling convention: 4-D q/k/v, K and V repeated for GQA, the normalizer's own reference function
-  (:data:`.attention.NORMALIZERS`), ``n`` from ``n_keys`` or counted from the causal / full visibility
-  mask (a tensor count, so a dynamic key length is not fixed by a Python ``float(S)``); ``stats`` are zeros, as on
-  the op's torch path. Dropout (``dropout_p > 0``) and ``skip_threshold`` have no reference form and
-  raise ``NotImplementedError``.
-* ``smx::ce_stats`` / ``smx::linear_ce_stats``: the per-row statistics of :mod:`.cross_entropy`
-  (``lse``, target logit, other mass, weighted sum; the linear op's logits when asked) over the whole
-  logits matrix at once. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN target
-  logit (as on CUDA) instead of the op's ``IndexError`` (a value check cannot be traced).
-
-Backward ops and ``smx::linear_ce_loss`` (the CPU training path, which computes gradients in its
-forward) have no entry: an inference export never holds them.
-
-Source: the ops' own torch paths (this package); online softmax / FlashAttention / cut cross-entropy
-are the kernels' methods, not needed here (the forms materialize the rows).
+Each function takes the op's schema arguments and returns what the op returns, in plain torch with no Python
+branch on tensor values, so ``ExportedProgram.run_decompositions(table)`` can replace every call of the op by
+ATen ops (:func:`smxcompile.export_mlir` uses it). They follow the op's torch path without in-place updates,
+chunking or blocking; backward ops have no entry. Per op: docs/DESIGN.md, "Reference forms for exporters".
 """
 
 from __future__ import annotations
@@ -153,8 +126,7 @@ def attention_ref(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, nor
     if n_keys is not None:
         n = n_keys.to(acc).reshape(B, Hq, L, 1).clamp(min=1.0)
     else:
-        # the keys each row may see, S or min(i + 1, S) (as attention.reference.visible_keys), counted from
-        # tensors: a Python float(S) would fix a dynamic S to the example's size
+        # visible_keys' n counted from tensors: a Python float(S) would fix a dynamic S
         visible = causal_keep(0, L, S, q.device) if is_causal else torch.ones(L, S, dtype=torch.bool,
                                                                               device=q.device)
         n = visible.sum(-1, keepdim=True).to(acc)

@@ -1,22 +1,7 @@
-"""What every Triton launcher of smxcompile shares: triton's optional import, the check before a launch,
-launch arithmetic, the ``@triton.jit`` helpers several kernels call, and the row layout of softmax-like
-kernels.
-
-Runtime: triton is optional (smxcompile imports without it; :data:`triton` and :data:`tl` are then None and
-no kernel is defined). A kernel runs on a GPU, or on CPU tensors through Triton's interpreter when
-``TRITON_INTERPRET=1`` was set before triton decorated the kernels: the mode is fixed at decoration time.
-Every kernel module imports this module's jit helpers when it is first imported, so the mode of those
-helpers (:func:`interpreted`) is the mode of the kernels. Launchers call :func:`check_runtime` first.
-
-Interpreter workarounds (both off on a GPU): Triton's interpreter multiplies bf16 ``tl.dot`` operands as
-their uint16 bit patterns (:func:`dot` upcasts them when ``DOT_F32``) and truncates fp32 -> bf16 casts
-(:func:`cast_like` rounds to nearest even when ``FIX_BF16``); it has no libdevice (:func:`tanh` is written
-with ``tl.exp``).
-
-Row layout (softmax, quantized softmax): a tensor viewed as ``R`` rows x ``C = t.shape[dim]`` columns,
-without a copy: :func:`row_layout` gives each row's element offset as ``r * s0`` (the other axes collapse
-into one), ``(r // n1) * s0 + (r % n1) * s1`` (into two) or an int64 table, and :func:`row_offset` reads
-it in a kernel; :func:`row_plan` sizes the launch.
+"""What every Triton launcher of smxcompile shares: triton's optional import (:data:`triton` and :data:`tl` are
+None without it), the check before a launch (:func:`check_runtime`), launch arithmetic, the ``@triton.jit``
+helpers several kernels call (with the interpreter's bf16 and libdevice workarounds) and the row layout of
+softmax-like kernels. Runtime modes and layouts: docs/DESIGN.md, "Triton runtime and row layouts".
 """
 
 from __future__ import annotations
@@ -46,9 +31,7 @@ MODE_STRIDE, MODE_2D, MODE_TABLE = 0, 1, 2
 ROWS_TILE_ELEMS = 4096
 
 
-# --------------------------------------------------------------------------------------
-# Runtime checks
-# --------------------------------------------------------------------------------------
+# ---- Runtime checks ----
 
 
 def interpret_env() -> bool:
@@ -60,8 +43,7 @@ def interpret_env() -> bool:
 
 
 def interpreted() -> bool:
-    """Whether smxcompile's kernels were decorated in interpreter mode (TRITON_INTERPRET=1 when they were
-    imported; see the module docstring)."""
+    """Whether smxcompile's kernels were decorated in interpreter mode (TRITON_INTERPRET=1 when imported)."""
     if triton is None:
         return INTERPRET_AT_IMPORT  # no kernels were defined
     try:
@@ -72,16 +54,9 @@ def interpreted() -> bool:
 
 
 def check_runtime(t: torch.Tensor, what: str) -> None:
-    """Raise a RuntimeError that says what to do when the ``what`` kernels (e.g. "softmax") cannot run on ``t``.
-
-    Args:
-        t: a tensor the kernels would read (its device decides).
-        what: the kernels' name in the messages.
-
-    Raises:
-        RuntimeError: triton missing; kernels decorated for the interpreter but ``t`` is on CUDA; ``t`` on
-            CPU without TRITON_INTERPRET=1, or with it set after the kernels were decorated for a GPU.
-    """
+    """Raise a RuntimeError saying what to do when the ``what`` kernels (e.g. "softmax") cannot run on ``t``:
+    triton missing; kernels decorated for the interpreter but ``t`` on CUDA; ``t`` on CPU without
+    TRITON_INTERPRET=1, or with it set after the kernels were decorated for a GPU."""
     if triton is None:
         raise RuntimeError(
             f"smxcompile's Triton {what} kernels need triton, which failed to import "
@@ -113,9 +88,7 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-# --------------------------------------------------------------------------------------
-# Launch arithmetic
-# --------------------------------------------------------------------------------------
+# ---- Launch arithmetic ----
 
 
 def next_pow2(n: int) -> int:
@@ -130,9 +103,8 @@ def cdiv(a: int, b: int) -> int:
 
 _SM_COUNT: dict = {}
 
-#: SMs to plan launches for when the tensors are not on a GPU (Triton's interpreter). None plans the fewest
-#: programs, since the interpreter runs them one by one; :func:`plan_for_sms` sets a GPU's count so that a count
-#: of what the kernels move (``benchmarks/gpu_model.py``) sees the grids that GPU would run.
+#: SMs to plan interpreter launches for: None plans the fewest programs; :func:`plan_for_sms` sets a GPU's count
+#: (``benchmarks/gpu_model.py`` counts the grids that GPU would run).
 PLAN_SMS: int | None = None
 
 
@@ -152,11 +124,8 @@ def planned_sms(device: torch.device) -> int | None:
 
 @contextlib.contextmanager
 def plan_for_sms(sms: int):
-    """Context manager: plan interpreter launches as on a GPU with ``sms`` SMs (grids, splits, rows per program).
-
-    Raises:
-        ValueError: ``sms`` not a positive int.
-    """
+    """Context manager: plan interpreter launches as on a GPU with ``sms`` SMs. Raises ValueError for ``sms`` not
+    a positive int."""
     global PLAN_SMS
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
         raise ValueError(f"sms must be a positive int, got {sms!r}")
@@ -168,12 +137,8 @@ def plan_for_sms(sms: int):
 
 
 def pow2_block(name: str, value: int | None, default: int, extent: int, minimum: int) -> int:
-    """A power-of-two block size: ``value`` if given (validated), else ``default`` shrunk to ``extent``
-    (the problem's size along the block), never below ``minimum``.
-
-    Raises:
-        ValueError: ``value`` not a power of two >= ``minimum``.
-    """
+    """A power-of-two block size: ``value`` if given, else ``default`` shrunk to ``extent`` (the problem's size
+    along the block), never below ``minimum``. Raises ValueError for ``value`` not a power of two >= ``minimum``."""
     if value is not None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
@@ -182,12 +147,8 @@ def pow2_block(name: str, value: int | None, default: int, extent: int, minimum:
 
 
 def launch_opts(num_warps: int | None, num_stages: int | None, warps: int, stages: int | None) -> dict:
-    """``{"num_warps", "num_stages"}`` of a launch: the overrides (validated), else the defaults ``warps`` and
-    ``stages`` (no ``num_stages`` when both are None).
-
-    Raises:
-        ValueError: an override that is not a positive int.
-    """
+    """``{"num_warps", "num_stages"}`` of a launch: the overrides, else ``warps`` and ``stages`` (no
+    ``num_stages`` when both are None). Raises ValueError for an override that is not a positive int."""
     for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -198,33 +159,25 @@ def launch_opts(num_warps: int | None, num_stages: int | None, warps: int, stage
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision for operands of ``dtype``: native for 16-bit inputs; for fp32, torch's
-    matmul setting (``torch.get_float32_matmul_precision()``: "highest" -> IEEE fp32, "high" -> tf32x3,
-    "medium" -> tf32)."""
+    """``tl.dot``'s input precision for ``dtype``: native for 16-bit; for fp32, torch's
+    ``get_float32_matmul_precision()`` ("highest" -> IEEE, "high" -> tf32x3, "medium" -> tf32)."""
     if dtype != torch.float32:
         return "ieee"  # ignored for fp16 / bf16 operands (tensor cores, fp32 accumulation)
     return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}.get(torch.get_float32_matmul_precision(), "ieee")
 
 
 def dot_f32(dtype: torch.dtype | None) -> bool:
-    """The ``DOT_F32`` constexpr of :func:`dot` for operands of ``dtype``: upcast bf16 operands to fp32, only
-    in the interpreter (whose tl.dot mishandles bf16, stored as uint16 bit patterns)."""
+    """The ``DOT_F32`` constexpr of :func:`dot`: bf16 operands in the interpreter (which mishandles them)."""
     return dtype == torch.bfloat16 and interpreted()
 
 
-# --------------------------------------------------------------------------------------
-# Row layout (softmax-like kernels)
-# --------------------------------------------------------------------------------------
+# ---- Row layout (softmax-like kernels) ----
 
 
 def row_layout(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int, int, int, int]:
-    """Row layout of ``t`` viewed as R x C (C = t.shape[dim]).
-
-    Returns ``(rows_table, s0, n1, s1, col_stride, mode)``: the element offset of row ``r``
-    (rows numbered row-major over the non-``dim`` axes) is ``r*s0`` (mode 0),
-    ``(r//n1)*s0 + (r%n1)*s1`` (mode 1) or ``rows_table[r]`` (mode 2, int64 [R]).
-    ``rows_table`` is ``t`` itself (unused) in modes 0 and 1.
-    """
+    """Row layout of ``t`` viewed as R x C (C = t.shape[dim]), without a copy: ``(rows_table, s0, n1, s1,
+    col_stride, mode)``; row ``r``'s offset is ``r*s0`` (mode 0), ``(r//n1)*s0 + (r%n1)*s1`` (mode 1) or
+    ``rows_table[r]`` (mode 2, int64 [R]; ``t`` itself, unused, otherwise)."""
     col_stride = t.stride(dim)
     axes = [(s, st) for i, (s, st) in enumerate(zip(t.shape, t.stride())) if i != dim and s != 1]
     merged: list[tuple[int, int]] = []
@@ -249,14 +202,9 @@ def row_layout(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int, int, 
 
 def row_plan(R: int, C: int, device: torch.device, block_size: int | None, max_fused_block: int,
              loop_block: int) -> tuple[int, int, bool, int]:
-    """``(ROWS, BLOCK, SINGLE, num_warps)`` of a row-wise kernel on an R x C problem: a row of up to
-    ``max_fused_block`` columns (a power of two) is one block (``SINGLE``), a longer one is swept in blocks
-    of ``loop_block``; ``block_size`` (a power of two) overrides both. Short rows share a program (about
-    :data:`ROWS_TILE_ELEMS` elements), keeping ~2 programs per SM on CUDA.
-
-    Raises:
-        ValueError: ``block_size`` not a power of two >= 1.
-    """
+    """``(ROWS, BLOCK, SINGLE, num_warps)`` of a row-wise kernel on R x C: a row of up to ``max_fused_block``
+    columns is one block (``SINGLE``), a longer one swept in ``loop_block`` blocks; ``block_size`` (a power of
+    two, else ValueError) overrides both. Short rows share a program, ~2 programs per SM on CUDA."""
     if block_size is not None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
                 or block_size & (block_size - 1):
@@ -277,29 +225,24 @@ def row_plan(R: int, C: int, device: torch.device, block_size: int | None, max_f
             per = max(1, R // (2 * sms))
             rows = min(rows, 1 << (per.bit_length() - 1))
     elems = rows * block
-    # ~32 fp32 values per thread at most: a one-pass 32768-column row takes 32 warps (64 registers each)
+    # ~32 fp32 values per thread at most (docs/PERFORMANCE.md, "Softmax kernels: register budgets")
     num_warps = 32 if elems >= 32768 else 16 if elems >= 16384 else 8 if elems >= 4096 else 4 if elems >= 1024 else 2
     return rows, block, single, num_warps
 
 
-# --------------------------------------------------------------------------------------
-# @triton.jit helpers
-# --------------------------------------------------------------------------------------
+# ---- @triton.jit helpers ----
 
 if triton is not None:
 
     @triton.jit
     def safe_max(m):
-        """The running max used as the exp() offset: ``m`` when finite, else 0 (like
-        ``torch.logsumexp``), so that all -inf / +inf rows give -inf / +inf lse."""
+        """The running max as the exp() offset: ``m`` when finite, else 0 (as ``torch.logsumexp``)."""
         return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
     @triton.jit
     def tanh(u):
-        """fp32 tanh without libdevice (which the interpreter lacks), ~2 ulp.
-
-        A Taylor polynomial near 0 (where ``(1 - e) / (1 + e)`` would cancel),
-        ``(1 - e) / (1 + e)`` with ``e = exp(-2|u|)`` elsewhere (no overflow)."""
+        """fp32 tanh without libdevice (which the interpreter lacks), ~2 ulp: a Taylor polynomial near 0,
+        ``(1 - e) / (1 + e)`` with ``e = exp(-2|u|)`` elsewhere."""
         a = tl.abs(u)
         e = tl.exp(-2.0 * a)
         big = (1.0 - e) / (1.0 + e)
@@ -316,8 +259,8 @@ if triton is not None:
 
     @triton.jit
     def cast_like(x, ptr, FIX_BF16: tl.constexpr):
-        """fp32 ``x`` cast to ``ptr``'s element type, rounding to nearest even. FIX_BF16 (the
-        interpreter only, whose fp32 -> bf16 cast truncates) rounds the bits by hand first."""
+        """fp32 ``x`` cast to ``ptr``'s element type, to nearest even (``FIX_BF16``: by hand, for the
+        interpreter's truncating bf16 cast)."""
         ty = ptr.dtype.element_ty
         if FIX_BF16:
             if ty == tl.bfloat16:
@@ -328,9 +271,7 @@ if triton is not None:
 
     @triton.jit
     def dot(a, b, acc, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-        """``acc + a @ b`` with fp32 accumulation. DOT_F32 (interpreter only: its tl.dot
-        multiplies bf16 bit patterns as integers) upcasts the operands first, which is exact
-        for bf16 products with an fp32 sum, i.e. what the tensor cores compute."""
+        """``acc + a @ b`` with fp32 accumulation; ``DOT_F32`` upcasts the operands first (exact for bf16)."""
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -16,12 +16,8 @@ from .torch_path import torch_forward
 
 __all__ = ["attention"]
 
-#: An eager CPU call that needs gradients and whose scores (all heads, the accumulation dtype) fit in this
-#: many bytes runs the torch path under torch's autograd, which keeps each block's intermediates as the
-#: written-out attention does (2.4x the scores for ssmax, 3.4x soft-capped softmax, up to 8.7x softpick /
-#: entmax15: at most ~280 MB here): faster in training than the op's backward, which recomputes them to keep
-#: only q, k, v and the output (``python benchmarks/bench_eager_ops.py --ops attention``). Larger calls keep
-#: the op, whose memory is O(L x block).
+#: An eager CPU call needing gradients whose scores fit in this many bytes runs the torch path under torch's
+#: autograd, measured faster than the op's recomputing backward (docs/PERFORMANCE.md, "Attention called eagerly").
 EAGER_AUTOGRAD_MAX_SCORE_BYTES = 32 * 2**20
 
 
@@ -138,9 +134,8 @@ _N_DEPENDENT = frozenset({"ssmax", "sigmoid", "relu", "softplus"})
 
 
 def _draw_seed() -> torch.Tensor:
-    """A dropout seed from torch's default generator (``torch.manual_seed`` makes runs reproducible), as an
-    int64 0-d CPU tensor: under ``torch.compile`` it stays a random op of the graph (a fresh seed every
-    call) instead of a constant baked in at trace time."""
+    """A dropout seed from torch's default generator, as an int64 0-d CPU tensor: under ``torch.compile`` it stays
+    a random op of the graph (a fresh seed every call), not a constant baked in at trace time."""
     return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
@@ -161,98 +156,107 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention with soft-capping and a choice of normalizer.
 
-    The first eight arguments are those of ``F.scaled_dot_product_attention`` (same order, names
-    and meaning). Per query row ``i``: ``s = (q_i @ k^T) * scale``; ``s = softcap * tanh(s / softcap)``
-    if ``softcap``; then the mask; ``w = normalizer(s)`` over the keys; dropout on ``w``;
-    ``out_i = w @ v``. Math in fp32 for fp16/bf16 inputs, fp64 for fp64.
+    The first eight arguments are those of ``F.scaled_dot_product_attention`` (same order, names and meaning).
+    Per query row ``i``: ``s = (q_i @ k^T) * scale``; ``s = softcap * tanh(s / softcap)`` if ``softcap``; the
+    mask; ``w = normalizer(s)`` over the keys; dropout on ``w``; ``out_i = w @ v``. Math in fp32 for fp16/bf16
+    inputs, fp64 for fp64.
 
     Args:
         query: (..., Hq, L, E); fp16, bf16, fp32 or fp64; any strides.
-        key: (..., Hkv, S, E), query's dtype and device.
-        value: (..., Hkv, S, Ev), query's dtype and device. The batch dims ``...`` of the three
-            broadcast against each other (as in SDPA; a broadcast key/value is copied).
-        attn_mask: None, bool (True = may attend) or float (added to the scores; ``-inf`` masks),
-            float32 or query's dtype, broadcastable to (..., Hq, L, S). Masked keys get weight exactly
-            0 under every normalizer. Only ``-inf`` masks: a finite value such as ``finfo.min`` is a
-            (very negative) score, which matters for softpick (it joins the denominator). No gradient
-            flows to a float mask (an error is raised if it requires grad, except on the SDPA route).
-        dropout_p: dropout probability on the weights, in [0, 1); applied whenever > 0 (pass 0.0 in
-            eval, as with SDPA); kept weights are scaled by ``1/(1 - dropout_p)``.
-        is_causal: top-left aligned causal mask (key j allowed iff ``j <= i``), as SDPA; together
-            with ``attn_mask`` both apply (as SDPA in torch 2.13).
+        key: (..., Hkv, S, E); value: (..., Hkv, S, Ev); query's dtype and device. The batch dims of the
+            three broadcast against each other (as in SDPA; a broadcast key/value is copied).
+        attn_mask: None, bool (True = may attend) or float (added to the scores; ``-inf`` masks), float32 or
+            query's dtype, broadcastable to (..., Hq, L, S). Masked keys get weight exactly 0 under every
+            normalizer; a finite value such as ``finfo.min`` is a score (softpick counts it in its
+            denominator). No gradient flows to a float mask.
+        dropout_p: dropout on the weights, in [0, 1), applied whenever > 0 (kept weights scaled up).
+        is_causal: top-left aligned causal mask (key j allowed iff ``j <= i``); with ``attn_mask`` both apply.
         scale: multiplies the scores; default ``1/sqrt(E)`` (1.0 when E = 0).
-        enable_gqa: grouped-query attention: Hq a multiple of Hkv; query head h uses kv head
-            ``h // (Hq // Hkv)`` (SDPA's repeat_interleave semantics; K and V are never repeated).
-        softcap: soft-capping ``c * tanh(s / c)`` (Gemma 2) before the mask, or None; > 0.
-        normalizer: a name in :data:`NORMALIZERS`: ``softmax``, ``softmax1`` (Miller 2023),
-            ``sigmoid`` (Ramapuram et al. 2024), ``relu`` (Wortsman et al. 2023), ``softpick``
-            (Zuhri et al. 2025), ``ssmax`` (Nakanishi 2025), ``softplus`` (Gao & Spratling 2025),
-            ``sparsemax`` (Martins & Astudillo 2016), ``entmax15`` (Peters et al. 2019).
-        norm_param: the normalizer's parameter (sigmoid's bias, relu's scale, softpick's eps,
-            ssmax's p, softplus's scale): None for its default (see ``NORMALIZERS[name].param_doc``),
-            a number, or a tensor broadcastable to (..., Hq) — one value per head — that receives a
-            gradient when it requires one. ``n`` (ssmax's ``log n``, and the defaults of sigmoid,
-            relu and softplus) is the number of keys the row may see: S, or ``min(i + 1, S)`` under
-            ``is_causal``, or with ``attn_mask`` the keys it leaves (bool True / float not ``-inf``),
-            at least 1 — so a causal or padding mask gives the same ``n`` as a tensor as it does
-            through ``is_causal``.
-        skip_threshold: BLASST skip-softmax sparse attention: a lambda in (0, 1);
-            the CUDA kernel skips a K/V tile when ``tile_max - running_max < ln(lambda)`` for every row
-            of its query block — an approximation (weights below lambda of the running max are
-            dropped), training-free. None (default): exact. Softmax only, forward only (gradients
-            are those of exact attention), CUDA Triton kernel only (an error elsewhere).
+        enable_gqa: Hq a multiple of Hkv; query head h uses kv head ``h // (Hq // Hkv)`` (never repeated).
+        softcap: soft-capping ``c * tanh(s / c)`` (Gemma 2) before the mask, > 0, or None.
+        normalizer: a name in :data:`NORMALIZERS` (each with its paper): ``softmax``, ``softmax1``, ``sigmoid``,
+            ``relu``, ``softpick``, ``ssmax``, ``softplus``, ``sparsemax``, ``entmax15``.
+        norm_param: the normalizer's parameter (``NORMALIZERS[name].param_doc``): None for its default, a
+            number, or a tensor broadcastable to (..., Hq) that receives a gradient. ``n`` (in ssmax and the
+            defaults of sigmoid, relu, softplus) is the number of keys the row may see: S, ``min(i + 1, S)``
+            under ``is_causal``, or the keys ``attn_mask`` leaves, at least 1.
+        skip_threshold: BLASST skip-softmax sparse attention, a lambda in (0, 1): the CUDA kernel skips a
+            K/V tile when ``tile_max - running_max < ln(lambda)`` for every row of its query block (an
+            approximation). None: exact. Softmax only, forward only, CUDA Triton kernel only.
 
     Returns:
-        (..., Hq, L, Ev) in query's dtype. A row with every key masked, or S = 0, gives 0 (zero
-        gradients).
+        (..., Hq, L, Ev) in query's dtype. A row with every key masked, or S = 0, gives 0 (zero gradients).
 
     Raises:
         TypeError: query/key/value/attn_mask not tensors; non-bool ``is_causal``/``enable_gqa``.
-        AttentionError (a ValueError and a RuntimeError): rank < 3; dtype or device mismatch;
-            non-float dtype; mismatched E, S or heads; Hq != Hkv without ``enable_gqa`` or Hq not a
-            multiple of Hkv with it; batch dims that do not broadcast; attn_mask of
-            a wrong dtype or shape; dropout_p outside [0, 1); non-finite scale; softcap <= 0;
-            an unknown normalizer (the message lists the names); norm_param for a normalizer without
-            one, or of a shape that does not broadcast to (..., Hq); a float attn_mask requiring
-            grad off the SDPA route.
+        AttentionError (a ValueError and a RuntimeError): any other bad argument (shapes, dtypes, devices, heads,
+            values out of range, an unknown normalizer, a float attn_mask requiring grad off the SDPA route).
 
-    Routing: ``normalizer="softmax"`` without ``softcap`` calls ``F.scaled_dot_product_attention``
-    (torch's fused kernels, identical semantics). Everything else runs ``torch.ops.smx.attention``:
-    Triton kernels on CUDA (FlashAttention-style tiling, Dao et al. 2022, with the online softmax of
-    Milakov & Gimelshein 2018), blocks of query rows in torch on CPU and for fp64. Dropout masks on
-    that route come from a seed drawn from torch's default generator (``torch.manual_seed`` makes
-    them reproducible) and depend on the block layout, so they differ between CPU and CUDA.
-    Under CPU/CUDA autocast, fp32 query/key/value are cast to the autocast dtype, as SDPA is.
+    ``normalizer="softmax"`` without ``softcap`` calls ``F.scaled_dot_product_attention``; everything else
+    runs ``torch.ops.smx.attention`` (docs/DESIGN.md, "Attention op: paths"), whose dropout masks come from a
+    seed drawn from torch's default generator. Under autocast, fp32 inputs are cast as SDPA casts them.
     """
     batch = _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, normalizer,
                    norm_param)
-    if skip_threshold is not None:
-        if normalizer != "softmax":
-            raise AttentionError(f"skip_threshold is defined for the softmax normalizer only, got {normalizer!r}")
-        if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)) \
-                or not 0.0 < skip_threshold < 1.0:
-            raise AttentionError(f"skip_threshold must be None or a number in (0, 1), got {skip_threshold!r}")
-        if not config.use_triton(query):
-            raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only")
-    elif normalizer == "softmax" and softcap is None:
-        # (SDPA itself combines attn_mask with is_causal)
+    _check_skip_threshold(skip_threshold, normalizer, query)
+    if skip_threshold is None and normalizer == "softmax" and softcap is None:
+        # SDPA itself combines attn_mask with is_causal
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if attn_mask is not None and is_causal:
-        # both, as SDPA allows: the causal triangle (top-left) folded into the mask
-        L_, S_ = query.shape[-2], key.shape[-2]
-        tri = torch.ones(L_, S_, dtype=torch.bool, device=query.device).tril()
-        attn_mask = attn_mask & tri if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~tri, float("-inf"))
-        is_causal = False
+    return _run_op(query, key, value, batch, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                   scale=scale, softcap=softcap, normalizer=normalizer, norm_param=norm_param,
+                   skip_threshold=skip_threshold)
+
+
+def _check_skip_threshold(skip_threshold, normalizer: str, query: torch.Tensor) -> None:
+    """Validate :func:`attention`'s ``skip_threshold`` (a softmax-only option of the Triton kernel)."""
+    if skip_threshold is None:
+        return
+    if normalizer != "softmax":
+        raise AttentionError(f"skip_threshold is defined for the softmax normalizer only, got {normalizer!r}")
+    if isinstance(skip_threshold, bool) or not isinstance(skip_threshold, (int, float)) \
+            or not 0.0 < skip_threshold < 1.0:
+        raise AttentionError(f"skip_threshold must be None or a number in (0, 1), got {skip_threshold!r}")
+    if not config.use_triton(query):
+        raise AttentionError("skip_threshold (BLASST tile skipping) runs in the CUDA Triton kernel only")
+
+
+def _fold_causal(query, key, attn_mask, is_causal):
+    """``(attn_mask, is_causal)`` with a causal triangle (top-left) folded into a given mask, as SDPA allows."""
+    if attn_mask is None or not is_causal:
+        return attn_mask, is_causal
+    tri = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & tri, False
+    return attn_mask.masked_fill(~tri, float("-inf")), False
+
+
+def _mask_key_counts(mask, normalizer: str, B: int, Hq: int, L: int, S: int):
+    """Per-row counts (B, Hq, L) of the keys ``mask`` leaves, for a normalizer that reads ``n``; else None."""
+    if mask is None or normalizer not in _N_DEPENDENT:
+        return None
+    # the keys the mask leaves, not the row's position: a causal mask as a tensor gives is_causal's n
+    keep = mask if mask.dtype == torch.bool else mask != float("-inf")
+    n_keys = keep.sum(-1, dtype=torch.float32)
+    if keep.shape[-1] == 1 and S != 1:
+        n_keys = n_keys * S
+    return n_keys.expand(B, Hq, L).contiguous()
+
+
+def _run_op(query, key, value, batch, *, attn_mask, dropout_p, is_causal, scale, softcap, normalizer, norm_param,
+            skip_threshold):
+    """:func:`attention` off the SDPA route: flatten the batch dims, then ``smx::attention`` or, for small eager
+    CPU calls needing gradients, the torch path under torch's autograd."""
+    attn_mask, is_causal = _fold_causal(query, key, attn_mask, is_causal)
     if (attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
-        and torch.is_grad_enabled()):
+            and torch.is_grad_enabled()):
         raise AttentionError(f"attn_mask requires grad, but normalizer={normalizer!r} (or softcap) gives the "
                              "mask no gradient; detach it")
     if autocast_on(query.device) and query.dtype == torch.float32:
-        dt = torch.get_autocast_dtype(query.device.type)
-        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        autocast_dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(autocast_dtype), key.to(autocast_dtype), value.to(autocast_dtype)
     Hq, L, E = query.shape[-3:]
-    Hkv, S, Ev = value.shape[-3:]
+    S, Ev = value.shape[-2:]
     B = math.prod(batch)
     acc = acc_dtype(query)
     if scale is None:
@@ -265,19 +269,12 @@ def attention(
     elif norm_param is not None:
         param = torch.full((B, Hq), float(norm_param), dtype=acc, device=query.device)
     seed = _draw_seed() if dropout_p > 0 else None
-    n_keys = None
-    if mask is not None and normalizer in _N_DEPENDENT:
-        # n = the keys the mask leaves each row (not its position): the same n whether a causal or
-        # padding mask arrives as a tensor or as is_causal
-        keep = mask if mask.dtype == torch.bool else mask != float("-inf")
-        n_keys = keep.sum(-1, dtype=torch.float32)
-        if keep.shape[-1] == 1 and S != 1:
-            n_keys = n_keys * S
-        n_keys = n_keys.expand(B, Hq, L).contiguous()
+    n_keys = _mask_key_counts(mask, normalizer, B, Hq, L, S)
     cap = None if softcap is None else float(softcap)
-    if (config.eager_aten(q) and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                               or (param is not None and param.requires_grad))
-            and 0 < B * Hq * L * S * (torch.finfo(acc).bits // 8) <= EAGER_AUTOGRAD_MAX_SCORE_BYTES and Ev):
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, param))
+    score_bytes = B * Hq * L * S * (torch.finfo(acc).bits // 8)
+    if (config.eager_aten(q) and torch.is_grad_enabled() and needs_grad
+            and 0 < score_bytes <= EAGER_AUTOGRAD_MAX_SCORE_BYTES and Ev):
         out = autocast_off(torch_forward)(q, k, v, mask, is_causal, float(scale), cap, normalizer, param,
                                           float(dropout_p), 0 if seed is None else int(seed.item()), n_keys)
         return out.view(*batch, Hq, L, Ev)

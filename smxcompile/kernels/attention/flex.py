@@ -30,17 +30,16 @@ def score_mod_attention(q, k, v, sides, *, recipe: tuple, scale: float, enable_g
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ev = v.shape[-1]
     if q.device.type == "cpu":
-        # Inductor's CPU template (torch 2.13) reads q's and k's sizes off their buffers, so a view of a
-        # projection's 2-D output fails to lower: each gets a 4-D buffer of its own. It also gives wrong rows for
-        # head dims of 16 and below (docs/DESIGN.md, "FlexAttention on CPU"): zero columns up to 32 change no score
+        # Inductor's CPU template (torch 2.13) needs q and k in 4-D buffers of their own, and gives wrong rows for
+        # head dims of 16 and below (docs/DESIGN.md, "Attention"): zero columns up to 32 change no score
         width = max(32 - q.shape[-1], 0)
         q, k = (torch.nn.functional.pad(t, (0, width)) if width else t.clone(memory_format=torch.contiguous_format)
                 for t in (q, k))
         # in row-major order (a key laid out head dim first came out wrong through the template)
         q, k = (torch.ops.prims.inductor_force_stride_order(t, _row_major(t.shape)) for t in (q, k))
         v = torch.nn.functional.pad(v, (0, max(32 - ev, 0)))
-    # each side as (B or 1, H or 1, L or 1, S or 1), read at index 0 along its broadcast dims; realized in
-    # memory: Inductor's CPU template (torch 2.13) builds the score_mod before it realizes computed sides
+    # each side 4-D, read at index 0 along its broadcast dims, realized: Inductor's CPU template (torch 2.13)
+    # builds the score_mod before it realizes computed sides
     sides = [sd.reshape((1,) * (4 - sd.dim()) + tuple(sd.shape)) for sd in sides]
     sides = [torch.ops.prims.inductor_force_stride_order(sd, sd.stride()) for sd in sides]
     spans = [tuple(n > 1 for n in sd.shape) for sd in sides]

@@ -24,8 +24,7 @@ def is_masking_value(v):
 def merged_mask(add_masks, masked, mask_order: str, *, dtype, device):
     """The masks merged in graph order into one additive mask: ``(mask, filled)``, ``filled`` the entries a fill
     replaced."""
-    # eager's order: a fill replaces what the scores hold so far (the masks added before it included), a
-    # later additive mask adds on top; so every filled entry holds eager's value, ``s`` aside
+    # eager's order: a fill replaces the masks added before it, a later additive mask adds on top
     adds, fills = iter(add_masks), iter(masked)
     mask = filled = None
     for stage in mask_order:
@@ -56,14 +55,10 @@ def score_bound(q, k, *, scale, n_rep: int, like):
 
 
 def dead_rows(q, k, mask, filled, *, scale, n_rep: int, margin: float, keep_grad: bool):
-    """Rows that read only the masks in eager: every entry filled (``filled``), absorbing the row's scores (half
-    an fp32 ulp of the entry above :func:`score_bound`: ``s + m`` rounds to ``m``) or ``margin`` below the row's
-    fills: ``(q, mask, uniform)``. Their mask, and that of any row masked whole (max <= ``margin``), is shifted
-    to a max of 0 (softmax is shift-invariant; the fused
-    backward recomputes exp(s - lse), and lse = m + log(n) rounds back to m, giving weights of 1) and their
-    query's value zeroed (s = 0, as eager's rounding gives). With ``keep_grad``, where the weighted entries are
-    additive, eager's gradient still reaches q (kept) and k (:func:`absorbed_key_term`, for ``uniform`` rows:
-    weights uniform over every key)."""
+    """Rows that read only the masks in eager (every entry filled, absorbing the row's scores, or ``margin``
+    below the row's fills): ``(q, mask, uniform)`` with their mask, and that of any row masked whole, shifted to
+    a max of 0 and their query's value zeroed; with ``keep_grad`` eager's gradient still reaches q and, for
+    ``uniform`` rows, k (:func:`absorbed_key_term`). docs/DESIGN.md, "Attention: rows the masks empty"."""
     m32 = mask.detach().float()
     bound = score_bound(q, k, scale=scale, n_rep=n_rep, like=mask)
     absorbs = (m32 - torch.nextafter(m32, torch.zeros_like(m32))).abs() > 2 * bound
@@ -76,8 +71,7 @@ def dead_rows(q, k, mask, filled, *, scale, n_rep: int, margin: float, keep_grad
     weighted = mask == peak
     graded = dead if filled is None else dead & ~(weighted & filled).any(-1, keepdim=True)
     graded = graded & keep_grad
-    # a row masked whole whose scores still count (-1e9 against scores of 100) is shifted too, its q kept: its
-    # weights and gradients then follow s exactly, as the fp64 gold's do, where the kernel's lse would round
+    # a row masked whole whose scores still count (-1e9 against scores of 100) is shifted too, its q kept
     shift = dead | (peak <= margin)
     peak = peak.masked_fill(peak == float("-inf"), 0.0)          # a row of -inf stays one (NaN later)
     q = torch.where(dead, torch.where(graded, q - q.detach(), 0.0), q)
@@ -160,13 +154,11 @@ def keys_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def with_sink(q, k, v, mask, sink, *, scale: float):
-    """Attention with a sink column (a logit ``sink`` per row, broadcast to (..., L, 1), that the softmax
-    normalizes with the scores and whose weight is dropped; gpt-oss) as attention over one more key of zero
-    value: ``q' = [q * scale, sink]``, ``k' = [[k, 0], [0, 1]]``, ``v' = [[v, 0], [0, 0]]``, one width so that
-    fused kernels take them (padded to a multiple of 8 on CUDA). Returns ``(q', k', v', mask', scale' = 1)``: the
-    mask keeps the sink (causal masks come explicit: the extra key breaks ``is_causal``'s alignment); the caller
-    reads the output's first ``v.shape[-1]`` features. A sink of -inf is clamped to the dtype's lowest (its
-    product with the real keys' 0 must not be NaN): it still weighs nothing; +inf gives NaN rows, as eager's."""
+    """Attention with a sink column (a logit ``sink`` per row, broadcast to (..., L, 1), normalized with the
+    scores, its weight dropped; gpt-oss) as attention over one more key of zero value: ``q' = [q * scale, sink]``,
+    ``k' = [[k, 0], [0, 1]]``, ``v' = [[v, 0], [0, 0]]`` (one width, a multiple of 8 on CUDA). Returns ``(q', k',
+    v', mask', scale' = 1)``; the caller reads the first ``v.shape[-1]`` features. A -inf sink is clamped to the
+    dtype's lowest (0 times it must not be NaN)."""
     S, E, Ev = k.shape[-2], q.shape[-1], v.shape[-1]
     width = max(E, Ev) + 1
     width += -width % 8 if q.is_cuda else 0
@@ -181,10 +173,9 @@ def with_sink(q, k, v, mask, sink, *, scale: float):
 
 def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softcap, is_causal, dropout_p, n_rep,
                      fixup, normalizer, norm_param, export, lead, safe_softmax, mask_floor, sink):
-    """Attention with the masks of :func:`split_masks` on torch's fused kernel (the ``smx::attention`` op for
-    another normalizer or a soft-cap), eager's values kept on rows the masks empty and for non-finite q or k
-    (docs/DESIGN.md, "Attention"): q (..., L, E), k, v (..., S, E) broadcasting as matmul's; the arguments
-    are :func:`smxcompile.passes.attention.replacement.graph_attention`'s."""
+    """Attention with the masks of :func:`split_masks` on torch's fused kernel (or ``smx::attention``), eager's
+    values kept on rows the masks empty and for non-finite q or k: q (..., L, E), k, v (..., S, E) broadcasting as
+    matmul's; the arguments of :func:`smxcompile.passes.attention.replacement.graph_attention`."""
     v_lead, nd = None, max(q.dim(), k.dim(), v.dim())     # matmul's leading dims, aligned from the right
     q, k, v = (t if t.dim() == nd else t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     if lead is not None:
@@ -218,12 +209,10 @@ def masked_attention(q, k, v, masks, mask_kinds, scale_tensors, *, scale, softca
     if mask is not None and mask.dtype.is_floating_point and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     if mask is not None and mask.dtype.is_floating_point and normalizer != "softmax":
-        # a variant sees masking values (finfo.min...) as masked keys (-inf), as a bool mask would be:
-        # softpick leaves them out of its denominator, n counts only the keys left
+        # masking values (finfo.min...) as -inf for a variant: out of softpick's denominator and of n
         mask = mask.masked_fill(is_masking_value(mask), float("-inf"))
     q_eager, sdpa_scale = q, q.shape[-1] ** -0.5 if scale is None else scale
-    # (not in an export: 0 * inf in a zeroed row would be NaN there, with no guard); soft-capped scores: the op's
-    # own backward takes absorbed rows as they are, and tanh's derivative needs eager's s, so only fills count
+    # not in an export (0 * inf in a zeroed row, unguarded); with a soft-cap only fills count (tanh' needs eager's s)
     if fixup and normalizer == "softmax" and not export and mask is not None and mask.dtype.is_floating_point \
             and (softcap is None or mask_order):
         q, mask, uniform = dead_rows(q, k, mask, hidden, scale=sdpa_scale, n_rep=n_rep, margin=MASK_VALUE,

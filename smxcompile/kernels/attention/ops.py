@@ -1,6 +1,5 @@
-"""``smx::attention`` and ``smx::attention_backward``: the custom ops, their fake kernels and autograd. CUDA
-(and CPU under ``config.force_triton``): the Triton kernels (:mod:`.triton_forward`, :mod:`.triton_backward`,
-imported on first use); otherwise the torch path (:mod:`.torch_path`)."""
+"""``smx::attention`` and ``smx::attention_backward``: the custom ops, fake kernels and autograd; CUDA runs the
+Triton kernels (imported on first use), CPU and fp64 the torch path (:mod:`.torch_path`)."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ __all__ = ["attention_op", "AttentionError"]
 
 
 class AttentionError(ValueError, RuntimeError):
-    """Bad arguments to :func:`attention`.
-
-    A ``ValueError`` (what smxcompile raises for bad values) that is also a ``RuntimeError`` (what
-    ``F.scaled_dot_product_attention`` raises for the same mistakes), so either ``except`` works."""
+    """Bad arguments to :func:`attention`: a ``ValueError`` that is also a ``RuntimeError`` (what
+    ``F.scaled_dot_product_attention`` raises for the same mistakes)."""
 
 
 def _seed_int(seed: torch.Tensor | None) -> int:

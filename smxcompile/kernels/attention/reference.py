@@ -15,17 +15,7 @@ from ..common import acc_dtype
 __all__ = ["NORMALIZERS", "Normalizer", "attention_reference", "visible_keys", "causal_keep"]
 
 
-# --------------------------------------------------------------------------------------
-# normalizers: exact torch functions on a materialized block of scores
-# --------------------------------------------------------------------------------------#
-# Each ``ref(s, keep, n, param) -> w`` takes
-#   s      scores (..., L, S), fp32 or fp64; masked entries may hold anything, -inf included
-#   keep   bool, broadcastable to s (True = the key may be attended), or None (no mask)
-#   n      (L, 1) or (..., L, 1) float: keys the row may see (S, min(i+1, S) under is_causal, or
-#          the keys attn_mask leaves it)
-#   param  per-head parameter broadcastable to s (e.g. (..., H, 1, 1)), or None for the default
-# and returns the weights w (shape of s), exactly 0 where keep is False. Every nonlinearity sees
-# finite inputs (or -inf into exp) so the gradients are NaN-free, masked rows included.
+# ---- normalizers: exact torch functions on a materialized block of scores (see Normalizer) ----
 
 
 def _keep(t: torch.Tensor, keep: torch.Tensor | None, fill: float) -> torch.Tensor:
@@ -51,9 +41,8 @@ def _softmax_ref(s, keep, n, param):
 
 
 def _softmax1_ref(s, keep, n, param):
-    """softmax1, "Attention Is Off By One" (Evan Miller, 2023): ``exp(s_i) / (1 + sum_j exp(s_j))``.
-
-    Stable with ``m' = max(m, 0)``: ``exp(s_i - m') / (exp(-m') + sum_j exp(s_j - m'))``."""
+    """softmax1, "Attention Is Off By One" (Evan Miller, 2023): ``exp(s_i) / (1 + sum_j exp(s_j))``, shifted by
+    ``m' = max(m, 0)``."""
     z = _keep(s, keep, float("-inf"))
     m = _row_max(z).clamp(min=0.0)
     e = torch.exp(z - m)
@@ -75,13 +64,9 @@ def _relu_ref(s, keep, n, param):
 
 
 def _softpick_ref(s, keep, n, param):
-    """softpick, "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax"
-    (Zuhri, Fuadi & Aji, 2025): ``relu(exp(s_i) - 1) / (sum_j |exp(s_j) - 1| + eps)``,
-    ``eps = param``, default 1e-6. Masked keys leave the denominator too; rows may sum to < 1 or 0.
-
-    Stable form with ``m' = max(m, 0)``: numerator and denominator times ``exp(-m')``, and
-    ``u_j = exp(s_j - m') - exp(-m')`` evaluated without cancellation as
-    ``-exp(s_j - m') * expm1(-s_j)`` for ``s_j > 0`` and ``exp(-m') * expm1(s_j)`` otherwise."""
+    """softpick, "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax" (Zuhri, Fuadi &
+    Aji, 2025): ``relu(exp(s_i) - 1) / (sum_j |exp(s_j) - 1| + eps)``, ``eps = param``, default 1e-6; masked
+    keys leave the denominator too. Both terms are scaled by ``exp(-max(m, 0))``, ``exp(s) - 1`` via expm1."""
     eps = 1e-6 if param is None else param
     z = _keep(s, keep, 0.0)
     m = _row_max(_keep(s, keep, float("-inf"))).clamp(min=0.0)
@@ -116,16 +101,15 @@ def _softplus_default(n: torch.Tensor) -> torch.Tensor:
 
 def _softplus_ref(s, keep, n, param):
     """Length-scaled softplus attention (LSSA), "Softplus Attention with Re-weighting Boosts Length
-    Extrapolation in Large Language Models" (Gao & Spratling, 2025):
-    ``softplus(c * s_i) / sum_j softplus(c * s_j)``, ``c = param``, default ``log(max(n, 2))``
-    (the paper's length scale is about ``log n``; the clamp keeps ``c > 0`` for one-key rows)."""
+    Extrapolation in Large Language Models" (Gao & Spratling, 2025): ``softplus(c * s_i) / sum_j softplus(c *
+    s_j)``, ``c = param``, default ``log(max(n, 2))`` (> 0 for one-key rows)."""
     c = _softplus_default(n) if param is None else param
     return _normalize(_keep(F.softplus(_keep(s, keep, 0.0) * c), keep, 0.0))
 
 
 def _sorted_keep(s, keep, half: bool):
-    """Row-shifted scores for the sort-based maps: (x with masked = -inf, x with masked = 0, sorted x
-    with masked = 0, sorted validity). Shifting by the (detached) row max changes nothing exactly."""
+    """Scores shifted by the detached row max for the sort-based maps: ``(x with masked = 0, sorted x with
+    masked = 0, sorted validity)``."""
     z = _keep(s, keep, float("-inf"))
     if half:
         z = z * 0.5
@@ -140,14 +124,9 @@ def _sorted_keep(s, keep, half: bool):
 
 
 def _sparsemax_ref(s, keep, n, param):
-    """sparsemax, "From Softmax to Sparsemax: A Sparse Model of Attention and Multi-Label
-    Classification" (Martins & Astudillo, 2016): ``max(s_i - tau, 0)`` with ``tau`` such that the row
-    sums to 1; exact, sort-based (``k = max{k : 1 + k z_(k) > sum_{j<=k} z_(j)}``).
-
-    Autograd gives the Jacobian on the support ``{w > 0}`` (as :func:`_sparsemax_vjp`):
-    ``dw_i = [w_i > 0] (ds_i - mean_{w > 0} ds)``. An entry exactly at ``tau`` (a tie, common in
-    bf16) has ``w = 0`` and no gradient, and ``tau``'s gradient averages over exactly the entries
-    with ``w > 0`` (not the sort's support, which rounding may make differ by one)."""
+    """sparsemax, "From Softmax to Sparsemax: A Sparse Model of Attention and Multi-Label Classification"
+    (Martins & Astudillo, 2016): ``max(s_i - tau, 0)``, the row summing to 1; exact, sort-based. Autograd gives
+    the Jacobian on ``{w > 0}`` (as :func:`_sparsemax_vjp`), an entry tied at ``tau`` getting no gradient."""
     xf, xs, valid = _sorted_keep(s, keep, half=False)
     cs = xs.cumsum(-1)
     k = torch.arange(1, xs.shape[-1] + 1, dtype=xs.dtype, device=xs.device)
@@ -157,17 +136,15 @@ def _sparsemax_ref(s, keep, n, param):
         sup = xf - tau0 > 0
         sup = sup if keep is None else sup & keep    # not where(): onnxruntime has no bool Where
         k_sup = sup.sum(-1, keepdim=True).clamp(min=1).to(xs.dtype)
-    # tau's value is tau0; its gradient is that of (sum_{w > 0} s - 1) / |{w > 0}| (zero added, exactly)
+    # tau's value is tau0, its gradient that of (sum_{w > 0} s - 1) / |{w > 0}|, not of the sort's support
     tau_g = torch.where(sup, xf, 0.0).sum(-1, keepdim=True) / k_sup
     tau = tau0 + (tau_g - tau_g.detach())
     return torch.where(sup, xf - tau, 0.0)
 
 
 def _entmax15_ref(s, keep, n, param):
-    """1.5-entmax, "Sparse Sequence-to-Sequence Models" (Peters, Niculae & Martins, 2019):
-    ``[s_i/2 - tau]_+^2`` with ``tau`` such that the row sums to 1; exact, sort-based (their
-    Algorithm 2). ``tau`` is differentiated through the closed form on the support, which gives the
-    paper's Jacobian."""
+    """1.5-entmax, "Sparse Sequence-to-Sequence Models" (Peters, Niculae & Martins, 2019): ``[s_i/2 - tau]_+^2``,
+    the row summing to 1; exact, sort-based (their Algorithm 2), differentiated through the closed form."""
     xf, xs, valid = _sorted_keep(s, keep, half=True)
     k = torch.arange(1, xs.shape[-1] + 1, dtype=xs.dtype, device=xs.device)
     cs, cs2 = xs.cumsum(-1), (xs * xs).cumsum(-1)
@@ -184,11 +161,7 @@ def _entmax15_ref(s, keep, n, param):
     return _keep(y * y, keep, 0.0)
 
 
-# Each ``vjp(s, keep, n, param, w, dw) -> (ds, dparam)`` is the hand-written backward of ``ref``:
-# given w = ref(s, keep, n, param) and the gradient dw, it returns ds (0 at masked keys) and the
-# parameter's gradient before the per-head sum (any shape that broadcasts to s; the caller sums it
-# over rows and keys), or None for a normalizer without a parameter. The torch path's backward uses
-# them; the tests check them against autograd through ``ref``.
+# ---- their hand-written backwards (see Normalizer; tests check them against autograd through ref) ----
 
 
 def _softmax_vjp(s, keep, n, param, w, dw):
@@ -208,7 +181,6 @@ def _relu_vjp(s, keep, n, param, w, dw):
 
 
 def _softpick_vjp(s, keep, n, param, w, dw):
-    # w_i = relu(u_i) / D, u = exp(s) - 1, D = sum |u| + eps (all scaled by exp(-m') as in the ref):
     # ds_j = exp(s_j - m') / D' * ([u_j > 0] dw_j - sign(u_j) sum_i dw_i w_i),  deps = -sum_i dw_i w_i / D
     eps = 1e-6 if param is None else param
     z = _keep(s, keep, 0.0)
@@ -257,15 +229,12 @@ def _entmax15_vjp(s, keep, n, param, w, dw):
 class Normalizer(NamedTuple):
     """One attention normalizer (an entry of :data:`NORMALIZERS`).
 
-    ``ref(s, keep, n, param) -> w``: the exact torch function on a materialized block of scores
-    (s fp32/fp64 (..., L, S); keep bool broadcastable to s or None; n (L, 1) float, the keys the
-    row may see by position; param broadcastable per head, e.g. (..., H, 1, 1), or None for the
-    default). ``vjp(s, keep, n, param, w, dw) -> (ds, dparam)``: its backward (``dparam`` before
-    the sum over rows and keys, None without a parameter). ``takes_param``: whether ``norm_param``
-    means anything; ``default_param``: the
-    parameter used when ``norm_param`` is None, as a function of n (None when it takes none);
-    ``param_doc``: that default in words; ``whole_row``: needs every key of a row at once (no
-    streaming form); ``formula``: one line; ``paper``: the source.
+    ``ref(s, keep, n, param) -> w``: the exact torch function on a block of scores: s fp32/fp64 (..., L, S),
+    anything at masked entries; keep bool broadcastable to s, or None; n (..., L, 1) float, the keys the row
+    may see; param broadcastable per head, e.g. (..., H, 1, 1), or None for the default. ``w`` is exactly 0
+    where keep is False, and NaN-free gradients. ``vjp(s, keep, n, param, w, dw) -> (ds, dparam)``: its
+    backward (``dparam`` before the sum over rows and keys; None without a parameter). ``takes_param``,
+    ``default_param`` (a function of n), ``param_doc``; ``whole_row``: no streaming form; ``formula``, ``paper``.
     """
 
     name: str
@@ -353,15 +322,10 @@ def attention_reference(
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """The definition of :func:`attention`, materialized: all (L, S) scores at once, K and V
-    repeated for GQA (Hq // Hkv inferred), plain torch, differentiable. For tests.
-
-    Args: as :func:`attention` (GQA implied by the head counts), plus ``dtype`` — the math dtype
-    (default fp32 for half inputs, else the input's) — and ``dropout_mask`` (bool, broadcastable to
-    the (..., Hq, L, S) weights; True = kept) with its ``dropout_p``.
-
-    Returns: (..., Hq, L, Ev) in ``dtype`` (not rounded to the input dtype).
-    """
+    """The definition of :func:`attention`, materialized (all (L, S) scores, K and V repeated for GQA), in
+    differentiable torch; tests' oracle. Args as :func:`attention`, plus ``dtype`` (the math dtype; default fp32
+    for half inputs) and a bool ``dropout_mask`` (True = kept) with its ``dropout_p``. Returns (..., Hq, L, Ev)
+    in ``dtype``."""
     acc = dtype or acc_dtype(query)
     q, k, v = query.to(acc), key.to(acc), value.to(acc)
     Hq, Hkv = q.shape[-3], k.shape[-3]

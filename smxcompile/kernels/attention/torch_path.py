@@ -1,6 +1,6 @@
 """The torch path of ``smx::attention`` (CPU, and fp64 everywhere): blocks of query rows, each block's scores
-materialized at most :data:`BLOCK_BYTES` at a time, the backward recomputing each block (see the package
-docstring, "Paths")."""
+materialized at most :data:`BLOCK_BYTES` at a time, the backward recomputing each block (docs/DESIGN.md,
+"Attention op: paths")."""
 
 from __future__ import annotations
 
@@ -11,21 +11,16 @@ from .reference import NORMALIZERS, causal_keep, visible_keys
 
 __all__ = ["torch_forward", "torch_backward", "BLOCK_BYTES"]
 
-#: Bytes of one block's scores (fp32, or fp64 for fp64 inputs) on the torch path. The block's
-#: working set (scores, weights, and in the backward their recomputed intermediates) is a small
-#: multiple of this. Tests set it small to run the block loop.
+#: Bytes of one block's scores (fp32, or fp64 for fp64 inputs); the block's working set is a small multiple.
 BLOCK_BYTES = 4 * 2**20
 
 _MASK64 = (1 << 64) - 1
 
 
 def _plan_blocks(pairs: int, group: int, L: int, S: int, itemsize: int, budget: int | None = None):
-    """Split the work into blocks ``(p0, p1, l0, l1)``: kv pairs ``p0:p1`` (a pair is one batch
-    entry's kv head, with its ``group`` query heads) and query rows ``l0:l1``.
-
-    A block's scores are ``(p1 - p0) * group * (l1 - l0) * S`` entries of ``itemsize`` bytes, at
-    most ``budget`` (default :data:`BLOCK_BYTES`) unless one row of one pair alone is larger. Either
-    one pair is split into row ranges, or whole pairs are grouped."""
+    """Blocks ``(p0, p1, l0, l1)`` of kv pairs (one batch entry's kv head with its ``group`` query heads) and query
+    rows, whose scores take at most ``budget`` (default :data:`BLOCK_BYTES`) unless one row of one pair is larger:
+    one pair split into row ranges, or whole pairs grouped."""
     budget = BLOCK_BYTES if budget is None else budget
     row_bytes = max(1, group * max(S, 1) * itemsize)
     rows = max(1, budget // row_bytes)
@@ -80,8 +75,7 @@ class _Problem:
         self.blocks = _plan_blocks(self.P, self.g, self.L, self.S, itemsize)
 
     def keys(self, l1: int) -> int:
-        """Keys a block of rows ending at ``l1`` needs: all, or under ``is_causal`` the first ``l1``
-        (the others are masked for every row of the block, so they have weight 0)."""
+        """Keys a block of rows ending at ``l1`` needs: all, or under ``is_causal`` the first ``l1``."""
         return min(self.S, l1) if self.is_causal else self.S
 
     def mask_block(self, p0, p1, l0, l1, se):
@@ -117,10 +111,8 @@ class _Problem:
         return keep, madd, n, drop
 
     def block(self, index, p0, p1, l0, l1):
-        """One block's forward pieces over its ``se = keys(l1)`` keys: (q block (P, g, Lb, E),
-        k (P, se, E), v (P, se, Ev), param (P, g, 1, 1) or None, scores s (P, g, Lb, se) after
-        soft-capping and the mask, tanh of the soft-cap or None, weights w before dropout, keep, n,
-        dropout multiplier or None)."""
+        """One block's forward pieces over its ``se = keys(l1)`` keys: (q block (P, g, Lb, E), k, v, param or None,
+        scores s (P, g, Lb, se), tanh of the soft-cap or None, weights w before dropout, keep, n, dropout or None)."""
         se = self.keys(l1)
         keep, madd, n, drop = self.consts(index, p0, p1, l0, l1, se)
         qb = self.q5[p0:p1, :, l0:l1].to(self.acc)
@@ -142,10 +134,8 @@ class _Problem:
 @autocast_off
 def torch_forward(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed,
                   n_keys=None):
-    """``smx::attention``'s output on the torch path: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev),
-    the op's other arguments (see :func:`~.ops.attention_op`); -> (B, Hq, L, Ev) in q's dtype, computed by
-    blocks of query rows in fp32 (fp64 for fp64) ("FlashAttention", Dao et al., 2022: nothing of size
-    L x S for all heads at once)."""
+    """``smx::attention``'s output on the torch path (arguments of :func:`~.ops.attention_op`): (B, Hq, L, Ev) in
+    q's dtype, by blocks of query rows in fp32 (fp64 for fp64), as "FlashAttention" (Dao et al., 2022) tiles."""
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, L, Ev), dtype=q.dtype, device=q.device)

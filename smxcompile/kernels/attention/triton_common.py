@@ -1,92 +1,9 @@
-"""Flash-style attention, forward and backward, in Triton, with a compile-time normalizer: what the kernels
-share.
+"""What the flash-style attention kernels share: score-tile helpers, argument checks, launch configuration.
 
-Per (batch ``b``, query head ``h``), query row ``i`` and key ``j``, in fp32::
-
-    s_ij = (q_i . k_j) * scale                      # k, v of kv head h // (Hq // Hkv) (GQA)
-    s_ij = softcap * tanh(s_ij / softcap)            # if softcap is not None
-    s_ij = s_ij + mask_ij                            # float mask (-inf = masked)
-    visible_ij = [j <= i if is_causal] and [mask_ij if bool mask] and [mask_ij != -inf if float mask]
-    w_i. = normalizer(s_i.) over the visible keys    # masked keys get weight exactly 0
-    w_ij = w_ij * keep_ij / (1 - dropout_p)          # dropout: Philox tl.rand(seed, offset)
-    out_i = sum_j w_ij v_j
-
-``n_i`` (the number of keys visible by position) is ``S``, or with ``is_causal``
-``min(i + 1, S)``; it does not depend on ``attn_mask``. A row without visible keys gets
-``out = 0`` and zero gradients. ``norm_param`` (fp32, one value per (batch, head)) replaces
-the normalizer's default parameter. Normalizers (``NORM`` constexpr codes):
-
-* ``softmax`` (0): the online ``(m, d, acc)`` recurrence: "Online normalizer calculation for
-  softmax" (Milakov & Gimelshein, 2018); "FlashAttention" (Dao et al., 2022).
-* ``softmax1`` (1): ``exp(s_j) / (1 + sum exp(s))`` ("off by one", a zero-logit sink): the
-  running max starts at 0 and ``d`` starts at ``exp(0 - 0) = 1``.
-* ``ssmax`` (2): Scalable-Softmax (2025), ``softmax((p log n_i) s)``, ``p`` = norm_param (1.0).
-* ``sigmoid`` (3): FlashSigmoid (2024), ``sigmoid(s + b)``, ``b`` = norm_param (``-log n_i``).
-  No row reduction.
-* ``relu`` (4): ``relu(s) * c``, ``c`` = norm_param (``1 / n_i``).
-* ``softpick`` (5): softpick (2025), ``relu(e^s - 1) / (sum_j |e^s_j - 1| + eps)``, ``eps`` =
-  norm_param (1e-6), computed with a running max ``m >= 0``: numerator
-  ``relu(e^{s-m} - e^{-m})``, denominator ``sum |e^{s-m} - e^{-m}| + eps e^{-m}``.
-* ``softplus`` (6): LSSA, ``softplus(c s_j) / sum softplus(c s)``, ``c`` = norm_param
-  (``log max(n_i, 2)``).
-* ``sparsemax`` (7): Martins & Astudillo (2016), ``relu(s - tau)``, ``sum = 1``.
-* ``entmax15`` (8): 1.5-entmax, Peters et al. (2019), ``relu(s/2 - tau)^2``, ``sum = 1``.
-
-The whole-row normalizers (7, 8) find ``tau`` without holding a score row: one pass over the
-K tiles for the row max, ``sparse_iters`` (default 10) bracketing passes on ``tau`` in
-``[max - 1, max]``, one finishing pass, then the output pass. A bracketing pass evaluates
-``f(t) = sum relu(z - t)`` (entmax15: ``sum relu(z - t)^2``) at the bracket's midpoint ``t``
-(bisection) and also tightens the bracket with the closed-form ``tau`` of the set
-``{z > t}`` it saw: for sparsemax a lower bound whatever ``t`` (Michelot's step); for
-entmax15 an upper bound when ``{z > t}`` contains the support, a lower bound when it is
-inside it, plus a Newton step on the convex ``f`` (a lower bound from the left). The
-finishing pass computes the closed-form ``tau`` of the support ``{z > lo}``: exact once no
-score lies between ``lo`` and the true ``tau`` (in simulations with rows of 256 to 32768
-Gaussian scores: after <= 10 passes for sparsemax, <= 7 for entmax15). Backward: sparsemax
-``dS = supp (dP - mean_supp dP)``; entmax15 with ``g = sqrt(w)``,
-``dS = g (dP - sum(g dP) / sum g)``; these row sums take one pass over the K tiles.
-
-``stats`` (fp32, (B, Hq, L, 2)) hold what the backward needs per row: ``(m, d)`` for
-softmax / softmax1 / ssmax (``w = e^{z - m} / d``; ``d = 0`` for a row without visible
-keys), ``(m, den)`` for softpick, ``(0, sum softplus)`` for softplus, ``(tau, 0)`` for
-sparsemax / entmax15 (``tau`` in units of ``s`` / ``s/2``), zeros for sigmoid / relu.
-
-Backward (recomputing the score tiles): a row pre-pass computes ``delta_i = rowsum(dO * O)``
-for the softmax-like normalizers (the sparse ones: their row sums, with a K pass); then one
-program per (kv head, key block) loops over the query heads of its group and over the query
-blocks, accumulates ``dK``, ``dV`` in registers (GQA needs no atomics for them) and adds
-``dQ`` atomically into an fp32 buffer. ``dnorm_param`` is reduced per (batch, head) with
-atomics. Per-element gradients w.r.t. ``s``::
-
-    softmax(1)     dS = w (dP - delta)
-    ssmax          dZ = w (dP - delta), dS = (p log n) dZ       dp = sum dZ s log n
-    sigmoid        dS = dP w (1 - w)                            db = sum dS
-    relu           dS = dP c [s > 0]                            dc = sum dP relu(s)
-    softpick       dS = e^{s}/Z ([s > 0] dP - sign(s) delta)    deps = -sum_i delta_i / Z_i
-    softplus       dX = sigmoid(c s) (dP - delta) / F, dS = c dX  dc = sum dX s
-    sparsemax      dS = [s > tau] (dP - mean_supp dP)
-    entmax15       dS = g (dP - sum(g dP) / sum g)
-
-(``dP = dO v^T``, times ``keep / (1 - p)`` with dropout; ``delta = sum_j w_j dP_j``.)
-
-Optional (softmax only, forward only, off by default): ``skip_threshold = lambda`` skips a K/V
-tile when ``tile_max - running_max < ln(lambda)`` for every row of the query block (BLASST,
-skip-softmax sparse attention): an approximation; the backward then uses
-the approximate saved normalizer.
-
-All pointer offsets are int64 (``B*H*L*S`` may exceed ``2**31`` for the mask). Block sizes
-are constexpr powers of two ``>= 16`` (``tl.dot``); ``L``, ``S``, ``E`` and ``Ev`` are masked,
-so ``E`` need not be a power of two. Products run on the tensor cores with fp32 accumulation
-(fp32 inputs: ``torch.get_float32_matmul_precision()``); the weights / score gradients enter
-the second matmuls rounded to the input dtype (as in FlashAttention).
-
-On a machine without a GPU the kernels run through Triton's interpreter when
-``TRITON_INTERPRET=1`` was set before triton was imported (CPU tensors); ``DOT_F32`` and
-``FIX_BF16`` are the interpreter-only bf16 workarounds of :mod:`smxcompile.kernels.triton_helpers`.
-
-Modules: :mod:`.triton_common` (this description, the score-tile helpers shared by the kernels, argument
-checks and launch configuration), :mod:`.triton_forward` (the forward kernel and the dropout keep-mask),
-:mod:`.triton_backward` (the backward kernels).
+In fp32: ``s = q k^T * scale``, soft-cap, mask, a normalizer fixed at compile time (``NORM``: :data:`NORM_CODES`),
+dropout, ``out = w v`` ("FlashAttention", Dao et al., 2022; online softmax, Milakov & Gimelshein, 2018); ``stats``
+(B, Hq, L, 2) hold what the backward needs per row. Recurrences, the sparse normalizers' search for tau, the
+backward's formulas: docs/DESIGN.md, "Attention kernels (Triton)".
 """
 
 from __future__ import annotations
@@ -109,9 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_NONE, _MASK_BOOL, _MASK_FLOAT = 0, 1, 2
 
 
-# --------------------------------------------------------------------------------------
-# Triton helpers of the kernels: scores of a tile, normalizer parameters, dropout
-# --------------------------------------------------------------------------------------
+# ---- Triton helpers of the kernels: scores of a tile, normalizer parameters, dropout ----
 
 if triton is not None:
     from ..triton_helpers import dot, tanh
@@ -257,27 +172,10 @@ if triton is not None:
         return ok, tau
 
 
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
+# ---- Launch helpers ----
 
-# Default blocks (BLOCK_M, BLOCK_N) by the padded head dim (max of E, Ev), for 16-bit and fp32
-# inputs, per kernel: BLOCKS_* for the forward (K and V are read once per BLOCK_M query rows),
-# PRE_BLOCKS_* for the backward's row pre-pass (query blocks too; only the sparse normalizers
-# sweep K / V there), BWD_BLOCKS_* for the backward's key-block kernel (Q, dO and the dQ atomics
-# once per BLOCK_N keys). 8 warps, 4 for fp32 with head dims <= 64. Not tuned on a GPU yet;
-# sized by compiling for sm_90a and sm_80 (every normalizer; causal, masked, dropout variants;
-# also as Triton specializes a launch on contiguous tensors, which pipelines more and takes more
-# shared memory) to use <= 96 KiB of shared memory in every kernel, so they also fit sm_86 /
-# sm_89 -- except fp32 with head dims > 128, whose backward needs up to 160 KiB (sm_80 / sm_90
-# only) -- and, for the 16-bit head dims 64 / 128, to spill no registers in ptxas on contiguous
-# inputs (255 per thread at 8 warps). Larger 16-bit tiles spill or overflow: the forward's
-# (128, 64) spills (head dim 128: 112 KiB); the pre-pass at (128, 32), head dim 128, takes up to
-# 104 KiB; the backward spills with BLOCK_M >= 32 at BLOCK_N = 64 (head dim 128) or 128 (head
-# dim 64), and with BLOCK_N = 128 at head dim 128 (112 KiB). The 16-bit backward at head dim 256
-# still spills (up to ~200 bytes; (32, 32) spilled up to 6.5 KB and took 112 KiB on sm_80). fp32
-# spills at every size; its backward at head dim 128 takes 16 keys per program because (16, 32)
-# and (32, 32) take 112 / 128 KiB with tf32x3 products (``torch.set_float32_matmul_precision("high")``).
+# (BLOCK_M, BLOCK_N) by the padded head dim, per kernel and input width: sized to fit 96 KiB of shared memory
+# and, for 16-bit head dims 64 / 128, to spill no registers (docs/PERFORMANCE.md, "Attention kernels: block sizes").
 BLOCKS_16 = {64: (128, 32), 128: (128, 32), 256: (32, 32)}
 BLOCKS_32 = {64: (32, 32), 128: (32, 32), 256: (16, 16)}
 PRE_BLOCKS_16 = {64: (128, 32), 128: (128, 16), 256: (32, 32)}
@@ -299,11 +197,7 @@ def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 
 def tensor4(name: str, t) -> torch.Tensor:
-    """``t``, checked to be a 4-D tensor (``name`` in the messages).
-
-    Raises:
-        TypeError: not a tensor. ValueError: not 4-D.
-    """
+    """``t``, checked to be a 4-D tensor (TypeError, ValueError name ``name``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     if t.dim() != 4:
@@ -312,15 +206,9 @@ def tensor4(name: str, t) -> torch.Tensor:
 
 
 def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
-    """Validate the launchers' common arguments (see :func:`.triton_forward.attention_forward`); return
-    ``(B, Hq, Hkv, L, S, E, Ev, mask, mask_kind, scale, softcap, norm_code)`` (a bool mask viewed as uint8).
-
-    Raises:
-        TypeError: non-tensors, q not fp16 / bf16 / fp32, mixed dtypes, non-bool ``is_causal``, a non-float
-            ``scale`` / ``softcap``, a non-fp32 ``norm_param``, a mask of another dtype.
-        ValueError: shapes or devices that disagree, heads not a multiple, ``softcap <= 0``, an unknown
-            normalizer, ``dropout_p`` outside [0, 1), a ``seed`` outside [0, 2**63).
-    """
+    """Validate the launchers' common arguments (:func:`.triton_forward.attention_forward`); return ``(B, Hq, Hkv,
+    L, S, E, Ev, mask, mask_kind, scale, softcap, norm_code)``, a bool mask viewed as uint8. Raises TypeError for
+    wrong types or dtypes, ValueError for shapes, devices or values out of range."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         tensor4(name, t)
     if q.dtype not in _DTYPES:
@@ -378,14 +266,9 @@ def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_p
 
 def launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev, L, S,
                   block_m, block_n, num_warps, num_stages, n_keys=None, kernel="forward"):
-    """The launch of one call, from :func:`check_args`' results: ``(constexprs, launch options, arguments)``
-    (blocks by the padded head dim unless overridden, from the ``kernel``'s table: "forward"
-    :data:`BLOCKS_16` / :data:`BLOCKS_32`, "pre" :data:`PRE_BLOCKS_16` / ..., "backward"
-    :data:`BWD_BLOCKS_16` / ...; warps, stages; the mask / parameter / key-count tensors or q as a placeholder).
-
-    Raises:
-        ValueError: a bad block size, ``num_warps`` / ``num_stages``, or ``n_keys`` not (B, Hq, L) on q's device.
-    """
+    """``(constexprs, launch options, arguments)`` of one call of the ``kernel`` ("forward", "pre", "backward"), from
+    :func:`check_args`' results; blocks from the kernel's table unless overridden. Raises ValueError for a bad
+    block size, ``num_warps`` / ``num_stages``, or ``n_keys`` not (B, Hq, L) on q's device."""
     be, bev = max(16, next_pow2(E)), max(16, next_pow2(Ev))
     fp32 = q.dtype == torch.float32
     table = _TABLES[kernel][1 if fp32 else 0]

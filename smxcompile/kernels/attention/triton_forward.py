@@ -60,8 +60,7 @@ if triton is not None:
         st0 = tl.zeros([BLOCK_M], tl.float32)
         st1 = tl.zeros([BLOCK_M], tl.float32)
         if NORM <= 2 or NORM == 5:
-            # online (m, d, acc): softmax / ssmax from m = -inf, d = 0; softmax1 from m = 0, d = 1
-            # (the sink); softpick from m = 0, d = 0 (d: sum |e^{z-m} - e^{-m}|).
+            # online (m, d, acc): softmax / ssmax from (-inf, 0); softmax1 (the sink) from (0, 1); softpick (0, 0)
             if NORM == 0 or NORM == 2:
                 m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             else:
@@ -80,7 +79,7 @@ if triton is not None:
                 z = tl.where(vis, s, float("-inf"))
                 tmax = tl.max(z, axis=1)
                 if SKIP:
-                    # BLASST: skip the tile when every row's tile max is ln(lambda) below its running max.
+                    # BLASST: skip the tile when every row's tile max is ln(lambda) below its running max
                     live = row_ok & (tmax > float("-inf")) & ((tmax - m) >= log_skip)
                     go = tl.sum(live.to(tl.int32), axis=0) > 0
                 else:
@@ -160,8 +159,7 @@ if triton is not None:
                 lo = tl.where(below, tl.maximum(lo, t), lo)
                 up = tl.where(below, up, tl.minimum(up, t))
                 if NORM == 8:
-                    # entmax15: the closed form of a superset of the support is an upper bound, of a
-                    # subset a lower one; a Newton step on the convex f from the left a lower one.
+                    # closed forms of a superset / subset of the support bound tau above / below; Newton below
                     up = tl.where(below & ok, tl.minimum(up, tc), up)
                     lo = tl.where(~below & ok, tl.maximum(lo, tc), lo)
                     newton = t + (f2 - 1.0) / tl.maximum(2.0 * f1, 1e-30)
@@ -219,28 +217,22 @@ def attention_forward(q, k, v, attn_mask, is_causal: bool, scale: float, softcap
                       skip_threshold: float | None = None, sparse_iters: int | None = None,
                       block_m: int | None = None, block_n: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None):
-    """Attention ``out = normalizer(transform(q k^T)) v`` in one streaming pass over K/V tiles
-    (several for sparsemax / entmax15); see the module docstring for the semantics.
+    """Attention ``out = normalizer(transform(q k^T)) v`` in one streaming pass over K/V tiles (several for
+    sparsemax / entmax15); semantics in :mod:`.triton_common`.
 
     Args:
-        q: ``(B, Hq, L, E)``; k: ``(B, Hkv, S, E)``; v: ``(B, Hkv, S, Ev)``: fp16 / bf16 / fp32,
-            one dtype, any strides. ``Hq % Hkv == 0``; query head ``h`` reads kv head
-            ``h // (Hq // Hkv)``. CUDA, or CPU under ``TRITON_INTERPRET=1``.
-        attn_mask: None, or ``(B, Hq, L, S)`` bool (True = may attend) or float (added to the
-            scores; -inf = masked), any strides (expanded views are read through their strides).
-        is_causal: key ``j`` visible to query ``i`` iff ``j <= i`` (top-left, like torch SDPA).
-        scale: multiplies ``q k^T``. softcap: ``softcap * tanh(s / softcap)`` if given (> 0).
-        normalizer: one of :data:`NORM_CODES`.
-        norm_param: None or fp32 contiguous ``(B, Hq)``: the normalizer's parameter (ssmax ``p``,
-            sigmoid ``b``, relu / softplus ``c``, softpick ``eps``; ignored by the others).
+        q: ``(B, Hq, L, E)``; k: ``(B, Hkv, S, E)``; v: ``(B, Hkv, S, Ev)``: fp16 / bf16 / fp32, one dtype, any
+            strides, ``Hq % Hkv == 0``. CUDA, or CPU under ``TRITON_INTERPRET=1``.
+        attn_mask: None, or ``(B, Hq, L, S)`` bool (True = may attend) or float (added; -inf = masked), any strides.
+        is_causal: key ``j`` visible to query ``i`` iff ``j <= i``. scale: multiplies ``q k^T``. softcap: or None.
+        normalizer: one of :data:`NORM_CODES`. norm_param: None or fp32 contiguous ``(B, Hq)``.
         dropout_p, seed: dropout on the weights (Philox ``tl.rand(seed, offset)``; off at 0).
-        skip_threshold: BLASST ``lambda`` in (0, 1) (softmax only; None = exact, the default).
+        skip_threshold: BLASST ``lambda`` in (0, 1), softmax only; None: exact.
         sparse_iters: bracketing passes for sparsemax / entmax15 (default :data:`SPARSE_ITERS`).
         block_m, block_n, num_warps, num_stages: launch overrides (blocks: powers of two >= 16).
 
     Returns:
-        ``(out, stats)``: ``out`` ``(B, Hq, L, Ev)`` in q's dtype (contiguous); ``stats`` fp32
-        ``(B, Hq, L, 2)``, the per-row numbers :func:`attention_backward` needs.
+        ``(out, stats)``: ``out`` ``(B, Hq, L, Ev)`` in q's dtype, contiguous; ``stats`` fp32 ``(B, Hq, L, 2)``.
     """
     B, Hq, Hkv, L, S, E, Ev, mask, kind, scale, softcap, code = check_args(
         q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed)

@@ -27,41 +27,36 @@ def quant_softmax(x: torch.Tensor, dim: int = -1, *, scale: float, zero_point: i
                   prob_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``softmax(x / temperature, dim)`` quantized to ``dtype`` in the same pass, without the fp32 probabilities.
 
-    Equals ``torch.ops.quantized_decomposed.quantize_per_tensor(torch.softmax(x.float() * (1 / temperature),
-    dim), scale, zero_point, quant_min, quant_max, dtype)`` bit for bit on CPU (up to one level where the
-    scaled probability lies within a few ulps of a ``k + 0.5`` boundary, on the Triton path), except that
-    NaN probabilities give ``zero_point`` (see the module docstring).
+    Equals ``quantize_per_tensor(torch.softmax(x.float() * (1 / temperature), dim), scale, zero_point,
+    quant_min, quant_max, dtype)`` bit for bit on CPU (on the Triton path, up to one level where the scaled
+    probability lies within a few ulps of a ``k + 0.5`` boundary), except that NaN probabilities give
+    ``zero_point``.
 
     Args:
-        x: scores (logits), any shape (0-d and empty too), fp16/bf16/fp32/fp64, any strides. The math is
-            fp32 (fp64 for fp64 ``x`` without ``prob_dtype``).
+        x: scores (logits), any shape (0-d and empty too), fp16/bf16/fp32/fp64, any strides; fp32 math (fp64
+            for fp64 ``x`` without ``prob_dtype``).
         dim: the normalized dim (negative counts from the end).
-        scale: quantization step, finite, > 0 (and ``1 / scale`` finite in fp32); ``1 / 255`` (uint8) or
-            ``1 / 256`` (int8 with ``zero_point = -128``) cover ``[0, 1]``.
-        zero_point: the code of probability 0, in ``[quant_min, quant_max]``.
-        dtype: ``torch.uint8`` or ``torch.int8``.
-        bits: 2..8: ``quant_min`` / ``quant_max`` (those not given) default to the full ``bits``-bit range,
-            ``[0, 2**bits - 1]`` for uint8, ``[-2**(bits-1), 2**(bits-1) - 1]`` for int8. Without ``bits``
-            they default to ``dtype``'s full range.
+        scale: quantization step, finite, > 0, ``1 / scale`` finite in fp32 (``1 / 255`` for uint8, ``1 / 256``
+            for int8 with ``zero_point = -128``).
+        zero_point: the code of probability 0, in ``[quant_min, quant_max]``. dtype: uint8 or int8.
+        bits: 2..8: ``quant_min`` / ``quant_max`` default to ``[0, 2**bits - 1]`` (uint8) or ``[-2**(bits-1),
+            2**(bits-1) - 1]`` (int8); without it, to ``dtype``'s full range.
         quant_min, quant_max: the clamp range, inside ``dtype``'s range, ``quant_min < quant_max``.
         temperature: the logits are multiplied by ``1 / temperature`` first; finite, > 0.
-        prob_dtype: round the probabilities to this float dtype before quantizing (the dtype a model's
-            softmax ran in before it was quantized, e.g. fp16), or None.
+        prob_dtype: round the probabilities to this float dtype (the dtype the model's softmax ran in) first.
 
     Returns:
-        ``q``: a new contiguous ``dtype`` tensor of ``x.shape``. Dequantize with
-        ``(q.float() - zero_point) * scale``.
+        ``q``: a new contiguous ``dtype`` tensor of ``x.shape``; dequantize with ``(q.float() - zero_point) *
+        scale``.
 
     Raises:
-        ValueError: ``dtype`` not uint8 / int8; ``bits`` outside 2..8; a quant range outside ``dtype`` or
-            ``quant_min >= quant_max``; ``zero_point`` outside ``[quant_min, quant_max]``; ``scale`` or
-            ``temperature`` not finite and > 0; a non-floating ``x`` or ``prob_dtype``; ``dim`` out of range.
-        TypeError: ``x`` not a tensor; ``bits``, ``zero_point``, ``quant_min``, ``quant_max`` or ``dim`` not
-            an int; ``scale`` or ``temperature`` not a real number.
+        ValueError: a bad ``dtype``, ``bits``, quant range, ``zero_point``, ``scale``, ``temperature``, ``dim``,
+            or a non-floating ``x`` or ``prob_dtype``.
+        TypeError: ``x`` not a tensor; non-int ``bits`` / ``zero_point`` / ``quant_min`` / ``quant_max`` /
+            ``dim``; non-real ``scale`` or ``temperature``.
 
-    Source: "Softmax Bias Correction for Quantized Generative Models" (Pandey, Fournarakis, Patel, Nagel,
-    2023) for the quantized softmax; "Online normalizer calculation for softmax" (Milakov & Gimelshein,
-    2018) for the recurrence of the Triton kernel.
+    Source: "Softmax Bias Correction for Quantized Generative Models" (Pandey et al., 2023); the recurrence of
+    "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a Tensor, got {type(x).__name__}")

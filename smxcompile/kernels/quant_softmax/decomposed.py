@@ -1,6 +1,5 @@
 """The quantized softmax in plain torch: :func:`quant_softmax_decomposed` (the op's CPU path and what a graph
-pass emits on CPU), :func:`quant_softmax_reference` (the spelling the op replaces; tests' oracle) and the
-ranges of the integer dtypes. See the package docstring for the formula."""
+pass emits on CPU), :func:`quant_softmax_reference` (tests' oracle) and the integer dtypes' ranges."""
 
 from __future__ import annotations
 
@@ -17,12 +16,11 @@ FP32_MAX = 3.4028234663852886e38
 
 
 def probabilities(x: torch.Tensor, dim: int, logit_scale: float, prob_dtype: torch.dtype | None) -> torch.Tensor:
-    """``y`` of the package docstring: softmax of ``x * logit_scale`` along ``dim`` in fp32 (fp64 for fp64
-    ``x``), rounded through ``prob_dtype`` (None: not rounded), returned as fp32 (fp64). ``x``: any shape,
-    fp16 / bf16 / fp32 / fp64. Not validated."""
+    """Softmax of ``x * logit_scale`` along ``dim`` in fp32 (fp64 for fp64 ``x``), rounded through ``prob_dtype``
+    when given, returned as fp32 (fp64). Not validated."""
     acc = acc_dtype(x)
     if prob_dtype is not None and prob_dtype == x.dtype and x.dtype != acc and logit_scale == 1.0:
-        # ATen's softmax in x's (half) dtype: bit for bit what the model's graph computed.
+        # ATen's softmax in x's half dtype: bit for bit what the model's graph computed
         return torch.softmax(x, dim).to(torch.float32)
     z = x if x.dtype == acc else x.to(acc)
     if logit_scale != 1.0:
@@ -36,22 +34,18 @@ def probabilities(x: torch.Tensor, dim: int, logit_scale: float, prob_dtype: tor
 def quant_softmax_decomposed(x: torch.Tensor, dim: int, logit_scale: float, scale: float, zero_point: int,
                              quant_min: int, quant_max: int, dtype: torch.dtype,
                              prob_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The op's math in torch ops: its CPU path, and what a graph pass emits on CPU (Inductor fuses the
-    softmax and the quantizing epilogue into one kernel).
+    """The op's math in torch ops: its CPU path, and what a graph pass emits on CPU (Inductor fuses it). Not
+    validated (the public :func:`quant_softmax` checks the arguments).
 
     Args:
-        x: scores, any shape (0-d and empty included), fp16/bf16/fp32/fp64, any strides.
-        dim: the normalized dim (negative counts from the end).
+        x: scores, any shape (0-d and empty included), fp16/bf16/fp32/fp64, any strides. dim: the normalized dim.
         logit_scale: multiplies ``x`` (upcast to fp32 / fp64) first; ``1.0`` skips the multiply.
         scale, zero_point, quant_min, quant_max, dtype: as ``quantize_per_tensor``; ``dtype`` uint8 or int8.
-        prob_dtype: round the probabilities to this dtype first (the dtype the model's softmax ran in),
-            or None.
+        prob_dtype: round the probabilities to this dtype first, or None.
 
     Returns:
-        ``q``: ``dtype``, ``x.shape``, the layout torch's elementwise ops give (not necessarily
-        contiguous). See the module docstring for the formula, NaN handling and ties.
-
-    Not validated: the public :func:`quant_softmax` checks the arguments.
+        ``q``: ``dtype``, ``x.shape``, the layout torch's elementwise ops give; NaN probabilities give
+        ``zero_point``.
     """
     y = probabilities(x, dim, logit_scale, prob_dtype)
     t = y * (1.0 / scale)
@@ -63,15 +57,9 @@ def quant_softmax_decomposed(x: torch.Tensor, dim: int, logit_scale: float, scal
 def quant_softmax_reference(x: torch.Tensor, dim: int, logit_scale: float, scale: float, zero_point: int,
                             quant_min: int, quant_max: int, dtype: torch.dtype,
                             prob_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The spelling the op replaces, literally (tests' oracle)::
-
-        quantize_per_tensor(torch.softmax(x, dim), scale, zero_point, quant_min, quant_max, dtype)
-
-    with ``x`` upcast to fp32 and multiplied by ``logit_scale`` (when not 1) first, and the probabilities
-    cast to ``prob_dtype`` (when given; a half ``x`` with ``prob_dtype == x.dtype`` and no ``logit_scale``
-    goes to ``torch.softmax`` as it is). fp64 probabilities (``x`` fp64, no ``prob_dtype``), which
-    ``quantize_per_tensor`` refuses, are quantized with its formula written out in fp64. NaN
-    probabilities give platform-dependent codes here (a NaN cast to an integer).
+    """The spelling the op replaces, literally (tests' oracle): ``quantize_per_tensor(torch.softmax(x, dim), scale,
+    zero_point, quant_min, quant_max, dtype)`` with ``x`` upcast and scaled first and the probabilities cast to
+    ``prob_dtype``; fp64 probabilities use its formula written out in fp64. NaN gives platform-dependent codes.
     """
     qpt = torch.ops.quantized_decomposed.quantize_per_tensor
     if prob_dtype is not None and prob_dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16) \

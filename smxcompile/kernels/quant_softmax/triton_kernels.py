@@ -1,49 +1,10 @@
-"""Triton kernel for softmax quantized in its epilogue (``smx::quant_softmax``), forward only.
+"""Triton kernel for softmax quantized in its epilogue (``smx::quant_softmax``), forward only, in fp32.
 
-Per row of ``C = x.shape[dim]`` elements, in fp32::
-
-    z = x.float() * logit_scale                     # the multiply only when logit_scale != 1
-    y = exp(z - max(z)) / sum(exp(z - max(z)))
-    y = y.to(prob_dtype).float()                    # when prob_dtype is fp16 / bf16 (rounded to nearest even)
-    t = y * inv_scale                               # inv_scale = fp32(1.0 / scale)
-    q = clamp(round_half_even(t) + zero_point, quant_min, quant_max)
-    q = zero_point where t is NaN                   # rows with NaN / +inf, or all -inf
-    out = q.to(uint8 / int8)
-
-This is ``quantize_per_tensor(torch.softmax(x, dim), scale, zero_point, quant_min, quant_max, dtype)``
-(torch/ao/quantization/fx/_decomposed.py) with the probabilities never stored: only the one-byte codes
-are written. Codes may differ from ATen's by one level where ``t`` lies within a few ulps of a
-``k + 0.5`` boundary (the ``exp`` and the summation order differ in the last bits); see
-:mod:`smxcompile.kernels.quant_softmax`.
-
-Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018). A row that fits
-one block (``next_pow2(C) <= MAX_FUSED_BLOCK``) is loaded once, reduced in registers and quantized
-(one load of ``x`` and one byte stored per element); several short rows share a program (about
-``ROWS_TILE_ELEMS`` elements per program: :func:`smxcompile.kernels.triton_helpers.row_plan`). A longer row
-keeps the online pair ``(m, d)`` over column tiles -- ``m' = max(m, max(tile))``,
-``d' = d * exp(m - m') + sum(exp(tile - m'))`` -- then a second sweep recomputes ``exp(z - m) / d`` tile by
-tile and writes ``q`` in the epilogue: two loads and one byte stored per element, no limit on the row
-length. Quantization after the softmax:
-"Softmax Bias Correction for Quantized Generative Models" (Pandey, Fournarakis, Patel, Nagel, 2023).
-
-Rounding: ``round_half_even(t)`` is ``f = floor(t)``, ``h = t - f`` (exact), ``f + 1`` when ``h > 0.5``
-or ``h == 0.5`` and ``f`` is odd: exact for every fp32 ``t`` (``inf`` stays ``inf``), and the same code in
-Triton's interpreter (which has no libdevice, so no ``rint``) and on a GPU. The kernel is compiled with
-``enable_fp_fusion=False``: no product is contracted into an fma, so ``z = x * logit_scale`` and
-``t = y * inv_scale`` are rounded as ATen rounds them (an fma in ``t - f`` would see the unrounded
-product and break ties differently). The bf16 rounding of ``prob_dtype=bfloat16`` is done on the bits
-(``(b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000``, nearest even), because the interpreter's fp32 -> bf16
-cast truncates.
-
-Layout: no copy of ``x``. ``x`` is viewed as ``R`` rows x ``C`` columns (``R`` the product of the other
-dims); row ``r`` starts at ``r * s0``, ``(r // n1) * s0 + (r % n1) * s1`` or, for layouts that do not
-collapse to two axes, an int64 table of row offsets, and column ``c`` at ``+ c * stride(dim)``
-(:func:`smxcompile.kernels.triton_helpers.row_layout`): any dim, permuted, sliced and expanded inputs.
-The output is a new contiguous tensor of ``x.shape`` addressed the same way. All offsets are int64
-(rows times strides may pass ``2**31``).
-
-On a machine without a GPU the kernel runs through Triton's interpreter when ``TRITON_INTERPRET=1``
-was set before triton was imported; it then accepts CPU tensors (slowly: numpy).
+A row that fits one block is loaded once; a longer one takes the online (max, sum) recurrence ("Online
+normalizer calculation for softmax", Milakov & Gimelshein, 2018) and a second sweep that writes the one-byte
+codes. Rounding is half to even, exact in the interpreter too; no fma contraction (``enable_fp_fusion=False``),
+so products round as ATen's. Any dim and strides, without a copy. Design: docs/DESIGN.md, "Quantized softmax
+kernel (Triton)".
 """
 
 from __future__ import annotations
@@ -66,9 +27,7 @@ _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PROB_CODES = {None: 0, torch.float32: 0, torch.float64: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-# --------------------------------------------------------------------------------------
-# Triton kernel
-# --------------------------------------------------------------------------------------
+# ---- Triton kernel ----
 
 if triton is not None:
     from ..triton_helpers import row_offset, safe_max
@@ -83,15 +42,15 @@ if triton is not None:
 
     @triton.jit
     def _round_bf16(y):
-        """fp32 ``y`` rounded to the nearest bf16 (ties to even), as fp32. Bit arithmetic: the
-        interpreter's fp32 -> bf16 cast truncates. NaN stays NaN, +-inf stay."""
+        """fp32 ``y`` rounded to the nearest bf16 (ties to even) by bit arithmetic, as the interpreter's cast
+        truncates; NaN and +-inf stay."""
         b = y.to(tl.uint32, bitcast=True)
         b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
         return tl.where(y != y, y, b.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _quantize(y, inv_scale, zero_point, quant_min, quant_max, PROB: tl.constexpr):
-        """Codes (fp32, integral) of the fp32 probabilities ``y``: see the module docstring."""
+        """Codes (fp32, integral) of the fp32 probabilities ``y``: rounded through ``PROB``, half to even."""
         if PROB == 1:
             y = y.to(tl.float16).to(tl.float32)
         elif PROB == 2:
@@ -124,7 +83,6 @@ if triton is not None:
         x_off = row_offset(rows, row_ok, x_rows, x_s0, x_n1, x_s1, X_MODE)
         q_off = row_offset(rows, row_ok, q_rows, q_s0, q_n1, q_s1, Q_MODE)
         if SINGLE:
-            # The whole row is in registers: one load, one (byte) store per element.
             cols = tl.arange(0, BLOCK).to(tl.int64)
             ok = row_ok[:, None] & (cols < C)[None, :]
             z = _load_z(x_ptr, x_off, x_cs, cols, ok, logit_scale, HAS_SCALE)
@@ -135,7 +93,7 @@ if triton is not None:
             y = tl.where(finite[:, None], e / d[:, None], float("nan"))
             _store_q(q_ptr, q_off, q_cs, cols, ok, y, inv_scale, zero_point, quant_min, quant_max, PROB)
         else:
-            # Sweep 1: online (max, sum) recurrence over tiles (Milakov & Gimelshein, 2018).
+            # sweep 1: the online (max, sum) recurrence
             m = tl.full([ROWS], float("-inf"), tl.float32)
             d = tl.zeros([ROWS], tl.float32)
             for start in range(0, C, BLOCK):
@@ -144,14 +102,13 @@ if triton is not None:
                 z = _load_z(x_ptr, x_off, x_cs, cols, ok, logit_scale, HAS_SCALE)
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 ms_new = safe_max(m_new)
-                # min(., 0) guards -inf - (-inf) (an all -inf prefix, d == 0) and a finite prefix
-                # before a +inf (the row is NaN either way).
+                # min(., 0) guards -inf - (-inf) (an all -inf prefix) and a finite prefix before a +inf
                 alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
                 d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
                 m = m_new
             ms = safe_max(m)
             finite = tl.abs(m) < float("inf")
-            # Sweep 2: probabilities, quantized in the epilogue.
+            # sweep 2: probabilities, quantized in the epilogue
             for start in range(0, C, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
@@ -160,9 +117,7 @@ if triton is not None:
                 _store_q(q_ptr, q_off, q_cs, cols, ok, y, inv_scale, zero_point, quant_min, quant_max, PROB)
 
 
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
+# ---- Launch helpers ----
 
 
 def _fp32(v: float) -> float:
@@ -203,9 +158,7 @@ def _check_args(x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dt
     return dim % nd, logit_scale, scale, quant_min, quant_max
 
 
-# --------------------------------------------------------------------------------------
-# Public launcher
-# --------------------------------------------------------------------------------------
+# ---- Public launcher ----
 
 
 def quant_softmax_forward(
@@ -221,40 +174,28 @@ def quant_softmax_forward(
     prob_dtype: torch.dtype | None = None,
     block_size: int | None = None,
 ) -> torch.Tensor:
-    """``quantize_per_tensor(softmax(x * logit_scale, dim))`` in one kernel, with Triton (fp32 math).
-
-    Method: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018): one pass for rows
-    that fit a block, else the online ``(max, sum)`` sweep and a second sweep that writes the codes;
-    the quantization (softmax output to uint8 / int8, "Softmax Bias Correction for Quantized Generative
-    Models", Pandey et al., 2023) is the epilogue, so no probability tensor is stored. See the module
-    docstring for the exact formula, NaN handling (``zero_point``) and rounding (half to even).
+    """``quantize_per_tensor(softmax(x * logit_scale, dim))`` in one kernel, with Triton (fp32 math; the online
+    softmax of Milakov & Gimelshein, 2018, with the quantization of Pandey et al., 2023, as its epilogue).
 
     Args:
-        x: scores, any shape (0-d and empty too), fp16 / bf16 / fp32, any strides (permuted, sliced,
-            expanded; never copied). CUDA, or CPU under ``TRITON_INTERPRET=1``.
+        x: scores, any shape (0-d and empty too), fp16 / bf16 / fp32, any strides (never copied). CUDA, or CPU
+            under ``TRITON_INTERPRET=1``.
         dim: the normalized dim (negative counts from the end).
         scale: quantization step: finite, > 0, ``1 / scale`` finite in fp32. ``t = y * fp32(1 / scale)``.
         zero_point: code of probability 0 (and of NaN probabilities), in ``[quant_min, quant_max]``.
         quant_min, quant_max: clamp range inside ``dtype``'s (default: all of it), ``quant_min < quant_max``.
         dtype: ``torch.uint8`` or ``torch.int8``.
         logit_scale: multiplies ``x.float()`` first (rounded to fp32); finite, > 0.
-        prob_dtype: round the fp32 probabilities to fp16 / bf16 (nearest even) before quantizing; None,
-            fp32 or fp64 keep them as they are.
-        block_size: a power of two: rows longer than it take the two-sweep path with tiles of this many
-            columns (tests use small values); default ``MAX_FUSED_BLOCK`` / ``LOOP_BLOCK``.
+        prob_dtype: round the probabilities to fp16 / bf16 (nearest even) first; None, fp32, fp64: as they are.
+        block_size: a power of two: rows longer than it take the two-sweep path with tiles of this many columns.
 
     Returns:
-        ``q``: a new contiguous ``dtype`` tensor of ``x.shape``. Empty inputs give empty outputs without
-        a launch.
+        ``q``: a new contiguous ``dtype`` tensor of ``x.shape``; empty inputs give empty outputs, no launch.
 
     Raises:
-        RuntimeError: triton is missing, or ``x`` is not on CUDA and ``TRITON_INTERPRET=1`` was not set
-            before triton was imported.
-        TypeError: ``x`` not an fp16 / bf16 / fp32 tensor; ``dtype`` not uint8 / int8; a non-float
-            ``prob_dtype``; non-int ``dim`` / ``zero_point`` / ``quant_min`` / ``quant_max``.
-        IndexError: ``dim`` out of range.
-        ValueError: a bad quant range or ``zero_point``; ``scale`` / ``logit_scale`` out of range; a bad
-            ``block_size``.
+        RuntimeError: triton missing, or ``x`` neither on CUDA nor under ``TRITON_INTERPRET=1``.
+        TypeError: wrong dtypes, non-int ``dim`` / ``zero_point`` / ``quant_min`` / ``quant_max``.
+        IndexError: ``dim`` out of range. ValueError: other arguments out of range.
     """
     d, logit_scale, scale, quant_min, quant_max = _check_args(
         x, dim, logit_scale, scale, zero_point, quant_min, quant_max, dtype, prob_dtype)

@@ -76,23 +76,19 @@ def softmax(
         scale: multiplies ``x`` first (e.g. ``1/temperature`` or ``1/sqrt(d)``).
         softcap: logit soft-capping ``c * tanh(z / c)`` (Gemma 2), or None.
         mask: additive mask broadcastable to ``x`` (``-inf`` where masked), or None.
-        dtype: output dtype (default ``x.dtype``); the math is fp32 for half inputs.
-            Unlike ``torch.softmax(dtype=...)`` the input is not rounded to ``dtype`` first.
+        dtype: output dtype (default ``x.dtype``); fp32 math for half inputs, ``x`` not rounded to ``dtype``.
         return_lse: also return ``logsumexp(z, dim)`` (fp32, ``dim`` removed).
 
     Returns:
-        ``y`` (contiguous, ``x.shape``), or ``(y, lse)`` when ``return_lse``.
-        A row whose entries are all ``-inf`` gives NaN, as in torch.
+        ``y`` (contiguous, ``x.shape``), or ``(y, lse)`` when ``return_lse``. An all ``-inf`` row gives NaN.
 
     Raises:
-        TypeError: non-float ``x`` without ``dtype``, a non-float ``dtype``, a non-int ``dim``,
-            a non-number ``scale``/``softcap``, a mask that is not a float tensor.
+        TypeError: non-float ``x`` without ``dtype``, a non-float ``dtype``, a non-int ``dim``, a non-number
+            ``scale``/``softcap``, a mask that is not a float tensor.
         IndexError: ``dim`` out of range.
         ValueError: a mask that does not broadcast to ``x``, ``softcap <= 0``.
 
-    Source: online softmax, Milakov & Gimelshein, "Online normalizer calculation
-    for softmax" (2018), on CUDA; ATen's kernels on CPU (called eagerly there, the ATen composition runs
-    without the custom op, so it costs what ``torch.softmax`` costs).
+    Source: online softmax (Milakov & Gimelshein, 2018) on CUDA; ATen's kernels on CPU.
     """
     return _call(softmax_op, x, dim, scale, softcap, mask, dtype, return_lse)
 
@@ -107,9 +103,6 @@ def log_softmax(
     dtype: torch.dtype | None = None,
     return_lse: bool = False,
 ):
-    """Log-softmax of ``softcap*tanh(x*scale/softcap) + mask`` along ``dim``; see :func:`softmax`.
-
-    Returns ``z - logsumexp(z, dim)`` with the same shapes, dtypes, errors and
-    source as :func:`softmax`.
-    """
+    """Log-softmax ``z - logsumexp(z, dim)`` of ``softcap*tanh(x*scale/softcap) + mask``: arguments, shapes,
+    errors and source as :func:`softmax`."""
     return _call(log_softmax_op, x, dim, scale, softcap, mask, dtype, return_lse)

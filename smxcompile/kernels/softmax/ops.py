@@ -1,19 +1,7 @@
-"""``smx::softmax`` and ``smx::log_softmax``: softmax with its elementwise neighbours fused.
-
-The op computes, in fp32 (fp64 when ``x`` or ``dtype`` is fp64),
-
-    z = x * scale;  z = softcap * tanh(z / softcap)   (if softcap);  z = z + mask   (if mask)
-    y = softmax(z, dim)   or   log_softmax(z, dim)
-
-and writes ``y`` in ``dtype`` (default ``x.dtype``), plus optionally the row's
-log-sum-exp ``lse = logsumexp(z, dim)`` (fp32) as a free side output.
-
-CUDA path: Triton kernels with the online (max, sum) recurrence — "Online
-normalizer calculation for softmax" (Milakov & Gimelshein, 2018) — see
-:mod:`smxcompile.kernels.softmax.triton_kernels`. CPU path: ATen's vectorized softmax
-kernels (measured faster than Inductor's generated C++ for a plain softmax; see
-docs/PERFORMANCE.md).
-"""
+"""``smx::softmax`` and ``smx::log_softmax``: ``z = softcap * tanh(x * scale / softcap) + mask``, then
+``softmax(z, dim)`` or ``log_softmax(z, dim)`` in ``dtype`` and optionally ``lse = logsumexp(z, dim)`` (fp32),
+with fp32 math (fp64 for fp64). CUDA: the Triton kernels (online softmax, Milakov & Gimelshein, 2018); CPU:
+ATen's softmax kernels, measured faster than Inductor's code (docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
@@ -31,17 +19,9 @@ def _lse_shape(x: torch.Tensor, dim: int) -> list:
 
 
 def prologue(x: torch.Tensor, scale: float, softcap: float | None, mask: torch.Tensor | None) -> torch.Tensor:
-    """The fused prologue ``z = softcap * tanh(x * scale / softcap) + mask`` in plain torch (the CPU path and
-    the reference form of :mod:`smxcompile.kernels.decompositions`).
-
-    Args:
-        x: scores, any shape, fp16 / bf16 / fp32 / fp64. scale: a number. softcap: > 0, or None (no capping).
-        mask: additive, broadcastable to ``x``, or None.
-
-    Returns:
-        ``z``: fp32 for half inputs (fp64 for fp64), ``x`` itself when there is nothing to apply to an
-        fp32 / fp64 ``x``.
-    """
+    """The fused prologue ``z = softcap * tanh(x * scale / softcap) + mask`` in plain torch (softcap None: no
+    capping; mask additive, broadcastable to ``x``): fp32 for half ``x`` (fp64 for fp64), ``x`` itself when
+    there is nothing to apply."""
     z = x if x.dtype in (torch.float32, torch.float64) else x.float()
     if scale != 1.0:
         z = z * scale
@@ -66,12 +46,8 @@ def _forward_impl(x, dim, scale, softcap, mask, dtype, return_lse, log):
 
 def softmax_torch(x: torch.Tensor, dim: int, scale: float, softcap: float | None, mask: torch.Tensor | None,
                   dtype: torch.dtype | None, return_lse: bool, log: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's torch path: ATen's softmax / log-softmax after :func:`prologue`, differentiable by torch's autograd
-    (what :func:`smxcompile.softmax` runs when called eagerly on CPU, and the op's CPU kernel).
-
-    Args and returns: those of ``smx::softmax`` (``log`` selects log-softmax); ``lse`` is empty unless
-    ``return_lse``.
-    """
+    """The op's torch path (its CPU kernel, and :func:`smxcompile.softmax` called eagerly on CPU): ATen's softmax /
+    log-softmax after :func:`prologue`, under torch's autograd. Args and returns those of ``smx::softmax``."""
     out_dtype = dtype or x.dtype
     plain = scale == 1.0 and softcap is None and mask is None
     z = x if plain else prologue(x, scale, softcap, mask)

@@ -1,44 +1,11 @@
-"""Triton kernels for softmax / log-softmax with a fused prologue, forward and backward.
+"""Triton kernels for softmax / log-softmax with a fused prologue (scale, soft-cap, additive mask), forward and
+backward, in fp32 with int64 offsets.
 
-Forward computes, per row of ``C = x.shape[dim]`` elements, in fp32::
-
-    z = x.float() * scale
-    z = softcap * tanh(z / softcap)          # if softcap is not None
-    z = z + mask.float()                     # if mask is not None (broadcast to x)
-    y = softmax(z, dim)   or   log_softmax(z, dim)
-    lse = logsumexp(z, dim)                  # optional side output
-
-Backward computes the gradient w.r.t. ``z`` from ``y`` (and an optional ``grad_lse``).
-
-Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018).
-When a row fits in one block it is loaded once and reduced in registers (one load
-and one store per element): up to ``MAX_FUSED_BLOCK`` (16384) columns, and in the forward
-up to ``MAX_FUSED_BLOCK_16`` (32768, one program of 32 warps) for an aligned 16-bit ``x`` (evenly strided
-rows, unit column stride, 16-aligned: :func:`_aligned`) without a mask. Longer rows keep a running ``(m, d)``
-pair per row, updated block by block with ``m' = max(m, max(block))``,
-``d' = d * exp(m - m') + sum(exp(block - m'))``, then a second pass writes
-``exp(z - m) / d`` (or ``(z - m) - log d``): two loads and one store per element, and no
-limit on the row length. The forward keeps a longer row's last ``TAIL_BLOCK_WIDE``, ``TAIL_BLOCK`` or
-``TAIL_BLOCK_ANY`` columns (by layout) in registers from its first load to the final store, so only the rest
-is read twice, and read again soon enough to come from L2 (docs/PERFORMANCE.md, "GPU model"); the backward
-keeps the last columns of g and y that fit ``BWD_TAIL_BYTES`` the same way.
-
-Layout: the problem is viewed as ``R`` rows x ``C`` columns without copying the
-input. Each tensor (x, mask, output, and the backward's inputs) gets a row
-"layout": the element offset of row ``r`` is ``r * s0`` (the non-``dim`` axes
-collapse into one), ``(r // n1) * s0 + (r % n1) * s1`` (they collapse into two),
-or, in general, an int64 table ``row_offsets[R]`` computed with torch from the
-strides (:func:`smxcompile.kernels.triton_helpers.row_layout`). Column ``c`` of a row is at
-``row_offset + c * stride(dim)``. Strides may be 0 (expanded tensors) or permuted. All index math is int64.
-
-Special values follow torch (checked against ATen on CPU): a row that contains
-NaN or ``+inf``, or whose entries are all ``-inf``, comes out all NaN;
-``lse`` is ``+inf`` for a row with ``+inf`` (and no NaN), ``-inf`` for an all
-``-inf`` row and NaN for a row with NaN, like ``torch.logsumexp``.
-
-On a machine without a GPU the kernels run through Triton's interpreter when
-``TRITON_INTERPRET=1`` was set before triton was imported; they then accept CPU
-tensors (slowly: numpy).
+A row that fits one block is loaded once and reduced in registers; a longer one takes the online (max, sum)
+recurrence of "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018) and a second, writing
+pass, keeping its last columns in registers in between. Any dim and any strides, without a copy (the row
+layouts of :mod:`smxcompile.kernels.triton_helpers`). Special values follow torch. Design and measurements:
+docs/DESIGN.md, "Softmax kernels (Triton)"; docs/PERFORMANCE.md, "Softmax kernels: register budgets".
 """
 
 from __future__ import annotations
@@ -51,38 +18,25 @@ from ..triton_helpers import (MODE_STRIDE, check_runtime, on_device, row_layout,
 
 __all__ = ["softmax_forward", "softmax_backward"]
 
-#: Largest row (in elements, a power of two) reduced in registers in one pass.
-#: Longer rows take the two-pass online path with blocks of ``LOOP_BLOCK``.
+#: Largest row (elements, a power of two) reduced in registers in one pass; longer rows loop over LOOP_BLOCK.
 MAX_FUSED_BLOCK = 16384
-#: The forward's one-pass limit for an aligned 16-bit ``x`` without a mask (:func:`_aligned`: rows in the strided
-#: layout with unit column stride; C, the row stride and the pointer multiples of 16): 32 warps hold the row's
-#: fp32 values (32 registers each), which ptxas fits in 64 registers per thread without spilling (sm_90a and
-#: sm_80). Not for fp32, a mask, other layouts or alignments, or the backward (g and y): those spilled 12-132
-#: bytes per thread at 32768 columns.
+#: The forward's one-pass limit for an aligned 16-bit ``x`` without a mask (:func:`_aligned`), at 32 warps.
 MAX_FUSED_BLOCK_16 = 32768
 #: Block (columns per step) of the multi-block path.
 LOOP_BLOCK = 4096
-#: The forward's multi-block path keeps a row's last columns in registers (16 warps) and sweeps only the rest
-#: twice: ``TAIL_BLOCK_WIDE`` (from that many columns, else ``TAIL_BLOCK``) for an aligned ``x`` (see
-#: :func:`_aligned`) without a mask or a soft-cap, ``TAIL_BLOCK_ANY`` otherwise. ptxas (sm_90a, sm_80) fits each
-#: in 128 registers per thread, with at most 32 bytes of spill, where it is used; 16384 columns spilled 4-192
-#: bytes with a soft-cap, a mask, an odd C or a column stride, 32768 16-56 bytes with a soft-cap or (fp32) a mask.
+#: Columns of a row the forward's multi-block path keeps in registers (at TAIL_WARPS): ``TAIL_BLOCK_WIDE`` (from
+#: that many columns, else ``TAIL_BLOCK``) for an aligned ``x`` without a mask or soft-cap, else ``TAIL_BLOCK_ANY``.
 TAIL_BLOCK = 16384
 TAIL_BLOCK_WIDE = 32768
 TAIL_BLOCK_ANY = 8192
 #: Warps of a forward program with a tail.
 TAIL_WARPS = 16
-#: Bytes of g and y per row that the backward's multi-block path keeps in registers (as loaded, TAIL_WARPS): the
-#: tail is the largest power of two of columns within it, 16384 for 16-bit g and y, 8192 for fp32, and at most
-#: ``TAIL_BLOCK_ANY`` unless g, y and dz are aligned (:func:`_aligned`). ptxas (sm_90a, sm_80) fits those in 128
-#: registers per thread (at most 32 bytes of spill); fp32 at 16384 spilled 20-32 bytes, unaligned 16-bit at 16384
-#: 132-192.
+#: Bytes of g and y per row the backward's multi-block path keeps in registers (at most TAIL_BLOCK_ANY columns
+#: unless g, y and dz are aligned).
 BWD_TAIL_BYTES = 65536
 
 
-# --------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------
+# ---- Triton kernels ----
 
 if triton is not None:
     from ..triton_helpers import row_offset, safe_max, tanh
@@ -121,7 +75,6 @@ if triton is not None:
             mask_off = x_off
         y_ty = y_ptr.dtype.element_ty
         if SINGLE:
-            # The whole row is in registers: one load, one store per element.
             cols = tl.arange(0, BLOCK).to(tl.int64)
             ok = row_ok[:, None] & (cols < C)[None, :]
             z = _load_z(x_ptr, x_off, x_cs, mask_ptr, mask_off, mask_cs, cols, ok, scale, softcap,
@@ -140,14 +93,12 @@ if triton is not None:
             y = tl.where(finite[:, None], y, float("nan"))
             tl.store(y_ptr + (y_off[:, None] + cols[None, :] * y_cs), y.to(y_ty), mask=ok)
         else:
-            # Pass 1: online (max, sum) recurrence over blocks (Milakov & Gimelshein, 2018).
+            # pass 1: the online (max, sum) recurrence
             m = tl.full([ROWS], float("-inf"), tl.float32)
             d = tl.zeros([ROWS], tl.float32)
             head = C
             if TAIL > 0:
-                # The row's last columns (from a BLOCK boundary) stay in registers: loaded once, written
-                # at the end. Only the head [0, head) is read twice, and the shorter re-read distance keeps
-                # it in L2 (docs/PERFORMANCE.md, "GPU model").
+                # the row's last columns stay in registers: only the head [0, head) is read twice
                 head = tl.multiple_of((C - TAIL + BLOCK - 1) // BLOCK * BLOCK, BLOCK)
                 t_cols = head + tl.arange(0, TAIL).to(tl.int64)
                 t_ok = row_ok[:, None] & (t_cols < C)[None, :]
@@ -162,8 +113,7 @@ if triton is not None:
                             HAS_MASK, HAS_SOFTCAP)
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 ms_new = safe_max(m_new)
-                # Rescale the old sum. min(., 0) guards -inf - (-inf) (an all -inf prefix, d == 0)
-                # and a finite prefix before a +inf (d becomes +inf either way).
+                # min(., 0) guards -inf - (-inf) (an all -inf prefix) and a finite prefix before a +inf
                 alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
                 d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
                 m = m_new
@@ -171,7 +121,7 @@ if triton is not None:
             log_d = tl.log(d)
             lse = ms + log_d
             finite = tl.abs(m) < float("inf")
-            # Pass 2: normalize and write.
+            # pass 2: normalize and write
             for start in range(0, head, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 ok = row_ok[:, None] & (cols < C)[None, :]
@@ -232,8 +182,7 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK], tl.float32)
             head = C
             if TAIL > 0:
-                # As in the forward: the row's last columns (from a BLOCK boundary) stay in registers, as
-                # loaded, from the first load to the final store, and only the head [0, head) is read twice.
+                # as in the forward: the row's last columns stay in registers
                 head = tl.multiple_of((C - TAIL + BLOCK - 1) // BLOCK * BLOCK, BLOCK)
                 t_cols = head + tl.arange(0, TAIL).to(tl.int64)
                 t_ok = row_ok[:, None] & (t_cols < C)[None, :]
@@ -276,9 +225,7 @@ if triton is not None:
                 tl.store(dz_ptr + (dz_off[:, None] + t_cols[None, :] * dz_cs), dz.to(dz_ty), mask=t_ok)
 
 
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
+# ---- Launch helpers ----
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -302,9 +249,7 @@ def _lse_shape(shape: torch.Size, dim: int) -> list[int]:
     return [s for i, s in enumerate(shape) if i != dim]
 
 
-# --------------------------------------------------------------------------------------
-# Public launchers
-# --------------------------------------------------------------------------------------
+# ---- Public launchers ----
 
 
 def softmax_forward(
@@ -319,44 +264,55 @@ def softmax_forward(
     return_lse: bool = False,
     block_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax (or log-softmax) of the fused prologue along ``dim``, with Triton.
-
-    ``z = x.float() * scale``; if ``softcap``: ``z = softcap * tanh(z / softcap)``; if ``mask``
-    is given: ``z = z + mask.float()``; then ``y = softmax(z, dim)`` (``log_softmax`` if
-    ``log``), all in fp32. Method: "Online normalizer calculation for softmax"
-    (Milakov & Gimelshein, 2018): one pass over rows that fit a block, two passes with the
-    online (max, sum) recurrence for longer rows (no limit on the row length).
+    """Softmax (or log-softmax) of ``z = softcap * tanh(x * scale / softcap) + mask`` along ``dim``, in fp32, with
+    Triton ("Online normalizer calculation for softmax", Milakov & Gimelshein, 2018).
 
     Args:
-        x: scores, any shape, fp16 / bf16 / fp32 (fp64 is accepted but computed in fp32),
-            any strides (permuted, sliced, expanded): never copied. CUDA, or CPU under
-            ``TRITON_INTERPRET=1``.
+        x: scores, any shape, fp16 / bf16 / fp32 (fp64 computed in fp32), any strides: never copied. CUDA, or
+            CPU under ``TRITON_INTERPRET=1``.
         dim: reduced dimension, negative counts from the end.
-        scale: multiplies ``x`` first.
-        softcap: ``> 0`` to soft-cap ``z`` as ``softcap * tanh(z / softcap)``, or None.
-        mask: additive mask broadcastable to ``x`` (any float dtype, any strides, 0-strides
-            included), e.g. ``-inf`` where masked; same device as ``x``.
-        log: compute log-softmax ``z - logsumexp(z)`` instead.
-        out_dtype: dtype of ``y`` (default ``x.dtype``).
+        scale: multiplies ``x`` first. softcap: ``> 0``, or None.
+        mask: additive mask broadcastable to ``x`` (any float dtype and strides), on ``x``'s device.
+        log: log-softmax instead. out_dtype: dtype of ``y`` (default ``x.dtype``).
         return_lse: also write ``lse = logsumexp(z, dim)``.
-        block_size: override the block (a power of two): rows longer than it take the
-            multi-block path with blocks of this size (tests use small values).
+        block_size: a power of two: rows longer than it take the multi-block path with blocks of this size.
 
     Returns:
-        ``(y, lse)``: ``y`` a new contiguous tensor of ``x.shape`` in ``out_dtype``;
-        ``lse`` fp32 of ``x.shape`` without ``dim`` (contiguous) when ``return_lse``, else
-        ``x.new_empty(0, dtype=torch.float32)``. Special values follow torch: a row with NaN
-        or ``+inf``, or all ``-inf``, is all NaN; ``lse`` matches ``torch.logsumexp``.
-        Empty inputs give empty outputs (``lse = -inf`` for rows of length 0) without a launch.
+        ``(y, lse)``: ``y`` contiguous of ``x.shape``; ``lse`` fp32 of ``x.shape`` without ``dim`` when
+        ``return_lse``, else empty. A row with NaN or ``+inf``, or all ``-inf``, is all NaN; ``lse`` matches
+        ``torch.logsumexp``. Empty inputs give empty outputs (``lse = -inf``) without a launch.
 
     Raises:
-        RuntimeError: triton is missing, or ``x`` is not on CUDA and ``TRITON_INTERPRET=1``
-            was not set before triton was imported.
-        TypeError: non-floating ``x`` / ``out_dtype``, a bool or non-tensor mask.
-        IndexError: ``dim`` out of range.
-        ValueError: ``mask`` does not broadcast to ``x.shape`` or lies on another device;
-            ``softcap <= 0``; a bad ``block_size``.
+        RuntimeError: triton missing, or ``x`` neither on CUDA nor under ``TRITON_INTERPRET=1``.
+        TypeError: non-floating ``x`` / ``out_dtype``, a bool or non-tensor mask. IndexError: ``dim``.
+        ValueError: a mask not broadcasting to ``x`` or on another device; ``softcap <= 0``; a bad ``block_size``.
     """
+    d, mask, out_dtype = _check_forward_args(x, dim, softcap, mask, out_dtype)
+    check_runtime(x, "softmax")
+    shape = x.shape
+    if x.dim() == 0:  # softmax of a scalar: one row of one element
+        x = x.reshape(1)
+        mask = None if mask is None else mask.reshape(1)
+    C = x.shape[d]
+    R = x.numel() // C if C else 0
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if return_lse:
+        lse = torch.empty(_lse_shape(x.shape, d), dtype=torch.float32, device=x.device)
+    else:
+        lse = x.new_empty(0, dtype=torch.float32)
+    if x.numel() == 0:
+        if return_lse:
+            lse.fill_(float("-inf"))  # logsumexp over an empty dim
+        return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
+    _launch_forward(x, d, y, lse, R=R, C=C, scale=scale, softcap=softcap, mask=mask, log=log, return_lse=return_lse,
+                    block_size=block_size)
+    if return_lse:
+        lse = lse.reshape(_lse_shape(shape, d))
+    return y.reshape(shape), lse
+
+
+def _check_forward_args(x, dim, softcap, mask, out_dtype):
+    """Validate :func:`softmax_forward`'s arguments; return ``(dim >= 0, mask expanded to x, out_dtype)``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -378,25 +334,11 @@ def softmax_forward(
             mask = mask.expand(x.shape)
         except RuntimeError as e:
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x {tuple(x.shape)}") from e
-    check_runtime(x, "softmax")
+    return d, mask, out_dtype
 
-    shape = x.shape
-    if x.dim() == 0:  # softmax of a scalar: one row of one element
-        x = x.reshape(1)
-        mask = None if mask is None else mask.reshape(1)
-    C = x.shape[d]
-    R = x.numel() // C if C else 0
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    lse = (
-        torch.empty(_lse_shape(x.shape, d), dtype=torch.float32, device=x.device)
-        if return_lse
-        else x.new_empty(0, dtype=torch.float32)
-    )
-    if x.numel() == 0:
-        if return_lse:
-            lse.fill_(float("-inf"))  # logsumexp over an empty dim
-        return y.reshape(shape), lse.reshape(_lse_shape(shape, d)) if return_lse else lse
 
+def _launch_forward(x, d, y, lse, *, R, C, scale, softcap, mask, log, return_lse, block_size):
+    """Plan (one pass, or blocks with a tail in registers) and launch the forward kernel on a non-empty ``x``."""
     xl = row_layout(x, d)
     aligned = mask is None and _aligned(C, (x, xl))
     wide = aligned and x.dtype in HALF_DTYPES
@@ -424,9 +366,6 @@ def softmax_forward(
             WRITE_LSE=bool(return_lse), ROWS=rows_n, BLOCK=block, SINGLE=single, TAIL=tail,
             num_warps=num_warps,
         )
-    if return_lse:
-        lse = lse.reshape(_lse_shape(shape, d))
-    return y.reshape(shape), lse
 
 
 def softmax_backward(
@@ -441,31 +380,21 @@ def softmax_backward(
 ) -> torch.Tensor:
     """Gradient of softmax / log-softmax w.r.t. its input ``z``, with Triton (fp32 math).
 
-    softmax: ``dz = y * (g - sum(g * y, dim))``; log-softmax: ``dz = g - exp(y) * sum(g, dim)``.
-    With ``grad_lse`` (the gradient of ``lse = logsumexp(z, dim)``) it adds
-    ``grad_lse.unsqueeze(dim) * p`` with ``p = y`` (softmax) or ``exp(y)`` (log-softmax).
-    One pass when a row fits a block, else two (row sums, then write) over all but the row's last columns,
-    which are held in registers in between. Companion of
-    :func:`softmax_forward` ("Online normalizer calculation for softmax", Milakov &
-    Gimelshein, 2018).
+    softmax: ``dz = y * (g - sum(g * y, dim))``; log-softmax: ``dz = g - exp(y) * sum(g, dim)``; with
+    ``grad_lse`` it adds ``grad_lse.unsqueeze(dim) * p``, ``p = y`` (softmax) or ``exp(y)`` (log-softmax).
 
     Args:
-        grad_y: gradient of ``y``, same shape as ``y``, any float dtype and strides.
-        y: the forward output (softmax probabilities or log-probabilities), any strides.
-        dim: the reduced dimension (negative counts from the end).
-        log: ``y`` is a log-softmax.
-        grad_lse: gradient of ``lse``, shape ``y.shape`` without ``dim`` (broadcastable), or None.
-        out_dtype: dtype of the result (default ``y.dtype``).
-        block_size: block override, as in :func:`softmax_forward`.
+        grad_y: gradient of ``y``, same shape, any float dtype and strides. y: the forward output, any strides.
+        dim: the reduced dimension (negative counts from the end). log: ``y`` is a log-softmax.
+        grad_lse: gradient of ``lse``, broadcastable to ``y.shape`` without ``dim``, or None.
+        out_dtype: dtype of the result (default ``y.dtype``). block_size: as in :func:`softmax_forward`.
 
     Returns:
         ``dz``: a new contiguous tensor of ``y.shape`` in ``out_dtype``.
 
     Raises:
-        RuntimeError: triton missing, or not CUDA and not ``TRITON_INTERPRET=1``.
-        TypeError: non-floating inputs or ``out_dtype``.
-        IndexError: ``dim`` out of range.
-        ValueError: mismatched shapes or devices; a bad ``block_size``.
+        RuntimeError: as :func:`softmax_forward`. TypeError: non-floating inputs or ``out_dtype``.
+        IndexError: ``dim`` out of range. ValueError: mismatched shapes or devices; a bad ``block_size``.
     """
     for name, t in (("grad_y", grad_y), ("y", y)):
         if not isinstance(t, torch.Tensor):

@@ -10,20 +10,15 @@ from .ops import softmax_topk_op
 
 __all__ = ["softmax_topk"]
 
-#: From this many columns a renormalized eager call takes the softmax of the k largest logits only (3.2x torch's
-#: softmax then top-k at 64x131072 k=50, 1.05x at 8192x64 k=2, but 0.8x at 8 columns):
-#: ``python benchmarks/bench_eager_ops.py --ops softmax_topk``.
+#: From this many columns a renormalized eager call takes the softmax of the k largest logits only (docs/
+#: PERFORMANCE.md, "Softmax + top-k called eagerly").
 TOPK_FIRST_MIN_COLUMNS = 64
 
 
 def _aten_path(x, k, dim, scale, renormalize, dtype):
-    """The eager path (no custom op; torch's autograd): the ATen composition measured fastest.
-
-    The indices are the logits' top-k (rounding can tie the probabilities of distinct logits: the larger logit
-    comes first, as in the kernels and the compiled path). From :data:`TOPK_FIRST_MIN_COLUMNS` columns a
-    renormalized top-k is the softmax of those k logits (the normalizer cancels), so the row's exp is never
-    taken; otherwise the values are torch's softmax gathered at the indices. NaN, +inf and all -inf rows give
-    NaN values, as in torch."""
+    """The eager path (no custom op; torch's autograd), the ATen composition measured fastest: the logits' top-k,
+    then the softmax of those k (renormalized, from :data:`TOPK_FIRST_MIN_COLUMNS` columns) or torch's softmax
+    gathered at them."""
     acc = acc_dtype(x)
     z = x if scale == 1.0 else x.to(acc) * scale
     if renormalize and x.shape[dim] >= TOPK_FIRST_MIN_COLUMNS:
@@ -43,32 +38,26 @@ def softmax_topk(x: torch.Tensor, k: int, dim: int = -1, *, renormalize: bool = 
     """The k largest probabilities of ``softmax(x / temperature, dim)`` and their indices, in one pass.
 
     Equals ``torch.topk(torch.softmax(x / temperature, dim), k, dim)`` (divided by the values' sum when
-    ``renormalize``; then it also equals ``torch.softmax(torch.topk(x / temperature, k, dim).values, dim)``),
-    without writing the probabilities of the whole row.
+    ``renormalize``), without writing the probabilities of the whole row.
 
     Args:
-        x: scores (logits), any shape with at least one dim, fp16/bf16/fp32/fp64, any strides.
-        k: how many to keep, ``0 <= k <= x.shape[dim]``.
-        dim: the normalized dim (negative counts from the end).
-        renormalize: divide the k probabilities by their sum (MoE routers with ``norm_topk_prob``,
-            top-k samplers).
+        x: scores (logits), at least one dim, fp16/bf16/fp32/fp64, any strides.
+        k: how many to keep, ``0 <= k <= x.shape[dim]``. dim: the normalized dim (negative counts from the end).
+        renormalize: divide the k probabilities by their sum (MoE routers with ``norm_topk_prob``).
         temperature: the logits are divided by it first; a finite number > 0.
-        dtype: dtype of the values (default ``x.dtype``); the math is fp32 (fp64 for fp64 input).
+        dtype: dtype of the values (default ``x.dtype``); fp32 math (fp64 for fp64 input).
 
     Returns:
-        ``torch.return_types.topk(values, indices)``: values (``dtype``) and indices (int64), both of
-        ``x.shape`` with ``dim`` of size k, largest first. The gradient reaches every logit (through the
-        normalizer) when ``renormalize=False``, the k selected logits when ``renormalize=True``.
-        Rows that contain NaN or ``+inf``, or only ``-inf``, give NaN values, as in torch.
+        ``torch.return_types.topk(values, indices)`` of ``x.shape`` with ``dim`` of size k, largest first.
+        Gradients reach every logit, or with ``renormalize`` the k selected. Rows with NaN or ``+inf``, or only
+        ``-inf``, give NaN values, as in torch.
 
     Raises:
         TypeError: ``x`` not a float tensor, ``k`` not an int, a non-float ``dtype``.
         ValueError: ``k`` out of range, ``temperature`` not finite and > 0, a 0-d ``x``.
         IndexError: ``dim`` out of range.
 
-    Source: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018), fused softmax + top-k;
-    Triton kernels on CUDA. Called eagerly on CPU, torch's own composition (the fastest measured there, see
-    ``_aten_path``); in a compiled graph on CPU, two passes per row without the full probability tensor.
+    Source: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018), fused softmax + top-k.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a Tensor, got {type(x).__name__}")

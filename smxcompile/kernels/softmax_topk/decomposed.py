@@ -1,6 +1,6 @@
 """Softmax + top-k in plain torch: :func:`softmax_topk_decomposed` (the op's CPU path, and what the ``smx``
-backend puts in a CPU graph), its row selections (the chunked long-row path, the int64-key rounds, the
-compare-exchange network; see the package docstring) and :func:`softmax_topk_reference` (tests' oracle)."""
+backend puts in a CPU graph) with its row selections (docs/DESIGN.md, "Softmax + top-k"), and
+:func:`softmax_topk_reference` (tests' oracle)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,8 @@ def _sortable_keys(x: torch.Tensor) -> torch.Tensor:
 
 
 def _select_network(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k columns of short rows by k bubble passes of compare-exchanges between whole columns.
-
-    Each step is elementwise over the rows (Inductor vectorizes it across rows, one loop for all of
-    them), where ATen's top-k and reductions pay a per-row cost on rows of a few columns. A column
-    moves forward only past a strictly smaller one (NaN counts as the largest), so exact ties keep
-    the lower column first.
-    """
+    """Top-k columns of short rows by k bubble passes of compare-exchanges between whole columns, elementwise
+    over the rows (Inductor vectorizes across them); exact ties keep the lower column first, NaN is largest."""
     n = x.shape[-1]
     cols = list(x.unbind(-1))
     idx = [torch.full_like(cols[0], j, dtype=torch.int64) for j in range(n)]
@@ -88,19 +83,16 @@ def _select(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def softmax_topk_decomposed(x: torch.Tensor, k: int, dim: int = -1, scale: float = 1.0, renormalize: bool = False,
                             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's math in torch ops: its CPU path, and what the ``smx`` backend puts in a CPU graph (Inductor
-    compiles it into two passes over each row; autograd gives the backward).
+    """The op's math in torch ops: its CPU path, and what the ``smx`` backend puts in a CPU graph (Inductor makes
+    two passes over each row of it; autograd gives the backward).
 
-    Args:
-        x: scores, any shape, fp16/bf16/fp32/fp64. k: 0 <= k <= x.shape[dim]. dim: the normalized dim.
-        scale: > 0, multiplies x. renormalize: see the module docstring. dtype: values' dtype (default x.dtype).
+    Args: x (any shape, fp16/bf16/fp32/fp64), k (0 <= k <= x.shape[dim]), dim, scale (> 0), renormalize, and
+    dtype (of the values, default x.dtype).
 
     Returns:
-        ``(values, indices, logd)``: values ``dtype`` and indices int64 of ``x.shape`` with ``dim`` of size k;
-        ``logd = log(sum(exp(z - max(z))))``, the log of the softmax normalizer relative to the row maximum
-        (fp32, fp64 for fp64 x; the maximum is ``z`` at the first index, so ``lse = z[indices[0]] + logd``
-        without the rounding of a large ``lse``), of ``x.shape`` without ``dim``; empty when ``renormalize``
-        (not needed), 0 when k == 0.
+        ``(values, indices, logd)``: values and int64 indices of ``x.shape`` with ``dim`` of size k; ``logd =
+        log(sum(exp(z - z[indices[0]])))`` (fp32, fp64 for fp64 x) of ``x.shape`` without ``dim``, empty when
+        ``renormalize``, 0 when k == 0.
     """
     out_dtype = dtype or x.dtype
     acc = acc_dtype(x)
@@ -134,8 +126,7 @@ def softmax_topk_decomposed(x: torch.Tensor, k: int, dim: int = -1, scale: float
 
 def softmax_topk_reference(x: torch.Tensor, k: int, dim: int = -1, scale: float = 1.0, renormalize: bool = False,
                            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The formula the op replaces, in torch: ``topk(softmax(x * scale, dim), k, dim)`` (renormalized:
-    divided by its sum), computed in fp32 (fp64 for fp64 input). Tests' oracle."""
+    """Tests' oracle: ``topk(softmax(x * scale, dim), k, dim)`` (divided by its sum when ``renormalize``), fp32."""
     acc = acc_dtype(x)
     p = torch.softmax(x.to(acc) * scale, dim)
     v, i = torch.topk(p, k, dim)

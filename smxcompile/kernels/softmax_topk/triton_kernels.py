@@ -1,67 +1,10 @@
-"""Triton kernels for fused softmax + top-k along the last dimension, forward and backward.
+"""Triton kernels for fused softmax + top-k along the last dimension, forward and backward, in fp32.
 
-For each row ``x[r, :]`` of ``n`` scores, in fp32::
-
-    z = x.float() * scale
-    indices = the k largest z (largest first; exact ties: lowest index first)
-    m = max(z) = z[indices[0]]
-    logd = log(sum(exp(z - m)))                          # the normalizer relative to the max
-    values = exp(z[indices] - m - logd)                  # == topk(softmax(z), k).values
-    values = exp(z[indices] - logsumexp(z[indices]))     # renormalize=True
-
-Algorithm: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018),
-section "softmax + top-k": a single pass over the row keeps the online normalizer
-``(m, d)`` -- ``m' = max(m, max(tile))``, ``d' = d * exp(m - m') + sum(exp(tile - m'))`` --
-and a running top-k buffer; only the ``k`` selected probabilities are written, never the
-full probability vector.
-
-Top-k: each element is encoded as one unique int64 *key*: the high 32 bits an
-order-preserving integer image of the fp32 ``z`` (``bits ^ 0x7FFFFFFF`` for negative
-floats, ``-0.0`` folded onto ``+0.0``, every NaN onto the largest key), the low 32 bits
-``0xFFFFFFFF - column``. Keys are distinct, compare like ``(z, -column)`` and decode back
-to the exact ``z`` and column. A tile's ``K_PAD`` largest keys (``K_PAD`` the power of two
-``>= k``) come from a bitonic top-k network (the one of ``tl.topk``, whose partner
-exchange here uses a sum instead of an xor reduction: the same cost on a GPU, and two
-orders of magnitude faster in Triton's interpreter), sorted ascending; the running buffer
-(sorted descending) absorbs them with ``max(buf_i, tile_i)``, a bitonic sequence holding
-the ``K_PAD`` largest of both, and one bitonic merge (``log2 K_PAD`` steps) that sorts it.
-NaN thus ranks above everything (like ``torch.topk``), ``-inf`` below every finite value,
-and padding lanes (key ``INT64_MIN``) below ``-inf``. ``k <= MAX_K = 256``.
-
-Parallelism: a grid of ``(row blocks, SPLITS)`` programs. Rows that fit one tile
-(``n <= 4096``) are processed several to a program (``ROWS x BLOCK`` of about 4096 keys,
-``BLOCK = max(next_pow2(n), K_PAD)``: router rows of 8 or 64 experts over many tokens).
-Longer rows loop over tiles of ``BLOCK = 2048`` columns, one row per program, and, when
-there are fewer than two programs per SM (e.g. 4 rows x 256K columns), are split into
-``SPLITS`` column chunks of at least 4096 columns (about two programs per SM in all, at
-most 1024 splits): each program writes its partial ``(m, d)`` and its ``K_PAD`` best keys
-to a workspace, and a small second kernel per row merges them (``m = max m_i``,
-``d = sum d_i exp(m_i - m)``, the top ``K_PAD`` of the ``SPLITS * K_PAD`` keys, 4096 keys a
-step) and writes values, indices and logd. With one split the first kernel writes the
-outputs itself. A tile whose best key cannot enter the buffer skips the top-k network.
-Rows may have up to ``2**31 - 1`` columns (the column takes 32 bits of a key).
-
-Special rows follow torch: a row with NaN or ``+inf``, or whose entries are all ``-inf``,
-has all-NaN probabilities, so NaN values (its indices are still valid and distinct, taken
-from the key order above) and a NaN ``logd``, which makes the backward's gradients of the
-row NaN, as eager softmax's backward.
-The decoded top key tells these rows apart: its ``z`` is NaN, ``+inf`` or ``-inf`` exactly
-for them.
-
-Backward (no full probability vector is needed either), all in fp32 from ``x``: the
-forward's ``values`` are not read (they may be rounded to a narrower dtype); with
-``z0 = z[indices[0]]`` (the row max) the probabilities are ``p = exp((z - z0) - logd)``:
-``z - z0`` is exact near the top and ``logd`` is small, so there is no rounding of a large
-``lse`` (logits around 1000 would lose ~1000 ulps through ``exp(z - lse)``). A dense kernel
-writes ``-scale * p * sum_i g_i v_i`` (zeros, for ``renormalize``), then a per-row kernel
-overwrites the ``k`` selected entries with ``scale * v_i * (g_i - sum_j g_j v_j)``, where
-``v_i = p_i`` (``softmax(z[indices])_i`` for ``renormalize``), rounded once (the indices of
-a row are distinct, so no atomics). Both kernels recompute the ``k`` selected ``v`` from a
-gather of ``x``.
-
-All offsets are int64. On a machine without a GPU the kernels run through Triton's
-interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported; they then
-accept CPU tensors (slowly: numpy).
+One pass over each row keeps the online ``(max, sum)`` normalizer ("Online normalizer calculation for
+softmax", Milakov & Gimelshein, 2018, "softmax + top-k") and a running top-k of unique int64 keys (value bits,
+then column) merged by a bitonic network; long rows with few programs are split across programs and merged
+by a second kernel. Only the k probabilities are written; the backward recomputes them from ``x``. Special
+rows follow torch. Design: docs/DESIGN.md, "Softmax + top-k kernels (Triton)".
 """
 
 from __future__ import annotations
@@ -99,9 +42,7 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT64_MIN = -(2**63)
 
 
-# --------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------
+# ---- Triton kernels ----
 
 if triton is not None:
     from ..triton_helpers import safe_max
@@ -117,17 +58,13 @@ if triton is not None:
         j = tl.arange(0, K_PAD).to(tl.int64)
         sel = row_ok[:, None] & (j < k)[None, :]
         if RENORM:
-            # softmax over the k selected: the top z is their max (and the row's).
             zt = tl.where(special, 0.0, ztop)
             e = tl.where(sel, tl.exp(z - zt[:, None]), 0.0)
             v = e / tl.sum(e, axis=1)[:, None]
         else:
-            # m is the row max (== ztop for ordinary rows), d = sum exp(z - m) >= 1.
             ms = tl.where(special, 0.0, m)
             v = tl.exp(z - ms[:, None]) / d[:, None]
-        # log of the normalizer relative to the row max (z at the first index): small, so the
-        # backward's exp((z - max) - logd) keeps fp32 accuracy whatever the size of the logits.
-        # NaN on the special rows: their gradients are NaN, as eager softmax's.
+        # relative to the row max, so the backward's exp((z - max) - logd) keeps fp32 accuracy; NaN: special rows
         logd = tl.where(special, float("nan"), tl.log(d))
         v = tl.where(special[:, None], float("nan"), v)
         out = rows[:, None] * k + j[None, :]
@@ -157,7 +94,7 @@ if triton is not None:
         x_off = rows * x_rs
         c0 = split * chunk
         c1 = tl.minimum(c0 + chunk, n)
-        # First tile (every chunk has one): starts the buffer and the online normalizer.
+        # the first tile (every chunk has one) starts the buffer and the normalizer
         cols = c0 + tl.arange(0, BLOCK).to(tl.int64)
         z, keys = _tile(x_ptr, x_off, cols, row_ok, c1, scale)
         buf = topk_keys(keys, K_PAD, 1)
@@ -167,14 +104,13 @@ if triton is not None:
             for start in range(c0 + BLOCK, c1, BLOCK):
                 cols = start + tl.arange(0, BLOCK).to(tl.int64)
                 z, keys = _tile(x_ptr, x_off, cols, row_ok, c1, scale)
-                # Online normalizer (Milakov & Gimelshein, 2018). min(., 0) guards an all
-                # -inf prefix (d == 0) and a finite prefix before +inf.
+                # min(., 0) guards an all -inf prefix (d == 0) and a finite prefix before +inf
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 ms_new = safe_max(m_new)
                 alpha = tl.exp(tl.minimum(safe_max(m) - ms_new, 0.0))
                 d = d * alpha + tl.sum(tl.exp(z - ms_new[:, None]), axis=1)
                 m = m_new
-                # Running top-k: skip the network when no key of the tile can enter.
+                # skip the network when no key of the tile can enter the buffer
                 enter = tl.max(keys, axis=1) > tl.min(buf, axis=1)
                 if tl.max(enter.to(tl.int32), axis=0) > 0:
                     buf = merge_keys(buf, topk_keys(keys, K_PAD, 0), K_PAD)
@@ -219,17 +155,15 @@ if triton is not None:
     @triton.jit
     def _bwd_selected(x_ptr, x_rs, g_ptr, g_rs, g_cs, i_ptr, i_rs, i_cs, logd_ptr, logd_s,
                       rows, row_ok, k, scale, K_PAD: tl.constexpr, RENORM: tl.constexpr):
-        """(g, idx, v, gv, z0) of the k selected entries of ROWS rows ([ROWS, K_PAD]; 0 on padding).
-
-        ``v`` is recomputed in fp32 from x (the forward's values may have been rounded to a
-        narrower dtype): ``exp((z - z0) - logd)``, or ``softmax(z[idx])`` with ``RENORM``, where
-        ``z0 = z[idx[:, 0]]`` is the row max; ``gv = sum_i g_i v_i``."""
+        """(g, idx, v, gv, z0) of the k selected entries of ROWS rows ([ROWS, K_PAD]; 0 on padding): ``v``
+        recomputed from x, ``exp((z - z0) - logd)`` or ``softmax(z[idx])`` with ``RENORM``, ``z0 = z[idx[:, 0]]``
+        the row max; ``gv = sum_i g_i v_i``."""
         j = tl.arange(0, K_PAD).to(tl.int64)
         sel = row_ok[:, None] & (j < k)[None, :]
         g = tl.load(g_ptr + (rows[:, None] * g_rs + j[None, :] * g_cs), mask=sel, other=0.0).to(tl.float32)
         idx = tl.load(i_ptr + (rows[:, None] * i_rs + j[None, :] * i_cs), mask=sel, other=0).to(tl.int64)
         zs = tl.load(x_ptr + (rows[:, None] * x_rs + idx), mask=sel, other=0.0).to(tl.float32) * scale
-        # z of the first index (the row max); other lanes add exact zeros (NaN / inf stay).
+        # the first index's z; other lanes add exact zeros (NaN / inf stay)
         z0 = tl.sum(tl.where((j == 0)[None, :], zs, 0.0), axis=1)
         if RENORM:
             e = tl.where(sel, tl.exp(zs - z0[:, None]), 0.0)
@@ -266,8 +200,7 @@ if triton is not None:
         R, n, k, scale,
         K_PAD: tl.constexpr, ROWS: tl.constexpr, RENORM: tl.constexpr,
     ):
-        """The k selected entries of dx, ``scale * v_i * (g_i - gv)`` (both cases: v_i is p_i when
-        not renormalized), recomputed in fp32 and written once."""
+        """The k selected entries of dx, ``scale * v_i * (g_i - gv)``, written once."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         row_ok = rows < R
         j = tl.arange(0, K_PAD).to(tl.int64)
@@ -278,9 +211,7 @@ if triton is not None:
         tl.store(dx_ptr + (rows[:, None] * n + idx), dx.to(dx_ptr.dtype.element_ty), mask=sel)
 
 
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
+# ---- Launch helpers ----
 
 
 def _sm_count(device: torch.device) -> int:
@@ -295,10 +226,8 @@ def _num_warps(elems: int) -> int:
 
 
 def _plan(R: int, n: int, k_pad: int, device: torch.device) -> dict:
-    """Launch plan of the forward for R rows of n columns and a buffer of k_pad keys.
-
-    Returns ``ROWS`` (rows per program), ``BLOCK`` (columns per tile), ``SINGLE_TILE``,
-    ``splits`` and ``chunk`` (columns per split, a multiple of BLOCK), ``num_warps``."""
+    """The forward's launch for R rows of n columns and k_pad keys: ``ROWS`` (per program), ``BLOCK`` (columns
+    per tile), ``SINGLE_TILE``, ``splits``, ``chunk`` (columns per split, a multiple of BLOCK), ``num_warps``."""
     full = next_pow2(n)
     if full <= _SINGLE_TILE_MAX:
         block = max(full, k_pad)
@@ -349,9 +278,7 @@ def _check_out_dtype(out_dtype: torch.dtype | None, default: torch.dtype) -> tor
     return out_dtype
 
 
-# --------------------------------------------------------------------------------------
-# Public launchers
-# --------------------------------------------------------------------------------------
+# ---- Public launchers ----
 
 
 def softmax_topk_forward(
@@ -362,44 +289,29 @@ def softmax_topk_forward(
     renormalize: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused ``topk(softmax(x * scale), k)`` along the last dim, with Triton.
+    """Fused ``topk(softmax(x * scale), k)`` along the last dim, with Triton (fp32 math; "Online normalizer
+    calculation for softmax", Milakov & Gimelshein, 2018, softmax + top-k).
 
-    Method: "Online normalizer calculation for softmax" (Milakov & Gimelshein, 2018),
-    softmax + top-k: one pass over each row keeps the online ``(max, sum)`` pair and a
-    running top-k buffer; only ``k`` probabilities are written. Long rows are split across
-    programs and merged by a second small kernel (see the module docstring).
-
-    ``z = x.float() * scale``. ``renormalize=False``: ``values = softmax(z)[indices] =
-    exp(z_idx - m - logd)``, ``m = max(z) = z[indices[:, 0]]``; ``renormalize=True``:
-    ``values = softmax(z_idx)`` over the ``k`` selected entries (``== topk(softmax(z)) / its sum``). Values are sorted descending;
-    ``indices`` are the ``k`` largest ``z``, exact ties lowest index first, NaN above
-    everything, ``-inf`` below every finite value (``-inf`` picks get value 0, like torch).
-    A row with NaN or ``+inf``, or all ``-inf``, gives NaN values with valid distinct
-    indices and a NaN ``logd`` (the backward then gives the row NaN gradients, like torch).
+    Values sorted descending: ``softmax(z)[indices]``, or with ``renormalize`` ``softmax(z[indices])`` over the
+    k selected. Indices: the k largest ``z``, exact ties lowest index first, NaN above everything, ``-inf``
+    below every finite value. A row with NaN or ``+inf``, or all ``-inf``, gives NaN values with valid distinct
+    indices and a NaN ``logd``.
 
     Args:
-        x: (R, n) fp16 / bf16 / fp32 scores, stride 1 along the last dim (any row stride).
-            CUDA, or CPU under ``TRITON_INTERPRET=1``.
-        k: number of entries kept, ``0 <= k <= min(n, MAX_K)`` (``MAX_K = 256``).
-        scale: multiplies ``x`` first; finite and > 0.
-        renormalize: normalize the ``k`` values to sum to 1.
-        out_dtype: dtype of ``values`` (default ``x.dtype``); computed in fp32, rounded once.
+        x: (R, n) fp16 / bf16 / fp32 scores, stride 1 along the last dim. CUDA, or CPU under
+            ``TRITON_INTERPRET=1``.
+        k: ``0 <= k <= min(n, MAX_K)``. scale: multiplies ``x`` first; finite and > 0.
+        renormalize: normalize the ``k`` values to sum to 1. out_dtype: of ``values`` (default ``x.dtype``).
 
     Returns:
-        ``(values, indices, logd)``: values (R, k) ``out_dtype``, indices (R, k) int64,
-        logd (R,) fp32 ``= log(sum(exp(z - m)))`` over the whole row, the log of the softmax
-        normalizer relative to the row max ``m = z[indices[:, 0]]`` (``logsumexp(z) = m + logd``,
-        without the rounding of a large ``lse``; computed also with ``renormalize``, where the
-        backward does not need it); all new contiguous tensors. ``k == 0`` or ``R == 0`` gives
-        empty values / indices and zeros for ``logd`` (there is no selected max to be relative
-        to, and the backward does not read it) without a Triton launch; so does ``n == 0``.
+        ``(values, indices, logd)``, new contiguous tensors: values (R, k) ``out_dtype``, indices (R, k) int64,
+        logd (R,) fp32 ``= log(sum(exp(z - m)))``, ``m = z[indices[:, 0]]`` the row max. ``k == 0``, ``R == 0``
+        or ``n == 0`` give empty values / indices and zeros for ``logd``, without a launch.
 
     Raises:
-        RuntimeError: triton missing, or ``x`` not on CUDA and ``TRITON_INTERPRET=1`` not
-            set before triton was imported.
+        RuntimeError: triton missing, or ``x`` neither on CUDA nor under ``TRITON_INTERPRET=1``.
         TypeError: ``x`` not a fp16/bf16/fp32 tensor; a non-floating ``out_dtype``; k not an int.
-        ValueError: ``x`` not 2-D, last-dim stride != 1, more than ``2**31 - 1`` columns;
-            ``k < 0``, ``k > n`` or ``k > MAX_K``; ``scale`` not finite and > 0.
+        ValueError: a bad ``x`` layout or length; ``k`` outside ``[0, min(n, MAX_K)]``; a bad ``scale``.
     """
     R, n = _check_x(x)
     if isinstance(k, bool):
@@ -460,39 +372,27 @@ def softmax_topk_backward(
     renormalize: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gradient w.r.t. ``x`` of :func:`softmax_topk_forward`'s values, with Triton (fp32 math).
+    """Gradient w.r.t. ``x`` of :func:`softmax_topk_forward`'s values, with Triton, recomputed in fp32 from ``x``.
 
-    Everything is recomputed in fp32 from ``x``: with ``z = x.float() * scale``,
-    ``z0 = z[indices[:, 0]]`` (the row max, as the forward's indices give it) and
-    ``v_i = exp((z[idx_i] - z0) - logd)``, ``gv = sum_i g_i v_i``:
-    ``renormalize=False``: ``dx = scale * (scatter(g * v at indices) - p * gv)``,
-    ``p = exp((z - z0) - logd)``.
-    ``renormalize=True``: ``v = softmax(z[indices])`` over the ``k`` selected;
-    ``dx[idx_i] = scale * v_i * (g_i - gv)``, zero elsewhere.
-    ``values`` is not read (only its shape): the forward's values may be rounded to a
-    narrower dtype, and ``exp(z - lse)`` with an fp32 ``lse`` would lose ~|lse| ulps. A dense
-    kernel writes ``-scale * p * gv`` (or zeros), then a per-row kernel recomputes the ``k``
-    selected entries and writes each once ("Online normalizer calculation for softmax",
-    Milakov & Gimelshein, 2018: no probability vector is stored by the forward).
+    With ``z = x.float() * scale``, ``z0 = z[indices[:, 0]]``, ``v_i = exp((z[idx_i] - z0) - logd)`` (with
+    ``renormalize``: ``softmax(z[indices])``) and ``gv = sum_i g_i v_i``: ``dx = scale * (scatter(g * v at
+    indices) - p * gv)``, ``p = exp((z - z0) - logd)``; with ``renormalize`` ``dx[idx_i] = scale * v_i * (g_i -
+    gv)``, zero elsewhere. ``values`` gives only the shape (it may be rounded to a narrower dtype).
 
     Args:
-        grad_values: (R, k) gradient of ``values``, any float dtype and strides.
-        values: (R, k) the forward's values (any float dtype and strides): gives the shape only.
-        indices: (R, k) int64 (or int32) forward indices: in ``[0, n)``, distinct per row, the
-            first one at the row max (the forward's, largest first).
+        grad_values: (R, k), any float dtype and strides. values: (R, k) the forward's values.
+        indices: (R, k) int64 (or int32), the forward's: distinct per row, the first at the row max.
         x: (R, n) the forward's input, fp16 / bf16 / fp32, stride 1 along the last dim.
-        logd: (R,) the forward's logd (any float dtype, any stride); unused with ``renormalize``,
-            where it may also be empty.
-        scale, renormalize: as in the forward.
-        out_dtype: dtype of the result (default ``x.dtype``).
+        logd: (R,) the forward's logd (any float dtype and stride); unused, and may be empty, with
+            ``renormalize``.
+        scale, renormalize: as in the forward. out_dtype: of the result (default ``x.dtype``).
 
     Returns:
         ``dx``: a new contiguous (R, n) tensor in ``out_dtype`` (zeros when ``k == 0``).
 
     Raises:
-        RuntimeError: triton missing, or not CUDA and not ``TRITON_INTERPRET=1``.
-        TypeError: wrong tensor dtypes, non-floating ``out_dtype``.
-        ValueError: mismatched shapes or devices, bad ``x`` layout, ``k > MAX_K``, bad ``scale``.
+        RuntimeError: as the forward. TypeError: wrong dtypes. ValueError: mismatched shapes or devices, a bad
+        ``x`` layout, ``k > MAX_K``, a bad ``scale``.
     """
     R, n = _check_x(x)
     for name, t in (("grad_values", grad_values), ("values", values), ("indices", indices), ("logd", logd)):
