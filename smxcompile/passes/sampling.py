@@ -1,6 +1,7 @@
 """Find the sampling step of a language model in a torch-level FX graph and rewrite it into one ``smx::sample``.
 
-The site is ``multinomial(softmax(y, -1), 1)`` where ``y`` comes from logits ``x`` through, in order:
+The site is ``multinomial(softmax(y, -1), 1)`` (the probabilities possibly reshaped with each row kept a row,
+``(B, 1, V)`` to ``(B, V)``) where ``y`` comes from logits ``x`` through, in order:
 
 * an optional temperature: ``x / T`` or ``x * c`` with a positive number (before the top-p / min-p filters:
   they depend on it; a top-k commutes with it);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 from torch.fx import Graph, Node
@@ -37,6 +39,8 @@ from .protocol import Match, PassContext, RewritePass
 __all__ = ["SampleMatch", "SamplePass", "graph_sample"]
 
 _ORDER = ("top_k", "top_p", "min_p")
+#: Reshapes that keep each row of the probabilities a row, in order, when they keep the last dim and the count.
+_ROW_VIEWS = frozenset({"view", "reshape", "squeeze", "unsqueeze", "flatten"})
 
 
 @dataclasses.dataclass
@@ -48,6 +52,7 @@ class SampleMatch(Match):
     filters: list[Filter] = dataclasses.field(default_factory=list)
     dead: list[Node] = dataclasses.field(default_factory=list)
     private: bool = False           # every node of the chain is used only inside it: all of it goes
+    flat: bool = False              # the draw's input is one row (V,): multinomial returns (1,)
 
     def params(self) -> dict:
         got = {f.kind: f for f in self.filters}
@@ -157,14 +162,38 @@ def _order_problem(m: SampleMatch, stages: list) -> str:
     return ""
 
 
+def _row_view(n: Node) -> Node | None:
+    """``p`` for a view of ``p`` holding the same rows in the same order (a reshape keeping the last dim, a
+    squeeze / unsqueeze, or basic indexing that selects every element: ``p[:, -1]`` of a ``(B, 1, V)``)."""
+    if n.op == "call_function" and n.target is operator.getitem:
+        index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index):
+            return None
+    elif not (n.op == "call_method" and n.target in _ROW_VIEWS
+              or n.op == "call_function" and getattr(n.target, "__name__", "") in _ROW_VIEWS):
+        return None
+    src = n.args[0] if n.args and isinstance(n.args[0], Node) else None
+    sv, nv = tensor_val(src), tensor_val(n)
+    if sv is None or nv is None or sv.dim() == 0 or nv.dim() == 0 or sv.numel() != nv.numel() \
+            or sv.shape[-1] != nv.shape[-1]:
+        return None
+    return src
+
+
 def _match(node: Node) -> SampleMatch | None:
     c = canon(node)
     if c is None or c[0] != "multinomial" or not isinstance(c[1].get("input"), Node):
         return None
-    call = softmax_call(c[1]["input"])
+    drawn, views = c[1]["input"], []
+    while (src := _row_view(drawn)) is not None and len(views) < 4:
+        views.append(drawn)
+        drawn = src
+    call = softmax_call(drawn)
     if call is None or call.kind != "softmax":
         return None
-    m = SampleMatch(anchor=node)
+    m = SampleMatch(anchor=node, dead=list(views))
+    dv = tensor_val(c[1]["input"])
+    m.flat = dv is not None and dv.dim() == 1
     probs = call.node
     pv = tensor_val(probs)
     if pv is not None:
@@ -176,8 +205,8 @@ def _match(node: Node) -> SampleMatch | None:
         return m.skip(f"num_samples={c[1].get('num_samples')!r}: the op draws one token per row")
     if call.problem or input_problem(call.x):
         return m.skip(call.problem or input_problem(call.x))
-    if pv is None or pv.dim() not in (1, 2) or call.dim != pv.dim() - 1 or call.pre_cast is not None:
-        return m.skip("a softmax that is not over the last dim of (V,) / (B, V) logits in their own dtype")
+    if pv is None or call.dim != pv.dim() - 1 or call.pre_cast is not None:
+        return m.skip("a softmax that is not over the last dim of the logits in their own dtype")
     why = _walk(m, call.x, probs)
     if why:
         return m.skip(why)
@@ -203,13 +232,14 @@ def _checks(m: SampleMatch, ctx: PassContext) -> str:
 _LADDER = Ladder(checks=_checks)
 
 
-def graph_sample(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-                 min_tokens_to_keep: int) -> torch.Tensor:
-    """What a rewritten site calls (traced by AOTAutograd): ``multinomial``'s result, ``(B, 1)`` or ``(1,)``."""
+def graph_sample(x: torch.Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float,
+                 min_tokens_to_keep: int, flat: bool) -> torch.Tensor:
+    """What a rewritten site calls (traced by AOTAutograd): ``multinomial``'s result for the rows of ``x``
+    (any leading dims): ``(rows, 1)``, or ``(1,)`` when the draw's input was one row (``flat``)."""
     rows = x.reshape(-1, x.shape[-1])
     uniform = torch.rand(rows.shape[0], device=x.device)
     tokens = torch.ops.smx.sample.default(rows, uniform, temperature, top_k, top_p, min_p, min_tokens_to_keep)
-    return tokens.reshape(1) if x.dim() == 1 else tokens
+    return tokens.reshape(1) if flat else tokens
 
 
 class SamplePass(RewritePass):
@@ -225,7 +255,7 @@ class SamplePass(RewritePass):
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(m.dead, key=order.__getitem__)
         with graph.inserting_before(first):
-            call = graph.call_function(graph_sample, (m.base,), m.params())
+            call = graph.call_function(graph_sample, (m.base,), {**m.params(), "flat": m.flat})
         inputs = m.anchor.all_input_nodes
         replace_anchor(graph, m.anchor, call, call, m.dead if m.private else [])
         if not m.private:   # the chain stays for its other users; what nobody reads any more goes

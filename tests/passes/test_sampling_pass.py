@@ -218,3 +218,48 @@ def test_two_draws_from_one_chain_are_both_fused():
     r = rewrite(two, logits, check_values=False)
     assert [s.action for s in r.report if s.kind == "sample"] == ["rewritten", "rewritten"]
     assert "multinomial" not in r.after
+
+
+def _last_position_kept(logits):   # (B, S, V) -> (B, 1, V) probabilities, squeezed for the draw
+    last = logits[:, -1:, :] / 0.7
+    last = last.masked_fill(last < torch.topk(last, 4).values[..., -1:], -float("inf"))
+    return torch.multinomial(F.softmax(last, dim=-1).squeeze(1), 1)
+
+
+def _indexed(logits):
+    probs = F.softmax(logits[:, -1:, :], dim=-1)
+    return torch.multinomial(probs[:, -1], 1)
+
+
+def _one_row(logits):   # (1, 1, V) -> (V,): multinomial returns (1,)
+    probs = F.softmax(logits[:1, -1:, :], dim=-1)
+    return torch.multinomial(probs.reshape(-1), 1)
+
+
+@pytest.mark.parametrize("fn", [_last_position_kept, _indexed, _one_row], ids=lambda f: f.__name__)
+def test_draw_through_a_view_that_keeps_rows(fn):
+    """Probabilities of shape (B, 1, V) reshaped to (B, V) or (V,) for the draw: the same rows, fused."""
+    logits = torch.randn(3, 2, 30, generator=torch.Generator().manual_seed(6)) * 3
+    r = rewrite(fn, logits, check_values=False)
+    assert [s.action for s in r.report if s.kind == "sample"] == ["rewritten"], [(s.action, s.reason) for s in r.report]
+    assert "multinomial" not in r.after
+    rows = 1 if fn is _one_row else 3
+    assert tuple(r.gm(logits)[0].shape) == tuple(fn(logits).shape)
+    last = logits[:rows, -1]
+    if fn is _last_position_kept:
+        s = last / 0.7
+        eager = F.softmax(s.masked_fill(s < s.topk(4).values[:, -1:], -float("inf")), -1)
+    else:
+        eager = F.softmax(last, -1)
+    _histogram_matches(r.gm, (logits,), eager)
+
+
+def test_a_view_that_regroups_rows_is_not_a_draw_of_them():
+    """softmax over 30 columns, drawn from a (.., 15) view: another distribution per row, not fused."""
+    def regrouped(logits):
+        return torch.multinomial(F.softmax(logits, dim=-1).reshape(-1, 15), 1)
+
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(7))
+    r = rewrite(regrouped, logits, check_values=False)
+    assert not [s for s in r.report if s.kind == "sample" and s.action == "rewritten"]
+    assert "multinomial" in r.after
