@@ -1,4 +1,4 @@
-"""Hugging Face workflows through the smx backend, as the README documents them.
+"""Hugging Face workflows through the smx backend, as docs/huggingface.md documents them.
 
 * ``Trainer``: ``TrainingArguments(torch_compile_backend="smx")`` is refused by accelerate's backend enum, so
   the recipe is ``model.compile(backend="smx")`` before ``Trainer(model=model, ...)``: the losses of a few

@@ -1,7 +1,7 @@
 """Query rows whose every key is masked, by fills (``masked_fill`` / ``where``) and additive masks together, in
 any order and with any masking values: the rewritten graph gives eager's forward values, and eager's gradients
-(where fills and additive masks both mask such a row, only where the loss reads no such row: README, Known
-limits). Also a scale after a soft-cap (folded into the cap) and the cases that stay skipped.
+(where fills and additive masks both mask such a row, only where the loss reads no such row:
+docs/attention.md, "Limits"). Also a scale after a soft-cap (folded into the cap) and the cases that stay skipped.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def test_spelling_is_rewritten_and_exact(name):
     w = _randn(*first_output(fn(*args)).shape, seed=11).double()
     if name in _PADDED_QUERY_ROWS:
         # query rows whose every key is masked (left padding under a causal mask) carry no loss, as in training:
-        # torch's fused CPU attention backward differs from eager's on such rows (see README, Known limits)
+        # torch's fused CPU attention backward differs from eager's on such rows (see docs/attention.md, "Limits")
         w[1, :, :3] = 0
     check_against_gold(r, fn, args, w, tol=1e-2 if half else 1e-5)
 
