@@ -238,6 +238,85 @@ def _swap(args: argparse.Namespace, console) -> int:
     if args.list_variants or args.variant == "list":
         return _list_variants(console)
     t_start = time.perf_counter()
+    variant, params, ck, out = _swap_inputs(args)
+    device = _device(args.device)
+    progress = not args.no_progress
+
+    import smxcompile
+    from smx_app import lm
+
+    data, model, held = _open_lm(ck, args, console, device)
+    batch_size = args.batch_size
+    n_train = args.n_train or data.seq_len
+    console.rule(f"[bold]smx swap[/]: {variant.name} at the {args.where} softmax of {_escape(str(ck))}")
+    console.print(f"data: {data.corpus}, windows of {data.seq_len} tokens: {data.train.shape[0]} train, "
+                  f"{held.shape[0]} of {data.heldout.shape[0]} held-out evaluated ({held.shape[0] * (data.seq_len - 1)} "
+                  f"tokens); device {device}")
+    rows: list[dict[str, Any]] = []
+
+    def measure(stage: str, steps: int | None, note: str = "") -> dict[str, Any]:
+        r = lm.perplexity(model, held, batch_size=batch_size, progress=progress, desc=stage)
+        row = {"stage": stage, "steps": steps, "note": note, **r}
+        rows.append(row)
+        console.print(f"{stage}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f}" + (f" ({note})" if note else ""))
+        return row
+
+    try:
+        model = smxcompile.swap(model, variant.name, where=args.where, example_inputs={"input_ids": held[:1].to(device)},
+                                n_train=n_train, per_head=not args.per_site, inplace=True, **params)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        raise _UsageError(msg[len("swap: "):] if msg.startswith("swap: ") else msg) from None
+    console.print(model.smx_swap.summary(), markup=False)
+    with model.smx_swap.disabled():   # the checkpoint's own softmax at every site: the model as loaded
+        before = measure("original", None, "the checkpoint as loaded, its own softmax")
+    try:
+        measure("swapped", 0, "no training")
+    except ValueError as e:  # a parameter out of its domain shows up in the first forward
+        raise _UsageError(f"the swapped model does not run: {e}") from None
+    try:
+        losses, calib_note = _train_stages(args, model, data, variant.name, measure, console, progress=progress)
+    except FloatingPointError as e:
+        console.print(f"[red]smx swap: {_escape(str(e))}[/]")
+        return 1
+    _print_perplexity_table(console, model, variant.name, rows, before=before, windows=held.shape[0])
+
+    lm.save_lm(model, out, tokenizer_from=ck)
+    final = rows[-1]
+    command, eval_cmd = _swap_commands(args, variant.name, params, data, out)
+    results = {
+        "command": command,
+        "eval_command": eval_cmd,
+        "source": str(ck),
+        "settings": {"seq_len": data.seq_len, "corpus": data.corpus, "batch_size": batch_size, "batches": args.batches,
+                     "variant": variant.name, "where": args.where, "params": params, "n_train": n_train,
+                     "per_head": not args.per_site, "calibrate": args.calibrate, "finetune": args.finetune,
+                     "calib_lr": args.calib_lr or lm.CALIBRATE_LR, "lr": args.lr or lm.FINETUNE_LR,
+                     "seed": args.seed, "device": device},
+        "source_settings": data.settings,
+        "eval": {"windows": int(held.shape[0]), "tokens": before["tokens"], "heldout_windows": int(data.heldout.shape[0])},
+        "perplexity": {r["stage"]: {k: r[k] for k in ("loss", "ppl", "tokens", "steps")} for r in rows},
+        "final": final["stage"],
+        "final_loss": final["loss"],
+        "final_ppl": final["ppl"],
+        "calibration_note": calib_note,
+        "losses": losses,
+        "swap": model.smx_swap.manifest(),
+        "learned": _learned(model),
+        "environment": _environment(device),
+        "total_s": time.perf_counter() - t_start,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"saved: {_escape(str(out))}/ (save_pretrained: config.json with the swap manifest, model.safetensors; "
+                  "tokenizer; results.json)", soft_wrap=True)
+    console.print(f"final held-out perplexity ({final['stage']}): {final['ppl']:.3f}")
+    console.print(f"evaluate it with:\n  {eval_cmd}", soft_wrap=True, markup=False)
+    return 0
+
+
+def _swap_inputs(args: argparse.Namespace):
+    """The variant, its ``--param`` values, the checkpoint folder and the output folder, checked:
+    ``(variant, params, checkpoint, out)``; a :class:`_UsageError` for anything missing or clashing."""
     if args.variant is None:
         raise _UsageError("--variant NAME is required (smx swap --list-variants shows the names)")
     if args.checkpoint is None:
@@ -266,67 +345,43 @@ def _swap(args: argparse.Namespace, console) -> int:
         raise _UsageError(f"--out {out} exists and is not a folder")
     if lm.is_swapped(ck):
         raise _UsageError(f"{ck} holds a swapped model already (smx_swap in config.json): swap the original checkpoint")
-    device = _device(args.device)
-    progress = not args.no_progress
+    return variant, params, ck, out
 
-    import torch
 
-    import smxcompile
+def _train_stages(args: argparse.Namespace, model, data, variant: str, measure, console, *,
+                  progress: bool) -> tuple[dict[str, list[float]], str | None]:
+    """``--calibrate`` then ``--finetune``, each followed by ``measure``: ``(losses per stage, calibration note)``."""
+    from smx_app import lm
 
-    data, model, held = _open_lm(ck, args, console, device)
-    bs = args.batch_size
-    n_train = args.n_train or data.seq_len
-    console.rule(f"[bold]smx swap[/]: {variant.name} at the {args.where} softmax of {_escape(str(ck))}")
-    console.print(f"data: {data.corpus}, windows of {data.seq_len} tokens: {data.train.shape[0]} train, "
-                  f"{held.shape[0]} of {data.heldout.shape[0]} held-out evaluated ({held.shape[0] * (data.seq_len - 1)} "
-                  f"tokens); device {device}")
-    rows: list[dict[str, Any]] = []
-
-    def measure(stage: str, steps: int | None, note: str = "") -> dict[str, Any]:
-        r = lm.perplexity(model, held, batch_size=bs, progress=progress, desc=stage)
-        row = {"stage": stage, "steps": steps, "note": note, **r}
-        rows.append(row)
-        console.print(f"{stage}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f}" + (f" ({note})" if note else ""))
-        return row
-
-    try:
-        model = smxcompile.swap(model, variant.name, where=args.where, example_inputs={"input_ids": held[:1].to(device)},
-                                n_train=n_train, per_head=not args.per_site, inplace=True, **params)
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        raise _UsageError(msg[len("swap: "):] if msg.startswith("swap: ") else msg) from None
-    console.print(model.smx_swap.summary(), markup=False)
-    with model.smx_swap.disabled():   # the checkpoint's own softmax at every site: the model as loaded
-        before = measure("original", None, "the checkpoint as loaded, its own softmax")
-    try:
-        measure("swapped", 0, "no training")
-    except ValueError as e:  # a parameter out of its domain shows up in the first forward
-        raise _UsageError(f"the swapped model does not run: {e}") from None
     losses: dict[str, list[float]] = {}
     calib_note = None
-    try:
-        if args.calibrate:
-            if not lm.variant_parameters(model):
-                calib_note = (f"--calibrate {args.calibrate}: not applicable: {variant.name} has no learnable parameter "
-                              "(nothing to calibrate); going on")
-                console.print(f"[yellow]{_escape(calib_note)}[/]")
-            else:
-                n = sum(p.numel() for p in lm.variant_parameters(model))
-                losses["calibrate"] = lm.train_steps(model, data.train, steps=args.calibrate, batch_size=bs,
-                                                       lr=args.calib_lr, which="variant", seed=args.seed,
-                                                       progress=progress, desc="calibrate")
-                measure("calibrated", args.calibrate, f"{n} variant parameters trained, the model frozen")
-        if args.finetune:
-            losses["finetune"] = lm.train_steps(model, data.train, steps=args.finetune, batch_size=bs, lr=args.lr,
-                                                  which="all", seed=args.seed + 1, progress=progress, desc="fine-tune")
-            measure("fine-tuned", args.finetune, "every weight trained")
-    except FloatingPointError as e:
-        console.print(f"[red]smx swap: {_escape(str(e))}[/]")
-        return 1
+    if args.calibrate:
+        if not lm.variant_parameters(model):
+            calib_note = (f"--calibrate {args.calibrate}: not applicable: {variant} has no learnable parameter "
+                          "(nothing to calibrate); going on")
+            console.print(f"[yellow]{_escape(calib_note)}[/]")
+        else:
+            n = sum(p.numel() for p in lm.variant_parameters(model))
+            losses["calibrate"] = lm.train_steps(model, data.train, steps=args.calibrate, batch_size=args.batch_size,
+                                                 lr=args.calib_lr, which="variant", seed=args.seed,
+                                                 progress=progress, desc="calibrate")
+            measure("calibrated", args.calibrate, f"{n} variant parameters trained, the model frozen")
+    if args.finetune:
+        losses["finetune"] = lm.train_steps(model, data.train, steps=args.finetune, batch_size=args.batch_size,
+                                            lr=args.lr, which="all", seed=args.seed + 1, progress=progress,
+                                            desc="fine-tune")
+        measure("fine-tuned", args.finetune, "every weight trained")
+    return losses, calib_note
 
+
+def _print_perplexity_table(console, model, variant: str, rows: list[dict[str, Any]], *, before: dict[str, Any],
+                            windows: int) -> None:
+    """The perplexity of each stage against the original's, then the learned parameters if any trained."""
     from rich.table import Table
 
-    table = Table(title=f"held-out perplexity: {variant.name} in place of softmax ({held.shape[0]} windows, "
+    from smx_app import lm
+
+    table = Table(title=f"held-out perplexity: {variant} in place of softmax ({windows} windows, "
                   f"{before['tokens']} tokens)")
     for col, kw in (("stage", {}), ("steps", {"justify": "right"}), ("loss (nats)", {"justify": "right"}),
                     ("perplexity", {"justify": "right"}), ("vs original", {"justify": "right"}), ("", {})):
@@ -339,51 +394,33 @@ def _swap(args: argparse.Namespace, console) -> int:
         console.print("final parameters:", markup=False)
         console.print(model.smx_swap.summary(), markup=False)
 
-    # save -----------------------------------------------------------------------
-    lm.save_lm(model, out, tokenizer_from=ck)
-    final = rows[-1]
+
+def _swap_commands(args: argparse.Namespace, variant: str, params: dict[str, float], data, out: Path) -> tuple[str, str]:
+    """The ``smx swap`` command line that reproduces this run and the ``smx eval`` one that measures its output."""
     eval_cmd = ["smx", "eval", str(out)]
     if args.batches:
-        eval_cmd += ["--batches", str(args.batches), "--batch-size", str(bs)]
+        eval_cmd += ["--batches", str(args.batches), "--batch-size", str(args.batch_size)]
     if args.device != "auto":
         eval_cmd += ["--device", args.device]
-    command = ["smx", "swap", str(args.checkpoint), "--variant", variant.name, "--where", args.where]
+    command = ["smx", "swap", str(args.checkpoint), "--variant", variant, "--where", args.where]
     for k, v in params.items():
         command += ["--param", f"{k}={v:g}"]
     for flag, val in (("--n-train", args.n_train), ("--calibrate", args.calibrate), ("--finetune", args.finetune),
                       ("--lr", args.lr), ("--calib-lr", args.calib_lr), ("--batches", args.batches)):
         if val:
             command += [flag, f"{val:g}" if isinstance(val, float) else str(val)]
-    command += ["--batch-size", str(bs), "--seed", str(args.seed), "--seq-len", str(data.seq_len),
+    command += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--seq-len", str(data.seq_len),
                 "--corpus", data.corpus, "--out", str(out)] + (["--per-site"] if args.per_site else [])
-    results = {
-        "command": shlex.join(command),
-        "eval_command": shlex.join(eval_cmd),
-        "source": str(ck),
-        "settings": {"seq_len": data.seq_len, "corpus": data.corpus, "batch_size": bs, "batches": args.batches,
-                     "variant": variant.name, "where": args.where, "params": params, "n_train": n_train,
-                     "per_head": not args.per_site, "calibrate": args.calibrate, "finetune": args.finetune,
-                     "calib_lr": args.calib_lr or lm.CALIBRATE_LR, "lr": args.lr or lm.FINETUNE_LR,
-                     "seed": args.seed, "device": device},
-        "source_settings": data.settings,
-        "eval": {"windows": int(held.shape[0]), "tokens": before["tokens"], "heldout_windows": int(data.heldout.shape[0])},
-        "perplexity": {r["stage"]: {k: r[k] for k in ("loss", "ppl", "tokens", "steps")} for r in rows},
-        "final": final["stage"],
-        "final_loss": final["loss"],
-        "final_ppl": final["ppl"],
-        "calibration_note": calib_note,
-        "losses": losses,
-        "swap": model.smx_swap.manifest(),
-        "learned": _learned(model),
-        "environment": {"torch": torch.__version__, "smxcompile": smxcompile.__version__, "device": device},
-        "total_s": time.perf_counter() - t_start,
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"saved: {_escape(str(out))}/ (save_pretrained: config.json with the swap manifest, model.safetensors; "
-                  "tokenizer; results.json)", soft_wrap=True)
-    console.print(f"final held-out perplexity ({final['stage']}): {final['ppl']:.3f}")
-    console.print(f"evaluate it with:\n  {shlex.join(eval_cmd)}", soft_wrap=True, markup=False)
-    return 0
+    return shlex.join(command), shlex.join(eval_cmd)
+
+
+def _environment(device: str) -> dict[str, str]:
+    """The versions and device recorded in ``results.json``."""
+    import torch
+
+    import smxcompile
+
+    return {"torch": torch.__version__, "smxcompile": smxcompile.__version__, "device": device}
 
 
 def _eval_cmd(args: argparse.Namespace) -> int:

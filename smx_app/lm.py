@@ -1,25 +1,10 @@
-"""Language-model checkpoints: load / save, evaluation data, perplexity, calibration of variant parameters by
-short fine-tuning, attention statistics. What ``smx swap`` / ``smx eval`` (and benchmarks/eval_variants.py) run
-on a (swapped) causal language model.
+"""Causal language-model checkpoints for ``smx swap`` / ``smx eval`` (and benchmarks/eval_variants.py): load and
+save (:func:`load_lm`, :func:`save_lm`; a swapped model through :func:`smxcompile.from_pretrained`), the demo's
+windows rebuilt with the checkpoint's tokenizer (:func:`lm_data`), :func:`perplexity`, AdamW steps on every weight
+or on the variant's parameters alone (:func:`train_steps`) and the swapped sites' :func:`attention_stats`.
 
-A checkpoint is a folder that ``transformers`` loads (``config.json`` + ``model.safetensors`` +
-``tokenizer.json``), e.g. the ``checkpoint/`` folder ``smx demo`` saves, or the folder ``smx swap``
-writes (a model swapped by :func:`smxcompile.swap`, saved with ``save_pretrained``).
-
-* :func:`checkpoint_dir` / :func:`load_lm` / :func:`save_lm`: find and load one (a swapped one is
-  restored with :func:`smxcompile.from_pretrained`) in eval mode with eager attention; save one.
-* :func:`lm_data`: its training and held-out windows, rebuilt as ``smx demo`` built them
-  (:func:`smx_app.demo.load_corpus`, ``make_windows``, ``split_windows``: every
-  ``demo.EVAL_EVERY``-th window held out) with the checkpoint's own tokenizer and the demo's
-  ``results.json`` settings (window length, corpus).
-* :func:`perplexity`: held-out next-token loss and perplexity.
-* :func:`train_steps`: AdamW steps on all weights, or on the swapped variant's parameters only
-  (``which="variant"``: the *calibration* of a variant, the rest of the model frozen).
-* :func:`attention_stats`: entropy, attention-sink mass, row sums and zero fraction of the swapped
-  sites' weights (or, ``baseline=True``, of the original softmax at the same sites).
-
-Every function takes ``progress=`` (a tqdm bar on stderr). Heavy imports (transformers, tokenizers)
-happen inside the functions.
+A checkpoint is a folder ``transformers`` loads (``config.json``, ``model.safetensors``, ``tokenizer.json``), such
+as ``smx demo``'s ``checkpoint/``. Heavy imports (transformers, tokenizers) happen inside the functions.
 """
 
 from __future__ import annotations
@@ -82,22 +67,12 @@ def is_swapped(folder: str | Path) -> bool:
 
 
 def load_lm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """Load a causal language model from a checkpoint folder, in eval mode, with eager attention.
-
-    Args:
-        path: a checkpoint folder or the ``smx demo --out`` folder above it (see :func:`checkpoint_dir`).
-        device: where the weights go.
-
-    Returns:
-        A ``transformers`` causal LM (fp32 as saved). A swapped model (``smx_swap.json`` or
-        ``config.json``'s ``smx_swap``) is restored by ``smxcompile.from_pretrained(AutoModelForCausalLM,
-        folder)``: same variants, same learned parameters, ``model.smx_swap`` set; any other by
-        ``AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")``.
+    """A causal LM from a checkpoint folder (or the ``smx demo --out`` folder above it), in eval mode on ``device``,
+    with eager attention; a swapped one through ``smxcompile.from_pretrained(AutoModelForCausalLM, folder)``.
 
     Raises:
         FileNotFoundError: not a checkpoint (:func:`checkpoint_dir`), or no weights.
         smxcompile.variants.UnknownVariantError: a swapped model whose variant is not registered here.
-        Errors of ``transformers`` (an unknown architecture, corrupt files) propagate.
     """
     from transformers import AutoModelForCausalLM
 
@@ -113,10 +88,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
 
 
 def save_lm(model: nn.Module, folder: str | Path, *, tokenizer_from: str | Path | None = None) -> Path:
-    """Save a (swapped) ``transformers`` model with ``model.save_pretrained(folder)`` (safetensors; a
-    swapped model's ``config.json`` carries the swap manifest) and copy the tokenizer files
-    (:data:`TOKENIZER_FILES` that exist) from the checkpoint folder ``tokenizer_from``. Returns ``folder``
-    (created if needed); :func:`load_lm` loads it back.
+    """``model.save_pretrained(folder)`` (a swapped model's ``config.json`` carries the manifest), plus the
+    :data:`TOKENIZER_FILES` of the checkpoint folder ``tokenizer_from``; returns ``folder``.
 
     Raises:
         FileNotFoundError: ``tokenizer_from`` is given but holds no ``tokenizer.json``.
@@ -138,12 +111,8 @@ def save_lm(model: nn.Module, folder: str | Path, *, tokenizer_from: str | Path 
 
 
 def demo_settings(folder: str | Path) -> tuple[dict[str, Any], Path | None]:
-    """The ``settings`` of the ``results.json`` that describes a checkpoint, and that file.
-
-    Looks in the checkpoint folder itself (``smx swap`` writes it there), then in its parent (``smx demo``
-    writes ``OUT/results.json`` next to ``OUT/checkpoint``). Only a file whose ``settings`` has
-    ``seq_len`` counts. Returns ``({}, None)`` when there is none; raises nothing.
-    """
+    """The ``settings`` of the ``results.json`` describing a checkpoint (in its folder, as ``smx swap`` writes it, or
+    in the parent, as ``smx demo`` does; only one with ``seq_len`` counts), and that file; ``({}, None)`` if none."""
     folder = Path(folder)
     for cand in (folder / "results.json", folder.parent / "results.json"):
         if cand.is_file():
@@ -158,18 +127,12 @@ def demo_settings(folder: str | Path) -> tuple[dict[str, Any], Path | None]:
 
 @dataclasses.dataclass
 class LMData:
-    """The windows of a checkpoint's corpus, as ``smx demo`` cut them.
+    """The windows of a checkpoint's corpus, as ``smx demo`` cut them (tensors shared with a cache: do not modify).
 
     Attributes:
-        train: int64 ``[N, T]`` token ids, the training windows (``T = seq_len``).
-        heldout: int64 ``[M, T]``, every ``smx_app.demo.EVAL_EVERY``-th window (never trained on).
-        seq_len: ``T``. corpus: the demo corpus name (``"topics"`` or ``"topics+docstrings"``).
-        tokenizer: the ``tokenizer.json`` used. vocab_size: its vocabulary size.
-        settings: the demo's (or ``smx swap``'s) ``results.json`` settings, ``{}`` when there was none.
-        results: that ``results.json``, or None. guessed: what had to be guessed (one sentence each;
-            also issued as a ``UserWarning``).
-
-    The tensors are shared with a cache (equal calls return the same tensors): do not modify them in place.
+        train: int64 ``[N, T]`` training windows. heldout: int64 ``[M, T]``, every ``demo.EVAL_EVERY``-th window.
+        settings: the ``results.json`` settings (``{}`` when none). results: that file, or None.
+        guessed: what had to be guessed (also issued as a ``UserWarning``).
     """
 
     train: torch.Tensor
@@ -202,20 +165,13 @@ def _n_positions(folder: Path) -> int | None:
 def lm_data(checkpoint: str | Path, *, seq_len: int | None = None, corpus: str | None = None) -> LMData:
     """Rebuild a checkpoint's training and held-out windows with its own tokenizer.
 
-    Args:
-        checkpoint: a checkpoint folder or the ``smx demo --out`` folder above it.
-        seq_len: the window length; default: ``settings.seq_len`` of the ``results.json`` next to the
-            checkpoint (:func:`demo_settings`), else the model's ``n_positions`` (a guess: warned).
-        corpus: a corpus of :func:`smx_app.demo.load_corpus`; default: ``settings.corpus`` of that
-            file, else the demo's default corpus (a guess: warned).
-
-    Returns:
-        :class:`LMData` (int64 windows on the CPU).
+    ``seq_len`` and ``corpus`` default to the settings of :func:`demo_settings`, else (a guess, warned) the model's
+    ``n_positions`` and the demo's default corpus.
 
     Raises:
         FileNotFoundError: not a checkpoint, or no ``tokenizer.json`` in it.
-        ValueError: an unknown corpus, a window length below 2 or above the model's ``n_positions``, a
-            corpus shorter than one window, or no held-out window (fewer than ``EVAL_EVERY`` windows).
+        ValueError: an unknown corpus, a window length below 2 or above ``n_positions``, a corpus shorter than one
+            window, or no held-out window.
     """
     from tokenizers import Tokenizer
 
@@ -306,23 +262,13 @@ def _batches(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 
 def perplexity(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, progress: bool = True,
                desc: str = "perplexity") -> dict[str, float]:
-    """Mean next-token loss and perplexity of a causal LM over ``windows``.
+    """Mean next-token loss and perplexity of a causal LM over int64 ``windows`` ``[M, T]`` (``T >= 2``).
 
-    Each window of ``T`` tokens gives ``T - 1`` predictions (token ``t`` from tokens ``< t``), as
-    ``model(input_ids=w, labels=w)`` scores it. The logits are cast to fp64 and the NLL summed in fp64
-    over every token of every window, so the result does not depend on ``batch_size`` beyond the
-    model's own fp32 rounding (~1e-7 relative). Runs under ``torch.no_grad`` in eval mode (the
-    model's training flag is restored), on the model's device.
-
-    Args:
-        model: a causal LM called as ``model(input_ids=ids).logits`` -> ``[B, T, V]``.
-        windows: int64 ``[M, T]`` token ids (``T >= 2``), e.g. ``lm_data(ck).heldout``; on any device.
-        batch_size: windows per forward call.
-        progress: a tqdm bar (stderr). desc: its label.
+    Each window gives ``T - 1`` predictions; the NLL is summed in fp64, so the result does not depend on
+    ``batch_size`` beyond the model's own rounding. Runs under ``no_grad`` in eval mode (restored afterwards).
 
     Returns:
-        ``{"loss": mean NLL in nats per token (float), "ppl": exp(loss), "tokens": M * (T - 1),
-        "windows": M}``.
+        ``{"loss": nats per token, "ppl": exp(loss), "tokens": M * (T - 1), "windows": M}``.
 
     Raises:
         ValueError: ``windows`` not a non-empty 2-D integer tensor with ``T >= 2``; a bad ``batch_size``.
@@ -360,36 +306,24 @@ def variant_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def train_steps(model: nn.Module, windows: torch.Tensor, *, steps: int, batch_size: int = 8, lr: float | None = None,
                 which: str = "all", seed: int = 0, progress: bool = True, desc: str | None = None) -> list[float]:
-    """Train ``model`` in place: ``steps`` AdamW steps of the causal-LM loss on batches of ``windows``.
-
-    Each step draws ``batch_size`` windows in the seeded order of :func:`smx_app.demo.make_batches`
-    (each epoch reshuffled) and minimizes ``model(input_ids=b, labels=b).loss`` (mean next-token NLL,
-    as ``smx demo`` trains), in train mode (restored afterwards), on the model's device.
+    """Train ``model`` in place: ``steps`` AdamW steps of ``model(input_ids=b, labels=b).loss`` on batches of
+    ``windows`` drawn as :func:`smx_app.demo.make_batches` draws them, in train mode (restored afterwards).
 
     Args:
-        model: a causal LM (``transformers``), swapped or not.
-        windows: int64 ``[N, T]`` training windows (e.g. ``lm_data(ck).train``).
-        steps: number of optimizer steps (0: nothing happens, ``[]`` is returned).
-        batch_size: windows per step.
-        lr: AdamW learning rate; default :data:`CALIBRATE_LR` (1e-2) for ``which="variant"``,
-            :data:`FINETUNE_LR` (1e-4) for ``"all"``.
-        which: ``"all"``: every parameter that requires grad (the variants' included); ``"variant"``:
-            only the swapped variants' learnable parameters (``model.smx_swap``), the rest frozen
-            for the run (every ``requires_grad`` flag is restored afterwards): the calibration of a
-            variant to a model pretrained with softmax. Weight decay :data:`WEIGHT_DECAY` on the
-            model's weights, none on the variants' parameters.
-        seed: seed of the batch order.
-        progress: a tqdm bar (stderr) showing the loss. desc: its label.
+        windows: int64 ``[N, T]`` training windows. steps: optimizer steps (0: ``[]``). batch_size: windows per step.
+        lr: default :data:`CALIBRATE_LR` for ``which="variant"``, :data:`FINETUNE_LR` for ``"all"``.
+        which: ``"all"``: every parameter that requires grad; ``"variant"``: only the swapped variants' learnable
+            parameters, the rest frozen for the run (the calibration of a variant). Weight decay
+            :data:`WEIGHT_DECAY` on the model's weights, none on the variants' parameters.
+        seed: seed of the batch order. progress: a tqdm bar showing the loss. desc: its label.
 
     Returns:
-        The loss of each step (floats, before that step's update).
+        The loss of each step (before that step's update).
 
     Raises:
-        ValueError: a bad ``which`` / ``steps`` / ``batch_size`` / ``lr`` / ``windows``; ``which="variant"``
-            on a model without learnable variant parameters (not swapped, or a parameter-free variant
-            such as sparsemax); ``which="all"`` with nothing that requires grad.
-        FloatingPointError: the loss became NaN or infinite (the step is reported; the weights are
-            those after the previous step's update).
+        ValueError: a bad ``which`` / ``steps`` / ``batch_size`` / ``lr`` / ``windows``; ``which="variant"`` on a
+            model without learnable variant parameters; ``which="all"`` with nothing that requires grad.
+        FloatingPointError: a NaN or infinite loss (the weights are those after the previous step).
     """
     from . import demo
 
@@ -403,85 +337,81 @@ def train_steps(model: nn.Module, windows: torch.Tensor, *, steps: int, batch_si
         lr = CALIBRATE_LR if which == "variant" else FINETUNE_LR
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    vparams = variant_parameters(model)
-    vids = {id(p) for p in vparams}
+    variant_params = variant_parameters(model)
+    variant_ids = {id(p) for p in variant_params}
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    if which == "variant":
-        if not vparams:
-            raise ValueError("which='variant': the model has no learnable variant parameter (it is not swapped, or "
-                             "its variant has no learnable parameter, e.g. sparsemax): nothing to calibrate")
-        groups = [{"params": vparams, "weight_decay": 0.0}]
-    else:
-        own = [p for p, f in flags if f and id(p) not in vids]
-        var = [p for p in vparams if p.requires_grad]
-        if not own and not var:
-            raise ValueError("which='all': no parameter of the model requires grad")
-        groups = [g for g in ({"params": own, "weight_decay": WEIGHT_DECAY}, {"params": var, "weight_decay": 0.0})
-                  if g["params"]]
+    groups = _param_groups(which, variant_params, [p for p, trainable in flags if trainable and id(p) not in variant_ids])
     if steps == 0:
         return []
-    dev = _device(model)
     batches = demo.make_batches(windows, steps, batch_size, seed)
-    was = model.training
-    losses: list[float] = []
+    was_training = model.training
     try:
         if which == "variant":
             for p, _ in flags:
-                p.requires_grad_(id(p) in vids)
-        opt = torch.optim.AdamW(groups, lr=float(lr))
+                p.requires_grad_(id(p) in variant_ids)
+        optimizer = torch.optim.AdamW(groups, lr=float(lr))
         model.train()
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=steps, desc=desc or ("calibrate" if which == "variant" else "fine-tune"), leave=False,
-                       dynamic_ncols=True)
-        try:
-            for i, b in enumerate(batches):
-                b = b.to(dev, torch.long)
-                loss = model(input_ids=b, labels=b).loss
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"the training loss is {value} at step {i + 1} of {steps} (lr {lr:g}); "
-                                             "try a smaller learning rate")
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(value)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{value:.4f}")
-        finally:
-            if bar is not None:
-                bar.close()
+        return _optimizer_steps(model, optimizer, batches, lr=float(lr), progress=progress,
+                                desc=desc or ("calibrate" if which == "variant" else "fine-tune"))
     finally:
-        for p, f in flags:
-            p.requires_grad_(f)
-        for g in groups:
-            for p in g["params"]:
+        for p, trainable in flags:
+            p.requires_grad_(trainable)
+        for group in groups:
+            for p in group["params"]:
                 p.grad = None
-        model.train(was)
+        model.train(was_training)
+
+
+def _param_groups(which: str, variant_params: list[nn.Parameter], own: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """AdamW groups for :func:`train_steps`: the model's own trainable weights with weight decay, the variants' without."""
+    if which == "variant":
+        if not variant_params:
+            raise ValueError("which='variant': the model has no learnable variant parameter (it is not swapped, or "
+                             "its variant has no learnable parameter, e.g. sparsemax): nothing to calibrate")
+        return [{"params": variant_params, "weight_decay": 0.0}]
+    variant_trainable = [p for p in variant_params if p.requires_grad]
+    if not own and not variant_trainable:
+        raise ValueError("which='all': no parameter of the model requires grad")
+    return [g for g in ({"params": own, "weight_decay": WEIGHT_DECAY},
+                        {"params": variant_trainable, "weight_decay": 0.0}) if g["params"]]
+
+
+def _optimizer_steps(model: nn.Module, optimizer, batches: list[torch.Tensor], *, lr: float, progress: bool,
+                     desc: str) -> list[float]:
+    """One optimizer step per batch on the model's device; the losses, with a tqdm bar when ``progress``."""
+    device = _device(model)
+    losses: list[float] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(batches), desc=desc, leave=False, dynamic_ncols=True)
+    try:
+        for i, batch in enumerate(batches):
+            batch = batch.to(device, torch.long)
+            loss = model(input_ids=batch, labels=batch).loss
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"the training loss is {value} at step {i + 1} of {len(batches)} (lr {lr:g}); "
+                                         "try a smaller learning rate")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(value)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.4f}")
+    finally:
+        if bar is not None:
+            bar.close()
     return losses
 
 
 def attention_stats(model: nn.Module, windows: torch.Tensor, *, batch_size: int = 8, baseline: bool = False,
                     progress: bool = False) -> dict[str, float]:
-    """Statistics of the attention weights at a swapped model's sites over ``windows`` (all sites together).
-
-    Runs the model (eager, ``torch.no_grad``, eval mode) inside ``model.smx_swap.collecting()``; with
-    ``baseline=True`` also inside ``model.smx_swap.disabled()``: the same sites computed by the model's
-    original softmax (same weights), for comparison. Collecting costs about one extra forward's worth of
-    fp64 work per batch: pass a few batches' worth of windows.
-
-    Args:
-        model: a model swapped by :func:`smxcompile.swap` (or loaded by :func:`load_lm` from a swapped checkpoint).
-        windows: int64 ``[M, T]`` token ids. batch_size: windows per forward. progress: a tqdm bar.
-
-    Returns:
-        ``{"rows": number of weight rows (float), "entropy": mean entropy in nats of each row's weights
-        divided by their sum, "sink_mass": mean weight on the first key, "rowsum": mean row sum (1 for
-        softmax), "zero_fraction": share of unmasked weights that are exactly 0}`` (the ``"all"`` entry
-        of :meth:`smxcompile.edit.swap.Swapper.stats`).
+    """Statistics of the attention weights at a swapped model's sites over ``windows`` (all sites together): the
+    ``"all"`` entry of :meth:`smxcompile.edit.swap.Swapper.stats`, collected eagerly under ``no_grad``; with
+    ``baseline=True``, of the model's original softmax at the same sites.
 
     Raises:
         ValueError: ``model`` is not swapped; bad ``windows`` / ``batch_size``.

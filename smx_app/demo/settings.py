@@ -1,6 +1,5 @@
 """``smx demo`` settings: its options (``add_arguments``), their defaults for the full run and for
-``--quick``, the tolerances of the agreement check and how they were sized, and the command line that
-reproduces a run."""
+``--quick``, the tolerances of the agreement check, and the command line that reproduces a run."""
 
 from __future__ import annotations
 
@@ -13,13 +12,8 @@ from typing import Any
 from ..argtypes import positive_float, positive_int
 from .data import CORPORA
 
-#: Settings of the full run: a 32K BPE head (Llama / Mistral size) and 2048-token windows, where the rewrites
-#: matter: the attention blocks run torch's fused kernel and the LM head + loss is cut cross-entropy (the
-#: measured CPU policy), a faster step than Inductor's with a lower peak. The whole demo (three backends,
-#: cold compile caches, 2 CPU cores) stays near 5 minutes; figures in docs/PERFORMANCE.md. Batch 1 and 40
-#: steps: only the first 20 are held to the strict per-step tolerance (``strict_steps``), because with one
-#: 2048-token window per step two correct fp32 runs drift apart sooner than with the small configuration
-#: (Inductor vs eager: 1.3e-4 relative at step 40).
+#: Settings of the full run: a 32K BPE head and 2048-token windows, where the rewrites matter; why: docs/PERFORMANCE.md,
+#: "`smx demo`: why the default run is 2048 tokens, batch 1, 40 steps".
 DEFAULTS: dict[str, Any] = dict(
     steps=40,
     batch_size=1,
@@ -62,31 +56,7 @@ QUICK: dict[str, Any] = dict(
     strict_steps=40,
 )
 
-#: How the agreement check was sized (fp32, CPU, the default model; measured with
-#: seed 0, see docs/PERFORMANCE.md).
-#:
-#: Gradients of step 1 (identical weights, identical batch) are the sharpest test
-#: of a kernel: per parameter tensor, ||g - g_eager|| / ||g_eager|| was at most 7e-7
-#: for Inductor, while deliberately broken attention softmaxes gave: temperature
-#: off by 0.1%: 5e-5; off by 1%: 5e-4; output rounded to bf16: 4e-4; backward
-#: rounded to bf16: 7e-5; backward correction term off by 1%: 4e-4. The loss
-#: alone barely sees these at step 1 (<= 6e-7: at random init attention is nearly
-#: uniform), hence DEFAULT_GRAD_TOLERANCE = 1e-5, 14x above the noise, 5x below
-#: the smallest of those bugs.
-#:
-#: Losses along the run: two fp32 runs that differ only in reduction
-#: order (eager vs Inductor) stay within ~1e-6 relative for the first ~60 steps;
-#: after that training's chaos amplifies the rounding difference about 10x every
-#: 10-15 steps (1e-4 at step ~95, 1e-3 at step ~110), so no fixed per-step bound
-#: works for a whole long run. Deliberately broken attention softmaxes, run through
-#: the same 40 steps, moved the loss by at most: temperature off by 0.1%: 3e-4;
-#: off by 1%: 5e-3; output rounded to bf16: 4e-3; backward correction term off by
-#: 1%: 2e-2 (a backward with bf16 rounding: 5e-5, below the bound); the worst
-#: Inductor step in that window was 7e-6 (one batch, step 19, where the bugs peak
-#: too). Hence: steps 1..DEFAULT_STRICT_STEPS must agree within DEFAULT_TOLERANCE
-#: (14x above the noise, 3x-200x below those bugs); later steps are chaotic, so only their
-#: mean (last LATE_WINDOW steps) and the held-out loss are checked, within
-#: DEFAULT_LATE_TOLERANCE (a broken or diverging run, not a rounding difference).
+#: The agreement check's bounds: docs/PERFORMANCE.md, "`smx demo`: how the agreement check was sized".
 DEFAULT_TOLERANCE = 1e-4
 DEFAULT_GRAD_TOLERANCE = 1e-5
 DEFAULT_STRICT_STEPS = 40

@@ -1,44 +1,14 @@
 """Post-training quantization of softmax outputs, with an offline bias correction.
 
-``smxcompile.quantize_softmax(model, calibration_data)`` returns a model whose chosen softmaxes
-(attention probabilities by default) produce quantized-then-dequantized values: the standard
-quantize / dequantize pair of PyTorch 2 export quantization
-(``torch.ops.quantized_decomposed.quantize_per_tensor`` -> ``dequantize_per_tensor`` or
-``dequantize_per_channel``), so eager PyTorch, Inductor, ``torch.export`` and the ``smx`` backend
-(which lowers the pair to ``smx::quant_softmax``) all see the same graph.
-
-Why a correction. Uniform quantization of a softmax output (8-bit: step ``1/255``) rounds the many
-tiny probabilities of a long row to zero, so a quantized row sums to less than one: a systematic
-*bias*, not noise ("Softmax Bias Correction for Quantized Generative Models", Pandey, Fournarakis,
-Patel, Nagel, 2023). The correction is measured offline on calibration data. Two forms:
-
-* ``"offset"`` (default; the paper's additive form): ``p_hat + beta`` with ``beta = E[p - p_hat]``
-  per unmasked probability, i.e. the expected quantization error, folded into the dequantization
-  offset (clamped at 0: where rounding adds mass on average, subtracting would make the
-  probabilities quantized to zero negative). Adding ``beta`` to *every* entry, as a plain float zero point would, gives masked
-  positions (a causal mask's future tokens, padding) probability mass, so it is added only where
-  the softmax input is not masked (above half its dtype's lowest value: ``-inf`` and ``finfo.min``
-  masks are excluded). That costs one elementwise step fused into the dequantization (it reads
-  the mask), not a pass of its own.
-* ``"scale"``: the dequantization scale becomes ``scale * gamma`` with
-  ``gamma = E[sum(p)] / E[sum(p_hat)]``: an ordinary QDQ pair (ONNX ``DequantizeLinear`` with a
-  float scale, per head on ``axis=1``) at exactly zero run-time cost, and zero codes (masked
-  positions) stay zero. It moves the lost mass onto the large probabilities instead of the small
-  ones it came from, and measured worse than no correction at 4 bits (docs/PERFORMANCE.md).
-
-Granularity: one correction per site (``"tensor"``), per attention head (``"head"``, default: the
-probabilities of a 4-D site ``(batch, heads, queries, keys)`` with the softmax over the last dim)
-or per head and query position (``"position"``: absolute position ``keys - queries + i``, so a
-KV-cache decode step uses the entry of its position; positions past the calibrated length use the
-last one). docs/PERFORMANCE.md ("Quantized softmax") records how each does on the demo checkpoints.
-
-How sites are found in the eager model. :func:`smxcompile.explain` names every softmax site by
-``(module, index)``: the innermost ``nn.Module`` whose ``forward`` makes the ``softmax`` call and
-the position of the call among that forward's softmax calls. ``quantize_softmax`` installs forward
-hooks on every submodule (a stack of module names) and a ``TorchFunctionMode`` while the model
-runs; each ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` / ``nn.Softmax`` call is named
-the same way and, when it is a quantized site, followed by the QDQ pair. Dynamo traces the hooks
-and the mode, so ``torch.compile`` sees the QDQ pairs in its graph.
+``smxcompile.quantize_softmax(model, calibration_data)`` returns a model whose chosen softmaxes (attention
+probabilities by default) produce quantized-then-dequantized values through PyTorch 2 export's QDQ ops
+(``quantized_decomposed.quantize_per_tensor`` -> ``dequantize_per_tensor`` / ``dequantize_per_channel``), so
+eager, Inductor, ``torch.export`` and the ``smx`` backend (which lowers the pair to ``smx::quant_softmax``) see
+the same graph. The correction ("Softmax Bias Correction for Quantized Generative Models", Pandey et al., 2023)
+restores the mass rounding takes from a row: ``"offset"`` (default) adds ``beta = E[p - p_hat]`` at unmasked
+entries, ``"scale"`` multiplies the dequantization scale by ``E[sum p] / E[sum p_hat]``; one value per site, head
+or head and query position. Sites are named and intercepted as in :mod:`smxcompile.edit.sites`; docs/DESIGN.md,
+"Quantized softmax", gives the method and docs/PERFORMANCE.md the measurements.
 """
 
 from __future__ import annotations
@@ -260,72 +230,36 @@ _mkey = module_key
 def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits: int = 8, where: Any = "attention",
                      correction: bool | str = True, granularity: str = "head", dtype: torch.dtype = torch.uint8,
                      observer: str = "unit", inplace: bool = False, progress: bool = True) -> nn.Module:
-    """Quantize the softmax outputs of ``model`` after calibrating them, with the bias correction.
-
-    Method: "Softmax Bias Correction for Quantized Generative Models" (Pandey et al., 2023); see
-    the module docstring of :mod:`smxcompile.edit.quantize` for the two correction forms.
+    """Quantize the softmax outputs of ``model`` after calibrating them, with the bias correction (Pandey et al.,
+    2023; the two forms: the module docstring).
 
     Args:
-        model: an ``nn.Module`` (e.g. a ``transformers`` model built with ``attn_implementation="eager"``:
-            the softmax must be a call the model makes, not inside ``F.scaled_dot_product_attention``).
-        calibration_data: an iterable of batches, each a tuple of positional arguments, a dict of
-            keyword arguments, or a single tensor for ``model(...)``. Materialized as a list and run
-            three times: the first batch to name the sites, all of them for the range, all for the bias.
-        bits: code width, 2..8; codes are stored in ``dtype``.
-        where: ``"attention"`` (attention probabilities, found by :func:`smxcompile.explain`),
-            ``"output"`` (the softmax calls that are not attention),
-            ``"all"`` (every softmax call), a predicate ``f(site: smxcompile.Site) -> bool``, or a list
-            of site keys (``"transformer.h.0.attn#0"``).
-        correction: ``True`` / ``"offset"`` (the paper's additive correction on unmasked entries),
-            ``"scale"`` (multiplicative, folded exactly into the dequantization scale), ``False``
-            (the uncorrected baseline).
-        granularity: ``"head"`` (one correction per attention head where the site has heads),
-            ``"position"`` (per head and query position) or ``"tensor"`` (one per site).
-        dtype: ``torch.uint8`` (codes ``0..2^bits-1``) or ``torch.int8`` (``-2^(bits-1)..2^(bits-1)-1``).
-        observer: the quantization step. ``"unit"`` (default): ``1 / (2^bits - 1)``, the codes cover
-            [0, 1] and nothing ever clips. ``"minmax"``: the largest probability seen in calibration
-            over the code range: finer steps when no calibration row is peaked, but a larger
-            probability at run time (e.g. shorter sequences than calibrated) is clipped to it.
-        inplace: change ``model`` itself instead of a deep copy.
-        progress: show tqdm progress bars.
+        model: an ``nn.Module`` whose softmax is a call it makes (``transformers``: ``attn_implementation="eager"``).
+        calibration_data: an iterable of batches (a tuple of positional arguments, a dict of keyword arguments or
+            a tensor each); materialized and run three times: the first batch names the sites, all of them set
+            the range, all measure the bias.
+        bits: code width, 2..8, codes stored in ``dtype`` (``torch.uint8``: ``0..2^bits-1``, ``torch.int8``: signed).
+        where: ``"attention"`` (attention probabilities, found by :func:`smxcompile.explain`), ``"output"`` (the
+            other softmax calls), ``"all"``, a predicate ``f(site: smxcompile.Site) -> bool``, or a list of keys.
+        correction: ``True`` / ``"offset"`` (additive, on unmasked entries), ``"scale"`` (folded into the
+            dequantization scale), ``False`` (the uncorrected baseline).
+        granularity: ``"head"`` (per attention head where the site has heads), ``"position"`` (per head and query
+            position) or ``"tensor"`` (one per site).
+        observer: ``"unit"``: step ``1 / (2^bits - 1)``, codes cover [0, 1] and nothing clips; ``"minmax"``: the
+            largest calibration probability over the code range (finer, but a larger probability later clips).
+        inplace: change ``model`` itself instead of a deep copy. progress: tqdm progress bars.
 
     Returns:
-        The model (a deep copy unless ``inplace``) with ``model.smx_softmax_quant``, a
-        :class:`SoftmaxQuantizer` (``.summary()``, ``.stats()``, ``.disabled()``, ``.sites``).
-        Shapes and dtypes of every output are unchanged; the quantized sites return
-        ``dequantize(quantize(softmax(x)))`` in the softmax's dtype. Inference only: the QDQ pair has
-        no gradient.
+        The model with ``model.smx_softmax_quant`` (a :class:`SoftmaxQuantizer`); the quantized sites return
+        ``dequantize(quantize(softmax(x)))`` in the softmax's dtype and shape. Inference only: no gradient.
 
     Raises:
-        ValueError: empty calibration data, bad ``bits`` / ``dtype`` / ``correction`` /
-            ``granularity`` / ``where``, a model already quantized, or no softmax site selected (the
-            message lists the sites found and why each was left out).
+        ValueError: empty calibration data, a bad argument, a model already quantized or swapped, or no softmax
+            site selected (the message lists the sites found and why each was left out).
         RuntimeError: at run time, a quantized site called with a layout it was not calibrated on.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(getattr(model, QUANT_ATTR, None), SoftmaxQuantizer):
-        raise ValueError("model is already quantized by smxcompile.quantize_softmax (see model.smx_softmax_quant)")
-    if getattr(model, SWAP_ATTR, None) is not None:
-        raise ValueError("quantize_softmax: the model's softmax is swapped (model.smx_swap); quantizing a swapped "
-                         "model is not supported")
-    qmin, qmax = quant_range(bits, dtype)
-    if correction is True:
-        method: str | None = "offset"
-    elif correction is False or correction is None:
-        method = None
-    elif correction in CORRECTIONS:
-        method = correction
-    else:
-        raise ValueError(f"correction must be True, False or one of {CORRECTIONS}, got {correction!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if observer not in ("unit", "minmax"):
-        raise ValueError(f"observer must be 'unit' or 'minmax', got {observer!r}")
-    if not (where in ("attention", "output", "all") or callable(where)
-            or (isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in where))):
-        raise ValueError(f"where must be 'attention', 'output', 'all', a predicate over smxcompile.Site or a list of site keys, "
-                         f"got {where!r}")
+    method = _check_quantize_args(model, bits=bits, where=where, correction=correction, granularity=granularity,
+                                  dtype=dtype, observer=observer)
     if isinstance(calibration_data, (torch.Tensor, Mapping, str)):
         raise ValueError("calibration_data must be an iterable of batches (a list of tuples, dicts or tensors); "
                          f"got a single {type(calibration_data).__name__}: wrap it in a list")
@@ -352,57 +286,9 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         if not quantizer.seen:
             raise ValueError("no softmax call found in the model's forward. transformers models: build or load them "
                              "with attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")
-        chosen, skipped = select_sites(where, quantizer.seen, named, already={
-            "quant_softmax": "the model already quantizes it (kind quant_softmax); select it by key or with "
-                             "where='all' to calibrate the correction of its own quantizer"})
-        quantizer.skipped = skipped
-        if not chosen:
-            found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
-            hint = (" Dynamo split the model at a graph break (print, .item(), output_attentions=True ...), so the "
-                    "traced graph does not name every site: pass where='all' or a list of these site keys."
-                    if split_note else "")
-            raise ValueError(f"quantize_softmax: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
-        for key in list(chosen):
-            if quantizer.seen[key]["dim"] is None:
-                chosen.remove(key)
-                quantizer.skipped[key] = "softmax without dim= (implicit dim)"
-        if not chosen:
-            raise ValueError("quantize_softmax: no softmax site with an explicit dim was selected")
-        for key in list(chosen):
-            info = quantizer.seen[key]
-            kind = named[key].kind if key in named else "unclassified"
-            user = info.get("user_q")
-            if user is not None and "unsupported" in user:
-                chosen.remove(key)
-                quantizer.skipped[key] = f"the model quantizes it itself ({user['unsupported']})"
-                continue
-            quantizer._sites[_mkey(key)] = QuantSite(key, kind, bits, dtype, method, granularity, info["ndim"],
-                                                     info["dim"], info["heads"], positions=info["shape"][-1] if info["ndim"] else 1)
-            if user is not None:
-                quantizer._sites[_mkey(key)].use_quantizer(user)
-        if not quantizer._sites:
-            raise ValueError("quantize_softmax: no softmax site left to quantize: "
-                             + "; ".join(f"{k}: {why}" for k, why in quantizer.skipped.items()))
-        # 3. observe the largest probability -> scale; 4. measure the bias -> correction
-        quantizer.phase = "observe"
-        with torch.no_grad():
-            for b in _progress(batches, "smx calibrate (range)", progress):
-                call_model(model, b)
-        for s in quantizer._sites.values():
-            if s.user is None:              # a model's own quantizer keeps its step
-                s.set_scale_from_max(observer)
-        quantizer._calib = {s.key: QuantStats.zeros(s.groups) for s in quantizer._sites.values()}
-        quantizer.phase = "measure"
-        with torch.no_grad():
-            for b in _progress(batches, "smx calibrate (bias)", progress):
-                call_model(model, b)
-        empty = [k for k, st in quantizer._calib.items() if float(st.rows.sum()) == 0]
-        if empty:
-            raise ValueError(f"quantize_softmax: site(s) {empty} saw no row of finite probabilities in the calibration "
-                             "data (every row NaN or fully masked): there is nothing to calibrate them on")
-        for s in quantizer._sites.values():
-            s.set_correction(quantizer._calib[s.key])
-        del quantizer._calib
+        chosen = _choose_sites(quantizer, where, named, split_note)
+        _add_sites(quantizer, chosen, named, bits=bits, dtype=dtype, method=method, granularity=granularity)
+        _calibrate(quantizer, model, batches, observer=observer, progress=progress)
         quantizer.phase = "quantize"
     except BaseException:
         quantizer.detach()
@@ -411,6 +297,103 @@ def quantize_softmax(model: nn.Module, calibration_data: Iterable[Any], *, bits:
         model.train(was_training)
     model.add_module(QUANT_ATTR, quantizer)
     return model
+
+
+def _check_quantize_args(model: Any, *, bits: int, where: Any, correction: Any, granularity: str, dtype: torch.dtype,
+                         observer: str) -> str | None:
+    """The correction method (``"offset"``, ``"scale"`` or None) after checking :func:`quantize_softmax`'s arguments."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, QUANT_ATTR, None), SoftmaxQuantizer):
+        raise ValueError("model is already quantized by smxcompile.quantize_softmax (see model.smx_softmax_quant)")
+    if getattr(model, SWAP_ATTR, None) is not None:
+        raise ValueError("quantize_softmax: the model's softmax is swapped (model.smx_swap); quantizing a swapped "
+                         "model is not supported")
+    quant_range(bits, dtype)   # raises for a bad width or code dtype
+    if correction is True:
+        method: str | None = "offset"
+    elif correction is False or correction is None:
+        method = None
+    elif correction in CORRECTIONS:
+        method = correction
+    else:
+        raise ValueError(f"correction must be True, False or one of {CORRECTIONS}, got {correction!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if observer not in ("unit", "minmax"):
+        raise ValueError(f"observer must be 'unit' or 'minmax', got {observer!r}")
+    if not (where in ("attention", "output", "all") or callable(where)
+            or (isinstance(where, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in where))):
+        raise ValueError(f"where must be 'attention', 'output', 'all', a predicate over smxcompile.Site or a list of site keys, "
+                         f"got {where!r}")
+    return method
+
+
+def _choose_sites(quantizer: SoftmaxQuantizer, where: Any, named: dict[str, Site], split_note: bool) -> list[str]:
+    """The discovered keys ``where`` selects that have an explicit ``dim`` (the others go to ``quantizer.skipped``);
+    ValueError when none is left."""
+    chosen, skipped = select_sites(where, quantizer.seen, named, already={
+        "quant_softmax": "the model already quantizes it (kind quant_softmax); select it by key or with "
+                         "where='all' to calibrate the correction of its own quantizer"})
+    quantizer.skipped = skipped
+    if not chosen:
+        found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
+        hint = (" Dynamo split the model at a graph break (print, .item(), output_attentions=True ...), so the "
+                "traced graph does not name every site: pass where='all' or a list of these site keys."
+                if split_note else "")
+        raise ValueError(f"quantize_softmax: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
+    for key in list(chosen):
+        if quantizer.seen[key]["dim"] is None:
+            chosen.remove(key)
+            quantizer.skipped[key] = "softmax without dim= (implicit dim)"
+    if not chosen:
+        raise ValueError("quantize_softmax: no softmax site with an explicit dim was selected")
+    return chosen
+
+
+def _add_sites(quantizer: SoftmaxQuantizer, chosen: list[str], named: dict[str, Site], *, bits: int,
+               dtype: torch.dtype, method: str | None, granularity: str) -> None:
+    """A :class:`QuantSite` per chosen key (following the model's own quantizer where it has one); ValueError when
+    every chosen site is quantized by the model in a way it cannot follow."""
+    for key in chosen:
+        info = quantizer.seen[key]
+        kind = named[key].kind if key in named else "unclassified"
+        user = info.get("user_q")
+        if user is not None and "unsupported" in user:
+            quantizer.skipped[key] = f"the model quantizes it itself ({user['unsupported']})"
+            continue
+        site = QuantSite(key, kind, bits, dtype, method, granularity, info["ndim"], info["dim"], info["heads"],
+                         positions=info["shape"][-1] if info["ndim"] else 1)
+        quantizer._sites[_mkey(key)] = site
+        if user is not None:
+            site.use_quantizer(user)
+    if not quantizer._sites:
+        raise ValueError("quantize_softmax: no softmax site left to quantize: "
+                         + "; ".join(f"{k}: {why}" for k, why in quantizer.skipped.items()))
+
+
+def _calibrate(quantizer: SoftmaxQuantizer, model: nn.Module, batches: list, *, observer: str, progress: bool) -> None:
+    """Two passes over ``batches``: the largest probability sets each site's step, then the measured bias its
+    correction."""
+    quantizer.phase = "observe"
+    with torch.no_grad():
+        for batch in _progress(batches, "smx calibrate (range)", progress):
+            call_model(model, batch)
+    for site in quantizer._sites.values():
+        if site.user is None:              # a model's own quantizer keeps its step
+            site.set_scale_from_max(observer)
+    quantizer._calib = {site.key: QuantStats.zeros(site.groups) for site in quantizer._sites.values()}
+    quantizer.phase = "measure"
+    with torch.no_grad():
+        for batch in _progress(batches, "smx calibrate (bias)", progress):
+            call_model(model, batch)
+    empty = [k for k, stats in quantizer._calib.items() if float(stats.rows.sum()) == 0]
+    if empty:
+        raise ValueError(f"quantize_softmax: site(s) {empty} saw no row of finite probabilities in the calibration "
+                         "data (every row NaN or fully masked): there is nothing to calibrate them on")
+    for site in quantizer._sites.values():
+        site.set_correction(quantizer._calib[site.key])
+    del quantizer._calib
 
 
 def quantized_sites(model: nn.Module) -> dict[str, QuantSite]:

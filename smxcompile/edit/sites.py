@@ -1,18 +1,10 @@
 """Run-time interception of the softmax calls of an eager model, named as :func:`smxcompile.explain` names them.
 
-:func:`smxcompile.explain` names every softmax site ``module#index``: the innermost ``nn.Module``
-whose ``forward`` makes the ``softmax`` call and the position of the call among that forward's
-softmax calls (``transformer.h.0.attn#0``). :class:`SiteInterceptor` finds the same calls while
-the model runs, without monkey-patching anything: forward pre-/post-hooks on every submodule keep
-a stack of module names, and a ``TorchFunctionMode`` (entered when the outermost hooked module
-starts, left when it returns) sees each ``F.softmax`` / ``torch.softmax`` / ``torch.special.softmax``
-/ ``Tensor.softmax`` call (``nn.Softmax`` calls ``F.softmax``). Dynamo traces the hooks and the
-mode, so ``torch.compile`` sees whatever the interceptor returns in place of the softmax.
-
-Used by :func:`smxcompile.quantize_softmax` (quantize the probabilities: :mod:`smxcompile.edit.quantize`)
-and :func:`smxcompile.swap` (replace the normalization: :mod:`smxcompile.edit.swap`). The attributes under
-which each keeps its interceptor on the model (:data:`SWAP_ATTR`, :data:`QUANT_ATTR`) live here, so that
-each can refuse a model the other edited without importing it.
+A site is ``module#index``: the innermost ``nn.Module`` whose ``forward`` makes the call and the call's position
+among that forward's softmax calls. :class:`SiteInterceptor` keeps a stack of module names with forward hooks on
+every submodule and sees each softmax call through a ``TorchFunctionMode``, without monkey-patching; Dynamo traces
+both. The base of :func:`smxcompile.quantize_softmax` and :func:`smxcompile.swap`; the attributes each keeps on the
+model (:data:`SWAP_ATTR`, :data:`QUANT_ATTR`) live here so each can refuse a model the other edited.
 """
 
 from __future__ import annotations
@@ -81,9 +73,7 @@ class _PushHook:
         q = self.quantizer
         if not q._stack:
             q._mode.__enter__()
-            # A frame pushed while Dynamo traces is marked: when the compiled graph runs, Dynamo
-            # re-creates the traced stack and mode around it, and the graph's own torch calls then reach
-            # the mode although no hook ran -- they were intercepted when traced and are left alone.
+            # marked when traced: the compiled graph re-creates it (docs/DESIGN.md, "Variant swaps")
             q._stack.append(_Frame(self.name, compiled=torch.compiler.is_compiling()))
             return
         q._stack.append(_Frame(self.name))

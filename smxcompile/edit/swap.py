@@ -1,28 +1,12 @@
 """Swap the softmax of a (pretrained) model for another normalization: ``smxcompile.swap``.
 
-``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute SSMax instead,
-with SSMax's scale ``s`` as one learnable ``nn.Parameter`` per site and head, initialised so the
-swapped model starts as close to the original as the variant allows (``s = 1 / log(n_train)``).
-Any variant of :mod:`smxcompile.variants` (the module :mod:`smxcompile.edit.variants`:
-sparsemax, 1.5-entmax, alpha-entmax, softpick, SSMax, MultiMax, SA-softmax, softmax1, sigmoid,
-ReLU, softplus, StableMax, adaptive temperature, temperature) or one the user registered.
-
-How. Sites are found and named as :func:`smxcompile.explain` names them (``module#index``, e.g.
-``transformer.h.0.attn#0``) and replaced at run time by :class:`smxcompile.edit.sites.SiteInterceptor`
-(forward hooks + a ``TorchFunctionMode``; no monkey-patching of the model's code). The variant's
-torch code runs in place of the ``softmax`` call, eager or under ``torch.compile`` (Dynamo traces it;
-the ``smx`` backend reports those sites as ``action="swapped"`` and leaves their ops to Inductor).
-
-Masks. A softmax has no mask argument: models add ``-inf``, ``finfo.min``, ``-1e9`` or ``-1e4`` to the
-scores. For the variants that do not ignore such entries by themselves (ReLU, sigmoid, the
-length-dependent ones), at an attention site an entry at or below :data:`MASKED_BELOW` (``-1000``)
-counts as masked: its weight is exactly 0 and it does not count in the row length ``n``. At any
-other site (an output softmax's logits may legitimately be that low) only entries at or below half
-the dtype's lowest value (``-inf``, ``finfo.min``) count as masked. NaN is never a mask: it
-propagates as the variant's ops propagate it.
-
-Persistence (:func:`smxcompile.save` / ``load`` / ``from_pretrained``): :mod:`smxcompile.edit.swap_io`,
-from the manifest :meth:`Swapper.manifest` writes and :func:`apply_manifest` re-applies.
+``smxcompile.swap(model, "ssmax")`` returns a model whose attention softmaxes compute a variant of
+:mod:`smxcompile.edit.variants` (or one the user registered) instead, its learnable parameters one
+``nn.Parameter`` per site and head, started as close to the original as the variant allows. Sites are
+named as :func:`smxcompile.explain` names them (``module#index``) and replaced at run time by a
+:class:`smxcompile.edit.sites.SiteInterceptor`; the ``smx`` backend reports them as ``swapped``.
+At an attention site an input entry at or below :data:`MASKED_BELOW` counts as masked
+(:meth:`SwapSite.mask_threshold`). Persistence: :mod:`smxcompile.edit.swap_io`.
 """
 
 from __future__ import annotations
@@ -284,51 +268,76 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
     """Replace the softmax of ``model`` at the chosen sites by a normalization variant.
 
     Args:
-        model: an ``nn.Module`` whose forward calls softmax (``F.softmax``, ``torch.softmax``,
-            ``Tensor.softmax``, ``nn.Softmax``). ``transformers`` models: eager attention (a model
-            using SDPA or flash attention is switched to ``attn_implementation="eager"``, which computes
-            the same function with an explicit softmax).
-        variant: a name from :func:`smxcompile.variants.names` or a :class:`smxcompile.variants.Variant`
-            (registered if it is not yet).
-        where: ``"attention"`` (default; sites :func:`smxcompile.explain` classifies as attention),
-            ``"output"`` (the other softmax calls: a classifier's or sampler's softmax, a router),
-            ``"all"``, a predicate ``f(site: smxcompile.Site) -> bool``, or a list of site keys
-            (``"transformer.h.0.attn#0"``; no trace needed).
-        example_inputs: one forward call's inputs, to find and name the sites: a tuple of positional
-            arguments, a dict of keyword arguments or a single tensor. Default: ``model.dummy_inputs``
-            (``transformers`` models); required otherwise.
-        n_train: the training context length for the variants whose start depends on it (SSMax
-            ``s = 1/log n_train``, sigmoid ``b = -log n_train``, ReLU ``c = 1/n_train``, softplus).
-            Default: attention sites, the model config's ``max_position_embeddings`` / ``n_positions``
-            (``transformers``), else the example's key length; other sites, their row length.
-        per_head: one parameter per attention head (attention sites, or sites chosen by key, of shape
-            ``(batch, heads, queries, keys)`` normalized over keys); False: one per site.
+        model: an ``nn.Module`` whose forward calls softmax; a ``transformers`` model on SDPA or flash
+            attention is switched to ``attn_implementation="eager"`` (the same function, an explicit softmax).
+        variant: a name from :func:`smxcompile.variants.names` or a :class:`Variant` (registered if new).
+        where: ``"attention"`` (sites :func:`smxcompile.explain` classifies as attention), ``"output"`` (the
+            other softmax calls), ``"all"``, a predicate ``f(site: smxcompile.Site) -> bool``, or a list of keys.
+        example_inputs: one forward call's inputs (a tuple, a dict or a tensor); default ``model.dummy_inputs``.
+        n_train: the training context length for the length-dependent start values (SSMax ``s = 1/log n_train``,
+            sigmoid, ReLU, softplus); default: at attention sites the config's ``max_position_embeddings`` /
+            ``n_positions``, else the site's row length in the example.
+        per_head: one parameter per head at ``(batch, heads, queries, keys)`` sites over keys; False: one per site.
         inplace: change ``model`` itself instead of a deep copy.
-        **params: the variant's parameters (``smxcompile.variants.get(name).params``): a learnable
-            one given here is the start value of its ``nn.Parameter`` instead of the pretrained-start
-            rule; a fixed one (e.g. softpick's ``eps``) is used as given.
+        **params: the variant's parameters: a learnable one's start value, or a fixed one's value.
 
     Returns:
-        The model (a deep copy unless ``inplace``) with ``model.smx_swap`` (:class:`Swapper`:
-        ``.sites``, ``.summary()``, ``.disabled()``, ``.collecting()`` / ``.stats()``, ``.manifest()``).
-        The variants' learnable parameters are ``nn.Parameter`` s under ``smx_swap.`` (in
-        ``model.parameters()`` and ``state_dict``), fp32. Outputs keep their shapes and dtypes.
-        Swapping again adds sites (another variant elsewhere); a site cannot be swapped twice.
+        The model with ``model.smx_swap`` (:class:`Swapper`); the variants' learnable parameters are fp32
+        ``nn.Parameter`` s under ``smx_swap.``. Outputs keep their shapes and dtypes. Swapping again adds
+        sites elsewhere; a site cannot be swapped twice.
 
     Raises:
-        TypeError: ``variant`` of the wrong type, an unknown parameter name, a non-number parameter.
-        ValueError: a parameter value outside the variant's domain (``alpha < 1``, ``T <= 0``).
+        TypeError: a bad ``variant`` type, an unknown or non-number parameter, a model already compiled.
         UnknownVariantError (KeyError): an unknown variant name.
-        ValueError: no example inputs for a model without ``dummy_inputs``; a bad ``where``; no site
-            selected (the message lists the sites found and why each was left out); a site already
-            swapped; a quantized model; ``n_train`` not a positive int; a model whose softmax calls differ
-            between training and eval mode (sites are named by call order).
-        TypeError: also for a model already compiled with ``torch.compile`` (swap first, then compile).
+        ValueError: a parameter outside the variant's domain; no example inputs; a bad ``where`` or ``n_train``;
+            no site selected (the message lists the sites found and why each was left out); a site already
+            swapped; a quantized model; softmax calls that differ between training and eval mode.
         RuntimeError: at run time, a site called with another layout (number of dims, dim, heads).
 
-    Source: the variants' papers (:mod:`smxcompile.variants`); the swap-on-a-pretrained-model
-    initialisations follow the papers (SSMax: Nakanishi 2025; MultiMax: Zhou et al. 2024).
+    Source: the variants' papers; the pretrained-start rules follow them (SSMax: Nakanishi 2025; MultiMax:
+    Zhou et al. 2024).
     """
+    v = _check_swap_args(model, variant, where=where, n_train=n_train, params=params)
+    _refuse_quantized(model)
+    if example_inputs is None:
+        example_inputs = getattr(model, "dummy_inputs", None)
+        if example_inputs is None:
+            raise ValueError("swap needs example_inputs= (one forward call's inputs: a tuple, a dict or a tensor) to "
+                             "find the model's softmax sites")
+    if not inplace:
+        model = copy.deepcopy(model)
+    _eager_attention(model)
+    swapper = swapper_of(model)
+    new = swapper is None
+    if new:
+        swapper = Swapper()
+        swapper.attach(model)
+    was_training = model.training
+    model.eval()
+    try:
+        seen, named, split = _discover_sites(model, swapper, where, example_inputs)
+        chosen, skipped = _choose_sites(swapper, where, seen, named, split)
+        _add_sites(swapper, v, chosen, seen=seen, named=named, n_train=n_train, hf_n_train=_hf_n_train(model),
+                   per_head=per_head, params=params)
+        swapper.skipped.update({k: why for k, why in skipped.items() if module_key(k) not in swapper._sites})
+        for k in chosen:
+            swapper.skipped.pop(k, None)
+        swapper.seen = {}
+    except BaseException:
+        swapper.phase = "on"
+        if new:
+            swapper.detach()
+        raise
+    finally:
+        model.train(was_training)
+    if new:
+        model.add_module(SWAP_ATTR, swapper)
+    _sync_config(model, swapper)
+    return model
+
+
+def _check_swap_args(model: Any, variant: Any, *, where: Any, n_train: Any, params: Mapping[str, Any]) -> _variants.Variant:
+    """The :class:`Variant` of ``variant`` after checking :func:`swap`'s arguments (its errors, same messages)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -348,94 +357,84 @@ def swap(model: nn.Module, variant: Any, *, where: Any = "attention", example_in
                          f"site keys, got {where!r}")
     if n_train is not None and (isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1):
         raise ValueError(f"n_train must be a positive int, got {n_train!r}")
-    _refuse_quantized(model)
-    if example_inputs is None:
-        example_inputs = getattr(model, "dummy_inputs", None)
-        if example_inputs is None:
-            raise ValueError("swap needs example_inputs= (one forward call's inputs: a tuple, a dict or a tensor) to "
-                             "find the model's softmax sites")
-    if not inplace:
-        model = copy.deepcopy(model)
-    _eager_attention(model)
-    swapper = swapper_of(model)
-    new = swapper is None
-    if new:
-        swapper = Swapper()
-        swapper.attach(model)
-    was_training = model.training
-    model.eval()
-    try:
-        named: dict[str, Any] = {}
-        split = False
-        if isinstance(where, str) or callable(where):
-            named, split = traced_sites(model, example_inputs)     # what each site is (attention or not)
-        swapper.phase, swapper.seen = "discover", {}
-        with torch.no_grad():
-            call_model(model, example_inputs)
-        seen = swapper.seen
-        # the same names in training mode (a softmax that runs only in training would shift them)
-        from ..explain import restore_state
+    return v
 
-        swapper.seen = {}
-        model.train()
-        with torch.no_grad(), restore_state(model):
-            call_model(model, example_inputs)
-        model.eval()
-        train_seen, swapper.seen = swapper.seen, seen
-        swapper.phase = "on"
-        layout = lambda d: {k: (v["ndim"], v["dim"]) for k, v in d.items()}  # noqa: E731
-        if layout(train_seen) != layout(seen):
-            diff = sorted(set(layout(train_seen).items()) ^ set(layout(seen).items()))
-            raise ValueError("swap: the model makes different softmax calls in training and in eval mode "
-                             f"({diff[:6]}: (key, (ndim, dim)) seen in only one mode). Sites are named by call "
-                             "order, so the names would not match in both modes; this model cannot be swapped "
-                             "by name safely")
-        if not seen:
-            raise ValueError("swap: no softmax call found in the model's forward. transformers models: use "
-                             "attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")
-        chosen, skipped = select_sites(where, seen, named)
-        for key in list(chosen):
-            if swapper.seen[key]["dim"] is None:
-                chosen.remove(key)
-                skipped[key] = "softmax without dim= (implicit dim)"
-            elif module_key(key) in swapper._sites:
-                raise ValueError(f"swap: site {key} is already swapped (variant "
-                                 f"{swapper._sites[module_key(key)].variant}); swap a fresh model")
-        if not chosen:
-            found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
-            hint = (" Dynamo split the model at a graph break, so the traced graph does not name every site: pass "
-                    "where='all' or a list of these site keys." if split else "")
-            raise ValueError(f"swap: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
-        hf_n = _hf_n_train(model)
-        for key in chosen:
-            info = seen[key]
-            kind = named[key].kind if key in named else "unclassified"
-            n = n_train or (hf_n if kind == "attention" and hf_n else None) or int(info["shape"][info["dim"]])
-            values = dict(v.init(n)) if any(k not in params for k, s in v.params.items() if s.learnable) else {}
-            values = {k: float(val) for k, val in values.items() if v.params[k].learnable}
-            values.update({k: float(val) for k, val in params.items()})
-            learnable = {k: v.params[k].learnable for k in values}
-            if key == chosen[0]:
-                try:   # out-of-domain values (entmax_bisect alpha < 1, temperature T <= 0) fail here, not mid-forward
-                    v.apply(torch.zeros(1, 2), -1, **values)
-                except (ValueError, TypeError) as e:
-                    raise ValueError(f"swap: bad parameter value for variant {v.name!r}: {e}") from None
-            swapper.add(SwapSite(key, kind, v.name, info["ndim"], info["dim"], info["heads"], per_head, values, learnable))
-        swapper.skipped.update({k: why for k, why in skipped.items() if module_key(k) not in swapper._sites})
-        for k in chosen:
-            swapper.skipped.pop(k, None)
-        swapper.seen = {}
-    except BaseException:
-        swapper.phase = "on"
-        if new:
-            swapper.detach()
-        raise
-    finally:
-        model.train(was_training)
-    if new:
-        model.add_module(SWAP_ATTR, swapper)
-    _sync_config(model, swapper)
-    return model
+
+def _discover_sites(model: nn.Module, swapper: Swapper, where: Any, example_inputs: Any) -> tuple[dict, dict, bool]:
+    """Run the model once in eval and once in training mode to name its softmax calls: ``(seen, named, split)``.
+
+    ``named``: what :func:`traced_sites` says each site is (empty for a list of keys). Raises ValueError when the
+    two modes make different calls (names by call order would not match) or when there is no softmax call."""
+    from ..explain import restore_state
+
+    named: dict[str, Any] = {}
+    split = False
+    if isinstance(where, str) or callable(where):
+        named, split = traced_sites(model, example_inputs)     # what each site is (attention or not)
+    swapper.phase, swapper.seen = "discover", {}
+    with torch.no_grad():
+        call_model(model, example_inputs)
+    seen = swapper.seen
+    # the same names in training mode (a softmax that runs only in training would shift them)
+    swapper.seen = {}
+    model.train()
+    with torch.no_grad(), restore_state(model):
+        call_model(model, example_inputs)
+    model.eval()
+    train_seen, swapper.seen = swapper.seen, seen
+    swapper.phase = "on"
+    layout = lambda d: {k: (v["ndim"], v["dim"]) for k, v in d.items()}  # noqa: E731
+    if layout(train_seen) != layout(seen):
+        diff = sorted(set(layout(train_seen).items()) ^ set(layout(seen).items()))
+        raise ValueError("swap: the model makes different softmax calls in training and in eval mode "
+                         f"({diff[:6]}: (key, (ndim, dim)) seen in only one mode). Sites are named by call "
+                         "order, so the names would not match in both modes; this model cannot be swapped "
+                         "by name safely")
+    if not seen:
+        raise ValueError("swap: no softmax call found in the model's forward. transformers models: use "
+                         "attn_implementation='eager' (F.scaled_dot_product_attention hides its softmax)")
+    return seen, named, split
+
+
+def _choose_sites(swapper: Swapper, where: Any, seen: dict, named: dict, split: bool) -> tuple[list[str], dict[str, str]]:
+    """The keys ``where`` selects among ``seen`` and why each other one is left out; ValueError when none is left
+    or a chosen site is already swapped."""
+    chosen, skipped = select_sites(where, seen, named)
+    for key in list(chosen):
+        if seen[key]["dim"] is None:
+            chosen.remove(key)
+            skipped[key] = "softmax without dim= (implicit dim)"
+        elif module_key(key) in swapper._sites:
+            raise ValueError(f"swap: site {key} is already swapped (variant "
+                             f"{swapper._sites[module_key(key)].variant}); swap a fresh model")
+    if not chosen:
+        found = "; ".join(f"{k}: {why}" for k, why in skipped.items())
+        hint = (" Dynamo split the model at a graph break, so the traced graph does not name every site: pass "
+                "where='all' or a list of these site keys." if split else "")
+        raise ValueError(f"swap: no softmax site selected by where={where!r}. Sites found: {found}.{hint}")
+    return chosen, skipped
+
+
+def _add_sites(swapper: Swapper, variant: _variants.Variant, chosen: list[str], *, seen: dict, named: dict,
+               n_train: int | None, hf_n_train: int | None, per_head: bool, params: Mapping[str, Any]) -> None:
+    """A :class:`SwapSite` per chosen key, its learnable parameters started by the variant's rule at the site's
+    ``n_train`` unless ``params`` gives them."""
+    for key in chosen:
+        info = seen[key]
+        kind = named[key].kind if key in named else "unclassified"
+        n = n_train or (hf_n_train if kind == "attention" and hf_n_train else None) or int(info["shape"][info["dim"]])
+        needs_init = any(k not in params for k, spec in variant.params.items() if spec.learnable)
+        values = dict(variant.init(n)) if needs_init else {}
+        values = {k: float(val) for k, val in values.items() if variant.params[k].learnable}
+        values.update({k: float(val) for k, val in params.items()})
+        learnable = {k: variant.params[k].learnable for k in values}
+        if key == chosen[0]:
+            try:   # out-of-domain values (entmax_bisect alpha < 1, temperature T <= 0) fail here, not mid-forward
+                variant.apply(torch.zeros(1, 2), -1, **values)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"swap: bad parameter value for variant {variant.name!r}: {e}") from None
+        swapper.add(SwapSite(key, kind, variant.name, info["ndim"], info["dim"], info["heads"], per_head, values,
+                             learnable))
 
 
 def _eager_attention(model: nn.Module) -> None:

@@ -1,11 +1,8 @@
 """Save and load models swapped by :func:`smxcompile.swap`: ``smxcompile.save`` / ``load`` / ``from_pretrained``.
 
-Persistence. :func:`save` writes ``model.safetensors`` (every weight, the variants' parameters
-included) and ``smx_swap.json`` (the manifest: which variant at which site, parameter shapes);
-:func:`load` re-applies the swaps to a freshly built base model from the manifest alone (no forward
-call; :func:`smxcompile.edit.swap.apply_manifest`) and loads the weights. ``transformers`` models also
-carry the manifest in ``config.smx_swap``, so ``model.save_pretrained(dir)`` saves a swapped model and
-:func:`from_pretrained` (``cls.from_pretrained`` + :func:`load`) restores it.
+A saved swap is ``model.safetensors`` plus the manifest ``smx_swap.json`` (which variant at which site), from which
+:func:`load` rebuilds the swaps on a fresh base model without running it; ``transformers`` models also carry the
+manifest in ``config.smx_swap``, so ``save_pretrained`` saves them and :func:`from_pretrained` restores them.
 """
 
 from __future__ import annotations
@@ -73,17 +70,9 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def load(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Module:
-    """Re-apply the swaps saved in ``path`` to a freshly built base ``model`` (in place) and load the weights.
-
-    Args:
-        model: the base architecture (e.g. the same class built from the same config), not swapped.
-        path: a folder written by :func:`save`, or by ``save_pretrained`` of a swapped ``transformers`` model.
-        strict: every parameter and buffer of the swapped model must be in the files, except tied
-            copies of one that is (``lm_head.weight`` tied to the embeddings), and every tensor in the
-            files must belong to the model.
-
-    Returns:
-        ``model``, swapped and loaded.
+    """Re-apply the swaps saved in ``path`` (by :func:`save` or a swapped model's ``save_pretrained``) to a freshly
+    built base ``model``, in place, and load the weights; returns ``model``. ``strict``: every tensor of the swapped
+    model must be in the files (tied copies of one that is excepted) and every tensor in the files in the model.
 
     Raises:
         FileNotFoundError: no manifest / weights in ``path``. ValueError: see :func:`apply_manifest`.
@@ -111,15 +100,8 @@ def load(model: nn.Module, path: str | Path, *, strict: bool = True) -> nn.Modul
 
 
 def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Module:
-    """Load a swapped ``transformers`` model saved with ``save_pretrained`` (or :func:`save` next to its config).
-
-    ``model_class.from_pretrained(path, attn_implementation="eager", **kwargs)`` builds the base model
-    (``transformers`` leaves the variants' parameters out as unexpected keys), then :func:`load`
-    re-applies the swaps from ``config.smx_swap`` and loads every weight.
-
-    Args:
-        model_class: e.g. ``transformers.AutoModelForCausalLM`` or ``GPT2LMHeadModel``.
-        path: the saved folder. **kwargs: passed to ``from_pretrained`` (not ``attn_implementation``).
+    """Load a swapped ``transformers`` model saved with ``save_pretrained`` (or :func:`save` next to its config):
+    ``model_class.from_pretrained(path, attn_implementation="eager", **kwargs)``, then :func:`load`.
 
     Raises:
         FileNotFoundError: the folder is not a swapped model. See :func:`load`.
@@ -134,13 +116,8 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
 
 @contextlib.contextmanager
 def quiet_transformers(*, progress_bars: bool = True) -> Iterator[None]:
-    """``with quiet_transformers():`` ``transformers`` logs errors only while the block runs (its verbosity is
-    restored afterwards); with ``progress_bars=False`` its progress bars ("Loading weights") are off too.
-
-    Why: loading a swapped checkpoint, ``transformers`` warns about the variants' parameters as unused
-    checkpoint weights, and :func:`load` loads them next; the app keeps its own output readable. Without
-    ``transformers`` installed it does nothing. Raises nothing of its own.
-    """
+    """``transformers`` logs errors only while the block runs (its verbosity restored afterwards), so loading a
+    swapped checkpoint does not warn about the variants' parameters; ``progress_bars=False`` also hides its bars."""
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover

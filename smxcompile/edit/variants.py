@@ -1,33 +1,14 @@
 """The registry of normalization variants (swap targets for softmax): each cites its paper.
 
-Each :class:`Variant` is a function of a score row: ``variant.apply(x, dim=-1, mask=None, **params)``
-maps a floating tensor ``x`` to weights of the same shape and dtype, normalizing along ``dim``.
-It is a plain torch reference (autograd runs through its ops), with the variant's formula, its
-paper, its parameters (``variant.params``) and their initialisation for a model trained with
-softmax (``variant.init_params(n_train, shape)``, chosen so the swap starts as close to softmax as
-the variant allows).
-
-Conventions shared by every variant's ``apply``:
-
-* ``x``: any floating dtype (fp16, bf16, fp32, fp64), any shape with at least one dimension.
-  fp16/bf16/fp32 are computed in fp32, fp64 in fp64; the result has ``x``'s dtype and shape.
-* ``mask``: optional bool tensor broadcastable to ``x``, True = keep. A masked entry gives exactly 0
-  and acts as if its column were deleted from the row (the row length ``n`` used by the
-  length-dependent variants counts only kept entries; values at masked positions, NaN and inf
-  included, are never read). A row with every entry masked gives zeros, never NaN, and zero gradients.
-* ``-inf`` in ``x`` is an additive mask: such an entry counts as masked, with or without ``mask``
-  (as in ``smx::attention`` and :func:`smxcompile.swap`), so it gets weight exactly 0 and no gradient,
-  leaves the row length ``n`` and the denominators (softpick's included), and the other entries get
-  the values of the row with it removed. A row entirely ``-inf`` therefore gives zeros and zero
-  gradients for every variant (``torch.softmax`` gives NaN there; ``aten._safe_softmax`` 0).
-* Parameters: Python numbers or tensors broadcastable to ``x`` with size 1 along ``dim`` (one value
-  per row, e.g. ``(H, 1, 1)`` per head for ``x`` of shape ``(B, H, L, S)``); tensors may require grad.
-  A parameter left out takes its default (see ``Variant.params``).
-* NaN in a kept entry propagates as torch's own ops propagate it (usually NaN for the row).
-
-Registry: :func:`names`, :func:`get`, :func:`register` (users add their own :class:`Variant`),
-:func:`unregister`. The variants covered by the attention kernel's normalizers reuse those
-reference functions (:data:`smxcompile.kernels.attention.NORMALIZERS`).
+Each :class:`Variant` maps a score row to weights: ``variant.apply(x, dim=-1, mask=None, **params)`` is a plain
+torch reference (autograd runs through it) for floating ``x`` of any shape, computed in fp32 (fp64 for fp64),
+returned in ``x``'s dtype and shape. Shared conventions (:meth:`Variant.apply`): a masked entry, or a ``-inf`` one
+(an additive mask, as in ``smx::attention``), gets weight exactly 0 and no gradient and leaves the row, its length
+``n`` and every denominator; a row with nothing kept gives zeros, never NaN. Parameters are numbers or tensors
+with one value per row (e.g. ``(H, 1, 1)`` per head); ``variant.init_params(n_train, shape)`` gives the start
+values for a model trained with softmax. Registry: :func:`names`, :func:`get`, :func:`register`,
+:func:`unregister`; the variants the attention kernel also runs reuse its references
+(:data:`smxcompile.kernels.attention.NORMALIZERS`).
 """
 
 from __future__ import annotations
@@ -59,12 +40,8 @@ class UnknownVariantError(KeyError):
 
 
 class ParamSpec(NamedTuple):
-    """One parameter of a variant.
-
-    ``doc``: what it is and its default when ``apply`` is called without it; ``init``: the rule
-    :meth:`Variant.init_params` uses for a model pretrained with softmax, in words; ``learnable``:
-    whether :meth:`Variant.init_params` returns it (meant to become an ``nn.Parameter``).
-    """
+    """One parameter of a variant: ``doc`` (what it is, its default), ``init`` (its pretrained-start rule, in
+    words), ``learnable`` (whether :meth:`Variant.init_params` returns it, to become an ``nn.Parameter``)."""
 
     doc: str
     init: str
@@ -77,24 +54,17 @@ def _no_init(n_train: int | None) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One normalization variant.
+    """One normalization variant (users register their own with :func:`register`).
 
     Fields:
-        name: registry name.
-        formula: the definition in one line (``x`` the row, ``n`` its number of kept entries).
-        paper: the source.
+        formula: the definition in one line (``x`` the row, ``n`` its number of kept entries). paper: the source.
         params: parameter name -> :class:`ParamSpec`.
-        fn: the core, ``fn(x, keep, n, **params) -> w``: ``x`` fp32/fp64 with the normalized dim last;
-            ``keep`` bool of ``x``'s shape (True = keep; False at masked and at ``-inf`` entries, so a
-            core never needs to handle ``-inf``); ``n`` float ``(..., 1)``
-            broadcastable to ``x``, the kept entries per row (at least 1); each parameter a tensor
-            of ``x``'s dtype broadcastable to ``x`` with size 1 in the last dim, or None when not
-            given (the core picks its default). It returns ``w`` of ``x``'s shape; :meth:`apply`
-            zeroes masked entries afterwards, so a user's core need not.
-        init: ``init(n_train) -> {name: float}``, the pretrained-start values of the learnable
-            parameters; raises ``ValueError`` when it needs ``n_train`` and gets None.
-
-    Users register their own with :func:`register`.
+        fn: the core, ``fn(x, keep, n, **params) -> w`` with the normalized dim last: ``x`` fp32/fp64 (no
+            ``-inf``), ``keep`` bool of ``x``'s shape, ``n`` float ``(..., 1)`` the kept entries per row (>= 1),
+            each parameter a tensor broadcastable per row or None (the core's default). :meth:`apply` zeroes
+            masked entries of ``w`` afterwards.
+        init: ``init(n_train) -> {name: float}``, the pretrained-start values of the learnable parameters;
+            raises ``ValueError`` when it needs ``n_train`` and gets None.
     """
 
     name: str
@@ -105,40 +75,24 @@ class Variant:
     init: Callable[[int | None], Mapping[str, float]] = field(default=_no_init)
 
     def apply(self, x: torch.Tensor, dim: int = -1, *, mask: torch.Tensor | None = None, **params) -> torch.Tensor:
-        """Apply the variant to ``x`` along ``dim``.
+        """Apply the variant to ``x`` (fp16, bf16, fp32 or fp64, at least 1-d) along ``dim``.
 
-        Args:
-            x: floating tensor (fp16, bf16, fp32 or fp64), at least 1-d.
-            dim: the dimension normalized over.
-            mask: bool tensor broadcastable to ``x``, True = keep; masked entries give exactly 0 and
-                act as if removed from the row. ``-inf`` entries of ``x`` count as masked either way.
-                A fully masked (or entirely ``-inf``) row gives zeros (never NaN) and zero gradients; a
-                kept NaN or +inf makes its row NaN, as softmax does (with zero gradients).
-            **params: the variant's parameters (``self.params``): numbers or tensors broadcastable to
-                ``x`` with size 1 along ``dim``. Omitted ones take their defaults.
-
-        Returns:
-            a tensor of ``x``'s shape and dtype (computed in fp32; fp64 for fp64 input).
+        ``mask``: bool, broadcastable to ``x``, True = keep; masked and ``-inf`` entries give exactly 0 and act as
+        if removed from the row; a row with nothing kept gives zeros and zero gradients; a kept NaN or +inf makes
+        its row NaN, as softmax does. ``params``: numbers or tensors with size 1 along ``dim``; omitted ones take
+        their defaults. Returns ``x``'s shape and dtype (computed in fp32; fp64 for fp64 input).
 
         Raises:
             TypeError: ``x`` not a floating tensor, ``mask`` not bool, or an unknown parameter name.
-            ValueError: a parameter that does not broadcast per row, or out of its domain
-                (e.g. entmax_bisect's ``alpha < 1``); a mask that does not broadcast to ``x``.
+            ValueError: a parameter that does not broadcast per row or is out of its domain (e.g.
+                entmax_bisect's ``alpha < 1``); a mask that does not broadcast to ``x``.
             IndexError: ``dim`` out of range.
         """
         return _apply(self, x, dim, mask, params)
 
     def init_params(self, n_train: int | None = None, shape: tuple[int, ...] | torch.Size = ()) -> dict[str, torch.Tensor]:
-        """The learnable parameters' values for a swap on a model pretrained with softmax.
-
-        Args:
-            n_train: the training context length (the number of keys ``n`` a row saw in training);
-                needed by the length-dependent variants (ssmax, sigmoid, relu, softplus).
-            shape: shape of each returned tensor (e.g. ``(H, 1, 1)`` for one value per head).
-
-        Returns:
-            ``{name: fp32 tensor of shape ``shape``}``, one entry per learnable parameter (empty for
-            variants without one), ready to wrap in ``nn.Parameter``.
+        """The learnable parameters' start values for a swap on a model pretrained with softmax, as fp32 tensors of
+        ``shape`` (e.g. ``(H, 1, 1)``); ``n_train`` (keys per row in training) for the length-dependent variants.
 
         Raises:
             ValueError: ``n_train`` needed but None, or not a positive integer where it is needed.
@@ -248,11 +202,8 @@ def _ssmax(x, keep, n, s=None):
 
 
 def _entmax_at_one(x, keep, n, alpha):
-    """alpha-entmax at alpha = 1: softmax ``p``, plus alpha's gradient there (``alpha`` broadcastable per row).
-
-    Expanding ``p_i = (1 + (alpha - 1) u_i)^(1 / (alpha - 1))`` (``u_i = x_i - c(alpha)``, ``sum p = 1``)
-    to first order in ``alpha - 1`` gives the limit ``dp_i/dalpha = p_i (sum_j p_j log^2 p_j - log^2 p_i) / 2``;
-    it is attached as ``(alpha - alpha.detach()) * dp/dalpha``, zero in value."""
+    """alpha-entmax at alpha = 1: softmax ``p``, plus alpha's gradient there (the first-order limit
+    ``dp_i/dalpha = p_i (sum_j p_j log^2 p_j - log^2 p_i) / 2``, attached with zero value)."""
     p = _softmax(x, keep, n, None)
     if not alpha.requires_grad:
         return p
@@ -272,9 +223,8 @@ _SERIES_T, _SERIES_K = 0.1, 16
 
 
 def _log_power(e, v, pos):
-    """``phi = log1p(e v) / e`` where ``pos`` (``1 + e v > 0``, ``e > 0``), else 0: ``p = exp(phi) =
-    (1 + e v)^(1/e)``. For ``|e v| < 0.1`` it is the series ``v sum_k (-e v)^(k-1) / k``: the quotient's
-    gradient in ``e`` is a difference of two terms of size ``v / e`` (all precision lost as ``alpha -> 1``)."""
+    """``phi = log1p(e v) / e`` where ``pos`` (``1 + e v > 0``, ``e > 0``), else 0, so ``exp(phi) = (1 + e v)^(1/e)``;
+    by its series for ``|e v| < 0.1``, where the quotient's gradient in ``e`` loses all precision."""
     t = e * v
     small = t.abs() < _SERIES_T
     ts = torch.where(small, t, 0.0)
@@ -286,13 +236,8 @@ def _log_power(e, v, pos):
 
 
 def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
-    """alpha-entmax by bisection; alpha == 1 is softmax exactly (per row), with alpha's gradient at 1
-    (the limit, :func:`_entmax_at_one`), so a learnable alpha starting at 1 moves.
-
-    Written as ``p_i = (1 + e v_i)_+^(1/e)``, ``e = alpha - 1``, ``v_i = x_i - max(x) - c`` (the usual
-    ``tau = -1 + e c``), with ``c`` in ``[0, (1 - n^-e) / e]`` found by bisection: ``c`` stays of the size
-    of ``x`` as ``alpha -> 1`` (``tau`` would need digits below the precision), and :func:`_log_power`
-    keeps the value and alpha's gradient accurate there (fp32 at alpha = 1 + 1e-6 included)."""
+    """alpha-entmax by bisection on ``c`` in ``p_i = (1 + e v_i)_+^(1/e)``, ``e = alpha - 1``,
+    ``v_i = x_i - max(x) - c``; alpha == 1 is softmax exactly (per row), with alpha's gradient at 1."""
     if alpha is None:
         alpha = torch.tensor(1.5, dtype=x.dtype, device=x.device)
     # reading alpha's values is a graph break under torch.compile: checked and short-cut in eager only
@@ -323,8 +268,7 @@ def _entmax_bisect(x, keep, n, alpha=None, n_iter: int = 64):
             lo = torch.where(big, mid, lo)
             hi = torch.where(big, hi, mid)
         c0 = (lo + hi) * 0.5
-    # implicit-function gradient for c: g(x, alpha, c) = sum p = 1 at the solution, so
-    # dc = -(dg/dx dx + dg/dalpha dalpha) / (dg/dc); the value stays c0.
+    # c's gradient by the implicit function theorem on sum p = 1; the value stays c0
     p, pos, v = mass(c0, xm, e)
     g = p.sum(-1, keepdim=True)
     dg_dc = -torch.where(pos, p / torch.where(pos, 1.0 + ed * v.detach(), 1.0), 0.0).detach().sum(-1, keepdim=True)
@@ -473,10 +417,7 @@ _REGISTRY: dict[str, Variant] = {v.name: v for v in _BUILTINS}
 
 
 def names() -> list[str]:
-    """Registry names in order: the built-ins (``sparsemax``, ``entmax15``, ``entmax_bisect``,
-    ``softpick``, ``ssmax``, ``multimax``, ``sa_softmax``, ``softmax1``, ``sigmoid``, ``relu``,
-    ``softplus``, ``stablemax``, ``adaptive_temperature``, ``temperature``), then user-registered
-    variants in registration order. Returns a new list of str; raises nothing."""
+    """Registry names: the built-ins, then user-registered variants in registration order."""
     return list(_REGISTRY)
 
 
@@ -493,15 +434,11 @@ def get(name: str) -> Variant:
 
 
 def register(variant: Variant, *, overwrite: bool = False) -> Variant:
-    """Add a user's :class:`Variant` to the registry (under ``variant.name``) and return it.
-
-    Its ``fn`` follows the core convention documented on :class:`Variant`; ``apply`` then gives it
-    the shared dtype, dim, mask and parameter handling.
+    """Add a user's :class:`Variant` (its ``fn`` follows the core convention of :class:`Variant`) and return it.
 
     Raises:
-        TypeError: ``variant`` is not a :class:`Variant`, or its ``fn``/``init`` is not callable.
-        ValueError: ``variant.name`` is empty or not a str, or is already registered and
-            ``overwrite`` is False (with ``overwrite=True`` it replaces the entry in place).
+        TypeError: not a :class:`Variant`, or its ``fn`` / ``init`` not callable.
+        ValueError: an empty name, or one already registered without ``overwrite=True``.
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"register expects a smxcompile.variants.Variant, got {type(variant).__name__}")

@@ -1,10 +1,9 @@
 """The pass protocol: what every rewrite kind provides, so that analysis, rewriting and ``check`` iterate one list.
 
-A rewrite kind is one :class:`RewritePass` subclass in :data:`smxcompile.passes.manager.PASSES`. Its sites are
-:class:`Match` objects: the matched nodes, the action the policy chose (``rewritten`` / ``kept`` / ``skipped``)
-and why. The structure follows Inductor's pattern matcher (torch/_inductor/pattern_matcher.py: one Match type,
-one extra check, one registry, one apply loop) and vLLM's pass manager (vllm/compilation/: an ordered list of
-pass classes), over our own matching of the torch-level (pre-grad) graph.
+A rewrite kind is one :class:`RewritePass` in :data:`smxcompile.passes.manager.PASSES`; its sites are
+:class:`Match` objects (the matched nodes, the action the policy chose, why). Modelled on Inductor's pattern
+matcher (torch/_inductor/pattern_matcher.py) and vLLM's pass manager (vllm/compilation/), over our own matching
+of the pre-grad graph.
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ class PassContext:
     """What a pass knows about the graph it analyses.
 
     Attributes:
-        options: the backend options.
         skip: keys of sites to keep (their ``check`` failed).
         prefix: the subgraph's name (``"wrap_body_0/"``) in every site key; ``""`` for the top graph.
         export: the graph is captured for an export (ONNX, MLIR): rewritten sites call the smx ops on every
-            device, as the exporters' translation tables expect, and no eager-only fix-ups.
+            device, with no eager-only fix-ups.
         functorch: the torch.func transform op the graph runs (grad / vmap), if any: nothing is rewritten.
     """
 
@@ -42,21 +40,16 @@ class PassContext:
 
 @dataclasses.dataclass(kw_only=True)
 class Match:
-    """One candidate site. Subclasses add the fields of their pattern and define ``anchor`` (the node the
-    replacement takes the place of, or the site's main node) and ``dead`` (the pattern's nodes).
+    """One candidate site. Subclasses add their pattern's fields and define ``anchor`` (the node the replacement
+    takes the place of) and ``dead`` (the pattern's nodes).
 
     Attributes:
-        action: ``rewritten``, ``kept`` (left to Inductor on purpose) or ``skipped`` (cannot be rewritten
-            safely).
-        reason: why it is kept or skipped.
-        device: the device type of the site's input (``cpu``, ``cuda``...; ``?`` before the policy ran).
-        prefix: see :class:`PassContext`.
-        keep_whole: a kept site whose nodes later passes must leave alone (the block is left to Inductor as
-            written); rewritten sites always claim their nodes.
-        guarded: a site not rewritten that Inductor is known to mis-compile as written: the pass's
-            :meth:`RewritePass.guard` hands it over in a form Inductor cannot (the reason says how); its nodes
-            are claimed.
-        route: the lowering, for a kind that has several ruled apart on CUDA (a key of ``CUDA_RULES``).
+        action: ``rewritten``, ``kept`` (left to Inductor on purpose) or ``skipped`` (not safe to rewrite).
+        device: the device type of the site's input (``?`` before the policy ran).
+        keep_whole: a kept site whose nodes later passes must leave alone (rewritten sites always claim theirs).
+        guarded: a site not rewritten that Inductor is known to mis-compile: :meth:`RewritePass.guard` hands it
+            over in a form Inductor cannot mis-compile; its nodes are claimed.
+        route: the lowering, for a kind whose lowerings are ruled apart on CUDA (a key of ``CUDA_RULES``).
     """
 
     action: str = "rewritten"
@@ -112,13 +105,8 @@ class Match:
 
 
 class RewritePass(abc.ABC):
-    """One rewrite kind.
-
-    Attributes:
-        name: the pass's name (also its report kind unless the matches say otherwise).
-        repeat: after a rewrite, look again (nested sites share nodes: ``softmax(softmax(x).float())`` is
-            rewritten inside out, one round per level).
-    """
+    """One rewrite kind. ``name``: its report kind unless the matches say otherwise; ``repeat``: look again
+    after a rewrite (nested sites: ``softmax(softmax(x).float())`` is rewritten inside out, a round per level)."""
 
     name: str = ""
     repeat: bool = False
