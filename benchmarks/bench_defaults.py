@@ -1,86 +1,16 @@
 #!/usr/bin/env python
-"""Every default decision of the smx backend, side by side with Inductor and eager, in one process (CPU).
+"""Every default decision of the smx backend (softmax, routers, samplers, attention, score_mod, linear + CE, CE,
+quantized softmax) timed under eager, Inductor and smx with default options, one matrix on the CPU; the rows where
+smx is slower than Inductor beyond the noise are listed. Families, columns: benchmarks/README.md.
 
-For each rewrite kind, a few shapes users run; each row is timed under three backends in turn:
-
-  eager      the plain PyTorch function: the reference of every check.
-  inductor   torch.compile(f, dynamic=False): the yardstick of every ratio.
-  smx        torch.compile(f, backend="smx", dynamic=False), DEFAULT options (cpu="auto": the CPU policy
-             table smxcompile/passes/policy.py CPU_RULES decides, per site, rewrite or keep for Inductor).
-
-Families (--families), fp32 unless the dtype column says bf16 (one bf16 point per family, at a shape
-that also has an fp32 row except linear_ce's):
-
-  softmax        torch.softmax(x, -1) at 4096x1024, 64x32000, 16x131072; torch.log_softmax(x, -1) at
-                 64x32000; "masked": torch.softmax(x * 0.125 + mask, -1) (additive (1, cols) mask, -inf on
-                 the last eighth) at 4096x1024. bf16: softmax 64x32000.
-  router         MoE gate, tokens x experts: v, i = torch.topk(torch.softmax(logits, -1), k) ("topk"), and
-                 the same renormalized, v = v / v.sum(-1, keepdim=True) ("topk+renorm"); 8192x8 and
-                 8192x64 with k=2, 2048x256 with k=8. bf16: topk+renorm 8192x64.
-  sampler        torch.topk(torch.softmax(logits / 0.7, -1), 50) at 16x32000, 16x131072, 4x262144;
-                 inference only. bf16: 16x32000.
-  attention      eager attention as users write it, 8 heads, head dim 64 (shape B x H x T x D):
-                   causal  s = q @ k.transpose(-2, -1) * D**-0.5; s.masked_fill(~tril, -inf); softmax; @ v
-                           T = 128, 512 (B=2), 2048 (B=1); 4096 (B=1) with --big
-                   padded  the same plus an additive [B, 1, 1, T] padding mask (last 64 keys of batch 1),
-                           T=512
-                   gqa     8 query heads, 2 kv heads, k / v expanded with repeat_interleave (as HF), T=512
-                 bf16: causal T=512.
-  score_mod      attention whose scores go through another pointwise change (FlexAttention's score_mod), 8
-                 heads, head dim 64, inference only: "silu" softmax(s * sigmoid(s)) at T = 512 (B=2), 1024 and
-                 2048 (B=1); "gate" s * sigmoid(gate), a learned (H, T, T) gate, and "silu+pad" with an additive
-                 [B, 1, 1, T] padding mask, both at T=1024.
-  linear_ce      F.cross_entropy(F.linear(x, w), y) (bench_linear_ce.py's loss_fn), N=1024 tokens, D=256,
-                 V = 16384, 50257, 131072 (262144 with --big). bf16: N=128, D=128, V=16384 (small: ATen's
-                 bf16 matmuls are up to 40x slower than fp32 on CPUs without bf16 instructions).
-  cross_entropy  F.cross_entropy(logits, y) at 1024x32000. bf16: the same shape.
-  quant_softmax  dequantize(quantize(softmax(x, -1))) (bench_quant_softmax.py's f_qdq, uint8, scale 1/255)
-                 at 8x12x128x128 and 64x32000; inference only (quantize has no gradient). bf16: 64x32000.
-
-Passes: infer = the function under torch.no_grad(); train = forward + torch.autograd.grad of the output
-(dotted with a fixed random g; the scalar losses: g = 1) with respect to the float inputs (x; q, k, v;
-x and w for linear_ce).
-
-Columns:
-
-  <b> ms     milliseconds per call, median over every block of torch.utils.benchmark blocked_autorange
-             (bench_softmax.py's measure_interleaved: the backends of a row timed in turn for --rounds rounds,
-             alternating the order); compilation excluded (every backend is compiled and checked first).
-  (0.85x)    that time / inductor's time for the same row: below 1 is faster than Inductor.
-  noise      half the sum of smx's and inductor's relative spread (IQR / median; with fewer than 4 blocks
-             (median - fastest) / median; "?" with a single block each): about how far the smx/inductor
-             ratio moves by chance.
-  smx did    what the smx backend's report says about the graph(s) it compiled for this row and pass:
-             "<kind> rewritten (<op>)" or "<kind> kept: <reason>" (full reasons in the JSON).
-  !          that backend's result differed from eager (checked once, before timing): fp32 within
-             1e-5 + 1e-4 max|eager|, bf16 within 1e-3 + 2e-2 max|eager| (values and gradients); top-k indices
-             may differ only at ties (eager's probabilities equal at both indices); in training the top-k
-             gradients are compared on the rows whose indices equal eager's (a tie moves the gradient).
-  ERR        that backend raised (the message is printed at the end and stored in the JSON).
-
-After the tables: "below 0.97x Inductor", the rows where smx is slower than Inductor by more than 3%
-(time ratio > 1/0.97) and by more than the row's noise, with what smx did there. The exit status is 1
-when a compiled result disagreed with eager or a row raised; slow rows are reported, not failures.
-
---plot PATH: a heatmap, rows = cases, columns = pass x dtype, colour = smx / inductor on a diverging
-map centred on 1 (blue faster, red slower), the ratio and smx's action written in each cell.
-
-Usage:
-  python benchmarks/bench_defaults.py --quick                  # CI smoke: one point per family (~1 min)
-  python benchmarks/bench_defaults.py                          # the whole matrix (~8-10 min on 2 cores)
-  python benchmarks/bench_defaults.py --families router,attention --json out.json --plot out.png --markdown
-  python benchmarks/bench_defaults.py --only bf16 --only 64x32000   # cases whose label has either text
-  python benchmarks/bench_defaults.py --big                    # adds attention T=4096, linear_ce V=262144
+  python benchmarks/bench_defaults.py [--quick] [--families LIST] [--only TEXT] [--big] [--json P] [--plot P]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import math
-import os
-import shlex
 import sys
 import textwrap
 import time
@@ -89,13 +19,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# timing, compile, tables, environment (bench_softmax.py); the functions of the other benchmarks
-from bench_softmax import Row, _cores, _fmt_ms, _write_json, compile_for, environment  # noqa: E402
-from bench_softmax import measure_interleaved, n_reports, print_table  # noqa: E402
-from bench_softmax_topk import make_sampler, sites_since  # noqa: E402
-from bench_quant_softmax import f_qdq  # noqa: E402
-from bench_linear_ce import loss_fn  # noqa: E402
+import common
+from bench_linear_ce import loss_fn
+from bench_quant_softmax import f_qdq
+from bench_softmax_topk import make_sampler
+from common import Row, compile_for, fmt_ms, measure_interleaved, n_reports, sites_since
 
 FAMILIES = ("softmax", "router", "sampler", "attention", "score_mod", "linear_ce", "cross_entropy", "quant_softmax")
 SLOW = 1 / 0.97          # a time ratio above this (and above the noise) is "below 0.97x Inductor"
@@ -161,9 +89,6 @@ TITLES = {
     "cross_entropy": "cross_entropy: F.cross_entropy(logits, y)",
     "quant_softmax": "quant_softmax: dequantize(quantize(softmax(x, -1), 1/255, 0, 0, 255, uint8))",
 }
-
-
-# --------------------------------------------------------------------------- the functions measured
 
 
 def f_softmax(x):
@@ -283,15 +208,12 @@ def build(c: Case) -> Built:
     raise ValueError(c.family)
 
 
-# --------------------------------------------------------------------------- checks and smx reports
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _as_list(out) -> list[torch.Tensor]:
+def as_list(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def first(out):
+    return as_list(out)[0]
 
 
 def compare(got, ref, dtype: str, probs: torch.Tensor | None, rows: torch.Tensor | None = None) -> tuple[float, bool]:
@@ -300,7 +222,7 @@ def compare(got, ref, dtype: str, probs: torch.Tensor | None, rows: torch.Tensor
     these rows (a bool mask over the first dim)."""
     atol, rtol = TOL[dtype]
     worst, ok = 0.0, True
-    for g, r in zip(_as_list(got), _as_list(ref)):
+    for g, r in zip(as_list(got), as_list(ref)):
         if g.shape != r.shape:
             return float("inf"), False
         if rows is not None:
@@ -321,23 +243,13 @@ def compare(got, ref, dtype: str, probs: torch.Tensor | None, rows: torch.Tensor
 
 def describe(sites: list) -> tuple[str, str]:
     """(what smx did, e.g. 'softmax rewritten (smx::softmax)' or 'softmax kept'; the distinct reasons)."""
-    if not sites:
-        return "no site", ""
-    acts: dict[str, None] = {}
-    reasons: dict[str, None] = {}
-    for s in sites:
-        acts[f"{s.kind} {s.action}" + (f" ({s.op})" if s.action == "rewritten" and s.op else "")] = None
-        if s.reason:
-            reasons[s.reason] = None
-    return ", ".join(acts), " | ".join(reasons)
+    acts = {f"{s.kind} {s.action}" + (f" ({s.op})" if s.action == "rewritten" and s.op else ""): None for s in sites}
+    return ", ".join(acts) or "no site", " | ".join(dict.fromkeys(s.reason for s in sites if s.reason))
 
 
 def short_reason(reason: str, n: int = 70) -> str:
     r = reason.split(" | ")[0].split(";")[0].split(" (")[0]
     return r if len(r) <= n else r[: n - 3] + "..."
-
-
-# --------------------------------------------------------------------------- rows
 
 
 @dataclasses.dataclass
@@ -358,6 +270,7 @@ class DRow(Row):
 
     @property
     def noise(self) -> float | None:
+        """About how far the smx / inductor ratio moves by chance: half the sum of their spreads."""
         s, i = self.spread("smx"), self.spread("inductor")
         return None if s is None or i is None else 0.5 * (s + i)
 
@@ -375,8 +288,36 @@ class DRow(Row):
                 "errors": self.errors, "compile_s": self.compile_s, "slow": self.slow}
 
 
-def _err(e: Exception) -> str:
+def err_text(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def run_backend(compiled: Callable, xs: list, ps: list, train: bool, g: list):
+    """One call: the output under no_grad, or (the forward's outputs, the gradients of its first w.r.t. ``ps``
+    against ``g[0]``, a fixed random cotangent drawn at the first call; the scalar losses: 1)."""
+    if not train:
+        with torch.no_grad():
+            return None, compiled(*xs)
+    outs = as_list(compiled(*xs))
+    if g[0] is None:
+        out = outs[0]
+        g[0] = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype) \
+            if out.dim() else torch.ones((), dtype=out.dtype)
+    return [t.detach() for t in outs], torch.autograd.grad(outs[0], ps, g[0])
+
+
+def check_row(row: DRow, b: str, fwd: dict, results: dict, dtype: str, probs, train: bool) -> None:
+    """``b``'s result against eager's; top-k training: where the indices differ (ties, checked on the forward) the
+    gradient lands elsewhere, so the gradients are compared on the rows with eager's indices."""
+    if train and probs is not None:
+        e_f, ok_f = compare(fwd[b], fwd["eager"], dtype, probs)
+        same = (fwd[b][1] == fwd["eager"][1]).all(-1) if e_f != float("inf") else None
+        e_g, ok_g = compare(results[b], results["eager"], dtype, None, same)
+        row.max_err[b], ok = max(e_f, e_g), ok_f and ok_g
+    else:
+        row.max_err[b], ok = compare(results[b], results["eager"], dtype, None if train else probs)
+    if not ok:
+        row.mismatch.append(b)
 
 
 def bench_case(c: Case, args, log: Callable[[str], None]) -> list[DRow]:
@@ -389,115 +330,74 @@ def bench_case(c: Case, args, log: Callable[[str], None]) -> list[DRow]:
         row = DRow("cpu", c.shape, c.name, pass_, family=c.family, dtype=c.dtype)
         xs = [t.clone().requires_grad_(True) if train and i in b_.grad_idx else t for i, t in enumerate(b_.inputs)]
         ps = [xs[i] for i in b_.grad_idx]
-        g = None
         probs = b_.probs(b_.inputs[0]) if b_.probs else None
-        results: dict[str, Any] = {}
-        fwd: dict[str, list[torch.Tensor]] = {}     # train: the forward's outputs, for the top-k tie check
+        g, results, fwd = [None], {}, {}
         for b in BACKENDS:
-            n0 = n_reports()
-            t0 = time.perf_counter()
+            n0, t0 = n_reports(), time.perf_counter()
             try:
-                if train:
-                    outs = _as_list(compiled[b](*xs))
-                    fwd[b], out = [t.detach() for t in outs], outs[0]
-                    if g is None:
-                        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype) \
-                            if out.dim() else torch.ones((), dtype=out.dtype)
-                    results[b] = torch.autograd.grad(out, ps, g)
-                else:
-                    with torch.no_grad():
-                        results[b] = compiled[b](*xs)
+                fwd[b], results[b] = run_backend(compiled[b], xs, ps, train, g)
             except Exception as e:  # a row that raises is reported, the others go on
-                row.errors[b] = _err(e)
+                row.errors[b] = err_text(e)
             row.compile_s[b] = time.perf_counter() - t0
             if b == "smx":
                 row.smx_action, row.smx_reason = describe(sites_since(n0)[0])
             if b != "eager" and b in results and "eager" in results:
-                if train and probs is not None:
-                    # top-k: where the indices differ from eager's (ties: checked on the forward) the gradient
-                    # lands on other entries; compare the gradients on the rows with eager's indices
-                    e_f, ok_f = compare(fwd[b], fwd["eager"], c.dtype, probs)
-                    same = (fwd[b][1] == fwd["eager"][1]).all(-1) if e_f != float("inf") else None
-                    e_g, ok_g = compare(results[b], results["eager"], c.dtype, None, same)
-                    row.max_err[b], ok = max(e_f, e_g), ok_f and ok_g
-                else:
-                    row.max_err[b], ok = compare(results[b], results["eager"], c.dtype, None if train else probs)
-                if not ok:
-                    row.mismatch.append(b)
+                check_row(row, b, fwd, results, c.dtype, probs, train)
         ok_b = [b for b in BACKENDS if b in results]
         if train:
-            stmts = {b: ("torch.autograd.grad(first(f(*xs)), ps, g)",
-                         {"f": compiled[b], "xs": xs, "ps": ps, "g": g, "first": _first, "torch": torch})
+            stmts = {b: ("torch.autograd.grad(first(f(*xs)), ps, g)", {"f": compiled[b], "xs": xs, "ps": ps,
+                                                                        "g": g[0], "first": first, "torch": torch})
                      for b in ok_b}
             row.ms, row.iqr_ms, row.min_ms = measure_interleaved(stmts, args.threads, args.rounds, args.min_run_time)
         else:
-            stmts = {b: ("f(*xs)", {"f": compiled[b], "xs": xs}) for b in ok_b}
             with torch.no_grad():
-                row.ms, row.iqr_ms, row.min_ms = measure_interleaved(stmts, args.threads, args.rounds,
-                                                                     args.min_run_time)
+                row.ms, row.iqr_ms, row.min_ms = measure_interleaved(
+                    {b: ("f(*xs)", {"f": compiled[b], "xs": xs}) for b in ok_b}, args.threads, args.rounds,
+                    args.min_run_time)
         rows.append(row)
-        log(f"{c.label} {pass_}: " + ", ".join(f"{b} {_fmt_ms(row, b)}" if b in row.ms else f"{b} ERR"
+        log(f"{c.label} {pass_}: " + ", ".join(f"{b} {fmt_ms(row, b)}" if b in row.ms else f"{b} ERR"
                                                for b in BACKENDS) + f"; smx: {row.smx_action}")
     torch._dynamo.reset()
     return rows
 
 
-# --------------------------------------------------------------------------- output
-
-
-def _pct(v: float | None) -> str:
+def pct(v: float | None) -> str:
     return "?" if v is None else f"{100 * v:.0f}%"
 
 
 def table_rows(rows: list[DRow]) -> tuple[list[str], list[list[str]]]:
     head = ["case", "shape", "dtype", "pass", "eager ms (/ind)", "inductor ms", "smx ms (/ind)", "noise", "smx did"]
-    out = []
-    for r in rows:
-        did = r.smx_action + (f": {short_reason(r.smx_reason)}" if r.smx_reason else "")
-        out.append([r.case, r.shape, r.dtype, r.pass_] + ["ERR" if b in r.errors else _fmt_ms(r, b) for b in BACKENDS]
-                   + [_pct(r.noise), did])
-    return head, out
+    return head, [[r.case, r.shape, r.dtype, r.pass_] + ["ERR" if b in r.errors else fmt_ms(r, b) for b in BACKENDS]
+                  + [pct(r.noise), r.smx_action + (f": {short_reason(r.smx_reason)}" if r.smx_reason else "")]
+                  for r in rows]
 
 
 def slow_lines(rows: list[DRow]) -> list[str]:
-    out = []
-    for r in rows:
-        if r.slow:
-            mn = r.min_ms["smx"] / r.min_ms["inductor"] if r.min_ms.get("inductor") else float("nan")
-            out.append(f"{r.family} {r.case} {r.shape} {r.dtype} {r.pass_}: smx {r.ratio('smx'):.2f}x inductor's "
-                       f"time (fastest blocks {mn:.2f}x, noise {_pct(r.noise)})"
-                       + ("" if "rewritten" in r.smx_action else " [nothing rewritten: Inductor compiled the same "
-                          "graph, so the gap is noise]") + f"; smx did: {r.smx_action}"
-                       + (f" -- {r.smx_reason}" if r.smx_reason else ""))
-    return out
+    return [f"{r.family} {r.case} {r.shape} {r.dtype} {r.pass_}: smx {r.ratio('smx'):.2f}x inductor's time (fastest "
+            f"blocks {r.ratio('smx', r.min_ms) or float('nan'):.2f}x, noise {pct(r.noise)})"
+            + ("" if "rewritten" in r.smx_action else " [nothing rewritten: Inductor compiled the same graph, so the "
+               "gap is noise]") + f"; smx did: {r.smx_action}" + (f" -- {r.smx_reason}" if r.smx_reason else "")
+            for r in rows if r.slow]
 
 
 def plot(rows: list[DRow], path: str, title: str) -> str | None:
-    try:
-        import matplotlib
+    """A heatmap: cases x (pass, dtype), colour smx / inductor on a diverging map centred on 1."""
+    plt = common.pyplot()
+    if plt is None:
+        return "--plot: " + common.NO_MATPLOTLIB
+    from matplotlib.colors import TwoSlopeNorm
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import TwoSlopeNorm
-    except ImportError:
-        return "--plot: matplotlib is not installed (pip install matplotlib); no plot written"
     if not rows:
         return "--plot: no rows"
-    ylabels: list[str] = []
     cols = [c for c in ("infer fp32", "train fp32", "infer bf16", "train bf16")
             if any(f"{r.pass_} {r.dtype}" == c for r in rows)]
-    cells: dict[tuple[int, int], DRow] = {}
-    for r in rows:
-        y = f"{r.family}: {r.case} {r.shape}"
-        if y not in ylabels:
-            ylabels.append(y)
-        cells[ylabels.index(y), cols.index(f"{r.pass_} {r.dtype}")] = r
+    ylabels = list(dict.fromkeys(f"{r.family}: {r.case} {r.shape}" for r in rows))
+    cells = {(ylabels.index(f"{r.family}: {r.case} {r.shape}"), cols.index(f"{r.pass_} {r.dtype}")): r for r in rows}
     logs = [[math.nan] * len(cols) for _ in ylabels]
     for (i, j), r in cells.items():
         if r.ratio("smx"):
             logs[i][j] = math.log2(r.ratio("smx"))
-    finite = [abs(v) for row in logs for v in row if v == v]
-    lim = min(2.0, max([math.log2(1.25)] + finite))
+    lim = min(2.0, max([math.log2(1.25)] + [abs(v) for row in logs for v in row if v == v]))
     width = max(6.5, 2.5 + 1.7 * len(cols))
     fig, ax = plt.subplots(figsize=(width, 0.38 * len(ylabels) + 1.8))
     cmap = plt.get_cmap("RdBu_r").copy()
@@ -524,36 +424,17 @@ def plot(rows: list[DRow], path: str, title: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- main
-
-
-def _family_list(s: str) -> list[str]:
-    out = [t for t in s.replace(" ", "").split(",") if t]
-    bad = [t for t in out if t not in FAMILIES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(FAMILIES)}")
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CI smoke run: one point per family (fp32), one short round (numbers are rough)")
-    p.add_argument("--families", type=_family_list, metavar="LIST",
+    common.timing_flags(p, 2, 0.2, "CI smoke run: one point per family (fp32), one short round (numbers are rough)")
+    p.add_argument("--families", type=common.choice_list(FAMILIES), metavar="LIST",
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default: all)")
     p.add_argument("--only", metavar="TEXT", action="append",
                    help="only the cases whose label 'family case shape dtype' contains TEXT (repeatable: any of "
                         "them), e.g. --only bf16, --only 'router topk k=2', --only 64x32000")
     p.add_argument("--big", action="store_true",
                    help="also attention T=4096 and linear_ce V=262144 (adds ~3 min on 2 cores; not with --quick)")
-    p.add_argument("--rounds", type=int, help="interleaved timing rounds per row (default 2, quick 1)")
-    p.add_argument("--min-run-time", type=float,
-                   help="seconds of blocked_autorange per backend per round (default 0.2, quick 0.05)")
-    p.add_argument("--threads", type=int, default=_cores(), help="torch threads (default: all cores, %(default)s here)")
-    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    p.add_argument("--json", metavar="PATH", help="write one record per row, the environment and the command to "
-                                                  "PATH as JSON (rewritten after every case)")
     p.add_argument("--plot", metavar="PATH", help="write a heatmap of smx / inductor per case and pass (PNG; "
                                                   "needs matplotlib)")
     return p.parse_args(argv)
@@ -561,26 +442,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    importlib.import_module("smxcompile")  # registers backend="smx" when not installed
-
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.min_run_time = args.min_run_time or (0.05 if args.quick else 0.2)
-    families = args.families or list(FAMILIES)
-    cases = [c for c in all_cases() if c.family in families
+    cases = [c for c in all_cases() if c.family in (args.families or FAMILIES)
              and (c.quick if args.quick else (args.big or not c.big))
              and (not args.only or any(t in c.label for t in args.only))]
     torch.set_num_threads(args.threads)
-    raw = sys.argv[1:] if argv is None else list(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + raw)
-    env = environment(args.threads)
-    print(f"$ {command}")
-    if env.get("loadavg_at_start") and env["loadavg_at_start"][0] > 0.5 * env["cores"]:
-        print(f"WARNING: load average {env['loadavg_at_start'][0]} on {env['cores']} cores: other processes are "
-              "using the CPUs; timings will be noisy (--threads 1 is less sensitive)", file=sys.stderr)
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    command, env = common.command_line(argv), common.environment(args.threads)
+    common.print_header(command, env, "timings will be noisy (--threads 1 is less sensitive)")
     print(f"timing: {len(cases)} cases, torch.utils.benchmark blocked_autorange, {args.rounds} interleaved round(s) "
           f"x {args.min_run_time}s per backend; median ms; (/ind) = time / inductor's, < 1 faster", flush=True)
-
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -593,48 +464,32 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.extend(bench_case(c, args, log))
         except Exception as e:  # a case that raises outside a backend call (inputs, timing): say so, go on
-            log(f"{c.label}: FAILED {_err(e)}")
-            result["errors"].append(f"{c.label}: {_err(e)}")
+            log(f"{c.label}: FAILED {err_text(e)}")
+            result["errors"].append(f"{c.label}: {err_text(e)}")
             torch._dynamo.reset()
         result["rows"] = [r.record() for r in rows]
-        _write_json(args.json, result)
-
+        common.write_json(args.json, result)
     for fam in FAMILIES:
-        fr = [r for r in rows if r.family == fam]
-        if fr:
-            head, body = table_rows(fr)
-            print_table(f"{TITLES[fam]} -- cpu ({env['cpu']}, {args.threads} threads)", head, body, args.markdown)
-    slow = slow_lines(rows)
+        if fr := [r for r in rows if r.family == fam]:
+            common.print_table(f"{TITLES[fam]} -- cpu ({env['cpu']}, {args.threads} threads)", *table_rows(fr),
+                               args.markdown)
+    slow = result["below_0.97x_inductor"] = slow_lines(rows)
     print(f"\nbelow 0.97x Inductor (smx time > {SLOW:.3f}x inductor's and beyond the noise):"
-          + ("" if slow else " none"))
-    for s in slow:
-        print("  " + s)
-    result["below_0.97x_inductor"] = slow
+          + ("" if slow else " none") + "".join(f"\n  {s}" for s in slow))
     for r in rows:
-        if r.mismatch:
-            msg = f"MISMATCH vs eager: {r.family} {r.case} {r.shape} {r.dtype} {r.pass_}: {r.mismatch} " \
-                  f"max rel err {r.max_err}"
+        what = f"{r.family} {r.case} {r.shape} {r.dtype} {r.pass_}"
+        msgs = ([f"MISMATCH vs eager: {what}: {r.mismatch} max rel err {r.max_err}"] if r.mismatch else []) + \
+            [f"ERROR: {what} under {b}: {e}" for b, e in r.errors.items()]
+        for msg in msgs:
             print(msg)
-            result["errors"].append(msg)
-        for b, e in r.errors.items():
-            msg = f"ERROR: {r.family} {r.case} {r.shape} {r.dtype} {r.pass_} under {b}: {e}"
-            print(msg)
-            result["errors"].append(msg)
-    try:
-        env["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
-        print(f"load average at start {env.get('loadavg_at_start')}, at end {env['loadavg_at_end']} "
-              f"({env['cores']} cores): above the core count, other processes shared the CPUs")
-    except OSError:
-        pass
+        result["errors"] += msgs
+    common.print_load_at_end(env, "above the core count, other processes shared the CPUs")
     if args.plot:
-        msg = plot(rows, args.plot, "smx time / inductor time (median; * below 0.97x Inductor beyond noise, "
-                   f"! mismatch, grey: not run; rewr / kept: what smx did) -- {command}")
-        print(msg or f"wrote {args.plot}")
+        print(plot(rows, args.plot, "smx time / inductor time (median; * below 0.97x Inductor beyond noise, "
+                   f"! mismatch, grey: not run; rewr / kept: what smx did) -- {command}") or f"wrote {args.plot}")
     result["wall_s"] = time.perf_counter() - t_start
-    _write_json(args.json, result)
-    print(f"\n$ {command}   ({time.perf_counter() - t_start:.0f} s)")
-    if args.json:
-        print(f"wrote {args.json}")
+    common.write_json(args.json, result)
+    print(f"\n$ {command}   ({time.perf_counter() - t_start:.0f} s)" + (f"\nwrote {args.json}" if args.json else ""))
     return 1 if result["errors"] else 0
 
 

@@ -1,46 +1,24 @@
 #!/usr/bin/env python
-"""smxcompile's public ops called eagerly, against the torch code each one replaces (CPU; CUDA when present).
+"""smxcompile's public ops called eagerly (softmax, log_softmax, softmax_topk, attention, cross_entropy,
+linear_cross_entropy, quant_softmax) against the torch code each one replaces, timed in turn in one process:
+``torch ms / smx ms`` of 1.00 or more means the op is at least as fast. CPU, or CUDA when present.
 
-A user who calls ``smxcompile.softmax_topk(x, k)`` instead of ``torch.softmax(x, -1).topk(k)`` must not lose
-time. Each row times the two side by side in one process (``torch.utils.benchmark`` blocked_autorange, the two
-timed in turn for ``--rounds`` rounds, alternating which goes first) and prints ``torch ms / smx ms``: 1.00 or
-more means the op is at least as fast as the torch code.
-
-Ops and the torch code they replace (fp32 unless the case says bf16; ``fwd`` under no_grad, ``fwd+bwd`` the
-gradient to the float inputs by ``torch.autograd.grad`` with a fixed random cotangent):
-
-  softmax              torch.softmax(x, -1) (and x * 0.125 + mask); log_softmax likewise
-  softmax_topk         torch.softmax(x, -1).topk(k) (samplers, routers), renormalized by the values' sum for
-                       the ``renorm`` rows (Mixtral's router)
-  attention            F.scaled_dot_product_attention (softmax); the written-out soft-capped attention (Gemma 2)
-  cross_entropy        F.cross_entropy(logits, target)
-  linear_cross_entropy F.cross_entropy(F.linear(x, w), target)
-  quant_softmax        quantized_decomposed.quantize_per_tensor(torch.softmax(x, -1), 1/255, 0, 0, 255, uint8)
-
-Usage:
-  python benchmarks/bench_eager_ops.py                 # every row (~3 min on 2 cores)
-  python benchmarks/bench_eager_ops.py --quick         # one or two rows per op, short timings
-  python benchmarks/bench_eager_ops.py --markdown --json out.json --ops softmax_topk,attention
+  python benchmarks/bench_eager_ops.py [--quick] [--ops softmax_topk,attention] [--markdown] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import shlex
 import sys
 from typing import Callable
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the quantized_decomposed ops)
 import torch.nn.functional as F
-from torch.utils.benchmark import Timer
 
+import common
 import smxcompile
-
-# The quantized_decomposed ops are registered by this import.
-import torch.ao.quantization.fx._decomposed  # noqa: F401,E402
 
 OPS = ("softmax", "log_softmax", "softmax_topk", "attention", "cross_entropy", "linear_cross_entropy",
        "quant_softmax")
@@ -126,53 +104,36 @@ def cases(device: str, quick: bool) -> list[tuple[str, str, Callable, Callable, 
     return out
 
 
-def _stmt(fn: Callable, inputs: list[torch.Tensor], train: bool) -> Callable[[], object]:
+def statement(fn: Callable, inputs: list[torch.Tensor], train: bool, device: str) -> Callable[[], object]:
+    """A call of ``fn``: under no_grad, or its gradient to the inputs against a fixed random cotangent; synced."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if not train:
         def run():
             with torch.no_grad():
-                return fn(*inputs)
+                fn(*inputs)
+            sync()
         return run
     leaves = [t.detach().requires_grad_(True) for t in inputs]
     probe = fn(*leaves)
     cot = torch.randn_like(probe) if probe.dim() else torch.ones_like(probe)
 
-    def run():
-        return torch.autograd.grad(fn(*leaves), leaves, cot)
-    return run
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_pair(stmts: dict[str, Callable], rounds: int, min_run_time: float, device: str) -> dict[str, float]:
-    """Median ms per call of each statement, timed in turn for ``rounds`` rounds (the order alternating)."""
-    times: dict[str, list[float]] = {k: [] for k in stmts}
-    for r in range(rounds):
-        for name in (list(stmts) if r % 2 == 0 else list(stmts)[::-1]):
-            fn = stmts[name]
-
-            def call(fn=fn):
-                fn()
-                _sync(device)
-            call()
-            m = Timer("call()", globals={"call": call},
-                      num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
-            times[name].extend(t * 1e3 for t in m.times)  # per call (raw_times are per block)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    def run_grad():
+        torch.autograd.grad(fn(*leaves), leaves, cot)
+        sync()
+    return run_grad
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one or two rows per op, one short round (CI smoke)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--ops", type=common.choice_list(OPS), default=list(OPS), help=f"comma-separated subset of "
+                                                                                  f"{','.join(OPS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds per row (default 3; --quick 1)")
     p.add_argument("--min-run-time", type=float, default=None,
                    help="seconds of blocked_autorange per op per round (default 0.3; --quick 0.1)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=common.cores(), help="torch.set_num_threads")
     p.add_argument("--json", metavar="PATH", help="write every row as JSON")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     return p.parse_args(argv)
@@ -180,50 +141,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    ops = a.ops.split(",")
-    unknown = set(ops) - set(OPS)
-    if unknown:
-        raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {','.join(OPS)}")
     torch.set_num_threads(a.threads)
-    rounds = a.rounds or (1 if a.quick else 3)
-    mrt = a.min_run_time or (0.1 if a.quick else 0.3)
-    command = "python benchmarks/bench_eager_ops.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    rounds, mrt = a.rounds or (1 if a.quick else 3), a.min_run_time or (0.1 if a.quick else 0.3)
+    command = common.command_line(argv, "benchmarks/bench_eager_ops.py")
     print(f"$ {command}\ntorch {torch.__version__}, {a.device}, {a.threads} threads", flush=True)
-    rows, slower = [], []
+    rows = []
     for op, label, ours, ref, inputs in cases(a.device, a.quick):
-        if op not in ops:
-            continue
         for train in (False, True):
-            if op == "quant_softmax" and train:
-                continue  # integer codes: no gradient
-            if train and not any(t.is_floating_point() for t in inputs):
-                continue
-            t = time_pair({"torch": _stmt(ref, inputs, train), "smx": _stmt(ours, inputs, train)}, rounds, mrt,
-                          a.device)
+            if op not in a.ops or train and (op == "quant_softmax" or not any(t.is_floating_point() for t in inputs)):
+                continue  # quant_softmax: integer codes, no gradient
+            stmts = {"torch": statement(ref, inputs, train, a.device), "smx": statement(ours, inputs, train, a.device)}
+            t = common.measure_interleaved({k: ("call()", {"call": f}) for k, f in stmts.items()}, a.threads, rounds,
+                                           mrt)[0]
             row = {"op": op, "case": label, "pass": "fwd+bwd" if train else "fwd", "torch_ms": t["torch"],
                    "smx_ms": t["smx"], "speed": t["torch"] / t["smx"]}
             rows.append(row)
             print(f"  {op:21s} {label:28s} {row['pass']:7s} torch {t['torch']:9.3f} ms  smx {t['smx']:9.3f} ms  "
                   f"{row['speed']:.2f}x", file=sys.stderr, flush=True)
-            if row["speed"] < 0.97:
-                slower.append(row)
     head = ["op", "case", "pass", "torch ms", "smx ms", "torch / smx"]
     body = [[r["op"], r["case"], r["pass"], f"{r['torch_ms']:.3f}", f"{r['smx_ms']:.3f}", f"{r['speed']:.2f}"]
             for r in rows]
     if a.markdown:
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        for b in body:
-            print("| " + " | ".join(b) + " |")
+        print(common.markdown_table(head, body))
     else:
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
-        for line in [head] + body:
-            print("  ".join(x.ljust(w) for x, w in zip(line, widths)))
+        print("\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in [head] + body))
+    slower = [r for r in rows if r["speed"] < 0.97]
     print(f"\n{len(slower)} of {len(rows)} rows below 0.97x torch" + "".join(
         f"\n  {r['op']} {r['case']} {r['pass']}: {r['speed']:.2f}x" for r in slower))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": command, "torch": torch.__version__, "device": a.device, "threads": a.threads,
-                       "rows": rows}, f, indent=1)
+    common.write_json(a.json, {"command": command, "torch": torch.__version__, "device": a.device,
+                               "threads": a.threads, "rows": rows})
     print(f"$ {command}")
     return 0
 

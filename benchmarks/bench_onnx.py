@@ -1,31 +1,9 @@
 #!/usr/bin/env python
-"""onnxruntime CPU latency of smxcompile's ONNX export against a plain ``torch.onnx.export``, side by side.
-
-For each model, files of the same weights:
-
-  plain     torch.onnx.export(model, dynamo=True) of the model as written (torch's own translation), at
-            the opset of the smx file (so the comparison isolates the rewrites).
-  smx       smxcompile.export_onnx(model): the graph as smxcompile rewrites it, for the default target
-            (onnxruntime: fused attention as the ONNX Attention op / com.microsoft MultiHeadAttention,
-            softmax + top-k, quantized softmax as QuantizeLinear...), checked against eager before it is
-            written.
-  portable  smxcompile.export_onnx(model, target="portable"): standard ONNX ops only.
-
-All run in one onnxruntime CPU session each (graph optimizations ORT_ENABLE_ALL, --threads intra-op
-threads) on the same inputs, timed in turn (smxcompile.export.onnx.runtime.time_sessions: --rounds rounds,
-order alternating, each round about 0.2 s of calls); reported: the median per-call milliseconds and
-the ratio to plain (below 1 is faster). Also the node count of each file, the rewrites and the largest
-|smx - eager| of the check.
-
-Models (small configs, random weights, fp32; --models; batch 4 x --seq tokens):
-
-  gpt2        GPT-2 as `smx demo` builds it (4 layers, 256 dims, 4 heads), eager attention
-  llama       Llama (4 layers, 256 dims, 8 heads, 4 KV heads: GQA), eager attention
-  bert        BERT (4 layers, 256 dims, 4 heads) with a padding mask
-  vit         ViT (4 layers, 256 dims, 4 heads, 224x224 images in 16x16 patches: 197 tokens; --seq unused)
-  gpt2-loss   the gpt2 model called with labels (the loss: cross-entropy)
-  gpt2-quant  the gpt2 model with smxcompile.quantize_softmax (8-bit attention softmax, corrected)
-  router      an MoE router: softmax over 64 experts then top-2, renormalized, 4096 tokens
+"""onnxruntime CPU latency of smxcompile's ONNX export against a plain ``torch.onnx.export``, side by side: for each
+small random-weight model (gpt2, llama, bert, vit, gpt2-loss, gpt2-quant, router; batch 4 x --seq tokens), the plain
+export at the smx file's opset, ``export_onnx`` for the onnxruntime target and for ``target="portable"``, timed in
+turn in onnxruntime (``smxcompile.export.onnx.runtime.time_sessions``), with node counts, rewrites and the check's
+largest difference. Models and columns: benchmarks/README.md.
 
 Run: python benchmarks/bench_onnx.py [--models gpt2,router] [--seq 128] [--threads 1] [--rounds 7]
      [--markdown] [--json FILE]
@@ -41,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 from smx_app.argtypes import positive_int
 
 MODELS = ("gpt2", "llama", "bert", "vit", "gpt2-loss", "gpt2-quant", "router")
@@ -171,7 +150,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (default: 128)")
     p.add_argument("--threads", type=positive_int, default=1, help="onnxruntime intra-op threads (default: 1)")
@@ -184,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows)
     print(table if args.markdown else json.dumps(rows, indent=2, default=str))
     if args.json:
-        import onnxruntime
         import torch
 
         args.json.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
-                                         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-                                         "seq": args.seq, "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows},
+                                         "torch": torch.__version__, "onnxruntime": common.version("onnxruntime"),
+                                         "seq": args.seq, "threads": args.threads, "cpu_count": os.cpu_count(),
+                                         "rows": rows},
                                         indent=2, default=str) + "\n")
     return 0
 

@@ -1,22 +1,8 @@
 #!/usr/bin/env python
-"""onnxruntime CPU latency of the ONNX forms smxcompile can write for one site, side by side.
-
-Each case is a small module with one rewritable site, exported several ways; all files of a case run
-on the same input in onnxruntime (1 intra-op thread by default, ORT_ENABLE_ALL), timed in turn
-(order alternating) with ``smxcompile.export.onnx.runtime.time_sessions``: the median ms per call, and
-each form's ratio to the plain ``torch.onnx.export`` of the module (below 1 is faster). This is how
-``export_onnx`` chooses its default form per target.
-
-Cases (--cases):
-
-  topk        torch.topk(torch.softmax(x), 2): a sampler / router without renormalization
-  router      the same, renormalized over the k values (Mixtral's router)
-  attention   eager attention softmax(q k^T * scale + mask) v, B=4, H=8, E=64 (--seq lengths), causal
-              and with a padding mask
-
-Forms: plain (torch.onnx.export of the module as written), portable (export_onnx target="portable"),
-onnxruntime (the default target); attention also per attention_op (Attention, MultiHeadAttention,
-decompose).
+"""onnxruntime CPU latency of the ONNX forms smxcompile can write for one site, side by side: softmax + top-k
+(``topk``), the renormalized router (``router``) and eager attention (causal and padded, B=4, H=8, E=64), each
+exported plainly, for both targets and with each attention_op, timed in turn in onnxruntime (``time_sessions``),
+as ratios to the plain export. The measurement behind each target's default forms.
 
 Run: python benchmarks/bench_onnx_forms.py [--cases topk,router,attention] [--seq 128,512] [--threads 1]
      [--markdown] [--json FILE]
@@ -32,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 from smx_app.argtypes import positive_int
 
 CASES = ("topk", "router", "attention")
@@ -133,7 +120,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated (default: {','.join(CASES)})")
     p.add_argument("--seq", default="128,512", help="attention sequence lengths (default: 128,512)")
     p.add_argument("--threads", type=positive_int, default=1, help="onnxruntime intra-op threads (default: 1)")
@@ -151,11 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(cases, seqs, args.threads)
     print(markdown(rows) if args.markdown else json.dumps(rows, indent=2, default=str))
     if args.json:
-        import onnxruntime
         import torch
 
         args.json.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
-                                         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+                                         "torch": torch.__version__, "onnxruntime": common.version("onnxruntime"),
                                          "threads": args.threads, "cpu_count": os.cpu_count(), "rows": rows},
                                         indent=2, default=str) + "\n")
     return 0

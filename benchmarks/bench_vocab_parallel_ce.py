@@ -1,43 +1,12 @@
 #!/usr/bin/env python
-"""Vocabulary-parallel LM-head loss: communication, memory and time per training step, side by side.
+"""Vocabulary-parallel LM-head loss, one training step (forward + backward of ``F.cross_entropy(x @ W.T, y)``, W
+sharded by vocabulary rows over --world-size processes: gloo on CPU, nccl on CUDA): the bytes each variant's
+collectives move, step time, peak memory and the difference from smx's loss and x.grad. Variants: smx
+(``smxcompile.linear_cross_entropy(..., process_group=)``), allgather (the naive all-gather of the logits, as
+Megatron-LM), loss_parallel (PyTorch's DTensor loss_parallel). Columns: docs/PERFORMANCE.md ("Vocabulary-parallel
+cut cross-entropy").
 
-The classifier W (V x D) is sharded by vocabulary rows over --world-size processes (gloo on CPU,
-nccl on CUDA); every rank holds the same embeddings x (N x D, requires grad) and targets y (N,).
-One step = forward + backward of ``F.cross_entropy(x @ W.T, y)`` giving every rank the full
-x.grad and its own shard of W.grad.
-
-Variants (--variants):
-
-  smx         smxcompile.linear_cross_entropy(x, W_r, y, process_group=group): cut cross-entropy on
-              each shard, partial (max, sum) merged with O(N) collectives; no rank holds logits.
-  allgather   the naive form it replaces: local logits x @ W_r.T, all_gather them into the full
-              N x V logits, F.cross_entropy; the backward keeps this rank's columns of the logits'
-              gradient (no collective, as Megatron-LM's gather_from_tensor_model_parallel_region;
-              torch.distributed.nn.functional.all_gather would add an N x V all_to_all); x.grad is
-              then all-reduced.
-  loss_parallel  PyTorch's own: the local logits wrapped as a DTensor sharded on the vocabulary dim, and
-              F.cross_entropy under torch.distributed.tensor.parallel.loss_parallel() (O(N) collectives,
-              but each rank materializes its N x V_r logits); x.grad all-reduced.
-
-Metrics, per variant (median over --rounds steps after one warm-up step; rank 0's figures):
-
-  loss fwd MB / loss bwd MB
-                   bytes this rank received from the loss's collectives in the forward / backward,
-                   counted by smxcompile.distributed.CollectiveCounter (every c10d and functional
-                   collective), without grad_input's all_reduce:
-  grad_input MB    the all_reduce of x.grad (N x D), which every variant needs for a replicated x (smx
-                   issues it at the end of its forward on the CPU fused path, in the backward otherwise).
-  collectives      how many collectives the step issued.
-  step ms          wall time of the step (all ranks start together after a barrier).
-  peak MB          peak memory above the step's start: torch.cuda.max_memory_allocated on CUDA; on CPU
-                   the peak RSS (VmHWM after clear_refs, as smx demo measures).
-  |dloss|          |loss - smx's loss| / |smx's loss|.
-  |dgrad|          max |x.grad - smx's x.grad| / max |smx's x.grad|.
-
-Example:
-  python benchmarks/bench_vocab_parallel_ce.py                       # CPU, 2 processes, V 8192 and 32768
-  python benchmarks/bench_vocab_parallel_ce.py --vocab 50257 --n 2048 --markdown
-  python benchmarks/bench_vocab_parallel_ce.py --world-size 4 --json out.json   # 4 GPUs with nccl
+  python benchmarks/bench_vocab_parallel_ce.py [--vocab 50257 --n 2048] [--world-size 4] [--markdown] [--json P]
 """
 
 from __future__ import annotations
@@ -53,6 +22,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+import common
 from smx_app.argtypes import positive_int
 
 VARIANTS = ("smx", "allgather", "loss_parallel")
@@ -191,8 +161,7 @@ def _table(rows, markdown: bool) -> str:
                       str(r["collectives"]), f"{r['step_ms']:.1f}", f"{r['peak_bytes'] / 1e6:.1f}",
                       f"{r['dloss']:.1e}" if "dloss" in r else "-", f"{r['dgrad']:.1e}" if "dgrad" in r else "-"])
     if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        out += ["| " + " | ".join(c for c in line) + " |" for line in lines]
+        out = [common.markdown_table(head, lines)]
         return "\n".join(out + [""] + notes if notes else out)
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
@@ -200,9 +169,10 @@ def _table(rows, markdown: bool) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__[__doc__.index("Variants"):],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=positive_int, default=2, help="processes (GPUs with nccl when CUDA is available)")
+    p.add_argument("--world-size", type=positive_int, default=2,
+                   help="processes (GPUs with nccl when CUDA is available)")
     p.add_argument("--n", type=positive_int, default=1024, help="tokens per step (rows of x), default 1024")
     p.add_argument("--d", type=positive_int, default=256, help="hidden size, default 256")
     p.add_argument("--vocab", type=lambda s: [positive_int(v) for v in s.split(",")], default=[8192, 32768],

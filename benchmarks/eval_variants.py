@@ -2,50 +2,12 @@
 """Every softmax variant swapped into a pretrained GPT-2: held-out perplexity after the swap, after
 calibration and after a short fine-tune, next to the softmax model fine-tuned the same way.
 
-What is measured
-  ``smxcompile.swap(model, variant)`` replaces the attention softmax of every layer by one of the
-  normalization variants of ``smxcompile.variants.names()`` (sparsemax, entmax15, entmax_bisect,
-  softpick, ssmax, multimax, sa_softmax, softmax1, sigmoid, relu, softplus, stablemax,
-  adaptive_temperature, temperature). Its learnable parameters (one per head) start at the
-  "pretrained start": as close to softmax as the variant allows. For each variant, on a fresh copy
-  of the checkpoint:
-
-    original      held-out perplexity of the checkpoint as loaded (its own softmax; one figure)
-    after swap    the variant in place, no training: is it a drop-in replacement?
-    calibrated    --calibrate AdamW steps on the variant's own parameters only, the model frozen
-                  (lr --calib-lr); "-" for the variants without a learnable parameter (sparsemax,
-                  entmax15, softpick, sa_softmax, softmax1, stablemax, adaptive_temperature)
-    fine-tuned    --finetune AdamW steps on every weight (lr --lr; the variant's parameters
-                  included, without weight decay), starting from the calibrated model where there
-                  is one, else from the swapped model
-
-  and, as the reference every figure is divided by, the row "softmax (baseline)": the original
-  model fine-tuned with the same --finetune steps, the same batches in the same order and the same
-  learning rate (fine-tuning alone lowers the perplexity of a barely trained checkpoint; a variant
-  is judged against that, not against the original). Perplexity = exp(mean next-token NLL in fp64)
-  over the first --eval-batches x --batch-size held-out windows of the checkpoint's corpus (every
-  20th window, never trained on); the same windows for every row.
-
-  Attention statistics, over the first --stats-batches held-out batches, all layers and heads
-  together (``model.smx_swap.collecting()``): entropy (nats, of each row's weights divided by
-  their sum; softmax over n keys has at most log n), sink mass (mean weight on the first key: the
-  "attention sink"), after the swap and after the fine-tune; row sum (1 for softmax, below 1 for
-  softpick / softmax1 / sigmoid / relu ...) and zero fraction (unmasked weights exactly 0: the
-  sparse variants) after the fine-lm. The baseline row shows softmax's own figures (original /
-  fine-tuned). Wall time per row.
-
-How
-  The checkpoint (``smx demo --out DIR`` or its ``checkpoint/`` folder) is loaded once
-  (``smx_app.lm.load_lm``, eager attention) and every row works on a deep copy. Data:
-  ``smx_app.lm.lm_data`` rebuilds the demo's windows with the checkpoint's own tokenizer.
-  Calibration draws its batches with seed --seed, every fine-tune (the baseline's included) with
-  --seed + 1, as ``smx swap`` does: identical batches for everyone. A NaN / infinite training loss
-  stops that variant (recorded as "diverged" with the stage and step) and the run goes on with
-  the next one.
-
-  Sanity checks (exit status 2 when one fails): every swapped model run with
-  ``.disabled()`` reproduces the original logits exactly; the loaded checkpoint is unchanged at
-  the end (every row trained a copy).
+What is measured: per variant of ``smxcompile.variants.names()`` (on a fresh copy of the checkpoint), the held-out
+perplexity after the swap, calibrated (--calibrate steps on the variant's own parameters) and fine-tuned (--finetune
+steps on every weight), each also as a ratio to the "softmax (baseline)" row (the original model fine-tuned the same
+way); attention entropy and sink mass after the swap and after the fine-tune, row sum and zero fraction after it. A
+NaN / infinite training loss stops that variant ("diverged") and the run goes on (entmax_bisect is the slowest row).
+Sanity checks exit with status 2. The study: docs/VARIANTS.md.
 """
 
 from __future__ import annotations
@@ -56,40 +18,29 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from smx_app.argtypes import nonneg_int, positive_float, positive_int
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when loaded from a file path
+
+import common  # noqa: E402
+from smx_app.argtypes import nonneg_int, positive_float, positive_int  # noqa: E402
 
 BASELINE = "softmax (baseline)"
 
 EPILOG = """\
 examples:
-  # the figures of docs/VARIANTS.md (about 13 min with one thread on a 2-core machine shared with
-  # another job; entmax_bisect ~3 min of it, every other row ~1 min)
   python benchmarks/eval_variants.py --checkpoint /tmp/ckpt/seed0/checkpoint --markdown \\
-      --json docs/bench_variants.json --plot docs/variants.png
-  # a few variants, longer training
+      --json docs/bench_variants.json --plot docs/variants.png        # docs/VARIANTS.md's figures (~13 min)
   python benchmarks/eval_variants.py --checkpoint runs/seed0 --variants ssmax,softpick,sigmoid \\
       --calibrate 100 --finetune 300
-  # redraw the plot from an earlier run
   python benchmarks/eval_variants.py --replot docs/bench_variants.json --plot docs/variants.png
 
-checkpoint: an `smx demo --out DIR` folder or its checkpoint/ subfolder (train one with
-  `smx demo --backends eager --seed 0 --out DIR`, a few minutes). The window length and corpus
-  come from the demo's results.json next to it (else --seq-len / --corpus).
-cost: entmax_bisect (64 bisection iterations per attention row, every layer) is the slowest row:
-  about 4x a softmax forward and 2.5x a training step. --variants skips some.
+checkpoint: an `smx demo --out DIR` folder or its checkpoint/ subfolder (train one with `smx demo --backends eager
+--seed 0 --out DIR`); the window length and corpus come from the demo's results.json (else --seq-len / --corpus).
 """
-
-
-# --------------------------------------------------------------------------- options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,9 +123,6 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
 
 class SanityError(RuntimeError):
     """A check that the measurement is what it claims to be failed."""
-
-
-# --------------------------------------------------------------------------- measuring
 
 
 def _say(msg: str, progress: bool) -> None:
@@ -319,9 +267,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> float | None:
             v = r.get(f"ppl_{k}")
             r[f"ratio_{k}"] = (v / ref) if (v is not None and ref and math.isfinite(v)) else None
     return ref
-
-
-# --------------------------------------------------------------------------- reporting
 
 
 def _f(v: Any, spec: str = ".1f") -> str:
@@ -471,34 +416,37 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def environment() -> dict[str, Any]:
-    import torch
+def run_rows(base, data, held, stats_w, cfg: Config, progress: bool, original: dict[str, Any],
+             ref_logits) -> list[dict[str, Any]]:
+    """The baseline row, then every variant's; the loaded checkpoint must be unchanged at the end."""
+    checksum, rows, outer = _checksum(base), [], None
+    if progress:
+        from tqdm.auto import tqdm
 
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                           "threads": torch.get_num_threads()}
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("transformers", "tokenizers", "smxcompile"):
-        try:
-            env[dist] = version(dist)
-        except PackageNotFoundError:
-            env[dist] = None
-    here = Path(__file__).resolve().parent
+        outer = tqdm(total=1 + len(cfg.variants), desc="rows", dynamic_ncols=True)
     try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=here, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "smxcompile", "benchmarks"],
-                               capture_output=True, text=True, cwd=here.parent, timeout=10).stdout.split("\n")
-        env["git_dirty"] = sorted(line[3:] for line in dirty if line.strip())
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
-    if hasattr(os, "getloadavg"):
-        env["loadavg"] = os.getloadavg()
-    return env
-
-
-# --------------------------------------------------------------------------- main
+        for name in [BASELINE, *cfg.variants]:
+            if outer is not None:
+                outer.set_postfix_str(name)
+            if name == BASELINE:
+                r = run_baseline(base, data, held, stats_w, cfg, progress, original)
+            else:
+                r = run_variant(name, base, data, held, stats_w, cfg, progress, original, ref_logits)
+            rows.append(r)
+            if r["status"] == "diverged":
+                _say(f"ERROR {name}: diverged in {r['diverged']} -- recorded as 'diverged', going on with the others",
+                     progress)
+            else:
+                _say(f"{name}: ppl swap {_f(r.get('ppl_swap'))}, calibrated {_f(r.get('ppl_calibrated'))}, "
+                     f"fine-tuned {_f(r.get('ppl_finetuned'))} ({r['wall_s']:.0f} s)", progress)
+            if outer is not None:
+                outer.update(1)
+    finally:
+        if outer is not None:
+            outer.close()
+    if abs(_checksum(base) - checksum) > 0:
+        raise SanityError("the loaded checkpoint changed during the run (a row trained it instead of a copy)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = resolve(args, parser)
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-    command = "python " + shlex.join([sys.argv[0] if argv is None else "benchmarks/eval_variants.py",
-                                      *(sys.argv[1:] if argv is None else argv)])
+    command = common.command_line(argv, None if argv is None else "benchmarks/eval_variants.py")
     console.print(f"command: {command}", markup=False)
     progress = not args.no_progress
     try:
@@ -544,51 +491,22 @@ def main(argv: list[str] | None = None) -> int:
     bs = cfg.batch_size
     held = data.heldout if cfg.eval_batches == 0 else data.heldout[: cfg.eval_batches * bs]
     stats_w = held[: cfg.stats_batches * bs]
-    env = environment()
+    env = common.environment(packages=("transformers", "tokenizers"), git=True)
     console.print(f"checkpoint {ck}: {data.corpus}, windows of {data.seq_len} tokens, {data.train.shape[0]} train, "
                   f"{held.shape[0]} of {data.heldout.shape[0]} held-out evaluated ({held.shape[0] * (data.seq_len - 1)} "
                   f"tokens); {len(cfg.variants)} variants; calibrate {cfg.calibrate} steps (lr {cfg.calib_lr:g}), "
                   f"fine-tune {cfg.finetune} steps (lr {cfg.lr:g}), batch {bs}; {cfg.threads} threads", markup=False)
     t_start = time.perf_counter()
-    checksum = _checksum(base)
     original = lm.perplexity(base, held, batch_size=bs, progress=progress, desc="original: perplexity")
     with torch.no_grad():
         ref_logits = base(input_ids=held[:bs]).logits
     console.print(f"original checkpoint: held-out perplexity {original['ppl']:.3f}")
 
-    rows: list[dict[str, Any]] = []
-    outer = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        outer = tqdm(total=1 + len(cfg.variants), desc="rows", dynamic_ncols=True)
     try:
-        for name in [BASELINE, *cfg.variants]:
-            if outer is not None:
-                outer.set_postfix_str(name)
-            if name == BASELINE:
-                r = run_baseline(base, data, held, stats_w, cfg, progress, original)
-            else:
-                r = run_variant(name, base, data, held, stats_w, cfg, progress, original, ref_logits)
-            rows.append(r)
-            if r["status"] == "diverged":
-                _say(f"ERROR {name}: diverged in {r['diverged']} -- recorded as 'diverged', going on with the others",
-                     progress)
-            else:
-                _say(f"{name}: ppl swap {_f(r.get('ppl_swap'))}, calibrated {_f(r.get('ppl_calibrated'))}, "
-                     f"fine-tuned {_f(r.get('ppl_finetuned'))} ({r['wall_s']:.0f} s)", progress)
-            if outer is not None:
-                outer.update(1)
-        if abs(_checksum(base) - checksum) > 0:
-            raise SanityError("the loaded checkpoint changed during the run (a row trained it instead of a copy)")
+        rows = run_rows(base, data, held, stats_w, cfg, progress, original, ref_logits)
     except SanityError as e:
-        if outer is not None:
-            outer.close()
         console.print(f"[bold red]SANITY CHECK FAILED[/]: {e}")
         return 2
-    finally:
-        if outer is not None:
-            outer.close()
     total_s = time.perf_counter() - t_start
     ref = add_ratios(rows)
 
@@ -606,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": env | {"loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "environment": env | {"loadavg_at_end": common.loadavg()},
         "config": dataclasses.asdict(cfg),
         "data": {"corpus": data.corpus, "seq_len": data.seq_len, "train_windows": int(data.train.shape[0]),
                  "heldout_windows": int(data.heldout.shape[0]), "demo_settings": data.settings},

@@ -2,42 +2,18 @@
 """What every Triton kernel of smxcompile moves and computes on a GPU, counted on a CPU, against the op's minimum
 and a roofline prediction of its H200 time next to torch's own path.
 
-Each case launches one op's kernels (forward or backward) through Triton's interpreter, with launches planned as
-on a 132-SM GPU (smxcompile.kernels.triton_helpers.plan_for_sms), under benchmarks/gpu_traffic.py's counter:
-
-  loaded / stored  global-memory bytes of the kernels' loads / stores (masked lanes not counted; atomics count as
-                   both), plus the torch ops the launcher runs around them (zero fills, casts, merges)
-  hbm              the DRAM bytes an L2 model estimates (gpu_traffic.py: tiles that programs running together
-                   share come from L2 once; a re-read that other programs' traffic has pushed out of the 50 MiB
-                   L2 comes from DRAM again; across launches, a tensor an earlier launch touched is served by L2
-                   for the share of that launch's footprint L2 still holds)
-  min              the op's minimum bytes: softmax reads the input and writes the output once; softmax + top-k
-                   reads the row once and writes k values and indices; cut cross-entropy reads the hidden states
-                   and the classifier once per pass and writes per-row statistics (never N x V); attention reads
-                   Q and writes O once and reads K / V once per 128-row query tile, as FlashAttention-2 does
-  ratio            (loaded + stored) / min: what the kernels ask of the memory system over the minimum
-  launches         kernel launches (Triton and torch ops)
-  TFLOP            tl.dot FLOPs (2 M N K), recomputation and masked tiles included, plus torch matmuls
-  pred us          the roofline time on an H200, summed over launches: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s)
-                   + 3 us per launch
-  torch us         the same prediction for torch's path on a GPU: its kernels as access traces
-                   (gpu_torch_paths.py) through the same counter, L2 model and launch cost
-  x torch          torch us / pred us: above 1 is a predicted win
-  roof             for the memory-bound softmax-like ops: (min / 4.3 TB/s + 3 us) / pred us, the fraction of the
-                   copy roofline (moving the minimum bytes in one launch) the prediction reaches
-  sampling         torch's DRAM bytes sampled / unsampled: the estimator's error on that case (1.00: exact)
-
-Grids and loops are sampled alike on both sides (gpu_traffic.py: the first and last program or iteration alone,
-strata of programs and a lattice of tiles between, weighted), at caps a case may raise (attention backward: 16
-programs per axis, 32 iterations per loop); the outputs of a sampled launch are not the op's results. Torch's
-trace is also counted unsampled (``torch_bytes_hbm_exact``): its ratio to ``torch_bytes_hbm`` is the sampling
-error of the same estimator on that case.
+Each case (gpu_cases.py) launches one op's kernels through Triton's interpreter, planned as on a 132-SM GPU, under
+gpu_traffic.py's counter; torch's path is its kernels' access traces (gpu_torch_paths.py) through the same counter
+and L2 model. Columns: loaded / stored (bytes of the kernels' unmasked lanes, plus the torch ops around them), hbm
+(the L2 model's DRAM bytes), min (the op's minimum bytes), ratio ((loaded + stored) / min), launches, TFLOP (tl.dot
+and matmuls), pred us (roofline: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s) + 3 us per launch, summed over launches),
+torch us (the same for torch's path), x torch (torch us / pred us), roof (memory-bound ops: the copy roofline's time
+over pred us), sampling (torch's DRAM bytes sampled / unsampled: the estimator's error). Figures and the reasons
+behind every ratio above 1.25: docs/PERFORMANCE.md ("GPU model"); benchmarks/gpu/compare_model.py times the cases
+on a GPU.
 
 Usage:
   python benchmarks/gpu_model.py [--quick] [--families LIST] [--only TEXT] [--json PATH] [--plot PATH] [--markdown]
-
---quick runs one small case per family (CI). The figures are in docs/PERFORMANCE.md ("GPU model"); on a GPU,
-benchmarks/gpu/compare_model.py times the same cases and prints measured / predicted.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""torch's own GPU path for each case of gpu_cases.py, as the access order of its kernels: launch by launch,
-program by program, tile by tile, replayed through the same L2 model as our kernels (gpu_traffic.py), with its
-FLOPs counted tile by tile as ``tl.dot``'s are (causal diagonal tiles whole) and charged at the same peak.
-
-What each kernel reads and writes, in which tiles and order, from its source:
-
-- ATen softmax / log_softmax (``aten/src/ATen/native/cuda/SoftMax.cu``): rows of <= 1024 elements and 4 KiB in
-  the persistent warp kernel, rows that fit 48 KiB of shared memory in ``cunn_SoftMaxForwardSmem`` (one read,
-  one write), longer rows in ``cunn_SoftMaxForward``: one block of up to 1024 threads per row, three sweeps
-  (max, sum, write). The backward reads the gradient and the output once when they fit, else sweeps twice
-  (log_softmax: the gradient, then both; softmax: both, twice).
-- ATen topk (``TensorTopK.cu``): ``should_use_multiblock`` picks mbtopk (per 8-bit digit: a digit count over the
-  whole input, a cumsum, a within-k count; then k counts, two scans and a gather that reads the input again,
-  each its own launch) or sbtopk (one block per row, each radix pass and the gather re-read the row); k > 1
-  results are sorted in one more launch.
-- FlashAttention-2 (``csrc/flash_attn/src/flash_{fwd,bwd}_launch_template.h``, head dim 128): grid (query tile,
-  batch, head); forward tiles of 128 queries x 64 keys, 4 warps; backward key blocks of 128 over query tiles of
-  64, 8 warps, dQ accumulated in fp32 by atomics after a pre-pass (``rowsum(dO * O)``, dQ zeroed) and cast
-  after; with GQA dK and dV are written per query head and summed.
-- memory-efficient attention (xformers' kernel in ATen, a mask given): 32 queries x 128 keys (64 x 64 up to
-  head dim 64), the mask tile read with each key tile, after the bool mask is turned into a float one.
-- cuBLAS GEMMs: operands read once, the output written once, as gpu_traffic charges the matmuls our launchers
-  run (cuBLAS's tiling is not public).
-- elementwise ops (casts, fills, scatters, quantize, small reductions): one pass, each tensor read or written
-  once; their re-use across launches is the L2 model's.
+"""torch's own GPU path for each case of gpu_cases.py, as the access order of its kernels (ATen softmax and topk,
+FlashAttention-2, memory-efficient attention, cuBLAS GEMMs, elementwise ops): launch by launch, program by program,
+tile by tile, replayed through the same L2 model as our kernels (gpu_traffic.py), FLOPs counted tile by tile as
+``tl.dot``'s are. Each trace names its source; what each kernel reads and writes: docs/PERFORMANCE.md ("GPU model").
 """
 
 from __future__ import annotations

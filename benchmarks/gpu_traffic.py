@@ -1,35 +1,19 @@
-"""Count what Triton kernels move and compute, by instrumenting Triton's interpreter.
+"""Count what Triton kernels move and compute, by instrumenting Triton's interpreter
+(``triton/runtime/interpreter.py``: ``InterpreterBuilder.create_masked_load`` / ``_store``, ``create_dot``,
+``create_atomic_rmw``; ``InterpretedFunction.run``).
 
-Inside :func:`count_traffic`, every kernel launch (``kernel[grid](...)`` with ``TRITON_INTERPRET=1``) is
-recorded as a :class:`Launch`:
-
-- ``bytes_loaded`` / ``bytes_stored``: global-memory bytes of every ``tl.load`` / ``tl.store`` lane the mask
-  keeps (masked lanes are not counted; a lane that repeats an address within one instruction counts once, as a
-  GPU coalesces it); atomics count as a load and a store of their lanes;
-- ``bytes_reread``: loads of 32-byte sectors the same program had touched before (the second sweep of an online
-  softmax, an operand tile re-read by a matmul's loop);
-- ``bytes_hbm``: an estimate of DRAM traffic (:attr:`Launch.bytes_hbm`), from an L2 model: programs run
-  ``resident`` at a time (:meth:`GPU.resident`), in waves in launch order, each at the same pace; an access to a
-  sector another access of the launch touched before is an L2 hit when the bytes all resident programs touch in
-  between (the program's own bytes since then, times ``resident``) fit in L2; otherwise, and on first touch
-  (capped at each tensor's size), it is DRAM traffic. Stores are DRAM traffic; an atomic's sector is written back
-  once. Across launches (:meth:`Traffic.launch_hbm`), a tensor an earlier launch touched is an L2 hit for the
-  share of that launch's footprint L2 still holds after the launches between;
-- ``flops``: ``2 * M * N * K`` of every ``tl.dot``;
-- one launch per ``kernel[grid]`` call;
-- the torch ops a launcher runs around its kernels (allocations and views aside) as launches of their own
-  (``kernel`` ``aten.<op>``): the bytes of their tensor inputs read and of their outputs written, all DRAM
-  traffic (a zero fill writes only), and the FLOPs of the matmuls (``torch.utils.flop_counter``'s formulas);
-  matmuls are counted, not computed (their outputs are uninitialized, like a sampled launch's).
-
-Large grids are sampled (``axis_cap``): along an axis of more than ``axis_cap`` programs, the first and last
-programs run alone and the ones between run one per stratum, weighted by the stratum's size, so that every
-count is a weighted sum over the programs that ran (exact when the grid is not sampled, and for the uniform
-and linearly growing work of the kernels measured here up to a fraction of a tile). The outputs of a sampled
-launch are not the kernel's results.
-
-Triton's interpreter: ``triton/runtime/interpreter.py`` (``InterpreterBuilder.create_masked_load`` / ``_store``,
-``create_dot``, ``create_atomic_rmw``; ``InterpretedFunction.run`` builds a ``GridExecutor`` per launch).
+Inside :func:`count_traffic` every kernel launch becomes a :class:`Launch`: the bytes of the ``tl.load`` /
+``tl.store`` lanes the mask keeps (an address repeated within one instruction counts once; atomics count as a load
+and a store), re-reads, ``tl.dot`` FLOPs (2 M N K) and ``bytes_hbm``, DRAM bytes by an L2 model: programs run
+``resident`` at a time (:meth:`GPU.resident`), in waves in launch order, at the same pace; an access to a sector
+touched before in the launch is an L2 hit when the bytes all resident programs touch in between fit in L2, else DRAM
+traffic, as is a first touch (capped at each tensor's size); stores are DRAM traffic, an atomic's sector is written
+back once. Across launches (:meth:`Traffic.launch_hbm`) a tensor an earlier launch touched hits L2 for the share of
+that launch's footprint L2 still holds. The torch ops a launcher runs around its kernels are launches of their own
+(tensor inputs read, outputs written, matmul FLOPs by ``torch.utils.flop_counter``'s formulas, counted, not
+computed). Grids of more than ``axis_cap`` programs per axis and kernel loops of more than ``loop_cap`` iterations
+are sampled (gpu_sampling.py), each sampled program or iteration weighted by those it stands for: a sampled launch's
+outputs are not the kernel's results.
 """
 
 from __future__ import annotations
@@ -476,6 +460,58 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+def _builder_hooks(counter: Counter, saved: dict) -> dict:
+    """The interpreter builder's memory and dot instructions, recording into ``counter`` before running ``saved``."""
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        counter.access(ptrs, mask, _LOAD)
+        return saved["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        counter.access(ptrs, mask, _STORE)
+        return saved["create_masked_store"](self, ptrs, value, mask, cache_policy)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        counter.dot(a, b)
+        return saved["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
+        counter.access(ptr, mask, _ATOMIC)
+        return saved["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
+
+    def atomic_cas(self, ptr, cmp, val, sem, scope):
+        counter.access(ptr, None, _ATOMIC)
+        return saved["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
+
+    return {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
+            "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas}
+
+
+def _launch_hook(counter: Counter, gpu: GPU, interp):
+    """``InterpretedFunction.run``: each launch a :class:`Launch`, its programs sampled (:class:`SampledKernel`)."""
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return None
+        grid_t = tuple(grid(kwargs) if callable(grid) else grid)
+        full = grid_t + (1,) * (3 - len(grid_t))
+        warps, programs = int(kwargs.get("num_warps", 4)), int(np.prod(full))
+        launch = Launch(kernel=self.fn.__name__, grid=grid_t, num_warps=warps, programs=programs,
+                        resident=gpu.resident(warps, programs))
+        regions = Regions(_tensors(args, kwargs))
+        launch.sizes = {int(r): size for r, size in zip(regions.starts, regions.sizes)}
+        counter.begin_launch(launch, regions)
+        counter.traffic.launches.append(launch)
+        counter.suspended = True
+        fn = SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
+        try:
+            out = interp.GridExecutor(fn, self.arg_names, grid, self.pre_run_hooks)(*args, **kwargs)
+            counter.end_launch()
+            return out
+        finally:
+            counter.launch, counter.regions, counter.suspended = None, None, False
+
+    return run
+
+
 @contextlib.contextmanager
 def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
                   modules: tuple[str, ...] = ("smxcompile.kernels",), count_torch: bool = True) -> Iterator[Traffic]:
@@ -517,53 +553,9 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
              ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas")}
     saved_run = interp.InterpretedFunction.run
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        counter.access(ptrs, mask, _LOAD)
-        return saved["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
-
-    def masked_store(self, ptrs, value, mask, cache_policy):
-        counter.access(ptrs, mask, _STORE)
-        return saved["create_masked_store"](self, ptrs, value, mask, cache_policy)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        counter.dot(a, b)
-        return saved["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
-        counter.access(ptr, mask, _ATOMIC)
-        return saved["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
-
-    def atomic_cas(self, ptr, cmp, val, sem, scope):
-        counter.access(ptr, None, _ATOMIC)
-        return saved["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if warmup:
-            return None
-        grid_t = tuple(grid(kwargs) if callable(grid) else grid)
-        full = grid_t + (1,) * (3 - len(grid_t))
-        warps, programs = int(kwargs.get("num_warps", 4)), int(np.prod(full))
-        launch = Launch(kernel=self.fn.__name__, grid=grid_t, num_warps=warps, programs=programs,
-                        resident=gpu.resident(warps, programs))
-        regions = Regions(_tensors(args, kwargs))
-        launch.sizes = {int(r): size for r, size in zip(regions.starts, regions.sizes)}
-        counter.begin_launch(launch, regions)
-        counter.traffic.launches.append(launch)
-        counter.suspended = True
-        fn = SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
-        try:
-            out = interp.GridExecutor(fn, self.arg_names, grid, self.pre_run_hooks)(*args, **kwargs)
-            counter.end_launch()
-            return out
-        finally:
-            counter.launch, counter.regions, counter.suspended = None, None, False
-
-    builder_cls.create_masked_load = masked_load
-    builder_cls.create_masked_store = masked_store
-    builder_cls.create_dot = dot
-    builder_cls.create_atomic_rmw = atomic_rmw
-    builder_cls.create_atomic_cas = atomic_cas
-    interp.InterpretedFunction.run = run
+    for name, f in _builder_hooks(counter, saved).items():
+        setattr(builder_cls, name, f)
+    interp.InterpretedFunction.run = _launch_hook(counter, gpu, interp)
     for m in kernel_modules:
         m.range = sampled_range
     glue = _GlueMode(counter) if count_torch else contextlib.nullcontext()

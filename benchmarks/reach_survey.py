@@ -1,17 +1,11 @@
-"""Reach on libraries' own attention code: every softmax site of small random models, and what smxcompile does
-with it (``smxcompile.explain``, options ``{"cpu": "rewrite"}``: matching, not the CPU policy).
+"""Reach on libraries' own attention code: every softmax site of small random models of timm, x_transformers,
+vit_pytorch and diffusers, and what ``smxcompile.explain`` (options ``{"cpu": "rewrite"}``: matching, not the CPU
+policy) does with it; one line per model and every site not rewritten, with its reason and location. Install the
+libraries beside the CPU torch (``pip install --no-deps timm x-transformers vit-pytorch einops einx frozendict
+torch-einops-utils loguru``); without torchvision a stand-in module is used (no model here runs its code).
+docs/DESIGN.md ("Reach on libraries' code") records a run.
 
-Families: ``timm`` (manual attention: ``set_fused_attn(False)``), ``x_transformers`` (one model per attention
-option, flash off), ``vit_pytorch``, ``diffusers`` (the classic ``AttnProcessor``). Install the libraries beside
-the CPU torch (``pip install --no-deps timm x-transformers vit-pytorch einops einx frozendict
-torch-einops-utils loguru``). timm imports torchvision at import time only for data transforms and
-``FrozenBatchNorm2d``; PyPI's torchvision breaks next to the CPU torch, so when it is missing this script puts a
-stand-in in ``sys.modules`` for its own process (vit-pytorch imports it too) (no model here runs torchvision code).
-
-    python benchmarks/reach_survey.py --family x_transformers --json reach.json
-
-Prints one line per model (rows by kind and action) and every site not rewritten, with the report's reason and
-location. docs/DESIGN.md ("Reach on libraries' code") records a run."""
+    python benchmarks/reach_survey.py --family x_transformers --json reach.json"""
 
 from __future__ import annotations
 
@@ -57,8 +51,10 @@ VITPT = {"vit.ViT": {}, "simple_vit.SimpleViT": {}, "cait.CaiT": dict(cls_depth=
 
 
 def _torchvision_stand_in() -> None:
+    """timm and vit-pytorch import torchvision for data transforms and FrozenBatchNorm2d only; PyPI's torchvision
+    breaks next to the CPU torch, so a missing one is stood in for in this process."""
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
         return
     except Exception:
         pass

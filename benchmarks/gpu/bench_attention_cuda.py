@@ -1,19 +1,9 @@
-"""Attention on CUDA (part of benchmarks/gpu/run.sh): torch SDPA, eager math, Inductor and smx's Triton kernel.
+"""Attention on CUDA (benchmarks/gpu/run.sh), bf16, causal: forward and forward + backward time (median of CUDA-event
+timed rounds), peak memory above the inputs and the output's error against an fp32 materialized reference, for
+eager (materialized), inductor, sdpa (FlashAttention-2), smx (the rewrite), the op with other normalizers
+(softcap, sigmoid, softpick, sparsemax) and a score_mod (s * sigmoid(s): Inductor, and smx with cuda="rewrite")."""
 
-Per case (B, H, L=S, E, bf16, causal): forward and forward+backward time (median of CUDA-event timed
-rounds) and peak memory above the inputs (``torch.cuda.max_memory_allocated``), and the max error of the
-output against an fp32 materialized reference. Variants:
-
-  eager      softmax(q k^T * scale + causal mask) @ v, materialized (what eager-attention models run)
-  inductor   torch.compile(eager) with the default backend
-  sdpa       F.scaled_dot_product_attention(is_causal=True) (FlashAttention-2 inside torch)
-  smx        torch.compile(eager, backend="smx"): the rewrite (-> SDPA for softmax)
-  smx-<nz>   smxcompile.attention(..., normalizer=<nz>) on the Triton kernel: softmax with softcap (the
-             op's own path), sigmoid, softpick, sparsemax
-  *-silu     the same causal block with the scores changed to s * sigmoid(s) before the mask: Inductor, and
-             smx with cuda="rewrite" (FlexAttention with a score_mod; the default keeps it until this is timed)
-"""
-
+import argparse
 import math
 import sys
 
@@ -53,7 +43,9 @@ def timed(fn, backward, rounds=5):
 
 
 def main():
-    quick = "--quick" in sys.argv
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="one small case")
+    quick = p.parse_args().quick
     print(f"torch {torch.__version__} {torch.cuda.get_device_name()}")
     print("| B,H,L,E | variant | fwd ms | fwd+bwd ms | peak MB fwd+bwd | max err vs fp32 |\n|---|---|---|---|---|---|")
     cases = [(4, 16, 1024, 64)] if quick else [(4, 16, 2048, 64), (1, 16, 8192, 128)]

@@ -1,13 +1,9 @@
 #!/usr/bin/env python
-"""Vocabulary-parallel cut cross-entropy on CUDA: 2 processes on one GPU (gloo), against the unsharded op.
+"""Vocabulary-parallel cut cross-entropy on CUDA: 2 processes on one GPU (gloo: nccl wants a GPU per rank; the math is
+checked, not the collectives' speed), every shard on the Triton kernels, against the unsharded op; a line per case,
+exit status 1 on a mismatch.
 
-On CUDA every shard runs the Triton kernels (statistics with local targets, -1 where the rank does
-not own the target; backward with the global lse and other mass), which the CPU tests cannot reach.
-Two ranks share the GPU, so the process group is gloo (nccl wants one GPU per rank); the math is
-what is checked here, not the collectives' speed. Prints one line per case and exits 1 on a mismatch.
-
-  python benchmarks/gpu/check_vocab_parallel_cuda.py               # on a CUDA machine
-  python benchmarks/gpu/check_vocab_parallel_cuda.py --device cpu  # the same checks on the CPU paths
+  python benchmarks/gpu/check_vocab_parallel_cuda.py [--device cpu]   # cpu: the same checks on the CPU paths
 """
 
 from __future__ import annotations

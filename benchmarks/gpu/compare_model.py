@@ -1,38 +1,16 @@
 #!/usr/bin/env python
 """The GPU model's cases timed on a CUDA GPU, against benchmarks/gpu_model.py's roofline predictions.
 
-benchmarks/gpu_model.py counts every Triton kernel case of benchmarks/gpu_cases.py through the interpreter on a CPU
-and predicts its H200 time (and torch's path's, by formula). This script runs the same cases on a real GPU (the real
-kernels: TRITON_INTERPRET is dropped): for each case it builds the inputs on the GPU, calls our launchers once to
-compile the Triton kernels (not timed), once to read the peak memory, then times them, and torch's own path on the
-same inputs where the case has one, and sets the figures next to the model's (a JSON of gpu_model.py --json,
-matched by case, shape and dtype):
+Each case of benchmarks/gpu_cases.py runs its real Triton kernels (one untimed call to compile, one for the peak
+memory, then CUDA-event timed reps with a cold L2), and torch's own path where it has one; the figures sit next to
+the model's (gpu_model.py --json, matched by case, shape and dtype): x pred = measured / predicted (above 2: "misses
+its roofline"), x torch = torch's time / ours (below 1: "slower than torch"). A case that raises is an ERR row;
+--budget stops starting cases; --json is rewritten after each. Exits 2 without CUDA or with no case, 1 when a case
+raised. Columns and caveats: docs/PERFORMANCE.md ("GPU measurements").
 
-  ours us / torch us     measured GPU time: the median over several reps (>= 5, about 100 ms of reps), each rep
-                         timed with CUDA events after a 256 MB write that flushes the L2 (as triton.testing.do_bench
-                         does: the model counts a cold L2 too)
-  pred us / torch pred   the model's prediction for the case (predicted_us, torch_predicted_us)
-  x pred                 measured / predicted: 1 is the roofline met; above MISS (2) the row is flagged
-                         "misses its roofline by ..." (torch x pred: the same for torch's path and its formula)
-  x torch                torch measured / ours measured: above 1 is a measured win; below 1 the row is flagged
-                         "slower than torch" (pred x torch: the model's own speedup, for comparison)
-  peak MB                torch.cuda.max_memory_allocated above the inputs during one call (ours / torch)
-
-A case that raises is reported as ERR with its message and the run goes on (after a CUDA error such as an illegal
-address the context is lost and every later case reports ERR too). Inputs are freed between cases. The cases run in
-gpu_cases.all_cases() order; --budget stops starting new ones once that many seconds have passed since the start
-(the case in flight finishes; the first case always runs) and prints which were not started. --json is rewritten
-after every case, so a run killed by an outer timeout still leaves the cases done.
-
-Usage (on a CUDA machine, repo root; benchmarks/gpu/run.sh runs a selection):
-  python benchmarks/gpu/compare_model.py [--quick] [--families LIST] [--only TEXT ...]
-      [--budget SECONDS] [--model PATH] [--json PATH] [--markdown]
-
-The predictions must come from the same case list: docs/gpu_model.json holds the full list (python
-benchmarks/gpu_model.py --json docs/gpu_model.json); for --quick, write the quick ones first (python
-benchmarks/gpu_model.py --quick --json PATH, about a minute on a CPU) and pass --model PATH. A case the model JSON
-lacks is timed all the same, with '-' for the predictions. Exits 2 without CUDA or when no case is selected, 1 when
-a case raised, 0 otherwise (flags are findings, not failures).
+Usage (on a CUDA machine; benchmarks/gpu/run.sh runs a selection):
+  python benchmarks/gpu/compare_model.py [--quick] [--families LIST] [--only TEXT ...] [--budget SECONDS]
+      [--model PATH] [--json PATH] [--markdown]
 """
 
 from __future__ import annotations
@@ -55,9 +33,6 @@ DEFAULT_MODEL = ROOT / "docs" / "gpu_model.json"
 #: measured / predicted above this: the row "misses its roofline"
 MISS = 2.0
 FLUSH_BYTES = 256 * 1024 * 1024  # what triton.testing.do_bench writes to flush the L2
-
-
-# ------------------------------------------------------------------------------------------ pure: no GPU needed
 
 
 def _key(r: dict) -> tuple:
@@ -186,9 +161,6 @@ def load_model(path: str | Path) -> tuple[list[dict], dict]:
 def _message(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-# -------------------------------------------------------------------------------------------------- on the GPU
 
 
 def _sync():

@@ -1,0 +1,586 @@
+"""What the benchmark scripts share: the environment record, timing, the machine-load and peak-memory meters, the
+backends with the smx backend's reports, rows and their tables, argument parsing, and JSON / table / plot output.
+
+A script run as ``python benchmarks/<script>.py`` finds this module beside it (``import common``); workers.py holds
+the subprocess benchmarks' machinery."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from typing import Any, Callable
+
+GB, MB = 1e9, 1e6
+#: cores' worth of CPU used by other processes above which a timing is called disturbed
+NOISY = 0.1
+#: the backends the in-process benchmarks time (:func:`compile_for`)
+BACKENDS = ("eager", "inductor", "smx", "smx-rewrite")
+SMX_REWRITE = {"cpu": "rewrite", "cuda": "rewrite"}
+NO_MATPLOTLIB = ("matplotlib is not installed; `pip install -e '.[bench]'` (or `pip install matplotlib`); no plot "
+                 "written")
+
+
+# ------------------------------------------------------------------------------------------- the environment
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    try:
+        return _version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def git_state() -> str | None:
+    """HEAD of this checkout, and whether smxcompile/ has uncommitted changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,  # noqa: E731
+                                        timeout=10).stdout.strip()
+        head, dirty = run("rev-parse", "--short", "HEAD"), run("status", "--porcelain", "--", "smxcompile")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + (" + uncommitted changes in smxcompile/" if dirty else "")) if head else None
+
+
+def source_hash() -> str | None:
+    """Short hash of smxcompile's .py sources as this process finds them (an edit mid-run shows up)."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("smxcompile")
+    if spec is None or not spec.origin:
+        return None
+    root, h = os.path.dirname(spec.origin), hashlib.sha1()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:10]
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def environment(threads: int | None = None, packages: tuple[str, ...] = (), git: bool = False) -> dict[str, Any]:
+    """Python, torch, triton and smxcompile versions, CPU, cores, threads, GPU, the date and the load average
+    (plus the versions of ``packages`` and, with ``git``, the checkout's state)."""
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "triton": version("triton"), "smxcompile": version("smxcompile"), "cpu": cpu_name(),
+                           "cores": cores(), "threads": threads or torch.get_num_threads(),
+                           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    env.update({p: version(p) for p in packages})
+    if loadavg():
+        env["loadavg_at_start"] = loadavg()
+    if git:
+        env["git"] = git_state()
+    return env
+
+
+def command_line(argv: list[str] | None = None, script: str | None = None) -> str:
+    """``python <script> <args>`` of this run (``argv``: the arguments main() was given, else sys.argv's)."""
+    script = script or os.path.relpath(sys.argv[0])
+    return "python " + " ".join(shlex.quote(a) for a in [script, *(sys.argv[1:] if argv is None else argv)])
+
+
+def print_header(command: str, env: dict, warning: str = "timings will be noisy") -> None:
+    """The command, a warning when the load average says other processes use the CPUs, the environment."""
+    print(f"$ {command}", flush=True)
+    load = env.get("loadavg_at_start")
+    if load and load[0] > 0.5 * env["cores"]:
+        print(f"WARNING: load average {load[0]} on {env['cores']} cores: other processes are using the CPUs; "
+              f"{warning}", file=sys.stderr)
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+
+
+def print_load_at_end(env: dict, note: str = "above the core count means other processes shared the CPUs") -> None:
+    env["loadavg_at_end"] = loadavg()
+    if env["loadavg_at_end"]:
+        print(f"load average at start {env.get('loadavg_at_start')}, at end {env['loadavg_at_end']} "
+              f"({env['cores']} cores): {note}")
+
+
+def devices(choice: str) -> list[str]:
+    """``--device auto|cpu|cuda``: auto is the CPU, and CUDA too when present. Exits 2 for cuda without CUDA."""
+    import torch
+
+    out = ["cpu"] if choice in ("auto", "cpu") else []
+    if choice in ("auto", "cuda") and torch.cuda.is_available():
+        out.append("cuda")
+    elif choice == "cuda":
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        raise SystemExit(2)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- output
+
+
+def write_json(path: str | None, obj: Any) -> None:
+    """Write ``obj`` to ``path`` (no-op without one), atomically: a run cut short keeps the last good file."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def fmt_num(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.{digits}f}" if abs(v) >= 10 ** -digits else f"{v:.2g}"
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows])
+
+
+def print_table(title: str, head: list[str], rows: list[list[str]], markdown: bool,
+                left: tuple[str, ...] | None = None) -> None:
+    """Markdown, a rich table, or plain columns without rich. Columns are right-justified when their header
+    has "ms" (or when not in ``left``, if given)."""
+    if markdown:
+        print(f"\n**{title}**\n\n" + markdown_table(head, rows))
+        return
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        print(f"\n{title}\n" + "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in [head, *rows]))
+        return
+    t = Table(title=title)
+    for h in head:
+        right = h not in left if left is not None else "ms" in h
+        t.add_column(h, justify="right" if right else "left", no_wrap=left is None or h in head[:-1])
+    for r in rows:
+        t.add_row(*r)
+    width = 20 + sum(max(len(h), *(len(x[i]) for x in rows)) + 3 for i, h in enumerate(head)) if rows else 0
+    Console(width=max(200, width) if left is None else 220, soft_wrap=True).print(t)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------------- timing
+
+
+def measure_interleaved(stmts: dict[str, tuple[str, dict[str, Any]]], threads: int, rounds: int,
+                        min_run_time: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median, inter-quartile range and fastest block (ms per call) of each ``{name: (statement, globals)}``,
+    by ``torch.utils.benchmark`` blocked_autorange, the statements timed in turn for ``rounds`` rounds with the
+    order alternating, so that a drifting machine favours none."""
+    import torch.utils.benchmark as tbench
+
+    times: dict[str, list[float]] = {k: [] for k in stmts}
+    timers = {k: tbench.Timer(stmt=s, globals=g, num_threads=threads) for k, (s, g) in stmts.items()}
+    for r in range(rounds):
+        for k in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+            times[k].extend(timers[k].blocked_autorange(min_run_time=min_run_time).times)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    iqr = {k: (lambda q: (q[2] - q[0]) * 1e3)(statistics.quantiles(v, n=4)) if len(v) >= 4 else 0.0
+           for k, v in times.items()}
+    return med, iqr, {k: min(v) * 1e3 for k, v in times.items()}
+
+
+def time_calls(step: Callable[[], Any], rounds: int, warmup: int = 1, sync: Callable[[], None] | None = None
+               ) -> list[float]:
+    """Seconds of each of ``rounds`` calls of ``step`` after ``warmup`` untimed ones (``sync`` before reading
+    the clock, e.g. torch.cuda.synchronize)."""
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        if sync:
+            sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# --------------------------------------------------------------------------------------- the machine's load
+
+
+def busy_cpu_s() -> float | None:
+    """Non-idle CPU seconds of the whole machine so far (/proc/stat), None where it is not readable."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children."""
+    import resource
+
+    return sum(ru.ru_utime + ru.ru_stime for ru in (resource.getrusage(resource.RUSAGE_CHILDREN),
+                                                    resource.getrusage(resource.RUSAGE_SELF)))
+
+
+class LoadMeter:
+    """Cores' worth of CPU other processes used over a region (the machine's busy time minus this process's):
+    ``others``, None where /proc/stat is not readable."""
+
+    def __enter__(self):
+        self.t0, self.b0, self.own0, self.others = time.monotonic(), busy_cpu_s(), own_cpu_s(), None
+        return self
+
+    def __exit__(self, *exc):
+        b1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - self.t0
+        if self.b0 is not None and b1 is not None and wall > 0:
+            self.others = max(0.0, (b1 - self.b0) - (own1 - self.own0)) / wall
+
+
+def wait_quiet(max_s: float, log: Callable[[str], None]) -> float | None:
+    """Wait until other processes use < NOISY cores over a 3 s window, at most ``max_s``; -> their load."""
+    t0 = last_msg = time.monotonic()
+    while True:
+        with LoadMeter() as m:
+            time.sleep(3)
+        now = time.monotonic()
+        if m.others is None:
+            return None
+        if m.others < NOISY or now - t0 >= max_s:
+            if now - t0 > 4:
+                log(f"waited {now - t0:.0f} s for a quiet machine; other processes now use {m.others:.2f} cores")
+            return m.others
+        if now - last_msg > 60:
+            log(f"waiting for a quiet machine: other processes use {m.others:.2f} cores "
+                f"({now - t0:.0f} s of --wait-quiet {max_s:.0f})")
+            last_msg = now
+
+
+class Quiet:
+    """--wait-quiet: before a timing, wait (at most ``per_wait`` s each, ``budget`` s in all) for other processes
+    to stop; a half-second look first."""
+
+    def __init__(self, per_wait: float, budget: float, log: Callable[[str], None]):
+        self.per_wait, self.budget_left, self.log, self.waited = per_wait, budget, log, 0.0
+
+    def __call__(self) -> None:
+        if self.per_wait <= 0 or self.budget_left <= 0:
+            return
+        with LoadMeter() as m:
+            time.sleep(0.5)
+        if m.others is None or m.others < NOISY:
+            return
+        t0 = time.monotonic()
+        wait_quiet(min(self.per_wait, self.budget_left), self.log)
+        self.budget_left -= time.monotonic() - t0
+        self.waited += time.monotonic() - t0
+
+
+def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
+    """--wait-quiet, --retry-noisy (and --wait-budget)."""
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
+                   help=f"before each timing, wait up to S seconds for other processes to use < {NOISY} cores "
+                        "(default 0: no wait)")
+    if budget:
+        p.add_argument("--wait-budget", type=float, default=120, metavar="T",
+                       help="seconds of --wait-quiet waiting in the whole run, at most (default %(default)s)")
+    p.add_argument("--retry-noisy", type=int, default=0, metavar="K",
+                   help=f"time again, up to K more times, what other processes disturbed (> {NOISY} cores); the "
+                        "least disturbed try is kept (default 0)")
+
+
+# ----------------------------------------------------------------------------------------------------- memory
+
+
+def rss_bytes(field: str, pid: str = "self") -> int | None:
+    """The ``field`` line of /proc/<pid>/status (VmRSS, VmHWM) in bytes; None without it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def malloc_trim() -> bool:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False  # not glibc
+
+
+class StepPeak:
+    """Peak resident memory of a region above the RSS at entry (``peak``, ``base``, bytes): freed heap handed back
+    to the OS (malloc_trim) and the kernel's high-water mark reset (/proc/self/clear_refs) first; without
+    clear_refs a thread samples VmRSS every millisecond (``method`` says which)."""
+
+    def __enter__(self):
+        gc.collect()
+        trimmed = malloc_trim()
+        self.base, self.peak, self._thread, self._stop = rss_bytes("VmRSS") or 0, 0, None, threading.Event()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM after clear_refs" + (" + malloc_trim" if trimmed else "")
+        except OSError:
+            self.method, self._sampled = "VmRSS sampled every 1 ms", self.base
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self._sampled = max(self._sampled, rss_bytes("VmRSS") or 0)
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(0, self._sampled - self.base)
+        else:
+            self.peak = max(0, (rss_bytes("VmHWM") or 0) - self.base)
+
+
+def peak_mb(call: Callable[[], Any], device: str, repeats: int = 3) -> float:
+    """Peak memory of one call above the memory in use just before it, MB, the least of ``repeats`` calls:
+    torch.cuda.max_memory_allocated on CUDA, :class:`StepPeak` on the CPU."""
+    import torch
+
+    out = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            r = call()
+            torch.cuda.synchronize()
+            out.append((torch.cuda.max_memory_allocated() - base) / MB)
+        else:
+            with StepPeak() as p:
+                r = call()
+            out.append(p.peak / MB)
+        del r
+    return min(out)
+
+
+# ------------------------------------------------------------------------------------ backends and reports
+
+
+def fresh(fn: Callable, tag: str) -> Callable:
+    """A copy of ``fn`` with its own code object: Dynamo keeps its entries on the code object, so each backend's
+    copy compiles and counts against the recompile limit apart."""
+    name = f"{fn.__name__}__{tag.replace('-', '_')}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name) if sys.version_info >= (3, 11) else \
+        fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def compile_for(backend: str, fn: Callable) -> Callable:
+    """``fn`` under one of :data:`BACKENDS` (each compiled backend on its own copy, ``dynamic=False``)."""
+    import importlib
+
+    import torch
+
+    if backend == "eager":
+        return fn
+    importlib.import_module("smxcompile")  # registers backend="smx"
+    kw = {"inductor": {}, "smx": {"backend": "smx"}, "smx-rewrite": {"backend": "smx", "options": dict(SMX_REWRITE)}}
+    return torch.compile(fresh(fn, backend), dynamic=False, **kw[backend])
+
+
+def n_reports() -> int:
+    from smxcompile.backends.smx import compiled_reports
+
+    return len(compiled_reports)
+
+
+def sites_since(n0: int) -> tuple[list, int]:
+    """The smx report sites of the graphs compiled since report ``n0``, and how many graphs."""
+    from smxcompile.backends.smx import compiled_reports
+
+    return [s for r in compiled_reports[n0:] for s in r], len(compiled_reports) - n0
+
+
+def smx_report_summary() -> dict[str, Any]:
+    """The smx reports of every graph compiled in this process summed ({kind: {action: count}}), and the last."""
+    import smxcompile
+    from smxcompile.backends.smx import compiled_reports
+
+    total: dict[str, dict[str, int]] = {}
+    for r in compiled_reports:
+        for kind, acts in r.summary().items():
+            for act, k in acts.items():
+                total.setdefault(kind, {}).setdefault(act, 0)
+                total[kind][act] += k
+    last = smxcompile.last_report()
+    return {"graphs": len(compiled_reports), "sites": total, "last_report": last.summary() if last else None,
+            "last_report_text": str(last) if last is not None else None}
+
+
+def sites_text(rep: dict) -> str:
+    """``kind: n action, ...`` of :func:`smx_report_summary`'s sums."""
+    return "; ".join(f"{k}: " + ", ".join(f"{n} {a}" for a, n in sorted(acts.items()))
+                     for k, acts in sorted(rep["sites"].items())) or "no site"
+
+
+# -------------------------------------------------------------------------------------- in-process rows
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of an in-process benchmark: per backend, the median, inter-quartile range and fastest block (ms),
+    what smx did, the error against eager and the backends that disagreed with it; ``others``: cores other
+    processes used while it was timed (``tries``: per timing try)."""
+
+    device: str
+    shape: str
+    case: str
+    pass_: str
+    ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    iqr_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    min_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    action: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_err: dict[str, float] = dataclasses.field(default_factory=dict)
+    mismatch: list[str] = dataclasses.field(default_factory=list)
+    others: float | None = None
+    tries: list[float | None] = dataclasses.field(default_factory=list)
+
+    def ratio(self, backend: str, ms: dict[str, float] | None = None) -> float | None:
+        ms = self.ms if ms is None else ms
+        return ms[backend] / ms["inductor"] if backend in ms and ms.get("inductor") else None
+
+    def record(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        d["ratio_vs_inductor"] = {b: self.ratio(b) for b in self.ms}
+        return d
+
+
+def fmt_ms(row: Row, b: str) -> str:
+    """``1.234 (0.85x)``: ms, and the ratio to inductor's (``!`` when the backend disagreed with eager)."""
+    if b not in row.ms:
+        return "-"
+    flag, r, ms = " !" if b in row.mismatch else "", row.ratio(b), row.ms[b]
+    txt = f"{ms:.3f}" if ms < 10 else f"{ms:.2f}"
+    return txt + flag if b == "inductor" or r is None else f"{txt} ({r:.2f}x){flag}"
+
+
+def shown(rows: list[Row], stat: str) -> list[Row]:
+    """The rows with ``ms`` set to the figure the tables show (--stat median or min)."""
+    return [dataclasses.replace(r, ms=dict(r.min_ms)) for r in rows] if stat == "min" else rows
+
+
+def time_row(row: Row, stmts: dict, args: argparse.Namespace, quiet: Quiet, log: Callable[[str], None]) -> None:
+    """Time a row's statements (:func:`measure_interleaved`), again up to --retry-noisy times on the CPU while
+    other processes shared it; the least disturbed try is kept."""
+    best = None
+    for t in range(args.retry_noisy + 1):
+        quiet()
+        with LoadMeter() as m:
+            res = measure_interleaved(stmts, args.threads, args.rounds, args.min_run_time)
+        row.tries.append(m.others)
+        if best is None or (m.others or 0) < (best[1] or 0):
+            best = (res, m.others)
+        if (m.others or 0) <= NOISY or t == args.retry_noisy or row.device != "cpu":
+            break
+        log(f"    {row.case} {row.shape} {row.pass_}: other processes took {m.others:.2f} cores: timing it again "
+            "(--retry-noisy)")
+    (row.ms, row.iqr_ms, row.min_ms), row.others = best
+
+
+def slower_line(r: Row, b: str, slower: float, name: str) -> str | None:
+    """The line of a row where ``b`` is slower than inductor by ``slower`` (by the median or the fastest block)."""
+    med, mn = r.ratio(b), r.ratio(b, r.min_ms)
+    if not ((med is not None and med > slower) or (mn is not None and mn > slower)):
+        return None
+    both = med is not None and mn is not None and med > slower and mn > slower
+    noisy = f" [noisy: others {r.others:.2f}]" if r.others is not None and r.others > NOISY else ""
+    return (f"{name}: {b} {med:.2f}x inductor by the median, {mn:.2f}x by the fastest block"
+            f"{'' if both else ' (one of the two only: likely noise)'}; {r.action.get(b, '?')}{noisy}")
+
+
+def timing_flags(p: argparse.ArgumentParser, rounds: int, min_run_time: float, quick: str) -> None:
+    """--quick, --rounds, --min-run-time, --threads, --markdown, --json of the in-process benchmarks."""
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--rounds", type=int, help=f"interleaved timing rounds per row (default {rounds}, quick 1)")
+    p.add_argument("--min-run-time", type=float, help=f"seconds of blocked_autorange per backend per round "
+                                                      f"(default {min_run_time}, quick 0.05)")
+    p.add_argument("--threads", type=int, default=cores(), help="torch threads (default: all cores, %(default)s here)")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH as "
+                                                  "JSON (rewritten as rows finish)")
+
+
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated, non-empty subset of ``choices``."""
+    def parse(s: str) -> list[str]:
+        out = [t for t in s.replace(" ", "").split(",") if t]
+        bad = [t for t in out if t not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(choices)}")
+        return out
+
+    return parse
+
+
+def int_list(s: str) -> list[int]:
+    return [int(t) for t in s.replace(" ", "").split(",") if t]
