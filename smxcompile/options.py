@@ -7,13 +7,15 @@ import json
 import math
 from typing import Any, Mapping
 
+from .kernels.attention.reference import NORMALIZERS
+
 #: Every rewrite kind smxcompile knows, by name. Each can be switched off with
 #: ``options={"disable": ["softmax"]}`` or ``options={"softmax": False}``.
 REWRITE_KINDS = ("attention", "quant_softmax", "sample", "softmax_topk", "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
 
-#: Normalizers the attention op runs in place of softmax (``options={"attention_normalizer": ...}``);
-#: see :data:`smxcompile.kernels.attention.NORMALIZERS` for their formulas and papers.
-ATTENTION_NORMALIZERS = ("softmax", "softmax1", "sigmoid", "relu", "softpick", "ssmax", "softplus", "sparsemax", "entmax15")
+#: Normalizers the attention op runs in place of softmax (``options={"attention_normalizer": ...}``): the names of
+#: :data:`smxcompile.kernels.attention.NORMALIZERS`, with their formulas and papers.
+ATTENTION_NORMALIZERS = tuple(NORMALIZERS)
 
 _DEVICE_POLICIES = ("auto", "rewrite", "keep")
 
@@ -114,16 +116,18 @@ class SmxOptions:
             if not isinstance(v, str) or v not in _DEVICE_POLICIES:
                 raise ValueError(f"smx option {key!r} must be one of {_DEVICE_POLICIES}, got {options[key]!r}")
         normalizer = options.get("attention_normalizer", "softmax")
-        if normalizer not in ATTENTION_NORMALIZERS:
-            raise ValueError(f"smx option 'attention_normalizer' must be one of {ATTENTION_NORMALIZERS}, got {normalizer!r}")
+        if not isinstance(normalizer, str) or normalizer not in NORMALIZERS:
+            raise ValueError(f"smx option 'attention_normalizer' must be one of {tuple(NORMALIZERS)}, "
+                             f"got {normalizer!r}")
         norm_param = options.get("attention_norm_param")
         if norm_param is not None and (isinstance(norm_param, bool) or not isinstance(norm_param, (int, float))
                                        or not math.isfinite(norm_param)):
             raise ValueError(f"smx option 'attention_norm_param' must be a finite number or None, got {norm_param!r}")
         norm_param = None if norm_param is None else float(norm_param)
-        if norm_param is not None and normalizer in ("softmax", "softmax1", "sparsemax", "entmax15"):
+        if norm_param is not None and not NORMALIZERS[normalizer].takes_param:
+            with_param = [name for name, entry in NORMALIZERS.items() if entry.takes_param]
             raise ValueError(f"smx option 'attention_norm_param' is given, but attention_normalizer={normalizer!r} "
-                             "has no parameter (sigmoid, relu, softpick, ssmax and softplus have one)")
+                             f"has no parameter ({', '.join(with_param[:-1])} and {with_param[-1]} have one)")
         inductor = options.get("inductor", {}) or {}
         if not isinstance(inductor, Mapping):
             raise ValueError("smx option 'inductor' must be a dict of Inductor config patches")

@@ -7,8 +7,8 @@ returned in ``x``'s dtype and shape. Shared conventions (:meth:`Variant.apply`):
 ``n`` and every denominator; a row with nothing kept gives zeros, never NaN. Parameters are numbers or tensors
 with one value per row (e.g. ``(H, 1, 1)`` per head); ``variant.init_params(n_train, shape)`` gives the start
 values for a model trained with softmax. Registry: :func:`names`, :func:`get`, :func:`register`,
-:func:`unregister`; the variants the attention kernel also runs reuse its references
-(:data:`smxcompile.kernels.attention.NORMALIZERS`).
+:func:`unregister`. The variants the attention kernel also runs are built from their entries of
+:data:`smxcompile.kernels.attention.NORMALIZERS` (how the two catalogues relate: that registry's module).
 """
 
 from __future__ import annotations
@@ -190,11 +190,12 @@ def _safe_den(d: torch.Tensor) -> torch.Tensor:
 _softmax = NORMALIZERS["softmax"].ref
 
 
-def _wrap(name: str, pname: str | None = None):
+def _wrap(name: str, param_name: str | None = None):
+    """The core of normalizer ``name``'s variant: its reference, the attention parameter named ``param_name``."""
     ref = NORMALIZERS[name].ref
-    if pname is None:
+    if param_name is None:
         return lambda x, keep, n: ref(x, keep, n, None)
-    return lambda x, keep, n, **p: ref(x, keep, n, p.get(pname))
+    return lambda x, keep, n, **p: ref(x, keep, n, p.get(param_name))
 
 
 def _ssmax(x, keep, n, s=None):
@@ -355,13 +356,17 @@ def _const(**values):
 # the registry
 # --------------------------------------------------------------------------------------
 
-_N = NORMALIZERS
+def _from_normalizer(name: str, params: Mapping[str, ParamSpec], fn: Callable | None = None,
+                     init: Callable = _no_init, *, formula: str | None = None) -> Variant:
+    """The variant of attention normalizer ``name``: name, paper and formula (unless given: the variant's own
+    parameter names) from :data:`NORMALIZERS`; ``fn`` defaults to its reference without a parameter."""
+    entry = NORMALIZERS[name]
+    return Variant(entry.name, formula or entry.formula, entry.paper, params, fn or _wrap(name), init)
+
 
 _BUILTINS: tuple[Variant, ...] = (
-    Variant("sparsemax", "max(x_i - tau, 0), tau such that the row sums to 1 (sort-based)",
-            _N["sparsemax"].paper, {}, _wrap("sparsemax")),
-    Variant("entmax15", "max(x_i / 2 - tau, 0)^2, tau such that the row sums to 1 (sort-based)",
-            _N["entmax15"].paper, {}, _wrap("entmax15")),
+    _from_normalizer("sparsemax", {}, formula="max(x_i - tau, 0), tau such that the row sums to 1 (sort-based)"),
+    _from_normalizer("entmax15", {}, formula="max(x_i / 2 - tau, 0)^2, tau such that the row sums to 1 (sort-based)"),
     Variant("entmax_bisect",
             "max((alpha - 1) x_i - tau, 0)^(1 / (alpha - 1)), tau by bisection so the row sums to 1; "
             "alpha = 1 is softmax, alpha = 2 sparsemax",
@@ -370,14 +375,13 @@ _BUILTINS: tuple[Variant, ...] = (
             {"alpha": ParamSpec("alpha >= 1, default 1.5 (1 gives softmax exactly)",
                                 "1.5 (alpha = 1 would reproduce softmax but is not sparse)")},
             _entmax_bisect, _const(alpha=1.5)),
-    Variant("softpick", _N["softpick"].formula, _N["softpick"].paper,
-            {"eps": ParamSpec("eps in the denominator, default 1e-6", "1e-6, not trained", learnable=False)},
-            _wrap("softpick", "eps")),
-    Variant("ssmax", "softmax((s * log n) * x), n the kept entries of the row",
-            _N["ssmax"].paper,
-            {"s": ParamSpec("scale s (learnable per layer/head), default 1.0",
-                            "1 / log(n_train), so the swap equals softmax at the training length")},
-            _ssmax, _ssmax_init),
+    _from_normalizer("softpick",
+                     {"eps": ParamSpec("eps in the denominator, default 1e-6", "1e-6, not trained", learnable=False)},
+                     _wrap("softpick", "eps")),
+    _from_normalizer("ssmax",
+                     {"s": ParamSpec("scale s (learnable per layer/head), default 1.0",
+                                     "1 / log(n_train), so the swap equals softmax at the training length")},
+                     _ssmax, _ssmax_init, formula="softmax((s * log n) * x), n the kept entries of the row"),
     Variant("multimax",
             "softmax(sigma(x)), sigma(x) = x + t0 relu(r0 - x) + t1 relu(x - r1) + t2 relu(r2 - x)^2 "
             "+ t3 relu(x - r3)^2",
@@ -390,16 +394,15 @@ _BUILTINS: tuple[Variant, ...] = (
             "softmax; 0 for a row whose entries are all 0)",
             "'Self-Adjusting Softmax' (SA-Softmax, 2025), its normalized form; rows are not distributions "
             "(they sum to <= 1)", {}, _sa_softmax),
-    Variant("softmax1", _N["softmax1"].formula, _N["softmax1"].paper, {}, _wrap("softmax1")),
-    Variant("sigmoid", "sigmoid(x_i + b)", _N["sigmoid"].paper,
-            {"b": ParamSpec("bias b, default -log(n) per row", "-log(n_train)")},
-            _wrap("sigmoid", "b"), lambda n: {"b": -math.log(_need_n("sigmoid", n))}),
-    Variant("relu", "relu(x_i) * c", _N["relu"].paper,
-            {"c": ParamSpec("scale c, default 1/n per row", "1 / n_train")},
-            _wrap("relu", "c"), lambda n: {"c": 1.0 / _need_n("relu", n)}),
-    Variant("softplus", "softplus(c x_i) / sum_j softplus(c x_j)", _N["softplus"].paper,
-            {"c": ParamSpec("scale c, default log(max(n, 2)) per row", "log(max(n_train, 2))")},
-            _wrap("softplus", "c"), lambda n: {"c": math.log(max(_need_n("softplus", n), 2))}),
+    _from_normalizer("softmax1", {}),
+    _from_normalizer("sigmoid", {"b": ParamSpec("bias b, default -log(n) per row", "-log(n_train)")},
+                     _wrap("sigmoid", "b"), lambda n: {"b": -math.log(_need_n("sigmoid", n))},
+                     formula="sigmoid(x_i + b)"),
+    _from_normalizer("relu", {"c": ParamSpec("scale c, default 1/n per row", "1 / n_train")},
+                     _wrap("relu", "c"), lambda n: {"c": 1.0 / _need_n("relu", n)}, formula="relu(x_i) * c"),
+    _from_normalizer("softplus", {"c": ParamSpec("scale c, default log(max(n, 2)) per row", "log(max(n_train, 2))")},
+                     _wrap("softplus", "c"), lambda n: {"c": math.log(max(_need_n("softplus", n), 2))},
+                     formula="softplus(c x_i) / sum_j softplus(c x_j)"),
     Variant("stablemax", "s(x_i) / sum_j s(x_j), s(x) = x + 1 for x >= 0, 1 / (1 - x) for x < 0",
             "Prieto, Barsbey, Mediano & Birdal, 'Grokking at the Edge of Numerical Stability' (2025)",
             {}, _stablemax),

@@ -5,25 +5,23 @@ Each form takes the scaled (soft-capped, mask-added) scores ``s`` (B, Hq, L, S),
 to ``s``; None: every key), ``n`` the keys per row ((B, Hq, L, 1), (L, 1) or (1, 1)) and ``param`` per (B, Hq)
 as (B, Hq, 1, 1) or None, in the math dtype, and returns the weights (B, Hq, L, S), masked keys exactly 0.
 
-Papers: softmax (Vaswani et al. 2017), softmax1 (Miller 2023, "Attention Is Off By One"), sigmoid (Ramapuram
-et al. 2024), relu (Wortsman et al. 2023), softpick (Zuhri, Fuadi & Aji 2025), ssmax (Nakanishi 2025,
-"Scalable-Softmax"), softplus (Gao & Spratling 2025), sparsemax (Martins & Astudillo 2016) and 1.5-entmax
-(Peters, Niculae & Martins 2019) by their sort-based thresholds (``TopK`` as the sort). ``expm1`` / ``log1p``
-use Kahan's forms (ONNX has neither).
+Each form follows its entry's paper (``NORMALIZERS[name].paper``); sparsemax and 1.5-entmax by their sort-based
+thresholds (``TopK`` as the sort). ``expm1`` / ``log1p`` use Kahan's forms (ONNX has neither).
 """
 
 from __future__ import annotations
 
+from ...kernels.attention.reference import NORMALIZERS
+
 NEG_INF = float("-inf")
 
-#: The normalizers with an ONNX form (the keys of :func:`normalizer_forms`).
-NORMALIZER_NAMES = ("softmax", "softmax1", "sigmoid", "relu", "softpick", "ssmax", "softplus", "sparsemax",
-                    "entmax15")
+#: The normalizers with an ONNX form (the keys of :func:`normalizer_forms`): every name of the registry.
+NORMALIZER_NAMES = tuple(NORMALIZERS)
 
 
 class NormalizerForms:
-    """The forms as methods named after their normalizer, built with :mod:`.attention`'s builders (see
-    :func:`normalizer_forms`)."""
+    """The forms as methods named after their normalizer, one per key of :data:`NORMALIZERS`, built with
+    :mod:`.attention`'s builders (see :func:`normalizer_forms`)."""
 
     def __init__(self, op, const, ints, axes_last, scalar):
         import onnx
@@ -190,7 +188,7 @@ def normalizer_forms(op, const, ints, axes_last, scalar) -> dict:
         ImportError: onnx not installed.
     """
     forms = NormalizerForms(op, const, ints, axes_last, scalar)
-    return {name: getattr(forms, name) for name in NORMALIZER_NAMES}
+    return {name: getattr(forms, name) for name in NORMALIZERS}
 
 
 __all__ = ["NEG_INF", "NORMALIZER_NAMES", "NormalizerForms", "normalizer_forms"]

@@ -26,7 +26,8 @@ def _is_real(x) -> bool:
 
 
 def _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, normalizer, norm_param):
-    """Validate :func:`attention`'s arguments; returns the broadcast batch shape."""
+    """Validate :func:`attention`'s arguments (the one check of ``normalizer``: the op and its kernels trust it);
+    returns the broadcast batch shape."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -129,10 +130,6 @@ def _flat_mask(mask: torch.Tensor, batch: tuple, B: int, Hq: int, L: int, S: int
     return m.expand(B, Hq, L, S)
 
 
-#: Normalizers whose formula or default parameter uses n, the number of keys a row may see.
-_N_DEPENDENT = frozenset({"ssmax", "sigmoid", "relu", "softplus"})
-
-
 def _draw_seed() -> torch.Tensor:
     """A dropout seed from torch's default generator, as an int64 0-d CPU tensor: under ``torch.compile`` it stays
     a random op of the graph (a fresh seed every call), not a constant baked in at trace time."""
@@ -233,7 +230,7 @@ def _fold_causal(query, key, attn_mask, is_causal):
 
 def _mask_key_counts(mask, normalizer: str, B: int, Hq: int, L: int, S: int):
     """Per-row counts (B, Hq, L) of the keys ``mask`` leaves, for a normalizer that reads ``n``; else None."""
-    if mask is None or normalizer not in _N_DEPENDENT:
+    if mask is None or not NORMALIZERS[normalizer].reads_n:
         return None
     # the keys the mask leaves, not the row's position: a causal mask as a tensor gives is_causal's n
     keep = mask if mask.dtype == torch.bool else mask != float("-inf")

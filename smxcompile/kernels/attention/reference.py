@@ -1,6 +1,19 @@
-"""The definition of ``smx::attention``: the normalizers (:data:`NORMALIZERS`: each one's exact torch function
-on a materialized block of scores and its hand-written backward, with its paper) and
-:func:`attention_reference`, the whole computation materialized (tests' oracle)."""
+"""The definition of ``smx::attention``: the registry of its normalizers (:data:`NORMALIZERS`: each one's exact
+torch function on a materialized block of scores, its hand-written backward, its kernel code and its paper) and
+:func:`attention_reference`, the whole computation materialized (tests' oracle).
+
+:data:`NORMALIZERS` is the one list of attention normalizers: the option ``attention_normalizer``
+(:data:`smxcompile.options.ATTENTION_NORMALIZERS`), the Triton kernels' ``NORM`` codes
+(:data:`.triton_common.NORM_CODES`) and the ONNX forms (:mod:`smxcompile.export.onnx.attention_normalizers`)
+derive from it. A name is checked against it where it enters (:class:`smxcompile.SmxOptions`,
+:func:`smxcompile.attention`, the Triton launchers called directly, the ONNX export's refusals); the layers below
+index the registry and trust it.
+
+The swap variants (:mod:`smxcompile.edit.variants`, ``smxcompile.variants``) are a wider catalogue in another
+convention (any dim, a bool mask, named parameters, pretrained-start values). Every normalizer but softmax is also
+a variant: its name, paper and torch function come from the entry here, its formula too unless the variant writes
+it with its own parameter names. The other variants (entmax_bisect, multimax, ...) have no attention kernel.
+"""
 
 from __future__ import annotations
 
@@ -234,7 +247,8 @@ class Normalizer(NamedTuple):
     may see; param broadcastable per head, e.g. (..., H, 1, 1), or None for the default. ``w`` is exactly 0
     where keep is False, and NaN-free gradients. ``vjp(s, keep, n, param, w, dw) -> (ds, dparam)``: its
     backward (``dparam`` before the sum over rows and keys; None without a parameter). ``takes_param``,
-    ``default_param`` (a function of n), ``param_doc``; ``whole_row``: no streaming form; ``formula``, ``paper``.
+    ``default_param`` (a function of n), ``param_doc``; ``whole_row``: no streaming form; ``formula``, ``paper``;
+    ``code``: the Triton kernels' ``NORM`` constexpr; ``reads_n``: the formula or default parameter uses n.
     """
 
     name: str
@@ -246,49 +260,53 @@ class Normalizer(NamedTuple):
     whole_row: bool
     formula: str
     paper: str
+    code: int
+    reads_n: bool
 
 
-def _nz(name, ref, vjp, *, default=None, param_doc="", whole_row=False, formula, paper):
-    return Normalizer(name, ref, vjp, default is not None, default, param_doc, whole_row, formula, paper)
+def _nz(name, code, ref, vjp, *, default=None, param_doc="", whole_row=False, reads_n=False, formula, paper):
+    return Normalizer(name, ref, vjp, default is not None, default, param_doc, whole_row, formula, paper, code,
+                      reads_n)
 
 
-#: name -> :class:`Normalizer`, for ``attention(..., normalizer=name)``.
+#: name -> :class:`Normalizer`, for ``attention(..., normalizer=name)``; the codes are fixed (the kernels compare
+#: against them).
 NORMALIZERS: dict[str, Normalizer] = {
     nz.name: nz
     for nz in (
-        _nz("softmax", _softmax_ref, _softmax_vjp,
+        _nz("softmax", 0, _softmax_ref, _softmax_vjp,
             formula="exp(s_i - m) / sum_j exp(s_j - m)",
             paper="Vaswani et al., 'Attention Is All You Need' (2017)"),
-        _nz("softmax1", _softmax1_ref, _softmax_vjp,
+        _nz("softmax1", 1, _softmax1_ref, _softmax_vjp,
             formula="exp(s_i) / (1 + sum_j exp(s_j))",
             paper="Miller, 'Attention Is Off By One' (2023)"),
-        _nz("sigmoid", _sigmoid_ref, _sigmoid_vjp, default=lambda n: -torch.log(n),
+        _nz("sigmoid", 3, _sigmoid_ref, _sigmoid_vjp, default=lambda n: -torch.log(n), reads_n=True,
             param_doc="bias b, default -log(n)",
             formula="sigmoid(s_i + b)",
             paper="Ramapuram et al., 'Theory, Analysis, and Best Practices for Sigmoid Self-Attention' (2024)"),
-        _nz("relu", _relu_ref, _relu_vjp, default=lambda n: 1.0 / n,
+        _nz("relu", 4, _relu_ref, _relu_vjp, default=lambda n: 1.0 / n, reads_n=True,
             param_doc="scale c, default 1/n",
             formula="relu(s_i) * c",
             paper="Wortsman et al., 'Replacing softmax with ReLU in Vision Transformers' (2023)"),
-        _nz("softpick", _softpick_ref, _softpick_vjp, default=lambda n: torch.full_like(n, 1e-6),
+        _nz("softpick", 5, _softpick_ref, _softpick_vjp, default=lambda n: torch.full_like(n, 1e-6),
             param_doc="eps, default 1e-6",
             formula="relu(exp(s_i) - 1) / (sum_j |exp(s_j) - 1| + eps)",
             paper="Zuhri, Fuadi & Aji, 'Softpick: No Attention Sink, No Massive Activations with Rectified "
                   "Softmax' (2025)"),
-        _nz("ssmax", _ssmax_ref, _ssmax_vjp, default=lambda n: torch.ones_like(n),
+        _nz("ssmax", 2, _ssmax_ref, _ssmax_vjp, default=lambda n: torch.ones_like(n), reads_n=True,
             param_doc="p, default 1.0 (learnable per head)",
             formula="softmax((p * log n) * s)",
             paper="Nakanishi, 'Scalable-Softmax Is Superior for Attention' (2025)"),
-        _nz("softplus", _softplus_ref, _softplus_vjp, default=_softplus_default,
+        _nz("softplus", 6, _softplus_ref, _softplus_vjp, default=_softplus_default, reads_n=True,
             param_doc="scale c, default log(max(n, 2))",
             formula="softplus(c * s_i) / sum_j softplus(c * s_j)",
             paper="Gao & Spratling, 'Softplus Attention with Re-weighting Boosts Length Extrapolation in Large "
                   "Language Models' (2025)"),
-        _nz("sparsemax", _sparsemax_ref, _sparsemax_vjp, whole_row=True,
+        _nz("sparsemax", 7, _sparsemax_ref, _sparsemax_vjp, whole_row=True,
             formula="max(s_i - tau, 0), tau such that the row sums to 1",
             paper="Martins & Astudillo, 'From Softmax to Sparsemax: A Sparse Model of Attention and "
                   "Multi-Label Classification' (2016)"),
-        _nz("entmax15", _entmax15_ref, _entmax15_vjp, whole_row=True,
+        _nz("entmax15", 8, _entmax15_ref, _entmax15_vjp, whole_row=True,
             formula="max(s_i / 2 - tau, 0)^2, tau such that the row sums to 1",
             paper="Peters, Niculae & Martins, 'Sparse Sequence-to-Sequence Models' (2019)"),
     )

@@ -12,13 +12,13 @@ import torch
 
 from ..triton_helpers import (dot_f32, dot_precision, launch_opts, next_pow2, pow2_block, tl,
                               triton)  # triton, tl: None without it
+from .reference import NORMALIZERS
 
 __all__ = ["NORM_CODES", "SPARSE_ITERS", "BLOCKS_16", "BLOCKS_32", "PRE_BLOCKS_16", "PRE_BLOCKS_32", "BWD_BLOCKS_16",
            "BWD_BLOCKS_32", "check_args", "launch_config", "tensor4", "stages"]
 
-#: Normalizer name -> the kernels' NORM constexpr.
-NORM_CODES = {"softmax": 0, "softmax1": 1, "ssmax": 2, "sigmoid": 3, "relu": 4, "softpick": 5, "softplus": 6,
-              "sparsemax": 7, "entmax15": 8}
+#: Normalizer name -> the kernels' NORM constexpr (each entry's ``code`` in :data:`.reference.NORMALIZERS`).
+NORM_CODES = {name: entry.code for name, entry in NORMALIZERS.items()}
 #: Bracketing passes on tau for sparsemax / entmax15 (each halves the bracket at least).
 SPARSE_ITERS = 10
 
@@ -208,7 +208,8 @@ def tensor4(name: str, t) -> torch.Tensor:
 def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_param, dropout_p, seed):
     """Validate the launchers' common arguments (:func:`.triton_forward.attention_forward`); return ``(B, Hq, Hkv,
     L, S, E, Ev, mask, mask_kind, scale, softcap, norm_code)``, a bool mask viewed as uint8. Raises TypeError for
-    wrong types or dtypes, ValueError for shapes, devices or values out of range."""
+    wrong types or dtypes, ValueError for shapes, devices, values out of range or a ``normalizer`` not in
+    :data:`.reference.NORMALIZERS` (the launchers are entry points too: benchmarks and tests call them directly)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         tensor4(name, t)
     if q.dtype not in _DTYPES:
@@ -235,8 +236,8 @@ def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_p
         if not (0 < softcap < float("inf")):
             raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap}")
         softcap = float(softcap)
-    if normalizer not in NORM_CODES:
-        raise ValueError(f"normalizer must be one of {sorted(NORM_CODES)}, got {normalizer!r}")
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"normalizer must be one of {sorted(NORMALIZERS)}, got {normalizer!r}")
     if norm_param is not None:
         if not isinstance(norm_param, torch.Tensor) or norm_param.dtype != torch.float32:
             raise TypeError("norm_param must be None or an fp32 tensor")
@@ -261,7 +262,7 @@ def check_args(q, k, v, attn_mask, is_causal, scale, softcap, normalizer, norm_p
             mask, kind = attn_mask, _MASK_FLOAT
         else:
             raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32, got {attn_mask.dtype}")
-    return B, Hq, Hkv, L, S, E, Ev, mask, kind, float(scale), softcap, NORM_CODES[normalizer]
+    return B, Hq, Hkv, L, S, E, Ev, mask, kind, float(scale), softcap, NORMALIZERS[normalizer].code
 
 
 def launch_config(q, k, v, mask, kind, is_causal, scale, softcap, code, norm_param, dropout_p, seed, E, Ev, L, S,
