@@ -6,8 +6,8 @@ Each case (gpu_cases.py) launches one op's kernels through Triton's interpreter,
 gpu_traffic.py's counter; torch's path is its kernels' access traces (gpu_torch_paths.py) through the same counter
 and L2 model. Columns: loaded / stored (bytes of the kernels' unmasked lanes, plus the torch ops around them), hbm
 (the L2 model's DRAM bytes), min (the op's minimum bytes), ratio ((loaded + stored) / min), launches, TFLOP (tl.dot
-and matmuls), pred us (roofline: max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s) + 3 us per launch, summed over launches),
-torch us (the same for torch's path), x torch (torch us / pred us), roof (memory-bound ops: the copy roofline's time
+and matmuls), pred us (per launch max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s, loaded + stored over its SMs at
+112 GB/s each) + 3 us, summed), torch us (the same for torch's path), x torch (torch us / pred us), roof (memory-bound ops: the copy roofline's time
 over pred us), sampling (torch's DRAM bytes sampled / unsampled: the estimator's error). Figures and the reasons
 behind every ratio above 1.25: docs/PERFORMANCE.md ("GPU model"); benchmarks/gpu/compare_model.py times the cases
 on a GPU.
@@ -45,9 +45,20 @@ def predicted_us(bytes_hbm: float, flops: float, launches: int, gpu=H200) -> flo
     return max(bytes_hbm / gpu.hbm_bytes_per_s, flops / gpu.flops_per_s) * 1e6 + launches * gpu.launch_us
 
 
+def launch_us(x, bytes_hbm: float, gpu=H200) -> float:
+    """One launch's time (us): its roofline, and at least its programs' bytes (loaded and stored, L2 hits
+    included) over the SMs they run on (one program per row at batch 1 runs on one SM). A launch without a grid
+    (a torch op traced as a stream over the whole GPU) has no such bound."""
+    t = predicted_us(bytes_hbm, x.flops, 1, gpu)
+    if not x.grid:
+        return t
+    sms = min(x.programs, gpu.sms)
+    return max(t, (x.bytes_loaded + x.bytes_stored) / (sms * gpu.sm_bytes_per_s) * 1e6 + gpu.launch_us)
+
+
 def traffic_us(tr, gpu=H200) -> float:
-    """The roofline time of every launch of ``tr`` (one launch does not hide another's), summed."""
-    return sum(predicted_us(h, x.flops, 1, gpu) for x, h in zip(tr.launches, tr.launch_hbm()))
+    """The time of every launch of ``tr`` (one launch does not hide another's), summed."""
+    return sum(launch_us(x, h, gpu) for x, h in zip(tr.launches, tr.launch_hbm()))
 
 
 def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:

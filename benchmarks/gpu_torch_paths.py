@@ -344,7 +344,7 @@ def hf_sampling(t: Tracer, B: int, V: int, *, temperature: float, top_k: int, to
     """transformers' warpers, ``softmax`` and ``multinomial(probs, 1)`` on ``(B, V)`` fp32 scores as eager runs
     them: each elementwise op one launch reading its inputs and writing its output; ``torch.sort`` a segmented
     radix sort (cub: 4 passes of 8-bit digits, each reading and writing the fp32 keys and int64 values);
-    ATen's one-sample multinomial one block per row, reading the row twice (its sum, then the scan)."""
+    ATen's one-sample multinomial (:func:`multinomial_one`)."""
     n = B * V
     cur = t.buffer("scores", n * 4)
     if temperature != 1.0:
@@ -371,14 +371,26 @@ def hf_sampling(t: Tracer, B: int, V: int, *, temperature: float, top_k: int, to
         cur = out
     probs, tokens = t.buffer("probs", n * 4), t.buffer("tokens", B * 8)
     softmax(t, cur, probs, B, V, 4, 4)
+    multinomial_one(t, probs, tokens, B, V)
 
-    def program(r, _y, _z):
-        t.tile(probs, r * V * 4, V * 4)
-        t.tile(probs, r * V * 4, V * 4)
-        t.tile(tokens, r * 8, 8, kind="store")
-    t.launch("aten.multinomial", (B,), 8, program)
+
+def multinomial_one(t: Tracer, probs: str, tokens: str, B: int, V: int) -> None:
+    """``torch.multinomial(probs, 1)`` on ``(B, V)`` fp32: ATen's one-sample path (native/Distributions.cpp,
+    ``multinomial_out``; torch 2.13's profiler lists these ops on CPU): ``aminmax`` and a row sum, each checked by
+    ``_assert_async``, then ``argmax(probs / q)`` with ``q ~ Exponential(1)`` written at the probabilities' size."""
+    n = B * V
+    small, q = t.buffer("multinomial_checks", 64 + B * 4), t.buffer("exponential_noise", n * 4)
+    t.stream("aten.aminmax", {probs: n * 4}, {small: 8})
+    for op in ("aten.ge", "aten.lt", "aten.bitwise_and", "aten._assert_async"):
+        t.stream(op, {small: 8}, {small: 1})
+    t.stream("aten.sum", {probs: n * 4}, {small: B * 4})
+    for op in ("aten.eq", "aten.any", "aten.bitwise_not", "aten._assert_async"):
+        t.stream(op, {small: B * 4}, {small: 1})
+    t.stream("aten.exponential_", {}, {q: n * 4})
+    t.stream("aten.div", {probs: n * 4, q: n * 4}, {q: n * 4})
+    t.stream("aten.argmax", {q: n * 4}, {tokens: B * 8})
 
 
 __all__ = ["Tracer", "softmax_sweeps", "softmax", "softmax_backward", "topk", "gemm", "flash_forward",
            "mem_efficient_forward", "flash_backward", "written_out_attention", "hf_cross_entropy",
-           "hf_linear_cross_entropy", "hf_sampling"]
+           "hf_linear_cross_entropy", "hf_sampling", "multinomial_one"]

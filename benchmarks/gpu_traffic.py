@@ -38,7 +38,9 @@ SECTOR = 32
 @dataclasses.dataclass(frozen=True)
 class GPU:
     """What the model needs of a GPU. Defaults: an H200 (SXM): 132 SMs, 50 MiB of L2, 4.3 TB/s measured for a
-    plain device-to-device copy, 990 TFLOP/s dense bf16 tensor-core peak, ~3 us per kernel launch."""
+    plain device-to-device copy, 990 TFLOP/s dense bf16 tensor-core peak, ~3 us per kernel launch, and what one
+    SM moves to and from L2: 64 bytes per clock at a sustained 1.75 GHz (an assumption until
+    benchmarks/gpu/compare_model.py measures it)."""
 
     name: str = "H200"
     sms: int = 132
@@ -46,6 +48,7 @@ class GPU:
     hbm_bytes_per_s: float = 4.3e12
     flops_per_s: float = 990e12
     launch_us: float = 3.0
+    sm_bytes_per_s: float = 64 * 1.75e9
 
     def resident(self, num_warps: int, programs: int) -> int:
         """Programs running at once: up to 64 warps and 32 programs per SM (registers and shared memory aside)."""
