@@ -29,8 +29,9 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from ..kernels.sampling.api import check_sampling
 from .patterns.filters import Filter, filled, filled_in_place, min_p, top_k, top_p, writes_into
-from .patterns.graph import canon, erase_unused_pure, is_mutation, is_number, op_label, replace_anchor, tensor_val
+from .patterns.graph import canon, erase_unused_pure, val, is_mutation, is_number, op_label, replace_anchor, tensor_val
 from .patterns.softmax_call import input_problem, softmax_call
 from .patterns.writes import mutation_inside, writes_of
 from .policy import Ladder, find_sites
@@ -65,6 +66,8 @@ class SampleMatch(Match):
         p = self.params()
         parts = [f"temperature {p['temperature']:g}"] if p["temperature"] != 1.0 else []
         parts += [f"{f.kind.replace('_', '-')} {f.param:g}" for f in self.filters]
+        if p["min_tokens_to_keep"] > 1:
+            parts.append(f"keeping at least {p['min_tokens_to_keep']}")
         return ", ".join(parts) or "plain softmax"
 
     def op_name(self) -> str:
@@ -122,6 +125,9 @@ def _walk(m: SampleMatch, y: Node, probs: Node) -> str:
             break
         node, mask, src = stage
         f = _classify(mask, src)
+        if f is None and _symbolic(mask):
+            return ("a filter whose k or p is symbolic (dynamic shapes, e.g. min(k, V) of a dynamic vocabulary): "
+                    "the op takes them as constants")
         if f is None:
             return f"an entry filter ({op_label(mask)} of the logits) that is not a top-k, top-p or min-p"
         earlier = _writes_before(src, node, order)
@@ -148,6 +154,10 @@ def _order_problem(m: SampleMatch, stages: list) -> str:
         return f"filters in the order {', '.join(kinds)}: the op applies top-k, top-p, min-p, each once"
     m.temperature = stages[temps[0]][1] if temps else 1.0
     m.filters = [s[1] for s in stages if s[0] == "filter"]
+    try:
+        check_sampling(**m.params())
+    except ValueError as err:   # eager removes every entry, or nothing, where the op refuses the value
+        return f"a filter value outside the op's range: {err}"
     keeps = {f.min_keep for f in m.filters if f.kind != "top_k"}
     if len(keeps) > 1:
         return "filters keeping different numbers of tokens (min_tokens_to_keep)"
@@ -180,6 +190,32 @@ def _row_view(n: Node) -> Node | None:
     return src
 
 
+def _symbolic(mask: Node, depth: int = 6) -> bool:
+    """Whether a symbolic size or number (a SymInt / SymFloat of dynamic shapes) feeds ``mask``."""
+    seen, frontier = set(), [mask]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if isinstance(val(a), (torch.SymInt, torch.SymFloat)):
+                    return True
+                nxt.append(a)
+        frontier = nxt
+    return False
+
+
+def _part_of_softmax(n: Node) -> bool:
+    """``n`` selects part of a softmax's output (``p[:, -1]`` of a ``(B, 2, V)``): fewer entries than it has."""
+    if not (n.op == "call_function" and n.target is operator.getitem or n.op == "call_method"
+            and n.target in ("select", "narrow")) or not n.args or not isinstance(n.args[0], Node):
+        return False
+    call = softmax_call(n.args[0])
+    return call is not None and call.kind == "softmax"
+
+
 def _match(node: Node) -> SampleMatch | None:
     c = canon(node)
     if c is None or c[0] != "multinomial" or not isinstance(c[1].get("input"), Node):
@@ -189,6 +225,8 @@ def _match(node: Node) -> SampleMatch | None:
         views.append(drawn)
         drawn = src
     call = softmax_call(drawn)
+    if call is None and _part_of_softmax(drawn):
+        return SampleMatch(anchor=node).skip("the draw reads some of the softmax's rows (a selection): not fused")
     if call is None or call.kind != "softmax":
         return None
     m = SampleMatch(anchor=node, dead=list(views))
@@ -215,8 +253,8 @@ def _match(node: Node) -> SampleMatch | None:
         writes = writes_of(n)
         if writes is None or any(w not in pattern for w in writes):
             return m.skip(f"{op_label(n)} of the chain is written in place (or through a view) before the draw")
-    if pv.dtype == torch.float64:
-        return m.skip("float64 probabilities: the op computes in fp32")
+    if pv.dtype == torch.float64 and m.device == "cuda":
+        return m.skip("float64 probabilities on CUDA: the kernel computes in fp32")
     m.private = all(u in pattern for n in m.dead for u in n.users) and all(
         n.args[0] in pattern for n in m.dead if is_mutation(n))
     return m

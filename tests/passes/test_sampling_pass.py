@@ -263,3 +263,45 @@ def test_a_view_that_regroups_rows_is_not_a_draw_of_them():
     r = rewrite(regrouped, logits, check_values=False)
     assert not [s for s in r.report if s.kind == "sample" and s.action == "rewritten"]
     assert "multinomial" in r.after
+
+
+def _min_p_above_one(logits):   # every entry but the kept top one removed: a min-p the op refuses
+    p = torch.softmax(logits, -1)
+    remove = p < 1.5 * p.amax(-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(p, 1)[1], False)
+    return torch.multinomial(F.softmax(logits.masked_fill(remove, -float("inf")), -1), 1)
+
+
+def _part_of_the_rows(logits):
+    return torch.multinomial(F.softmax(logits.view(2, 2, 20), -1)[:, -1], 1)
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_min_p_above_one, "outside the op's range"),
+    (_part_of_the_rows, "some of the softmax's rows"),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_sites_outside_the_op_are_reported_skipped(fn, reason):
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(8))
+    r = rewrite(fn, logits, check_values=False)
+    sites = [s for s in r.report if s.kind == "sample"]
+    assert [s.action for s in sites] == ["skipped"] and reason in sites[0].reason, [(s.action, s.reason) for s in sites]
+
+
+def test_float64_logits_are_drawn_in_float64_on_cpu():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 3
+    r = rewrite(_nanogpt, logits.clone(), check_values=False)
+    assert [s.action for s in r.report if s.kind == "sample"] == ["rewritten"]
+    s = logits / 0.8
+    eager = F.softmax(torch.where(s >= s.topk(5).values[:, -1:], s, -float("inf")), -1)
+    _histogram_matches(r.gm, (logits.clone(),), eager)
+
+
+def test_dynamic_filter_parameters_are_named_in_the_reason():
+    """Under dynamic shapes nanoGPT's min(k, V) is symbolic: skipped, and the reason says so."""
+    import smxcompile
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_nanogpt_no_temperature, backend="smx", options={"cpu": "rewrite"}, dynamic=True)
+    compiled(torch.randn(3, 40))
+    sites = [s for s in smxcompile.last_report() if s.kind == "sample"]
+    assert sites and sites[0].action == "skipped" and "symbolic" in sites[0].reason, sites
