@@ -7,7 +7,6 @@ the subprocess benchmarks' machinery."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import gc
 import json
@@ -21,6 +20,8 @@ import threading
 import time
 import types
 from typing import Any, Callable
+
+from smx_app.demo.memory import malloc_trim, rss_bytes  # noqa: F401  (the scripts read them from here)
 
 GB, MB = 1e9, 1e6
 #: cores' worth of CPU used by other processes above which a timing is called disturbed
@@ -346,26 +347,6 @@ def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- memory
-
-
-def rss_bytes(field: str, pid: str = "self") -> int | None:
-    """The ``field`` line of /proc/<pid>/status (VmRSS, VmHWM) in bytes; None without it."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def malloc_trim() -> bool:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False  # not glibc
 
 
 class StepPeak:

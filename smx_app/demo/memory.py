@@ -38,7 +38,7 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated()
             self.method = "torch.cuda.max_memory_allocated"
             return self
-        _malloc_trim()
+        malloc_trim()
         self._base = rss_bytes("VmRSS")
         if self._base is None:
             import resource
@@ -80,11 +80,11 @@ class PeakMemory:
             self.peak_bytes = max(0, (rss_bytes("VmHWM") or 0) - self._base)
 
 
-def rss_bytes(field: str) -> int | None:
-    """The ``field`` line of ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``: kB there) in bytes, or None
+def rss_bytes(field: str, pid: str = "self") -> int | None:
+    """The ``field`` line of ``/proc/<pid>/status`` (``"VmRSS"``, ``"VmHWM"``: kB there) in bytes, or None
     without ``/proc`` (not Linux) or without that field. Raises nothing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -93,12 +93,13 @@ def rss_bytes(field: str) -> int | None:
     return None
 
 
-def _malloc_trim() -> None:
-    """Return freed heap to the OS between backends so peak-memory figures start level (glibc only)."""
+def malloc_trim() -> bool:
+    """Return freed heap to the OS so peak-memory figures start level; False where it cannot (not glibc)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
     except (OSError, AttributeError):
-        return  # not glibc: nothing to trim, the figures are just less level
+        return False
 
 
-__all__ = ["PeakMemory", "rss_bytes"]
+__all__ = ["PeakMemory", "rss_bytes", "malloc_trim"]
