@@ -64,6 +64,17 @@ def test_ties_at_the_kth_value_are_all_kept():
     assert set(drawn[0].tolist()) == {0, 1, 2, 3} and set(drawn[1].tolist()) == set(range(6))
 
 
+def test_ties_at_top_p_and_keep_min_keep_eagers_count():
+    """Four tied maxima: top-p 0.5 keeps three (eager's cumulative sum), min_tokens_to_keep=2 under top-p 0 keeps
+    two; both the lowest token ids among the tied."""
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    for opts, kept in ((dict(top_p=0.5), 3), (dict(top_p=0.0, min_tokens_to_keep=2), 2)):
+        assert int((eager_probs(x, top_p=opts["top_p"], keep=opts.get("min_tokens_to_keep", 1)) > 0).sum()) == kept
+        drawn = torch.cat([smxcompile.sample(x, generator=g, **opts) for _ in range(300)], 1)
+        assert set(drawn[0].tolist()) == set(range(kept))
+
+
 def test_generator_is_honoured_and_shapes_follow_multinomial():
     x = torch.randn(4, 50)
     a = smxcompile.sample(x, top_k=10, generator=torch.Generator().manual_seed(7))

@@ -4,12 +4,12 @@ On a machine without a GPU they run through Triton's interpreter (TRITON_INTERPR
 before triton is imported) on CPU tensors; on a CUDA machine the same tests run the compiled kernel.
 
 Reference: ``filtered_candidates`` / ``draw`` (smxcompile.kernels.sampling.candidates) on the same logits and
-uniforms, with its kept set closed under ties (an entry equal to a kept entry is kept): the kernel keeps every
-entry tied at the top-p boundary or with the ``min_tokens_to_keep``-th value, where the reference's sort keeps
-some of them (bf16 logits tie often). A token must equal the reference's unless ``u * total`` lies within fp
-rounding of a boundary of the reference's cumulative weights (at most 1% of the draws), and must always have a
-positive reference weight. Uniforms at the middle of each kept entry's interval of the reference's CDF check
-that the kernel draws exactly the reference's kept entries (ties at the k-th value included).
+uniforms. Both keep the lowest indices among the entries tied at the top-p boundary or at the
+``min_tokens_to_keep``-th value, as many as eager's sort keeps (checked against eager on integer logits). A token
+must equal the reference's unless ``u * total`` lies within fp rounding of a boundary of the reference's
+cumulative weights (at most 1% of the draws), and must always have a positive reference weight. Uniforms at the
+middle of each kept entry's interval of the reference's CDF check that the kernel draws exactly the reference's
+kept entries (ties at the k-th value included).
 """
 
 import sys
@@ -58,16 +58,29 @@ def _uniform(n, seed=1):
 
 
 def _ref_cdf(x, opts):
-    """Per row: the reference's kept weights in vocabulary order, closed under ties (fp64, (B, V)), and their
-    cumulative sums."""
+    """Per row: the reference's kept weights in vocabulary order (fp64, (B, V)), and their cumulative sums."""
     idx, w = filtered_candidates(x, **opts)
     dense = torch.zeros(x.shape, dtype=torch.float64, device=x.device).scatter_(-1, idx, w.double())
-    t = opts["temperature"]
-    s = (x if t == 1.0 else x / t).float()  # as the reference scales
-    e = torch.exp(s - s.amax(-1, keepdim=True)).double()
-    lowest = torch.where(dense > 0, s, torch.inf).amin(-1, keepdim=True)  # the smallest kept value
-    dense = torch.where((dense == 0) & (s == lowest), e, dense)  # the entries tied with it
     return dense, dense.cumsum(-1)
+
+
+def _eager_kept(x, temperature, top_k, top_p, min_p, min_tokens_to_keep):
+    """How many entries per row transformers' warpers keep (written out; ties broken by torch.sort)."""
+    s = x.float() / temperature if temperature != 1.0 else x.float()
+    if top_k:
+        k = min(max(top_k, min_tokens_to_keep), s.shape[-1])
+        s = s.masked_fill(s < torch.topk(s, k)[0][..., -1, None], -INF)
+    if top_p < 1.0:
+        sorted_s, order = torch.sort(s, descending=False)
+        remove = sorted_s.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[..., -min_tokens_to_keep:] = False
+        s = s.masked_fill(remove.scatter(1, order, remove), -INF)
+    if min_p > 0.0:
+        p = torch.softmax(s, -1)
+        remove = p < min_p * p.amax(-1, keepdim=True)
+        remove.scatter_(-1, torch.topk(p, min_tokens_to_keep, dim=-1).indices, False)
+        s = s.masked_fill(remove, -INF)
+    return torch.isfinite(s).sum(-1)
 
 
 def _check_draws(x, u, opts, **launch):
@@ -135,7 +148,29 @@ def test_ties_at_kth_value_all_kept():
     zeros = torch.tensor([[-0.0, 0.0, -0.0, 0.0], [0.0, -0.0, 0.0, -0.0]], device=DEVICE)
     u = torch.tensor([0.1, 0.3, 0.6, 0.9] * 2, device=DEVICE)
     got = sample_triton(zeros.repeat_interleave(4, 0), u, **_opts(top_k=1, top_p=0.6))
-    assert got.flatten().tolist() == [0, 1, 2, 3] * 2
+    assert got.flatten().tolist() == [0, 0, 1, 2] * 2  # top-p keeps 3 of the 4 tied zeros: the first three
+
+
+@pytest.mark.parametrize("path", ["candidates", "row passes"])
+def test_ties_at_top_p_and_keep_min_counted_as_eager(path, monkeypatch):
+    """Integer logits tie at the top-p boundary and at the ``min_tokens_to_keep``-th value: the reference keeps
+    as many as eager, and the kernel draws exactly the reference's entries."""
+    if path == "row passes":
+        monkeypatch.setattr(triton_kernels, "MAX_CANDIDATES", 0)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-3, 2, (6, 96), generator=g).float().to(DEVICE)
+    cases = (_opts(top_p=0.5), _opts(top_p=0.2, min_tokens_to_keep=5), _opts(top_k=30, top_p=0.35),
+             _opts(temperature=0.5, top_p=0.0, min_tokens_to_keep=3), _opts(min_p=0.9, min_tokens_to_keep=4))
+    split = 0
+    for opts in cases:
+        dense, _ = _ref_cdf(x, opts)
+        assert torch.equal((dense > 0).sum(-1).cpu(), _eager_kept(x, **opts).cpu()), opts
+        lowest = torch.where(dense > 0, x, INF).amin(-1, keepdim=True)
+        split += int(((x >= lowest).sum(-1) > (dense > 0).sum(-1)).sum())  # a tie group partly kept
+        xs, u, want = _midpoints(x, opts)
+        got = sample_triton(xs.to(torch.bfloat16), u, **opts, block_size=32).flatten()
+        assert torch.equal(got, want), opts
+    assert split >= 10
 
 
 def test_strides():

@@ -11,7 +11,9 @@ a uniform number (:func:`draw`): the same distribution as eager's ``torch.multin
 row's probabilities.
 
 Where a tie straddles the candidates' edge (an entry outside equal to the smallest inside, and finite) the
-whole row is the candidate set, so that ties at the k-th value are kept as eager keeps them.
+whole row is the candidate set, so that ties at the k-th value are kept as eager keeps them. Ties at the top-p
+boundary or at the ``min_tokens_to_keep``-th value keep as many entries as eager's sort does, the lowest indices
+(eager's choice among them follows its unstable sort); the Triton kernel keeps the same ones.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ def _tie_at_edge(vals: torch.Tensor, c: int) -> bool:
         return False
     edge, nxt = vals[..., c - 1], vals[..., c]
     return bool(((edge == nxt) & torch.isfinite(edge)).any())
+
+
+def _canonical(vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vals`` descending, ties by ascending index (torch.topk orders ties arbitrarily)."""
+    idx, order = idx.sort(dim=-1)
+    vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return vals, idx.gather(-1, order)
 
 
 def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float,
@@ -76,7 +85,7 @@ def filtered_candidates(x: torch.Tensor, *, temperature: float, top_k: int, top_
         if k or _enough(vals[..., :c].to(acc), lse, top_p, min_p):
             break
         c = min(V, 4 * c)
-    vals, idx = vals[..., :c].to(acc), idx[..., :c]
+    vals, idx = _canonical(vals[..., :c].to(acc), idx[..., :c])
     m = vals[..., :1]
     if not bool(torch.isfinite(m).all()):   # (torch.topk puts a NaN first)
         raise RuntimeError(NONFINITE_MESSAGE)

@@ -14,7 +14,8 @@ of the row. Without a top-k, when top-p's mass or min-p's threshold reaches past
 ``C``-th value overflow the scratch), the thresholds come from bisections over the row, each step one pass
 (FlashInfer's sorting-free thresholds, ``flashinfer/sampling.cuh``); docs/DESIGN.md, "Sampling".
 
-Ties at the top-p boundary or at the ``min_tokens_to_keep``-th value are all kept, where a sort keeps some.
+Ties at the top-p boundary or at the ``min_tokens_to_keep``-th value: as many are kept as eager's sort keeps, the
+lowest indices (as the torch path). Ties at the ``k``-th value are all kept, as eager.
 ``s = logits / temperature`` rounds as torch's on the same device (a division on CPU, the interpreter; a
 product by the fp32 reciprocal on CUDA, as ATen's scalar division).
 """
@@ -119,14 +120,33 @@ if triton is not None:
         return z
 
     @triton.jit
-    def _weights(base, stride_v, cols, V, temp, m, t_k, t_keep, t_p, min_p, SCALE: tl.constexpr,
-                 FIX_BF16: tl.constexpr):
-        """The kept weights ``exp(s - m)`` (fp64; 0 where filtered) of the columns ``cols``: above the top-k
-        value, and above the ``min_tokens_to_keep``-th value or kept by both top-p and min-p."""
+    def _tie_counts(base, stride_v, V, temp, m, floor, f_keep, f_p, SCALE: tl.constexpr, FIX_BF16: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """``(count(s > f_keep), sum(exp(s - m) for floor <= s < f_p), count(s == f_p))``: how many of the ties
+        at each threshold its filter keeps."""
+        n_above = 0
+        below = 0.0
+        n_at = 0
+        for start in range(0, V, BLOCK):
+            s, ok = _scores(base, stride_v, start + tl.arange(0, BLOCK), V, temp, SCALE, FIX_BF16)
+            n_above += tl.sum((ok & (s > f_keep)).to(tl.int32), 0)
+            below += tl.sum(tl.where(ok & (s >= floor) & (s < f_p), tl.exp(s - m), 0.0), 0)
+            n_at += tl.sum((ok & (s == f_p)).to(tl.int32), 0)
+        return n_above, below, n_at
+
+    @triton.jit
+    def _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p, carry_keep, carry_p, min_p,
+                 SCALE: tl.constexpr, FIX_BF16: tl.constexpr):
+        """The kept weights ``exp(s - m)`` (fp64; 0 where filtered) of the columns ``cols``: at or above the
+        top-k value, and kept by ``min_tokens_to_keep`` or by both top-p and min-p (:func:`_within`); and the
+        block's ties at ``f_keep`` and ``f_p`` (the carries of the next block)."""
         s, ok = _scores(base, stride_v, cols, V, temp, SCALE, FIX_BF16)
         e = tl.exp(s - m)
-        keep = ok & (s >= t_k) & ((s >= t_keep) | ((s >= t_p) & (e >= min_p)))
-        return tl.where(keep, e, 0.0).to(tl.float64)
+        kept = _within(s, f_keep, n_keep, carry_keep) | (_within(s, f_p, n_p, carry_p) & (e >= min_p))
+        keep = ok & (s >= f_k) & kept
+        ties_keep = tl.sum((ok & (s == f_keep)).to(tl.int32), 0)
+        ties_p = tl.sum((ok & (s == f_p)).to(tl.int32), 0)
+        return tl.where(keep, e, 0.0).to(tl.float64), ties_keep, ties_p
 
     @triton.jit
     def _radix_level(base, stride_v, V, temp, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -182,8 +202,16 @@ if triton is not None:
         return mass_out, max_out
 
     @triton.jit
+    def _within(s, f, n_tied, carry):
+        """Kept by a threshold: ``s > f``, or ``s == f`` among the first ``n_tied`` such entries in vocabulary
+        order (``carry`` of them in earlier blocks)."""
+        tied = s == f
+        rank = carry + tl.cumsum(tied.to(tl.int32), 0)
+        return (s > f) | (tied & (rank <= n_tied))
+
+    @triton.jit
     def _candidate_draw(base, stride_v, V, temp, m, floor, n, u, cand_s, cand_i, keep_min, one_minus_p, min_p,
-                        TOP_K: tl.constexpr, KEEP_MIN: tl.constexpr, TOP_P: tl.constexpr, SCALE: tl.constexpr,
+                        TOP_K: tl.constexpr, TOP_P: tl.constexpr, SCALE: tl.constexpr,
                         FIX_BF16: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
         """The draw among the ``n <= CAP`` entries ``s >= floor``, the filters run on them in registers (sorted):
         ``(token, 1)``, or ``(-1, 0)`` when an entry below ``floor`` could be kept (no top-k: top-p's mass or
@@ -197,19 +225,24 @@ if triton is not None:
         ci = tl.load(cand_i + idx.to(tl.int64), mask=valid, other=0)
         ce = tl.exp(cs - m)
         asc = tl.sort(cs)  # the invalid lanes (-inf, weight 0) first
-        f_keep = m
-        if KEEP_MIN:
-            f_keep = tl.max(tl.where(idx == CAP - keep_min, asc, float("-inf")), 0)
+        # a filter keeps the values above its threshold and the first n of the ties at it (vocabulary order)
+        f_keep = tl.max(tl.where(idx == CAP - keep_min, asc, float("-inf")), 0)
+        n_keep = tl.sum(((idx >= CAP - keep_min) & (asc == f_keep)).to(tl.int32), 0)
         f_p = floor
+        n_p = CAP
         enough = TOP_K | (tl.exp(max_out - m) < min_p)  # min-p removes every entry below floor
         if TOP_P:
             ea = tl.exp(asc - m)
             inv_z = 1.0 / (mass_out + tl.sum(ce, 0))
-            below = mass_out + tl.cumsum(ea, 0) - ea  # the mass below each value (at the first of a tie)
-            # no value qualifies when top-p's threshold lies below floor: -inf, all candidates pass it
-            f_p = tl.max(tl.where(below * inv_z <= one_minus_p, asc, float("-inf")), 0)
+            below = mass_out + tl.cumsum(ea, 0) - ea  # the mass below each position, as eager's ascending sort
+            # the first kept position; none when top-p's threshold lies below floor (all candidates pass it)
+            first_kept = tl.max(tl.where(below * inv_z <= one_minus_p, idx, -1), 0)
+            f_p = tl.max(tl.where(idx == first_kept, asc, float("-inf")), 0)
+            n_p = tl.sum(((idx >= first_kept) & (asc == f_p)).to(tl.int32), 0)
             enough = enough | (mass_out * inv_z <= one_minus_p)
-        keep = valid & ((cs >= f_keep) | ((cs >= f_p) & (ce >= min_p)))
+        in_keep = _within(cs, f_keep, n_keep, 0)
+        in_p = _within(cs, f_p, n_p, 0)
+        keep = valid & (in_keep | (in_p & (ce >= min_p)))
         w = tl.where(keep, ce, 0.0).to(tl.float64)
         cum = tl.cumsum(w, 0)
         target = u.to(tl.float64) * tl.max(cum, 0)
@@ -229,18 +262,36 @@ if triton is not None:
             t_keep = _search(base, stride_v, V, temp, t_k, key_m, keep_min, m, 0.0, 1.0, False, SCALE, FIX_BF16,
                              BLOCK)
         t_p = t_k
+        z = 1.0
         if TOP_P:
             floor = _value(t_k)
             z = _mass(base, stride_v, V, temp, m, floor, SCALE, FIX_BF16, BLOCK)
             t_p = _search(base, stride_v, V, temp, t_k, key_m, one_minus_p, m, floor, 1.0 / z, True, SCALE,
                           FIX_BF16, BLOCK)
         f_k, f_keep, f_p = _value(t_k), _value(t_keep), _value(t_p)
+        n_keep = keep_min
+        n_p = V
+        if KEEP_MIN or TOP_P:
+            n_above, below, n_at = _tie_counts(base, stride_v, V, temp, m, f_k, f_keep, f_p, SCALE, FIX_BF16,
+                                               BLOCK)
+            n_keep = keep_min - n_above
+            n_p = n_at
+        if TOP_P:
+            # eager's ascending sort: the j-th tie goes while (below + j * e) / z <= 1 - top_p
+            q = tl.exp(f_p - m)
+            removed = tl.floor((one_minus_p * z - below) / tl.where(q > 0, q, 1.0))
+            n_p = n_at - tl.minimum(tl.maximum(removed, 0.0), n_at.to(tl.float32)).to(tl.int32)
         # the total kept weight, summed as the draw below sums it (so the draw's last cumsum equals it)
         total = tl.zeros([], tl.float64)
         last = -1
+        carry_keep = 0
+        carry_p = 0
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            w = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, f_p, min_p, SCALE, FIX_BF16)
+            w, ties_keep, ties_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
+                                            carry_keep, carry_p, min_p, SCALE, FIX_BF16)
+            carry_keep += ties_keep
+            carry_p += ties_p
             total = tl.max(total + tl.cumsum(w, 0), 0)
             last = tl.maximum(last, tl.max(tl.where(w > 0, cols, -1), 0))
         target = u.to(tl.float64) * total
@@ -248,9 +299,14 @@ if triton is not None:
         acc = tl.zeros([], tl.float64)
         tok = -1
         start = 0
+        carry_keep = 0
+        carry_p = 0
         while (tok < 0) & (start < V):
             cols = start + tl.arange(0, BLOCK)
-            w = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, f_p, min_p, SCALE, FIX_BF16)
+            w, ties_keep, ties_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
+                                            carry_keep, carry_p, min_p, SCALE, FIX_BF16)
+            carry_keep += ties_keep
+            carry_p += ties_p
             cum = acc + tl.cumsum(w, 0)
             first = tl.min(tl.where((cols < V) & (cum > target), cols, V), 0)
             tok = tl.where(first < V, first, tok)
@@ -280,7 +336,7 @@ if triton is not None:
             if n_ge <= CAP:
                 tok, done = _candidate_draw(base, stride_v, V, temp, m, _value(t_c), n_ge, u,
                                             cand_s_ptr + row * CAP, cand_i_ptr + row * CAP, keep_min,
-                                            one_minus_p, min_p, TOP_K, KEEP_MIN, TOP_P, SCALE, FIX_BF16, BLOCK,
+                                            one_minus_p, min_p, TOP_K, TOP_P, SCALE, FIX_BF16, BLOCK,
                                             CAP)
         elif TOP_K:
             t_k = _search(base, stride_v, V, temp, t_k, key_m, top_k, m, 0.0, 1.0, False, SCALE, FIX_BF16, BLOCK)
@@ -335,9 +391,10 @@ def sample_triton(logits: torch.Tensor, uniform: torch.Tensor, *, temperature: f
         return out.view(0, 1)
     keep_min = min(min_tokens_to_keep, V)
     k = min(max(top_k, keep_min), V) if top_k else 0
-    # filters that can remove nothing are off: k = V; all kept by min_tokens_to_keep (>= V, or the top-k's k)
+    # filters that can remove nothing are off: k = V; min_tokens_to_keep >= V (a top-k with k == keep_min still
+    # leaves top-p / min-p its ties at the k-th value to remove)
     top_k_on = 0 < k < V
-    cut = keep_min < V and not (top_k_on and k == keep_min)
+    cut = keep_min < V
     top_p_on = cut and top_p < 1.0
     min_p_on = cut and min_p > 0.0
     scale, temp = _scale(logits, temperature)
