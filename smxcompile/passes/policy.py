@@ -71,6 +71,12 @@ CPU_RULES: dict[str, DeviceRule] = {
         "--variants inductor,smx --rounds 5 --batch 8 --layers 4; python benchmarks/bench_defaults.py",
         "0.99-1.07x Inductor at 128 and 256 keys, 0.90-0.99x at 512 (GPT-2 / Llama blocks); the bare 2x8x512x64 "
         "causal / GQA block 0.68-0.77x, 1x8x2048x64 0.28x / 0.35x (inference / training)"),
+    "attention_bf16_min_keys": DeviceRule(
+        "attention", "a bf16 softmax attention is rewritten from this many keys", 1024,
+        "python benchmarks/bench_defaults.py --families attention --only bf16 --rounds 3",
+        "on a CPU with AVX512-BF16: torch's fused kernel 1.25-1.61x Inductor's time at 2x8x512x64 (ATen's bf16 "
+        "matmuls are fast there), 0.84x / 0.85x at 1x8x1024x64, 0.34x / 0.27x at 2048 (inference / training); "
+        "fp16 0.16x / 0.61x at 512 keys"),
     "attention_score_mod_min_keys": DeviceRule(
         "attention", "an inference attention whose scores go through other pointwise changes of the scores alone "
         "(FlexAttention's score_mod, no side input) is rewritten from this many keys", 1024,
@@ -94,6 +100,12 @@ CPU_RULES: dict[str, DeviceRule] = {
         "python benchmarks/bench_defaults.py --families linear_ce",
         "the cut-CE op 1.36-1.53x Inductor's time at 16384-50257 classes (N=1024, D=256): without a backward "
         "there is no gradient buffer to save, and Inductor's matmul + fused C++ loss is one pass"),
+    "linear_cross_entropy_bf16": DeviceRule(
+        "linear_cross_entropy", "a bf16 linear -> cross-entropy is kept", None,
+        "python benchmarks/bench_defaults.py --families linear_ce --only bf16 --rounds 3",
+        "on a CPU with AVX512-BF16, training steps 1.42-1.63x Inductor's time at 128x128x16384, 1024x256x16384 and "
+        "1024x256x50257 (N x D x V): ATen's bf16 matmuls are fast there and cut CE's chunks add passes; fp16 "
+        "0.11-0.12x at 128x128x16384 and 1024x256x16384 (rewritten)"),
     "softmax_topk": DeviceRule(
         "softmax_topk", "every static shape is rewritten (to the two-pass decomposition; top-1 reads to max, one "
         "sum of exp and the first maximum); symbolic row lengths are kept", None,

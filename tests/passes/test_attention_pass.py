@@ -694,6 +694,16 @@ class TestCpuPolicy(TestCase):
         r = rewrite(plain, *qkv(b=1, h=1, L=4, S=cpu_threshold("attention_min_keys"), e=8), options={})
         self.assertEqual(sites(r), [("attention", "rewritten")])
 
+    def test_bf16_cpu_attention_rewritten_from_its_own_threshold(self):
+        need = cpu_threshold("attention_bf16_min_keys")
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=need // 2, e=8, dtype=torch.bfloat16), options={})
+        self.assertIn(f"CPU: {need // 2} keys; below {need}", attn_site(r).reason)
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=need, e=8, dtype=torch.bfloat16), options={}, check_values=False)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+        # fp16 keeps the fp32 threshold (Inductor's fp16 matmuls are slow on CPU)
+        r = rewrite(plain, *qkv(b=1, h=1, L=4, S=need // 2, e=8, dtype=torch.float16), options={}, check_values=False)
+        self.assertEqual(sites(r), [("attention", "rewritten")])
+
     def test_variant_rewritten_whatever_the_length(self):
         r = rewrite(plain, *qkv(), options={"attention_normalizer": "sigmoid"}, check_values=False)
         self.assertEqual(sites(r), [("attention", "rewritten")])

@@ -866,6 +866,15 @@ class TestPolicy(TestCase):
         (site,) = analyze(gm.graph, SmxOptions()).sites
         self.assertEqual(site.action, "kept")
 
+    def test_default_cpu_policy_keeps_bf16_training(self):
+        W, y = torch.randn(CPU_MIN_VOCAB, 8), torch.tensor([0, 5, -100, CPU_MIN_VOCAB - 1])
+        h = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+        r = rewrite(linear_ce, h, W.bfloat16(), y, options=None)
+        self.assertEqual((r.site.action, r.site.reason[:9]), ("kept", "CPU: bf16"))
+        h = torch.randn(4, 8, dtype=torch.float16, requires_grad=True)
+        r = rewrite(linear_ce, h, W.half(), y, options=None, check_values=False)
+        self.assertEqual((r.site.kind, r.site.action), ("linear_cross_entropy", "rewritten"))
+
     def test_cpu_keep(self):
         d = data()
         r = rewrite(linear_ce, d["h2"], d["W"], d["y2"], options={"cpu": "keep"})

@@ -180,14 +180,16 @@ def _keep(m: AttentionMatch, ctx: PassContext) -> str:
 
 
 def _cpu_keep(m: AttentionMatch, ctx: PassContext) -> str:
-    """Rules ``attention_min_keys`` (softmax without soft-cap), ``attention_score_mod_sides`` and
-    ``attention_score_mod_min_keys`` of ``CPU_RULES``."""
+    """Rules ``attention_min_keys`` (softmax without soft-cap; ``attention_bf16_min_keys`` in bf16),
+    ``attention_score_mod_sides`` and ``attention_score_mod_min_keys`` of ``CPU_RULES``."""
     if (m.normalizer != "softmax" or m.softcap is not None) and not m.recipe:
         return ""
     if m.sides:
         rule = CPU_RULES["attention_score_mod_sides"]
         return f"CPU: {rule.rule}: {rule.measured} ({rule.benchmark}; {FORCE_HINT})"
     name = "attention_score_mod_min_keys" if m.recipe else "attention_min_keys"
+    if not m.recipe and m.val("q").dtype == torch.bfloat16:
+        name = "attention_bf16_min_keys"
     need = cpu_threshold(name)
     S = policy_size(m.val("k").shape[-2], fallback=need)
     if S < need:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 from torch.fx import Graph, Node
 
 from ..patterns.graph import FLOAT_DTYPES, dedupe, dtype_of, is_number, replace_anchor, tensor_val
@@ -70,8 +71,8 @@ def _checks(m: CEMatch, ctx: PassContext) -> str:
 
 
 def _cpu_keep(m: CEMatch, ctx: PassContext) -> str:
-    """Rules ``cross_entropy``, ``linear_cross_entropy_inference`` and ``linear_cross_entropy_min_vocab`` of
-    ``CPU_RULES``."""
+    """Rules ``cross_entropy``, ``linear_cross_entropy_inference``, ``linear_cross_entropy_bf16`` and
+    ``linear_cross_entropy_min_vocab`` of ``CPU_RULES``."""
     if m.kind == "cross_entropy":
         return ("CPU: Inductor's fused C++ cross-entropy is faster on given logits (the online CE op "
                 f"measured 2.4-3x slower, docs/PERFORMANCE.md; {FORCE_HINT})")
@@ -80,6 +81,9 @@ def _cpu_keep(m: CEMatch, ctx: PassContext) -> str:
     if logits is not None and not logits.requires_grad:  # traced without grad mode or without a trainable input
         return (f"CPU: no gradient (evaluation); Inductor's matmul and fused C++ loss were measured faster "
                 f"(CPU_RULES['linear_cross_entropy_inference']; {FORCE_HINT})")
+    if dtype_of(m.linear) == torch.bfloat16:  # the matmul's dtype (autocast included)
+        return (f"CPU: bf16; Inductor's bf16 matmuls and fused loss were measured faster "
+                f"(CPU_RULES['linear_cross_entropy_bf16']; {FORCE_HINT})")
     need = cpu_threshold("linear_cross_entropy_min_vocab")
     if v < need:
         return (f"CPU: {v} classes; below {need} cut CE's extra pass over the classifier costs more than the "
