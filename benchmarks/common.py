@@ -1,14 +1,11 @@
-"""What the benchmark scripts share: the environment record, timing, the machine-load and peak-memory meters, the
+"""What the benchmark scripts share: the environment record, timing, the machine-load meter, peak memory, the
 backends with the smx backend's reports, rows and their tables, argument parsing, and JSON / table / plot output.
-
-A script run as ``python benchmarks/<script>.py`` finds this module beside it (``import common``); workers.py holds
-the subprocess benchmarks' machinery."""
+A script in benchmarks/ finds it beside itself (``import common``); workers.py runs the subprocess benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -16,12 +13,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import types
 from typing import Any, Callable
 
-from smx_app.demo.memory import malloc_trim, rss_bytes  # noqa: F401  (the scripts read them from here)
+from smx_app.demo.memory import PeakMemory
 
 GB, MB = 1e9, 1e6
 #: cores' worth of CPU used by other processes above which a timing is called disturbed
@@ -31,9 +27,6 @@ BACKENDS = ("eager", "inductor", "smx", "smx-rewrite")
 SMX_REWRITE = {"cpu": "rewrite", "cuda": "rewrite"}
 NO_MATPLOTLIB = ("matplotlib is not installed; `pip install -e '.[bench]'` (or `pip install matplotlib`); no plot "
                  "written")
-
-
-# ------------------------------------------------------------------------------------------- the environment
 
 
 def cores() -> int:
@@ -46,12 +39,9 @@ def cores() -> int:
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
 
 
 def version(dist: str) -> str | None:
@@ -73,25 +63,6 @@ def git_state() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + (" + uncommitted changes in smxcompile/" if dirty else "")) if head else None
-
-
-def source_hash() -> str | None:
-    """Short hash of smxcompile's .py sources as this process finds them (an edit mid-run shows up)."""
-    import hashlib
-    import importlib.util
-
-    spec = importlib.util.find_spec("smxcompile")
-    if spec is None or not spec.origin:
-        return None
-    root, h = os.path.dirname(spec.origin), hashlib.sha1()
-    for dirpath, dirnames, files in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            h.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:10]
 
 
 def loadavg() -> list[float] | None:
@@ -155,9 +126,6 @@ def devices(choice: str) -> list[str]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------- output
-
-
 def write_json(path: str | None, obj: Any) -> None:
     """Write ``obj`` to ``path`` (no-op without one), atomically: a run cut short keeps the last good file."""
     if not path:
@@ -187,18 +155,14 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
 
 def print_table(title: str, head: list[str], rows: list[list[str]], markdown: bool,
                 left: tuple[str, ...] | None = None) -> None:
-    """Markdown, a rich table, or plain columns without rich. Columns are right-justified when their header
-    has "ms" (or when not in ``left``, if given)."""
+    """Markdown or a rich table. Columns are right-justified when their header has "ms" (or when not in ``left``,
+    if given)."""
     if markdown:
         print(f"\n**{title}**\n\n" + markdown_table(head, rows))
         return
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        print(f"\n{title}\n" + "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in [head, *rows]))
-        return
+    from rich.console import Console
+    from rich.table import Table
+
     t = Table(title=title)
     for h in head:
         right = h not in left if left is not None else "ms" in h
@@ -221,9 +185,6 @@ def pyplot():
     return plt
 
 
-# ----------------------------------------------------------------------------------------------------- timing
-
-
 def measure_interleaved(stmts: dict[str, tuple[str, dict[str, Any]]], threads: int, rounds: int,
                         min_run_time: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Median, inter-quartile range and fastest block (ms per call) of each ``{name: (statement, globals)}``,
@@ -242,23 +203,21 @@ def measure_interleaved(stmts: dict[str, tuple[str, dict[str, Any]]], threads: i
     return med, iqr, {k: min(v) * 1e3 for k, v in times.items()}
 
 
-def time_calls(step: Callable[[], Any], rounds: int, warmup: int = 1, sync: Callable[[], None] | None = None
-               ) -> list[float]:
-    """Seconds of each of ``rounds`` calls of ``step`` after ``warmup`` untimed ones (``sync`` before reading
-    the clock, e.g. torch.cuda.synchronize)."""
+def cuda_ms(step: Callable[[], Any], rounds: int, warmup: int = 1) -> float:
+    """The median ms of ``rounds`` calls of ``step`` after ``warmup`` untimed ones, timed by CUDA events."""
+    import torch
+
     for _ in range(warmup):
         step()
-    out = []
+    times = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         step()
-        if sync:
-            sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-# --------------------------------------------------------------------------------------- the machine's load
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def busy_cpu_s() -> float | None:
@@ -294,28 +253,9 @@ class LoadMeter:
             self.others = max(0.0, (b1 - self.b0) - (own1 - self.own0)) / wall
 
 
-def wait_quiet(max_s: float, log: Callable[[str], None]) -> float | None:
-    """Wait until other processes use < NOISY cores over a 3 s window, at most ``max_s``; -> their load."""
-    t0 = last_msg = time.monotonic()
-    while True:
-        with LoadMeter() as m:
-            time.sleep(3)
-        now = time.monotonic()
-        if m.others is None:
-            return None
-        if m.others < NOISY or now - t0 >= max_s:
-            if now - t0 > 4:
-                log(f"waited {now - t0:.0f} s for a quiet machine; other processes now use {m.others:.2f} cores")
-            return m.others
-        if now - last_msg > 60:
-            log(f"waiting for a quiet machine: other processes use {m.others:.2f} cores "
-                f"({now - t0:.0f} s of --wait-quiet {max_s:.0f})")
-            last_msg = now
-
-
 class Quiet:
-    """--wait-quiet: before a timing, wait (at most ``per_wait`` s each, ``budget`` s in all) for other processes
-    to stop; a half-second look first."""
+    """--wait-quiet: before a timing, wait (at most ``per_wait`` s each, ``budget`` s in all) until other processes
+    use < NOISY cores over a 3 s window; a half-second look first. ``waited``: seconds waited in all."""
 
     def __init__(self, per_wait: float, budget: float, log: Callable[[str], None]):
         self.per_wait, self.budget_left, self.log, self.waited = per_wait, budget, log, 0.0
@@ -327,10 +267,19 @@ class Quiet:
             time.sleep(0.5)
         if m.others is None or m.others < NOISY:
             return
-        t0 = time.monotonic()
-        wait_quiet(min(self.per_wait, self.budget_left), self.log)
-        self.budget_left -= time.monotonic() - t0
-        self.waited += time.monotonic() - t0
+        t0 = last_msg = now = time.monotonic()
+        max_s = min(self.per_wait, self.budget_left)
+        while m.others is not None and m.others >= NOISY and now - t0 < max_s:
+            if now - last_msg > 60:
+                self.log(f"waiting for a quiet machine: other processes use {m.others:.2f} cores "
+                         f"({now - t0:.0f} s of --wait-quiet {max_s:.0f})")
+                last_msg = now
+            with LoadMeter() as m:
+                time.sleep(3)
+            now = time.monotonic()
+        self.log(f"waited {now - t0:.0f} s for a quiet machine; other processes now use {m.others or 0:.2f} cores")
+        self.budget_left -= now - t0
+        self.waited += now - t0
 
 
 def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -346,64 +295,16 @@ def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
                         "least disturbed try is kept (default 0)")
 
 
-# ----------------------------------------------------------------------------------------------------- memory
-
-
-class StepPeak:
-    """Peak resident memory of a region above the RSS at entry (``peak``, ``base``, bytes): freed heap handed back
-    to the OS (malloc_trim) and the kernel's high-water mark reset (/proc/self/clear_refs) first; without
-    clear_refs a thread samples VmRSS every millisecond (``method`` says which)."""
-
-    def __enter__(self):
-        gc.collect()
-        trimmed = malloc_trim()
-        self.base, self.peak, self._thread, self._stop = rss_bytes("VmRSS") or 0, 0, None, threading.Event()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.method = "VmHWM after clear_refs" + (" + malloc_trim" if trimmed else "")
-        except OSError:
-            self.method, self._sampled = "VmRSS sampled every 1 ms", self.base
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.001):
-            self._sampled = max(self._sampled, rss_bytes("VmRSS") or 0)
-
-    def __exit__(self, *exc):
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(0, self._sampled - self.base)
-        else:
-            self.peak = max(0, (rss_bytes("VmHWM") or 0) - self.base)
-
-
 def peak_mb(call: Callable[[], Any], device: str, repeats: int = 3) -> float:
-    """Peak memory of one call above the memory in use just before it, MB, the least of ``repeats`` calls:
-    torch.cuda.max_memory_allocated on CUDA, :class:`StepPeak` on the CPU."""
-    import torch
-
+    """Peak memory of one call above the memory in use just before it, MB, the least of ``repeats`` calls
+    (``smx demo``'s PeakMemory: torch.cuda.max_memory_allocated on CUDA, the RSS high-water mark on the CPU)."""
     out = []
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        with PeakMemory(device) as m:
             r = call()
-            torch.cuda.synchronize()
-            out.append((torch.cuda.max_memory_allocated() - base) / MB)
-        else:
-            with StepPeak() as p:
-                r = call()
-            out.append(p.peak / MB)
         del r
+        out.append(m.peak_bytes / MB)
     return min(out)
-
-
-# ------------------------------------------------------------------------------------ backends and reports
 
 
 def fresh(fn: Callable, tag: str) -> Callable:
@@ -447,23 +348,17 @@ def smx_report_summary() -> dict[str, Any]:
     from smxcompile.backends.smx import compiled_reports
 
     total: dict[str, dict[str, int]] = {}
-    for r in compiled_reports:
-        for kind, acts in r.summary().items():
-            for act, k in acts.items():
-                total.setdefault(kind, {}).setdefault(act, 0)
-                total[kind][act] += k
+    for kind, acts in (item for r in compiled_reports for item in r.summary().items()):
+        for act, k in acts.items():
+            total.setdefault(kind, {})[act] = total.get(kind, {}).get(act, 0) + k
     last = smxcompile.last_report()
-    return {"graphs": len(compiled_reports), "sites": total, "last_report": last.summary() if last else None,
-            "last_report_text": str(last) if last is not None else None}
+    return {"graphs": len(compiled_reports), "sites": total, "last_report": last.summary() if last else None}
 
 
 def sites_text(rep: dict) -> str:
     """``kind: n action, ...`` of :func:`smx_report_summary`'s sums."""
     return "; ".join(f"{k}: " + ", ".join(f"{n} {a}" for a, n in sorted(acts.items()))
                      for k, acts in sorted(rep["sites"].items())) or "no site"
-
-
-# -------------------------------------------------------------------------------------- in-process rows
 
 
 @dataclasses.dataclass
@@ -526,17 +421,6 @@ def time_row(row: Row, stmts: dict, args: argparse.Namespace, quiet: Quiet, log:
         log(f"    {row.case} {row.shape} {row.pass_}: other processes took {m.others:.2f} cores: timing it again "
             "(--retry-noisy)")
     (row.ms, row.iqr_ms, row.min_ms), row.others = best
-
-
-def slower_line(r: Row, b: str, slower: float, name: str) -> str | None:
-    """The line of a row where ``b`` is slower than inductor by ``slower`` (by the median or the fastest block)."""
-    med, mn = r.ratio(b), r.ratio(b, r.min_ms)
-    if not ((med is not None and med > slower) or (mn is not None and mn > slower)):
-        return None
-    both = med is not None and mn is not None and med > slower and mn > slower
-    noisy = f" [noisy: others {r.others:.2f}]" if r.others is not None and r.others > NOISY else ""
-    return (f"{name}: {b} {med:.2f}x inductor by the median, {mn:.2f}x by the fastest block"
-            f"{'' if both else ' (one of the two only: likely noise)'}; {r.action.get(b, '?')}{noisy}")
 
 
 def timing_flags(p: argparse.ArgumentParser, rounds: int, min_run_time: float, quick: str) -> None:

@@ -2,15 +2,13 @@
 """What every Triton kernel of smxcompile moves and computes on a GPU, counted on a CPU, against the op's minimum
 and a roofline prediction of its H200 time next to torch's own path.
 
-Each case (gpu_cases.py) launches one op's kernels through Triton's interpreter, planned as on a 132-SM GPU, under
-gpu_traffic.py's counter; torch's path is its kernels' access traces (gpu_torch_paths.py) through the same counter
-and L2 model. Columns: loaded / stored (bytes of the kernels' unmasked lanes, plus the torch ops around them), hbm
-(the L2 model's DRAM bytes), min (the op's minimum bytes), ratio ((loaded + stored) / min), launches, TFLOP (tl.dot
-and matmuls), pred us (per launch max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s, loaded + stored over its SMs at
-112 GB/s each) + 3 us, summed), torch us (the same for torch's path), x torch (torch us / pred us), roof (memory-bound ops: the copy roofline's time
-over pred us), sampling (torch's DRAM bytes sampled / unsampled: the estimator's error). Figures and the reasons
-behind every ratio above 1.25: docs/PERFORMANCE.md ("GPU model"); benchmarks/gpu/compare_model.py times the cases
-on a GPU.
+Each case (gpu_cases.py) runs its kernels through Triton's interpreter, planned as on a 132-SM GPU, under
+gpu_traffic.py's counter; torch's path is traced (gpu_torch_paths.py) through the same L2 model. Columns: loaded /
+stored (bytes), hbm (the L2 model's DRAM bytes), min (the op's minimum), ratio ((loaded + stored) / min), TFLOP,
+pred us and torch us (per launch max(hbm / 4.3 TB/s, FLOPs / 990 TFLOP/s, bytes over its SMs at 112 GB/s each)
++ 3 us, summed), x torch (torch us / pred us), roof (the copy roofline's time over pred us), sampling (torch's DRAM
+bytes sampled / unsampled). Method and figures: docs/PERFORMANCE.md ("GPU model"). Exits 1 when a case exceeds its
+bound.
 
 Usage:
   python benchmarks/gpu_model.py [--quick] [--families LIST] [--only TEXT] [--json PATH] [--plot PATH] [--markdown]
@@ -23,8 +21,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -33,6 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from gpu_cases import FAMILIES, Case, all_cases  # noqa: E402
 from gpu_torch_paths import Tracer  # noqa: E402
 from gpu_traffic import H200, count_traffic  # noqa: E402
@@ -40,16 +37,10 @@ from gpu_traffic import H200, count_traffic  # noqa: E402
 from smxcompile.kernels.triton_helpers import plan_for_sms  # noqa: E402
 
 
-def predicted_us(bytes_hbm: float, flops: float, launches: int, gpu=H200) -> float:
-    """Roofline time (us): the larger of the DRAM and the tensor-core time, plus a fixed cost per launch."""
-    return max(bytes_hbm / gpu.hbm_bytes_per_s, flops / gpu.flops_per_s) * 1e6 + launches * gpu.launch_us
-
-
 def launch_us(x, bytes_hbm: float, gpu=H200) -> float:
-    """One launch's time (us): its roofline, and at least its programs' bytes (loaded and stored, L2 hits
-    included) over the SMs they run on (one program per row at batch 1 runs on one SM). A launch without a grid
-    (a torch op traced as a stream over the whole GPU) has no such bound."""
-    t = predicted_us(bytes_hbm, x.flops, 1, gpu)
+    """One launch's time (us): the larger of its DRAM and tensor-core time, and of its programs' bytes over the SMs
+    they run on (a launch without a grid, a torch op traced as a stream, has no such bound), plus a launch."""
+    t = max(bytes_hbm / gpu.hbm_bytes_per_s, x.flops / gpu.flops_per_s) * 1e6 + gpu.launch_us
     if not x.grid:
         return t
     sms = min(x.programs, gpu.sms)
@@ -61,8 +52,8 @@ def traffic_us(tr, gpu=H200) -> float:
     return sum(launch_us(x, h, gpu) for x, h in zip(tr.launches, tr.launch_hbm()))
 
 
-def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
-    """Count one case and return its record (see the module docstring for the fields)."""
+def measure(case: Case, axis_cap: int = 6, loop_cap: int = 8) -> dict:
+    """Count one case and return its record."""
     axis_cap, loop_cap = max(axis_cap, case.caps[0]), max(loop_cap, case.caps[1])
     inputs = case.make("cpu")
     t0 = time.perf_counter()
@@ -70,31 +61,28 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
         case.run(inputs)
     seconds = time.perf_counter() - t0
     del inputs
-    launches = len(tr.launches)
-    loaded, stored = tr.bytes_loaded, tr.bytes_stored
-    hbm, flops = tr.bytes_hbm, tr.flops
-    pred = traffic_us(tr)
+    loaded, stored, hbm, pred = tr.bytes_loaded, tr.bytes_stored, tr.bytes_hbm, traffic_us(tr)
     tracer = Tracer(H200, axis_cap=axis_cap, loop_cap=loop_cap)
-    case.torch.trace(tracer)
+    case.torch_trace(tracer)
     tt = tracer.traffic
     torch_pred = traffic_us(tt)
-    exact = Tracer(H200, axis_cap=1 << 30, loop_cap=1 << 30)     # torch's trace unsampled: the sampling error
-    case.torch.trace(exact)
+    exact = Tracer(H200, axis_cap=1 << 30, loop_cap=1 << 30)  # torch's trace unsampled: the sampling error
+    case.torch_trace(exact)
+    kernels = [x for x in tr.launches if not x.kernel.startswith("aten.")]
     rec = dict(
         family=case.family, kernel=case.kernel, case=case.name, shape=case.shape, dtype=case.dtype,
         bytes_loaded=loaded, bytes_stored=stored, bytes_atomic=tr.total("bytes_atomic"), bytes_hbm=hbm,
         bytes_min=case.bytes_min, ratio=(loaded + stored) / case.bytes_min, hbm_ratio=hbm / case.bytes_min,
-        launches=launches, flops=flops, flops_min=case.flops_min,
-        flops_ratio=flops / case.flops_min if case.flops_min else None,
-        bound=case.bound, predicted_us=pred, torch_predicted_us=torch_pred,
-        speedup_vs_torch=torch_pred / pred,
+        launches=len(tr.launches), flops=tr.flops, flops_min=case.flops_min,
+        flops_ratio=tr.flops / case.flops_min if case.flops_min else None,
+        bound=case.bound, predicted_us=pred, torch_predicted_us=torch_pred, speedup_vs_torch=torch_pred / pred,
         roofline_frac=((case.bytes_min / H200.hbm_bytes_per_s * 1e6 + H200.launch_us) / pred
                        if case.memory_bound else None),
-        torch_path=case.torch.what, torch_bytes=tt.bytes_loaded + tt.bytes_stored, torch_bytes_hbm=tt.bytes_hbm,
+        torch_path=case.torch_what, torch_bytes=tt.bytes_loaded + tt.bytes_stored, torch_bytes_hbm=tt.bytes_hbm,
         torch_bytes_hbm_exact=exact.traffic.bytes_hbm, caps=[axis_cap, loop_cap],
         torch_flops=tt.flops, torch_launches=len(tt.launches),
         torch_detail=[dict(kernel=x.kernel, bytes_hbm=h, flops=x.flops) for x, h in zip(tt.launches, tt.launch_hbm())],
-        logits_bytes_stored=case.logits_stored(tr) if case.logits_stored else None,
+        logits_bytes_stored=float(sum(x.bytes_stored for x in kernels)) if case.logits_stored else None,
         note=case.note,
         detail=[dict(kernel=x.kernel, grid=list(x.grid), programs=x.programs, programs_run=x.programs_run,
                      bytes_loaded=x.bytes_loaded, bytes_stored=x.bytes_stored, bytes_atomic=x.bytes_atomic,
@@ -106,48 +94,33 @@ def measure(case: Case, axis_cap: int, loop_cap: int) -> dict:
     return rec
 
 
-def _fmt_bytes(b: float) -> str:
+def fmt_bytes(b: float) -> str:
     for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if b >= f:
             return f"{b / f:.3g} {unit}"
     return f"{b:.0f} B"
 
 
-COLUMNS = ("case", "shape", "dtype", "loaded", "stored", "hbm", "min", "ratio", "launches", "TFLOP", "pred us",
-           "torch us", "x torch", "roof", "sampling")
+COLUMNS = ["case", "shape", "dtype", "loaded", "stored", "hbm", "min", "ratio", "launches", "TFLOP", "pred us",
+           "torch us", "x torch", "roof", "sampling"]
 
 
 def row_cells(r: dict) -> list[str]:
-    return [r["case"], r["shape"], r["dtype"], _fmt_bytes(r["bytes_loaded"]), _fmt_bytes(r["bytes_stored"]),
-            _fmt_bytes(r["bytes_hbm"]), _fmt_bytes(r["bytes_min"]), f"{r['ratio']:.2f}", str(r["launches"]),
+    return [r["case"], r["shape"], r["dtype"], fmt_bytes(r["bytes_loaded"]), fmt_bytes(r["bytes_stored"]),
+            fmt_bytes(r["bytes_hbm"]), fmt_bytes(r["bytes_min"]), f"{r['ratio']:.2f}", str(r["launches"]),
             f"{r['flops'] / 1e12:.3g}" if r["flops"] else "-", f"{r['predicted_us']:.1f}",
             f"{r['torch_predicted_us']:.1f}", f"{r['speedup_vs_torch']:.2f}x",
             f"{r['roofline_frac']:.0%}" if r["roofline_frac"] is not None else "-",
             f"{r['torch_bytes_hbm'] / r['torch_bytes_hbm_exact']:.2f}"]
 
 
-def print_table(rows: list[dict], markdown: bool) -> None:
-    cells = [row_cells(r) for r in rows]
-    if markdown:
-        print("| " + " | ".join(COLUMNS) + " |")
-        print("|" + "|".join("---" for _ in COLUMNS) + "|")
-        for c in cells:
-            print("| " + " | ".join(c) + " |")
-        return
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(COLUMNS)]
-    print("  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)))
-    for c in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
-
-
 def plot(rows: list[dict], path: str) -> None:
-    """Two panels per case: bytes over the minimum (loaded + stored, and the DRAM estimate), and the predicted
-    time of torch's path over ours (log scale)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['case']} {r['shape']} {r['dtype']}" for r in rows]
+    """Per case: bytes over the minimum (loaded + stored, and the DRAM estimate), and the predicted time of torch's
+    path over ours (log scales)."""
+    plt = common.pyplot()
+    if plt is None:
+        print(common.NO_MATPLOTLIB, file=sys.stderr)
+        return
     y = np.arange(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.32 * len(rows) + 1.6), sharey=True)
     a.barh(y - 0.2, [r["ratio"] for r in rows], height=0.4, label="(loaded + stored) / min")
@@ -155,7 +128,7 @@ def plot(rows: list[dict], path: str) -> None:
     a.axvline(1.25, color="k", lw=0.8, ls="--")
     a.set_xscale("log")
     a.set_xlabel("bytes / the op's minimum (log)")
-    a.set_yticks(y, labels, fontsize=7)
+    a.set_yticks(y, [f"{r['case']} {r['shape']} {r['dtype']}" for r in rows], fontsize=7)
     a.invert_yaxis()
     a.legend(fontsize=7, loc="lower right")
     sp = [r["speedup_vs_torch"] for r in rows]
@@ -169,47 +142,31 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _families(text: str) -> list[str]:
-    got = [f.strip() for f in text.split(",") if f.strip()]
-    bad = [f for f in got if f not in FAMILIES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {','.join(FAMILIES)}")
-    return got
-
-
-def parse_args(argv=None) -> argparse.Namespace:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~25 s)")
-    p.add_argument("--families", type=_families, metavar="LIST", help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    p.add_argument("--families", type=common.choice_list(FAMILIES), metavar="LIST",
+                   help=f"comma-separated, of: {', '.join(FAMILIES)}")
     p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
-    p.add_argument("--axis-cap", type=int, default=6, help="programs counted per grid axis (default %(default)s)")
-    p.add_argument("--loop-cap", type=int, default=8, help="iterations counted per kernel loop (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write one record per case (and the environment) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the bytes-ratio and predicted-speedup chart (PNG)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     torch.manual_seed(0)
-    cases = all_cases(quick=args.quick)
-    if args.families:
-        cases = [c for c in cases if c.family in args.families]
-    if args.only:
-        cases = [c for c in cases if any(t in c.name or t in c.shape for t in args.only)]
+    cases = [c for c in all_cases(quick=args.quick) if not args.families or c.family in args.families]
+    cases = [c for c in cases if not args.only or any(t in c.name or t in c.shape for t in args.only)]
     if not cases:
         print("no case selected", file=sys.stderr)
         return 2
-    rows = []
-    t0 = time.perf_counter()
+    rows, t0 = [], time.perf_counter()
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case.name} {case.shape} {case.dtype} ...", end=" ", flush=True)
-        rows.append(measure(case, args.axis_cap, args.loop_cap))
+        rows.append(measure(case))
         print(f"{rows[-1]['count_seconds']:.1f} s", flush=True)
-    print()
-    print_table(rows, args.markdown)
+    common.print_table(f"GPU model ({H200.name}: {H200.sms} SMs, {H200.l2_bytes / 2**20:.0f} MiB of L2, "
+                       f"{H200.hbm_bytes_per_s / 1e12:.1f} TB/s, {H200.flops_per_s / 1e12:.0f} TFLOP/s, "
+                       f"{H200.launch_us:g} us per launch)", COLUMNS, [row_cells(r) for r in rows], args.markdown)
     over = [r for r in rows if r["ratio"] > 1.25]
     if over:
         print("\nabove 1.25x the minimum bytes (loaded + stored; docs/PERFORMANCE.md says why): "
@@ -219,13 +176,9 @@ def main(argv=None) -> int:
         print("\nBEYOND THE DOCUMENTED BOUND (memory-bound: bytes / min; tl.dot kernels: FLOPs / useful FLOPs): "
               + "; ".join(f"{r['case']} {r['shape']} {r['dtype']} {r['checked']:.2f} > {r['bound']:.2f}"
                           for r in beyond))
-    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s (the {H200.name} model: {H200.sms} SMs, "
-          f"{H200.l2_bytes / 2**20:.0f} MiB of L2, {H200.hbm_bytes_per_s / 1e12:.1f} TB/s, "
-          f"{H200.flops_per_s / 1e12:.0f} TFLOP/s, {H200.launch_us:g} us per launch)")
-    if args.json:
-        env = dict(torch=torch.__version__, python=platform.python_version(), gpu=H200.__dict__,
-                   command=" ".join(["python", "benchmarks/gpu_model.py", *(argv if argv is not None else sys.argv[1:])]))
-        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s")
+    env = dict(common.environment(), gpu=H200.__dict__, command=common.command_line(argv, "benchmarks/gpu_model.py"))
+    common.write_json(args.json, dict(env=env, rows=rows))
     if args.plot:
         plot(rows, args.plot)
     return 1 if beyond else 0

@@ -1,19 +1,9 @@
-"""Count what Triton kernels move and compute, by instrumenting Triton's interpreter
+"""Count what Triton kernels move and compute on a GPU, by instrumenting Triton's interpreter
 (``triton/runtime/interpreter.py``: ``InterpreterBuilder.create_masked_load`` / ``_store``, ``create_dot``,
-``create_atomic_rmw``; ``InterpretedFunction.run``).
+``create_atomic_rmw`` / ``_cas``; ``InterpretedFunction.run``), with an L2 model for the DRAM bytes.
 
-Inside :func:`count_traffic` every kernel launch becomes a :class:`Launch`: the bytes of the ``tl.load`` /
-``tl.store`` lanes the mask keeps (an address repeated within one instruction counts once; atomics count as a load
-and a store), re-reads, ``tl.dot`` FLOPs (2 M N K) and ``bytes_hbm``, DRAM bytes by an L2 model: programs run
-``resident`` at a time (:meth:`GPU.resident`), in waves in launch order, at the same pace; an access to a sector
-touched before in the launch is an L2 hit when the bytes all resident programs touch in between fit in L2, else DRAM
-traffic, as is a first touch (capped at each tensor's size); stores are DRAM traffic, an atomic's sector is written
-back once. Across launches (:meth:`Traffic.launch_hbm`) a tensor an earlier launch touched hits L2 for the share of
-that launch's footprint L2 still holds. The torch ops a launcher runs around its kernels are launches of their own
-(tensor inputs read, outputs written, matmul FLOPs by ``torch.utils.flop_counter``'s formulas, counted, not
-computed). Grids of more than ``axis_cap`` programs per axis and kernel loops of more than ``loop_cap`` iterations
-are sampled (gpu_sampling.py), each sampled program or iteration weighted by those it stands for: a sampled launch's
-outputs are not the kernel's results.
+Inside :func:`count_traffic` every kernel launch, and every torch op run around the kernels, is a :class:`Launch`.
+The method (masked lanes, sampling, the L2 model within and across launches): docs/PERFORMANCE.md, "GPU model".
 """
 
 from __future__ import annotations
@@ -22,6 +12,7 @@ import contextlib
 import dataclasses
 import sys
 from typing import Iterator
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -31,16 +22,18 @@ from torch.utils.flop_counter import flop_registry
 
 from gpu_sampling import SampledKernel, SampledRange
 
-#: DRAM access granularity (bytes) used for the distinct-sector bookkeeping.
+#: DRAM access granularity (bytes) used for the distinct-sector bookkeeping
 SECTOR = 32
+#: access kinds recorded per sector
+LOAD, STORE, ATOMIC = 0, 1, 2
+#: sector accesses replayed in one pass of :meth:`Counter.end_launch` (bounds its memory)
+BUCKET_ACCESSES = 1 << 25
 
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-    """What the model needs of a GPU. Defaults: an H200 (SXM): 132 SMs, 50 MiB of L2, 4.3 TB/s measured for a
-    plain device-to-device copy, 990 TFLOP/s dense bf16 tensor-core peak, ~3 us per kernel launch, and what one
-    SM moves to and from L2: 64 bytes per clock at a sustained 1.75 GHz (an assumption until
-    benchmarks/gpu/compare_model.py measures it)."""
+    """An H200 (SXM): 132 SMs, 50 MiB of L2, 4.3 TB/s measured for a device-to-device copy, 990 TFLOP/s dense bf16,
+    ~3 us per launch, and 64 bytes per clock at 1.75 GHz between one SM and L2 (an assumption)."""
 
     name: str = "H200"
     sms: int = 132
@@ -60,7 +53,7 @@ H200 = GPU()
 
 @dataclasses.dataclass
 class Launch:
-    """One kernel launch's counts (weighted sums over the programs of the grid)."""
+    """One kernel launch's counts (weighted sums over the sampled programs of the grid)."""
 
     kernel: str
     grid: tuple
@@ -71,19 +64,15 @@ class Launch:
     bytes_loaded: float = 0.0
     bytes_stored: float = 0.0
     bytes_atomic: float = 0.0
-    #: loads of sectors the same program had touched before
-    bytes_reread: float = 0.0
-    #: loads and atomics that the L2 model sends to DRAM although the launch touched the sector before
-    bytes_capacity_miss: float = 0.0
+    bytes_reread: float = 0.0  # loads of sectors the same program had touched before
+    bytes_capacity_miss: float = 0.0  # re-reads the L2 model sends to DRAM
     flops: float = 0.0
-    #: per tensor argument (keyed by its storage address): weighted bytes of the sectors loaded (or atomically
-    #: updated) first in the launch, and the storage's size (the cap of that share of :attr:`bytes_hbm`)
+    #: per storage address: bytes of the sectors first loaded (or atomically updated), the storage's size (a cap),
+    #: and the distinct bytes touched (what the launch leaves in L2)
     first_touch: dict = dataclasses.field(default_factory=dict)
     sizes: dict = dataclasses.field(default_factory=dict)
-    #: non-atomic store bytes, and atomically updated sectors' write-back (first touch)
-    bytes_written_back: float = 0.0
-    #: per storage: distinct bytes the launch loaded or stored (what it leaves in L2 for the launches after it)
     touched: dict = dataclasses.field(default_factory=dict)
+    bytes_written_back: float = 0.0  # stores, and the atomically updated sectors once
 
     @property
     def footprint(self) -> float:
@@ -91,10 +80,17 @@ class Launch:
 
     @property
     def bytes_hbm(self) -> float:
-        """Estimated DRAM bytes (see the module docstring): first touches (at most each tensor's size), capacity
-        misses, stores and atomics' write-back."""
+        """DRAM bytes: first touches (at most each tensor's size), capacity misses, write-backs."""
         first = sum(min(b, self.sizes[k]) for k, b in self.first_touch.items())
         return first + self.bytes_capacity_miss + self.bytes_written_back
+
+
+def stream_launch(kernel: str, loaded: float, stored: float, first_touch: dict, sizes: dict, touched: dict,
+                  flops: float = 0.0) -> Launch:
+    """A torch op as one pass over the whole GPU (no grid): its inputs read and outputs written once."""
+    return Launch(kernel=kernel, grid=(), num_warps=0, programs=1, resident=1, programs_run=1,
+                  bytes_loaded=float(loaded), bytes_stored=float(stored), bytes_written_back=float(stored),
+                  flops=flops, first_touch=first_touch, sizes=sizes, touched=touched)
 
 
 @dataclasses.dataclass
@@ -105,10 +101,9 @@ class Traffic:
     gpu: GPU = H200
 
     def launch_hbm(self) -> list[float]:
-        """Each launch's DRAM bytes with L2 reuse across launches: of a tensor a launch reads first, the part an
-        earlier launch left in L2 is a hit. Launch ``i`` leaves the bytes it touched of the tensor, times the
-        share of its footprint still in L2: ``(L2 - the footprints of the launches since) / its footprint``; the
-        best of the earlier launches that touched it counts (a small late touch does not hide a large one)."""
+        """Each launch's DRAM bytes with L2 reuse across launches: of a tensor a launch reads first, an earlier
+        launch left ``(L2 - the footprints of the launches since) / its footprint`` of the bytes it touched in L2
+        (the best earlier launch counts)."""
         touches: dict[int, list[int]] = {}
         ends: list[float] = []
         total, out = 0.0, []
@@ -142,35 +137,15 @@ class Traffic:
 
     @property
     def bytes_hbm(self) -> float:
-        """Estimated DRAM bytes, L2 reuse within and across launches included."""
         return float(sum(self.launch_hbm()))
-
-    def by_kernel(self) -> dict:
-        """``{kernel name: number of launches}``."""
-        out: dict = {}
-        for x in self.launches:
-            out[x.kernel] = out.get(x.kernel, 0) + 1
-        return out
 
 
 class Regions:
-    """The tensor arguments of a launch, and which one an address belongs to."""
+    """The tensors of a launch (``{start address: size in bytes}``), and which one an address belongs to."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        spans: dict[int, int] = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
+    def __init__(self, spans: dict[int, int]):
         self.starts = np.array(sorted(spans), dtype=np.uint64)
         self.sizes = [spans[int(s)] for s in self.starts]
-
-    @classmethod
-    def from_spans(cls, spans: dict[int, int]) -> "Regions":
-        """Regions of given ``{start address: size in bytes}`` (a trace's buffers, no tensors behind them)."""
-        self = cls.__new__(cls)
-        self.starts = np.array(sorted(spans), dtype=np.uint64)
-        self.sizes = [spans[int(s)] for s in self.starts]
-        return self
 
     def sectors(self, addr: np.ndarray) -> np.ndarray:
         """Distinct sector keys (``region << 40 | sector``, int64) of ``addr`` (uint64 addresses)."""
@@ -185,56 +160,39 @@ class Regions:
         return np.unique((r.astype(np.int64) << 40) | (off // SECTOR))
 
 
-#: access kinds recorded per sector
-_LOAD, _STORE, _ATOMIC = 0, 1, 2
-
-
-#: sector accesses replayed in one pass of :meth:`Counter.end_launch` (bounds its memory)
-_BUCKET_ACCESSES = 1 << 25
-
-
-class _RecordTable:
-    """Per-instruction fields of a launch's records as arrays (one row per instruction)."""
-
-    def __init__(self, records: list[tuple], length: float):
-        self.tau = np.array([r[1] * length + r[3] for r in records], dtype=float)
-        self.prog = np.array([r[2] for r in records], dtype=np.int64)
-        self.weight = np.array([float(r[4]) for r in records], dtype=float)
-        self.kind = np.array([r[5] for r in records], dtype=np.int8)
-        self.coords = np.array([r[6] for r in records], dtype=np.int64).reshape(-1, 3)
-        self.axis_weights = np.array([r[7] for r in records], dtype=float).reshape(-1, 3)
-
-
 class Counter:
-    """The counts of the launch in progress. Programs run one after another in the interpreter; each sector access
-    is recorded with the program's wave (its linear id, ``x`` fastest as CUDA orders blocks, over ``resident``)
-    and clock (the bytes, distinct sectors per instruction times the sampled loop strata, the program touched
-    before it), and :meth:`end_launch` replays them in GPU order: wave, then clock, the programs of a wave side by
-    side at the same pace."""
+    """The counts of the launch in progress. Each sector access is recorded with its program's wave (linear id,
+    ``x`` fastest, over ``resident``) and clock (the bytes the program touched before it); :meth:`end_launch`
+    replays them in GPU order: wave, then clock, the programs of a wave side by side at the same pace."""
 
     def __init__(self, gpu: GPU, axis_cap: int, loop_cap: int):
-        self.gpu = gpu
-        self.axis_cap = axis_cap
-        self.loop_cap = loop_cap
+        self.gpu, self.axis_cap, self.loop_cap = gpu, axis_cap, loop_cap
         self.traffic = Traffic(gpu=gpu)
         self.launch: Launch | None = None
         self.regions: Regions | None = None
         self.in_kernel = False
-        self.weight = 1  # the program's stratum times the sampled loop iterations' strata
-        self.coords, self.axis_weights = (0, 0, 0), (1, 1, 1)  # the sampled program's grid index, strata per axis
-        self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
-        self.clock = 0.0
-        self.program = -1
-        self.wave = 0
-        self.lengths: list[float] = []
-        self.records: list[tuple] = []
         self.suspended = False  # inside the interpreter's own torch calls (argument copies)
+        self.weight = 1  # the program's stratum times the sampled loop iterations' strata
+        self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
+        self.coords, self.axis_weights = (0, 0, 0), (1, 1, 1)
+        self.clock, self.program, self.wave = 0.0, -1, 0
+        self.lengths: list[float] = []
+        self.keys: list[np.ndarray] = []  # per instruction: its distinct sectors,
+        self.meta: list[tuple] = []  # and wave, program, clock, weight, kind, grid index (3), strata per axis (3)
 
-    def begin_launch(self, launch: Launch, regions: Regions) -> None:
-        self.launch, self.regions = launch, regions
-        self.program, self.clock, self.lengths, self.records = -1, 0.0, [], []
+    def begin_launch(self, kernel: str, grid: tuple, num_warps: int, spans: dict[int, int]) -> Launch:
+        """Open a launch of ``kernel`` over ``grid`` on the tensors ``spans`` ({start address: bytes})."""
+        full = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        programs = int(np.prod(full))
+        self.launch = Launch(kernel=kernel, grid=tuple(grid), num_warps=num_warps, programs=programs,
+                             resident=self.gpu.resident(num_warps, programs))
+        self.regions = Regions(spans)
+        self.launch.sizes = {int(r): size for r, size in zip(self.regions.starts, self.regions.sizes)}
+        self.program, self.clock, self.lengths, self.keys, self.meta = -1, 0.0, [], [], []
+        self.traffic.launches.append(self.launch)
+        return self.launch
 
-    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple, axis_weights: tuple = (1, 1, 1)) -> None:
+    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple, axis_weights: tuple) -> None:
         """A sampled program at ``grid_idx`` standing for ``axis_weights`` programs along each grid axis."""
         if self.program >= 0:
             self.lengths.append(self.clock)
@@ -246,70 +204,76 @@ class Counter:
         self.program, self.clock = self.program + 1, 0.0
         self.launch.programs_run += 1
 
-    def _lanes(self, ptrs, mask) -> np.ndarray:
-        addr = np.asarray(ptrs.data).reshape(-1)
-        if mask is not None:
-            keep = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)
-            addr = addr[keep]
-        return np.unique(addr)
+    def count(self, n: float, kind: int) -> None:
+        """``n`` bytes loaded, stored or atomically updated (a load and a store)."""
+        lx = self.launch
+        if kind != STORE:
+            lx.bytes_loaded += n
+        if kind != LOAD:
+            lx.bytes_stored += n
+        if kind == ATOMIC:
+            lx.bytes_atomic += n
+        elif kind == STORE:
+            lx.bytes_written_back += n
 
     def access(self, ptrs, mask, kind: int) -> None:
+        """One ``tl.load`` / ``tl.store`` / atomic: the lanes the mask keeps, a repeated address once."""
         if self.launch is None:
             return
-        lx, w = self.launch, self.weight
-        addr = self._lanes(ptrs, mask)
-        nbytes = w * addr.size * (ptrs.get_element_ty().primitive_bitwidth // 8)
-        if kind != _STORE:
-            lx.bytes_loaded += nbytes
-        if kind != _LOAD:
-            lx.bytes_stored += nbytes
-        if kind == _ATOMIC:
-            lx.bytes_atomic += nbytes
-        elif kind == _STORE:
-            lx.bytes_written_back += nbytes
+        addr = np.asarray(ptrs.data).reshape(-1)
+        if mask is not None:
+            addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)]
+        addr = np.unique(addr)
+        self.count(self.weight * addr.size * (ptrs.get_element_ty().primitive_bitwidth // 8), kind)
         self.record(self.regions.sectors(addr), kind)
 
     def record(self, keys: np.ndarray, kind: int) -> None:
         """One instruction's distinct sectors (``region << 40 | sector``) for the L2 replay."""
-        self.records.append((keys, self.wave, self.program, self.clock, self.weight, kind, self.coords,
-                             self.axis_weights))
+        self.keys.append(keys)
+        self.meta.append((self.wave, self.program, self.clock, self.weight, kind, *self.coords, *self.axis_weights))
         self.clock += SECTOR * keys.size * self.loop_weight
 
+    def dot(self, a, b) -> None:
+        if self.launch is None:
+            return
+        sa, sb = np.shape(a.data), np.shape(b.data)
+        batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
+        self.launch.flops += self.weight * 2.0 * batch * sa[-2] * sa[-1] * sb[-1]
+
     def end_launch(self) -> None:
-        """Replay the launch's accesses in GPU order through the L2 model (see the module docstring)."""
+        """Replay the launch's accesses in GPU order through the L2 model, in buckets of sectors that bound the
+        memory of one pass (~150 bytes per access)."""
         lx = self.launch
         if self.program >= 0:
             self.lengths.append(self.clock)
-        if not self.records:
+        if not self.keys:
             return
         length = float(np.mean(self.lengths)) if self.lengths else 0.0
-        records, self.records = self.records, []
-        per_record = _RecordTable(records, length)
-        key = np.concatenate([r[0] for r in records])
-        record = np.repeat(np.arange(len(records), dtype=np.int32), [r[0].size for r in records])
-        del records
-        regions = len(self.regions.starts)
-        first_touch, touched = np.zeros(regions), np.zeros(regions)
-        # the replay is per sector: buckets of sectors bound the memory of one pass (~150 bytes per access)
-        buckets = max(1, -(-key.size // _BUCKET_ACCESSES))
+        meta = np.array(self.meta, dtype=float)
+        key = np.concatenate(self.keys)
+        record = np.repeat(np.arange(len(self.keys), dtype=np.int32), [k.size for k in self.keys])
+        self.keys, self.meta = [], []
+        first_touch, touched = np.zeros(len(self.regions.starts)), np.zeros(len(self.regions.starts))
+        buckets = max(1, -(-key.size // BUCKET_ACCESSES))
         bucket = (key % buckets).astype(np.int32) if buckets > 1 else None
+        clock = meta[:, 0] * length + meta[:, 2]
         for b in range(buckets):
             pick = slice(None) if bucket is None else np.flatnonzero(bucket == b)
-            self._replay(lx, key[pick], record[pick], per_record, first_touch, touched)
+            self.replay(lx, key[pick], record[pick], meta, clock, first_touch, touched)
         for r, start in enumerate(self.regions.starts):
             lx.first_touch[int(start)] = SECTOR * float(first_touch[r])
             lx.touched[int(start)] = min(SECTOR * float(touched[r]), self.regions.sizes[r])
 
-    def _replay(self, lx: Launch, key, record, table: "_RecordTable", first_touch, touched) -> None:
-        """One bucket of sectors through the L2 model; adds to ``lx`` and the per-region sums."""
-        order = np.lexsort((table.tau[record], key))
+    def replay(self, lx: Launch, key, record, meta, clock, first_touch, touched) -> None:
+        """One bucket of sectors through the L2 model (``clock``: per instruction, wave * the mean program's length
+        + its clock); adds to ``lx`` and the per-region sums."""
+        order = np.lexsort((clock[record], key))
         key, record = key[order], record[order]
         del order
-        tau, prog, w, kind = table.tau[record], table.prog[record], table.weight[record], table.kind[record]
+        tau, prog, w, kind = clock[record], meta[record, 1], meta[record, 3], meta[record, 4]
         first = np.ones(key.size, dtype=bool)
         first[1:] = key[1:] != key[:-1]
-        # a first touch stands for as many distinct sectors as the least-weighted access of its sector: a sector
-        # that sampled programs share stands for the skipped programs' accesses to that same sector
+        # a first touch weighs as its sector's least-weighted access (sampled programs sharing the sector)
         starts = np.flatnonzero(first)
         w_first = np.zeros(key.size)
         w_first[starts] = np.minimum.reduceat(w, starts)
@@ -319,58 +283,47 @@ class Counter:
         same = np.zeros(key.size, dtype=bool)
         same[1:] = ~first[1:] & (prog[1:] == prog[:-1])
         del prog
-        reads = kind != _STORE
-        # after another program's access, the skipped programs of the sampled one's strata along the axes the two
-        # differ on (those that share the sector) read it in between too
-        coords = table.coords[record]
+        reads = kind != STORE
+        # after another program's access, the skipped programs of the axes the two differ on read it in between
+        coords = meta[record, 5:8]
         differ = np.zeros(coords.shape, dtype=bool)
         differ[1:] = coords[1:] != coords[:-1]
         del coords
-        gap = gap / np.where(differ, table.axis_weights[record], 1.0).prod(axis=1)
+        gap = gap / np.where(differ, meta[record, 8:11], 1.0).prod(axis=1)
         del differ
         miss = reads & ~first & (gap * lx.resident > self.gpu.l2_bytes)
         lx.bytes_reread += SECTOR * float(w[reads & same].sum())
         lx.bytes_capacity_miss += SECTOR * float(w[miss].sum())
-        lx.bytes_written_back += SECTOR * float(w_first[first & (kind == _ATOMIC)].sum())
+        lx.bytes_written_back += SECTOR * float(w_first[first & (kind == ATOMIC)].sum())
         region = key >> 40
         fresh = first & reads
         first_touch += np.bincount(region[fresh], weights=w_first[fresh], minlength=first_touch.size)
         touched += np.bincount(region[first], weights=w_first[first], minlength=touched.size)
 
-    def dot(self, a, b) -> None:
-        if self.launch is None:
-            return
-        sa, sb = np.shape(a.data), np.shape(b.data)
-        batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
-        self.launch.flops += self.weight * 2.0 * batch * sa[-2] * sa[-1] * sb[-1]
+
+#: torch ops that launch nothing, and ops that write without reading
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+             "lift_fresh", "detach", "alias", "set_", "resize_", "is_nonzero", "_to_copy_cpu_noop"}
+WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "arange",
+              "new_zeros", "new_full", "new_ones", "scalar_tensor"}
+#: the open count_traffic block (the interpreter's hooks are process-wide: blocks do not nest)
+ACTIVE = []
 
 
-_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
-              "lift_fresh", "detach", "alias", "set_", "resize_", "is_nonzero", "_to_copy_cpu_noop"}
-_WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "arange",
-               "new_zeros", "new_full", "new_ones", "scalar_tensor"}
-
-
-#: in-place ops that write their destination without reading it
-_DEST_NOT_READ = {"copy_"}
-#: whether a count_traffic block is open (the interpreter's hooks are process-wide: blocks do not nest)
-_ACTIVE = []
-
-
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _by_storage(tensors) -> dict[int, float]:
+def by_storage(tensors) -> dict[int, float]:
     """``{storage address: the most bytes one of the tensors views of it}``."""
     out: dict[int, float] = {}
     for t in tensors:
         key = t.untyped_storage().data_ptr()
-        out[key] = max(out.get(key, 0.0), float(_nbytes(t)))
+        out[key] = max(out.get(key, 0.0), float(nbytes(t)))
     return out
 
 
-def _flop_formula(func):
+def flop_formula(func):
     """torch.utils.flop_counter's FLOP formula of ``func`` (an in-place variant uses its functional one)."""
     formula = flop_registry.get(func.overloadpacket)
     name = func.overloadpacket.__name__
@@ -379,10 +332,9 @@ def _flop_formula(func):
     return formula
 
 
-def _flops(formula, args, kwargs, out) -> float:
-    """FLOPs by ``formula``; an overload the formula does not take (``addmm.dtype_out``'s ``out_dtype``) is
-    counted from its tensor arguments. A counting error must never reach the launcher (it could take another
-    path), so what still fails counts 2 * prod(out) * K from the first matrix operand."""
+def count_flops(formula, args, kwargs, out) -> float:
+    """FLOPs by ``formula``, else by its tensor arguments alone (``addmm.dtype_out``), else 2 * prod(out) * K of
+    the first matrix: a counting error must never reach the launcher (it could take another path)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     for call in (lambda: formula(*args, **kwargs, out_val=out), lambda: formula(*tensors, out_val=out)):
         try:
@@ -394,15 +346,15 @@ def _flops(formula, args, kwargs, out) -> float:
     return 2.0 * o.numel() * mats[0].shape[-1] if mats and o is not None else 0.0
 
 
-def _shaped_like(func, args, kwargs):
-    """What ``func`` would return, uninitialized: its output shapes from a run on meta tensors (an ``out=``
-    argument is returned itself)."""
+def shaped_like(func, args, kwargs):
+    """What ``func`` would return, uninitialized (shapes from a run on meta tensors; ``out=`` or an in-place
+    op's destination returned itself)."""
     to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
     meta = func(*torch.utils._pytree.tree_map(to_meta, args), **torch.utils._pytree.tree_map(to_meta, kwargs))
     if isinstance(kwargs.get("out"), torch.Tensor):
         return kwargs["out"]
-    if func._schema.arguments and func._schema.arguments[0].alias_info is not None \
-            and func._schema.arguments[0].alias_info.is_write:  # in place
+    first = func._schema.arguments[0].alias_info if func._schema.arguments else None
+    if first is not None and first.is_write:
         return args[0]
     device = next(t.device for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     return torch.utils._pytree.tree_map(
@@ -410,25 +362,26 @@ def _shaped_like(func, args, kwargs):
         if isinstance(m, torch.Tensor) else m, meta)
 
 
-class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the torch ops run outside the Triton launches while counting, one :class:`Launch` each."""
+class GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the torch ops run outside the Triton launches, one :class:`Launch` each; matmuls are counted by
+    torch.utils.flop_counter's formulas and not computed."""
 
     def __init__(self, counter: Counter):
         super().__init__()
-        self._counter = counter
+        self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        c = self._counter
-        formula = _flop_formula(func)
+        c = self.counter
+        formula = flop_formula(func)
         if formula is not None and c.launch is None and not c.suspended:
-            out = _shaped_like(func, args, kwargs)  # a matmul's numbers are not needed to count it
+            out = shaped_like(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         schema = func._schema
         view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        if c.launch is not None or c.suspended or view or name in _NO_LAUNCH:
+        if c.launch is not None or c.suspended or view or name in NO_LAUNCH:
             return out
         given = (args, {k: v for k, v in kwargs.items() if k != "out"})  # an out= tensor is written, not read
         ins = [a for a in torch.utils._pytree.tree_leaves(given) if isinstance(a, torch.Tensor)]
@@ -437,72 +390,49 @@ class _GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
                    if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
         if isinstance(kwargs.get("out"), torch.Tensor):
             written.append(kwargs["out"])
-        if name in _DEST_NOT_READ:  # copy_ overwrites its destination
+        if name == "copy_":  # overwrites its destination
             ins = [a for a in ins if not any(a is w for w in written)]
-        read = 0 if name in _WRITE_ONLY else sum(_nbytes(a) for a in ins)
-        wrote = sum(_nbytes(o) for o in (written or outs))
-        flops = 0.0
-        if formula is not None:  # matmuls: torch's own FLOP formulas (torch.utils.flop_counter)
-            flops = _flops(formula, args, kwargs, out)
-        g = Launch(kernel=f"aten.{name}", grid=(), num_warps=0, programs=1, resident=1, programs_run=1,
-                   bytes_loaded=float(read), bytes_stored=float(wrote), bytes_written_back=float(wrote), flops=flops)
-        reads = _by_storage([] if name in _WRITE_ONLY else ins)
-        g.first_touch, g.sizes = reads, {k: int(b) for k, b in reads.items()}
-        g.touched = {**reads, **_by_storage(written or outs)}
-        c.traffic.launches.append(g)
+        read = 0 if name in WRITE_ONLY else sum(nbytes(a) for a in ins)
+        wrote = sum(nbytes(o) for o in (written or outs))
+        flops = count_flops(formula, args, kwargs, out) if formula is not None else 0.0
+        reads = by_storage([] if name in WRITE_ONLY else ins)
+        c.traffic.launches.append(stream_launch(f"aten.{name}", read, wrote, reads,
+                                                {k: int(b) for k, b in reads.items()},
+                                                {**reads, **by_storage(written or outs)}, flops))
         return out
 
 
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    out = []
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif hasattr(a, "base") and isinstance(getattr(a, "base"), torch.Tensor):  # TensorWrapper
-            out.append(a.base)
-    return out
+#: the interpreter builder's instructions counted, and what each records of its positional arguments
+INSTRUCTIONS = {"create_masked_load": lambda c, ptrs, mask, *_: c.access(ptrs, mask, LOAD),
+                "create_masked_store": lambda c, ptrs, value, mask, *_: c.access(ptrs, mask, STORE),
+                "create_dot": lambda c, a, b, *_: c.dot(a, b),
+                "create_atomic_rmw": lambda c, op, ptr, val, mask, *_: c.access(ptr, mask, ATOMIC),
+                "create_atomic_cas": lambda c, ptr, *_: c.access(ptr, None, ATOMIC)}
 
 
-def _builder_hooks(counter: Counter, saved: dict) -> dict:
-    """The interpreter builder's memory and dot instructions, recording into ``counter`` before running ``saved``."""
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        counter.access(ptrs, mask, _LOAD)
-        return saved["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+def counted(method, note, counter: Counter):
+    """The builder's ``method``, ``note`` recording the instruction into ``counter`` first."""
+    def run(self, *args, **kwargs):
+        note(counter, *args)
+        return method(self, *args, **kwargs)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
-        counter.access(ptrs, mask, _STORE)
-        return saved["create_masked_store"](self, ptrs, value, mask, cache_policy)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        counter.dot(a, b)
-        return saved["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
-        counter.access(ptr, mask, _ATOMIC)
-        return saved["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
-
-    def atomic_cas(self, ptr, cmp, val, sem, scope):
-        counter.access(ptr, None, _ATOMIC)
-        return saved["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
-
-    return {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
-            "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas}
+    return run
 
 
-def _launch_hook(counter: Counter, gpu: GPU, interp):
-    """``InterpretedFunction.run``: each launch a :class:`Launch`, its programs sampled (:class:`SampledKernel`)."""
+def launch_hook(counter: Counter, interp):
+    """``InterpretedFunction.run``: each launch a :class:`Launch` on its tensor arguments, its programs sampled."""
     def run(self, *args, grid, warmup, **kwargs):
         if warmup:
             return None
+        spans: dict[int, int] = {}
+        for a in list(args) + list(kwargs.values()):
+            if not isinstance(a, torch.Tensor):
+                a = getattr(a, "base", None)  # a TensorWrapper's tensor
+            if isinstance(a, torch.Tensor):
+                st = a.untyped_storage()
+                spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
         grid_t = tuple(grid(kwargs) if callable(grid) else grid)
-        full = grid_t + (1,) * (3 - len(grid_t))
-        warps, programs = int(kwargs.get("num_warps", 4)), int(np.prod(full))
-        launch = Launch(kernel=self.fn.__name__, grid=grid_t, num_warps=warps, programs=programs,
-                        resident=gpu.resident(warps, programs))
-        regions = Regions(_tensors(args, kwargs))
-        launch.sizes = {int(r): size for r, size in zip(regions.starts, regions.sizes)}
-        counter.begin_launch(launch, regions)
-        counter.traffic.launches.append(launch)
+        counter.begin_launch(self.fn.__name__, grid_t, int(kwargs.get("num_warps", 4)), spans)
         counter.suspended = True
         fn = SampledKernel(self.rewrite(), counter, interp.interpreter_builder)
         try:
@@ -518,61 +448,29 @@ def _launch_hook(counter: Counter, gpu: GPU, interp):
 @contextlib.contextmanager
 def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
                   modules: tuple[str, ...] = ("smxcompile.kernels",), count_torch: bool = True) -> Iterator[Traffic]:
-    """Record every interpreted Triton launch inside the block (needs ``TRITON_INTERPRET=1`` set before triton
-    decorated the kernels).
+    """Yield a :class:`Traffic` that records every interpreted Triton launch inside the block (``TRITON_INTERPRET=1``
+    set before triton decorated the kernels): at most ``axis_cap`` programs per grid axis and ``loop_cap``
+    iterations per loop of the kernels of ``modules`` (both >= 3), and with ``count_torch`` the torch ops around
+    them. Raises RuntimeError when a kernel touches memory outside its tensor arguments or blocks nest."""
+    from triton.runtime import interpreter as interp
 
-    Args:
-        gpu: the GPU whose L2 and occupancy decide which re-reads are misses (:attr:`Launch.bytes_capacity_miss`).
-        axis_cap: programs run per grid axis at most (>= 3; see the module docstring); a large value runs every
-            program.
-        loop_cap: iterations run per ``for ... in range(...)`` loop of a kernel at most (>= 3, sampled like the
-            grid); a large value runs every iteration.
-        modules: the packages whose kernels' loops are sampled (their modules that import triton.language).
-        count_torch: also record the torch ops run around the kernels (see the module docstring).
-
-    Yields:
-        a :class:`Traffic` filled as kernels launch.
-
-    Raises:
-        RuntimeError: triton's interpreter is not importable; a kernel touched memory outside its tensor
-            arguments; another ``count_traffic`` block is open.
-    """
-    try:
-        from triton.runtime import interpreter as interp
-    except Exception as e:  # pragma: no cover - no triton
-        raise RuntimeError(f"counting needs triton's interpreter: {e!r}") from e
     for name, cap in (("axis_cap", axis_cap), ("loop_cap", loop_cap)):
         if cap < 3:
             raise ValueError(f"{name} must be >= 3, got {cap}")
-    if _ACTIVE:
+    if ACTIVE:
         raise RuntimeError("count_traffic blocks do not nest: close the open one first")
     counter = Counter(gpu, axis_cap, loop_cap)
-    sampled_range = SampledRange(counter)
-    kernel_modules = [m for name, m in list(sys.modules.items())
-                      if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None]
-    shadowed = {m: m.__dict__["range"] for m in kernel_modules if "range" in m.__dict__}
-    builder_cls = interp.InterpreterBuilder
-    saved = {name: getattr(builder_cls, name) for name in
-             ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas")}
-    saved_run = interp.InterpretedFunction.run
-
-    for name, f in _builder_hooks(counter, saved).items():
-        setattr(builder_cls, name, f)
-    interp.InterpretedFunction.run = _launch_hook(counter, gpu, interp)
-    for m in kernel_modules:
-        m.range = sampled_range
-    glue = _GlueMode(counter) if count_torch else contextlib.nullcontext()
-    _ACTIVE.append(counter)
-    try:
-        with glue, np.errstate(all="ignore"):  # a sampled launch computes on skipped programs' garbage
-            yield counter.traffic
-    finally:
-        _ACTIVE.clear()
-        for m in kernel_modules:
-            if m in shadowed:
-                m.range = shadowed[m]
-            else:
-                del m.range
-        for name, f in saved.items():
-            setattr(builder_cls, name, f)
-        interp.InterpretedFunction.run = saved_run
+    with contextlib.ExitStack() as stack:
+        for name, note in INSTRUCTIONS.items():
+            method = getattr(interp.InterpreterBuilder, name)
+            stack.enter_context(patch.object(interp.InterpreterBuilder, name, counted(method, note, counter)))
+        stack.enter_context(patch.object(interp.InterpretedFunction, "run", launch_hook(counter, interp)))
+        for name, m in list(sys.modules.items()):  # the kernels' loops
+            if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None:
+                stack.enter_context(patch.object(m, "range", SampledRange(counter), create=True))
+        if count_torch:
+            stack.enter_context(GlueMode(counter))
+        stack.enter_context(np.errstate(all="ignore"))  # a sampled launch computes on skipped programs' garbage
+        ACTIVE.append(counter)
+        stack.callback(ACTIVE.clear)
+        yield counter.traffic

@@ -3,7 +3,7 @@ vit_pytorch and diffusers, and what ``smxcompile.explain`` (options ``{"cpu": "r
 policy) does with it; one line per model and every site not rewritten, with its reason and location. Install the
 libraries beside the CPU torch (``pip install --no-deps timm x-transformers vit-pytorch einops einx frozendict
 torch-einops-utils loguru``); without torchvision a stand-in module is used (no model here runs its code).
-docs/DESIGN.md ("Reach on libraries' code") records a run.
+docs/DESIGN.md ("Reach on libraries' code") records a run. A library that is not installed is skipped, said so.
 
     python benchmarks/reach_survey.py --family x_transformers --json reach.json"""
 
@@ -26,9 +26,8 @@ TIMM = ("vit_tiny_patch16_224 deit_tiny_patch16_224 beit_base_patch16_224 swin_t
         "swinv2_tiny_window8_256 cait_xxs24_224 xcit_nano_12_p16_224 pvt_v2_b0 twins_svt_small coat_lite_tiny "
         "crossvit_tiny_240 eva02_tiny_patch14_224 mvitv2_tiny mvitv2_small_cls levit_128s maxvit_tiny_tf_224 "
         "convit_tiny tnt_s_patch16_224 nest_tiny efficientformer_l1 efficientformerv2_s0 visformer_tiny volo_d1_224 "
-        "gcvit_xxtiny davit_tiny fastvit_sa12 coatnet_0_rw_224 edgenext_xx_small hiera_tiny_224 "
-        "samvit_base_patch16_224 "
-        "sam2_hiera_tiny vit_relpos_small_patch16_224 mobilevit_xxs mobilevitv2_050 nextvit_small tiny_vit_5m_224 "
+        "gcvit_xxtiny davit_tiny fastvit_sa12 coatnet_0_rw_224 edgenext_xx_small hiera_tiny_224 samvit_base_patch16_224"
+        " sam2_hiera_tiny vit_relpos_small_patch16_224 mobilevit_xxs mobilevitv2_050 nextvit_small tiny_vit_5m_224 "
         "vitamin_small_224 efficientvit_m0 pit_ti_224 vit_base_patch16_rope_224 vit_base_patch16_siglip_224").split()
 XTF = {"decoder": {}, "alibi": dict(alibi_pos_bias=True), "rel_pos_bias": dict(rel_pos_bias=True),
        "dynamic_pos_bias": dict(dynamic_pos_bias=True), "rotary": dict(rotary_pos_emb=True),
@@ -59,21 +58,7 @@ def _torchvision_stand_in() -> None:
     except Exception:
         pass
 
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] == \
-                "torchvision" else None
-
-        def create_module(self, spec):
-            mod = types.ModuleType(spec.name)
-            mod.__path__ = []
-            mod.__getattr__ = lambda attr: _missing(attr)
-            return mod
-
-        def exec_module(self, module):
-            pass
-
-    def _missing(attr):
+    def missing(attr):
         if attr.startswith("__"):
             raise AttributeError(attr)
         if attr == "InterpolationMode":
@@ -81,7 +66,20 @@ def _torchvision_stand_in() -> None:
                                                           "HAMMING", "LANCZOS")})
         return type(attr, (torch.nn.Identity,), {})
 
-    sys.meta_path.append(_Finder())
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            is_tv = name.split(".")[0] == "torchvision"
+            return importlib.machinery.ModuleSpec(name, self, is_package=True) if is_tv else None
+
+        def create_module(self, spec):
+            mod = types.ModuleType(spec.name)
+            mod.__path__, mod.__getattr__ = [], missing
+            return mod
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.append(Finder())
 
 
 def timm_models():
@@ -110,6 +108,8 @@ def x_transformers_models():
 
 def vit_pytorch_models():
     _torchvision_stand_in()
+    importlib.import_module("vit_pytorch")  # missing: the whole family is skipped
+
     common = dict(image_size=32, patch_size=8, num_classes=10, dim=32, depth=2, heads=2, mlp_dim=64, dim_head=16)
     special = {"nest.NesT": dict(image_size=32, patch_size=4, num_classes=10, dim=32, heads=2, num_hierarchies=2,
                                  block_repeats=(1, 1)),
@@ -161,8 +161,15 @@ FAMILIES = {"diffusers": diffusers_models, "x_transformers": x_transformers_mode
 
 
 def survey(family: str) -> dict:
+    """``{model: [site dicts]}`` of a family, one line per model printed; ``{"missing": why}`` when the library is
+    not installed."""
+    try:
+        models = list(FAMILIES[family]())          # imports the library; builds no model yet
+    except ImportError as e:
+        print(f"{family}: not installed ({type(e).__name__}: {e}): skipped; the pip command: --help", flush=True)
+        return {"missing": str(e)}
     out = {}
-    for name, make in FAMILIES[family]():
+    for name, make in models:
         torch.manual_seed(0)
         try:
             model, args, kwargs = make()

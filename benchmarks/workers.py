@@ -1,19 +1,26 @@
-"""The subprocess benchmarks' machinery (bench_linear_ce.py, bench_attention.py): one fresh worker process per
-variant, watched for memory and time, its load on the machine measured, retried while other processes disturbed it."""
+"""The subprocess benchmarks' machinery (bench_linear_ce.py, bench_attention.py): every variant at every point in a
+fresh worker process, watched for memory and time, checked against eager's result, retried while other processes
+disturbed it; their flags, table, plot and end of run."""
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from typing import Any, Callable
 
-from common import GB, NOISY, LoadMeter, StepPeak, busy_cpu_s, print_load_at_end, rss_bytes, wait_quiet, write_json
+from smx_app.demo.memory import PeakMemory, rss_bytes
+
+import common
+from common import GB, MB, NOISY, fmt_num
+
+TIMEOUT = 3600  # seconds before a worker is killed
 
 
 def meminfo(field: str) -> int | None:
@@ -28,33 +35,27 @@ def mem_available() -> int | None:
     """Bytes available: /proc/meminfo's MemAvailable, or less under a cgroup v2 memory limit."""
     vals = [meminfo("MemAvailable")]
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit != "max":
-            vals.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            vals.append(None if limit == "max" else int(limit) - int(g.read()))
     except (OSError, ValueError):
         pass
-    vals = [v for v in vals if v is not None]
-    return min(vals) if vals else None
-
-
-def mem_limit(gb: float | None) -> int | None:
-    """--mem-limit in bytes; by default the memory available at start minus 2 GB."""
-    avail = mem_available()
-    return int(gb * GB) if gb else (int(avail - 2 * GB) if avail else None)
+    return min([v for v in vals if v is not None], default=None)
 
 
 def say(msg: str) -> None:
-    """A worker's progress line (the parent relays the lines that start with @@)."""
-    print("@@ " + msg, flush=True)
+    """A worker's progress line, with its point and variant."""
+    print(f"  [{os.environ.get('SMX_BENCH_WORKER', '')}] {msg}", flush=True)
 
 
-def run_worker(spec_path: str, body: Callable[[dict, dict], None], keys: tuple[str, ...]) -> int:
-    """A worker's life: read its spec, run ``body(spec, out)``, record a raised error (``status`` "error" and the
-    traceback; :class:`Unavailable`: "unavailable"), write ``out`` where the parent reads it."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    out: dict[str, Any] = {k: spec[k] for k in keys}
-    out.update(status="error", notes=[])
+class Unavailable(RuntimeError):
+    """A variant whose package is missing."""
+
+
+def run_worker(spec_json: str, body: Callable[[dict, dict], None]) -> int:
+    """A worker's life: ``body(spec, out)``, a raised error recorded (status "error" and the traceback;
+    :class:`Unavailable`: "unavailable"), ``out`` written where the parent reads it."""
+    spec, out = json.loads(spec_json), {"status": "error"}
     try:
         body(spec, out)
     except Unavailable as e:
@@ -62,159 +63,268 @@ def run_worker(spec_path: str, body: Callable[[dict, dict], None], keys: tuple[s
     except Exception as e:  # noqa: BLE001 - reported by the parent
         import traceback
 
-        out.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+        traceback.print_exc()
+        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
     with open(spec["out"], "w") as f:
         json.dump(out, f, default=str)
     return 0
 
 
-class Unavailable(RuntimeError):
-    """A variant whose package is missing."""
+def timed_steps(step: Callable[[], Any], rounds: int, out: dict, reset: Callable[[], None]) -> Any:
+    """A warm-up step (compilation included), then ``rounds`` steps after ``reset()`` each: their wall and CPU
+    seconds, peak RSS above the pre-step RSS and ``others`` (cores other processes used during the timed steps)
+    into ``out``; -> the last step's result."""
+    t0 = time.perf_counter()
+    res = step()
+    out.update(warmup_s=time.perf_counter() - t0, step_s=[], step_cpu_s=[], peak_bytes=[])
+    say(f"warm-up {out['warmup_s']:.1f} s")
+    with common.LoadMeter() as load:  # not the warm-up: its compile workers are other processes
+        for r in range(rounds):
+            res = None
+            reset()
+            with PeakMemory("cpu") as m:
+                c0, t0 = time.process_time(), time.perf_counter()
+                res = step()
+                t1, c1 = time.perf_counter(), time.process_time()
+            for k, v in (("step_s", t1 - t0), ("step_cpu_s", c1 - c0), ("peak_bytes", m.peak_bytes)):
+                out[k].append(v)
+            out["mem_method"] = m.method
+            say(f"round {r + 1}/{rounds}: {t1 - t0:.3f} s, peak {m.peak_bytes / MB:.1f} MB above the pre-step RSS")
+    if rounds:
+        out["others"] = load.others
+    return res
 
 
-def launch(spec: dict, workdir: str, limit: int | None, timeout: float, log: Callable[[str], None], script: str,
-           label: str) -> dict:
-    """Run ``script --_worker SPEC`` in a fresh process and return its result; relay its @@ lines; kill it when its
-    RSS passes ``limit``, the machine runs low on memory, or it runs past ``timeout``. ``other_load``: cores of
-    CPU other processes used meanwhile; a ``mmap_threshold`` in the spec fixes glibc's (so RSS follows the
-    live buffers)."""
-    tag = "".join(c if c.isalnum() or c in "._-" else "-" for c in label)
-    spec = dict(spec, out=os.path.join(workdir, f"{tag}.out.json"))
-    spec_path = os.path.join(workdir, f"{tag}.spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if spec.get("mmap_threshold") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+def conclude(spec: dict, out: dict, got: dict[str, Any], tol: dict[str, float]) -> None:
+    """A worker's end: the smx reports (variant smx), and the check: ``got`` ({name: tensor or list of tensors})
+    present, finite and within ``tol`` of the reference's (``<name>_rel``: max |got - ref| / max |ref|, the worst of
+    a list). Eager and the "reference" variant save theirs as the reference (made by ``spec["by"]``, default
+    eager)."""
+    import torch
+
+    if spec["variant"] == "smx":
+        out["smx_report"] = common.smx_report_summary()
+    flat = {k: v if isinstance(v, list) else [v] for k, v in got.items()}
+    chk: dict[str, Any] = {}
+    if any(t is None for ts in flat.values() for t in ts):
+        chk["why"] = "a gradient is missing"
+    elif not all(bool(torch.isfinite(t).all()) for ts in flat.values() for t in ts):
+        chk["why"] = "not finite"
+    elif spec["variant"] in ("eager", "reference"):
+        torch.save(dict(flat, by=spec.get("by", "eager")), spec["ref"])
+        chk["against"] = "itself (reference)"
+    elif not os.path.exists(spec["ref"]):
+        chk["why"] = "no reference to compare with"
+    else:
+        ref = torch.load(spec["ref"], weights_only=True)
+        chk["against"] = ref["by"]
+        for k, ts in flat.items():
+            chk[k + "_rel"] = max(float((t - r).abs().max()) / max(float(r.abs().max()), 1e-30)
+                                  for t, r in zip(ts, ref[k]))
+        bad = [f"{k} {chk[k + '_rel']:.1e} > {tol[k]:.0e}" for k in flat if chk[k + "_rel"] > tol[k]]
+        if bad:
+            chk["why"] = "outside tolerance: " + ", ".join(bad)
+    out.update(check=chk, status="FAILED" if "why" in chk else "ok")
+    rels = ", ".join(f"{k} {v:.1e}" for k, v in chk.items() if k.endswith("_rel"))
+    say(f"check against {chk.get('against', '-')}: {rels} -> {out['status']} {chk.get('why', '')}")
+
+
+def launch(spec: dict, limit: int | None, script: str, label: str) -> dict:
+    """Run ``script --_worker SPEC`` in a fresh process (its output goes to ours) and return its result; kill it when
+    its RSS passes ``limit``, the machine runs low on memory, or it runs past :data:`TIMEOUT`. ``others``: cores
+    other processes used (the worker's timed steps, else its whole run)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SMX_BENCH_WORKER=label)
+    if spec["mmap_threshold"] and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS then follows the live buffers
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
-    proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--_worker", spec_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-
-    def relay():
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            log(f"  [{label}] {line[3:]}") if line.startswith("@@ ") else tail.append(line)
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    max_rss, killed = 0, None
-    with LoadMeter() as load:
-        while proc.poll() is None:
+    spec = dict(spec, out=f"{spec['ref']}.{time.monotonic_ns()}.json")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--_worker", json.dumps(spec)], env=env)
+    killed = None
+    with common.LoadMeter() as load:
+        while proc.poll() is None and not killed:
             rss, avail = rss_bytes("VmRSS", str(proc.pid)) or 0, meminfo("MemAvailable")
-            max_rss = max(max_rss, rss)
             if limit is not None and rss > limit:
                 killed = f"killed: its RSS reached {rss / GB:.1f} GB, over the limit {limit / GB:.1f} GB (--mem-limit)"
             elif avail is not None and avail < 0.5 * GB:
                 killed = f"killed: the machine ran low on memory ({avail / GB:.2f} GB available; RSS {rss / GB:.1f} GB)"
-            elif time.monotonic() - load.t0 > timeout:
-                killed = f"killed: ran over --variant-timeout {timeout:.0f} s"
-            if killed:
-                proc.kill()
-                break
+            elif time.monotonic() - load.t0 > TIMEOUT:
+                killed = f"killed: ran over {TIMEOUT} s"
             time.sleep(0.05)
+        proc.kill()
         proc.wait()
-        reader.join(timeout=5)
-    ident = {k: spec[k] for k in ("variant", "vocab", "model", "seq", "mode") if k in spec}
-    if killed:
-        res = dict(ident, status="killed", error=killed)
-    elif os.path.exists(spec["out"]):
+    if killed or not os.path.exists(spec["out"]):
+        res = {"status": "killed" if killed else "error",
+               "error": killed or f"worker exited with status {proc.returncode} and no result"}
+    else:
         with open(spec["out"]) as f:
             res = json.load(f)
-    else:
-        res = dict(ident, status="error", error=f"worker exited with status {proc.returncode} and no result")
-    if res.get("status") in ("error", "killed") and tail:
-        res["log_tail"] = "\n".join(tail)
-    res.update(sampled_max_rss_bytes=max_rss, wall_s=time.monotonic() - load.t0, other_load=load.others)
-    return res
+    return dict({"others": load.others}, **res, wall_s=time.monotonic() - load.t0)
 
 
-def least_disturbed(run: Callable[[], dict], retries: int, wait_s: float, log: Callable[[str], None], label: str,
-                    others: Callable[[dict], float | None] = lambda r: r.get("other_load")) -> dict:
-    """``run()`` (a worker), again up to ``retries`` times while other processes used > NOISY cores meanwhile
-    (``wait_s``: wait for a quiet machine first, --wait-quiet); the least disturbed finished try is returned."""
+def least_disturbed(run: Callable[[], dict], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """``run()`` (a worker), again up to --retry-noisy times while other processes used > NOISY cores meanwhile
+    (--wait-quiet: wait for a quiet machine first); the least disturbed finished try, the others in its JSON."""
     tries: list[dict] = []
+    quiet = common.Quiet(args.wait_quiet, float("inf"), log)
     while True:
-        if wait_s:
-            wait_quiet(wait_s, log)
-        res = run()
-        if res.get("status") == "error" and res.get("traceback"):
-            log(res["traceback"])
-        tries.append(res)
-        load = others(res) or 0
-        if load <= NOISY or res.get("status") not in ("ok", "FAILED") or len(tries) > retries:
+        quiet()
+        tries.append(run())
+        load, status = tries[-1]["others"] or 0, tries[-1]["status"]
+        if load <= NOISY or status not in ("ok", "FAILED") or len(tries) > args.retry_noisy:
             break
-        log(f"[{label}] other processes took {load:.2f} cores: running it again (--retry-noisy)")
-    best = min(tries, key=lambda r: (r.get("status") not in ("ok", "FAILED"), others(r) or 0))
-    if len(tries) > 1:
-        best["discarded_tries"] = [{"status": r.get("status"), "others": others(r), "step_s": r.get("step_s"),
-                                    "peak_bytes": r.get("peak_bytes")} for r in tries if r is not best]
-    return best
+        log(f"other processes took {load:.2f} cores: running it again (--retry-noisy)")
+    best = min(tries, key=lambda r: (r["status"] not in ("ok", "FAILED"), r["others"] or 0))
+    return dict(best, discarded_tries=[{k: r.get(k) for k in ("status", "others", "step_s", "peak_bytes")}
+                                       for r in tries if r is not best])
 
 
-def worker_flags(p: argparse.ArgumentParser, timeout: float) -> None:
-    """--mem-limit, --mmap-threshold, --variant-timeout and the hidden --_worker of the subprocess benchmarks."""
+def summary(r: dict) -> dict:
+    """The median step and CPU seconds, the warm-up and the peak bytes (max over rounds; ``transient_bytes``:
+    less the gradients) of a finished worker."""
+    if not r.get("step_s"):
+        return {}
+    s = {"step_s": statistics.median(r["step_s"]), "cpu_s": statistics.median(r["step_cpu_s"]),
+         "warmup_s": r["warmup_s"], "peak_bytes": max(r["peak_bytes"])}
+    return dict(s, transient_bytes=s["peak_bytes"] - r["grads_bytes"]) if "grads_bytes" in r else s
+
+
+def add_flags(p: argparse.ArgumentParser, variants: tuple[str, ...], grad_rtol: float) -> None:
+    """The flags both subprocess benchmarks take."""
+    p.add_argument("--variants", type=common.choice_list(variants), default=list(variants),
+                   help=f"comma-separated subset of {','.join(variants)} (default all; eager always runs first)")
+    p.add_argument("--rounds", type=int, help="timed steps per variant after the warm-up, median reported")
+    p.add_argument("--threads", type=int, default=common.cores(), help="torch threads (default: all cores)")
+    p.add_argument("--loss-rtol", type=float, default=1e-4, help="max |loss - eager| / |eager| (default %(default)s)")
+    p.add_argument("--grad-rtol", type=float, default=grad_rtol,
+                   help="max |grad - eager| / max |eager grad| (default %(default)s)")
     p.add_argument("--mem-limit", type=float, metavar="GB",
                    help="largest RSS a variant's process may reach: variants estimated above it are skipped, one "
                         "that passes it is killed (default: memory available at start minus 2 GB)")
     p.add_argument("--mmap-threshold", type=int, default=2**20, metavar="BYTES",
                    help="glibc MALLOC_MMAP_THRESHOLD_ of the workers (default 1 MiB: RSS follows the live buffers "
                         "and peaks repeat; 0 keeps glibc's dynamic threshold; the environment's wins)")
-    p.add_argument("--variant-timeout", type=float, default=timeout, help="seconds before a worker is killed "
-                                                                          "(default %(default)s)")
+    common.add_noise_flags(p, budget=False)
+    p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH "
+                                                  "(rewritten after every variant)")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--plot", metavar="PATH", help="time and peak memory (PNG/SVG/PDF; needs matplotlib)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
 
 
-def finish_run(env: dict, result: dict, json_path: str | None, command: str, t_start: float,
-               label: Callable[[dict], str]) -> int:
-    """A subprocess benchmark's end: the load average, the JSON, the command, the failed rows; the exit status
-    (1 when a row FAILED, raised or was killed)."""
-    print_load_at_end(env)
-    write_json(json_path, result)
-    print(f"\n$ {command}   ({time.monotonic() - t_start:.0f} s)" + (f"\nwrote {json_path}" if json_path else ""))
-    bad = [r for r in result["results"] if r.get("status") in ("FAILED", "error", "killed")]
+def run(args: argparse.Namespace, script: str, packages: tuple[str, ...], describe: str, settings: dict,
+        points: list[tuple[dict, list[str]]], estimate: Callable[[dict], int]) -> dict:
+    """A subprocess benchmark's run: the command and environment printed, then every variant of every ``(point,
+    variants)`` in a fresh process, eager first: it saves the reference (where it does not run, an untimed
+    "reference" worker does); a variant whose ``estimate(spec)`` bytes do not fit is skipped; the JSON is rewritten
+    after each. -> command, env, settings (every worker's spec too) and results (with summaries, ratios to inductor)."""
+    command, env, avail = common.command_line(), common.environment(args.threads, packages, git=True), mem_available()
+    env.update(mem_total_gb=round((meminfo("MemTotal") or 0) / GB, 1), mem_available_gb=round((avail or 0) / GB, 1))
+    common.print_header(command, env, "the `others` column says, per variant, whether they shared its timed steps")
+    limit = int(args.mem_limit * GB) if args.mem_limit else (int(avail - 2 * GB) if avail else None)
+    print(f"{describe}; one fresh process per variant; memory limit {(limit or 0) / GB:.1f} GB", flush=True)
+    settings.update({k: getattr(args, k) for k in ("rounds", "threads", "loss_rtol", "grad_rtol", "mmap_threshold")},
+                    mem_limit_bytes=limit, malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
+    result, workdir, t0 = {"command": command, "env": env, "settings": settings, "results": []}, tempfile.mkdtemp(), \
+        time.monotonic()
+    results = result["results"]
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+    def one(spec: dict, where: str) -> dict:
+        log(f"[{where} {spec['variant']}] fresh process (estimated peak RSS {estimate(spec) / GB:.1f} GB)")
+        return launch(spec, limit, script, f"{where} {spec['variant']}")
+
+    try:
+        for n, (point, variants) in enumerate(points):
+            where = " ".join(f"{k}={v}" for k, v in point.items())
+            for name in variants:
+                spec = dict(settings, **point, variant=name, ref=os.path.join(workdir, f"ref-{n}.pt"))
+                if name != "eager" and not os.path.exists(spec["ref"]):
+                    results.append(dict(one(dict(spec, variant="reference", rounds=0), where), **point,
+                                        point=where, variant="reference"))
+                avail, est = mem_available(), estimate(spec)
+                room = min([x for x in (limit, avail and avail - GB) if x is not None], default=None)
+                if room is not None and est > room:
+                    res = {"status": "skipped", "error": f"needs ~{est / GB:.1f} GB, {room / GB:.1f} GB usable"}
+                else:
+                    res = least_disturbed(lambda: one(spec, where), args, log)
+                results.append(dict(res, **point, point=where, variant=name, estimated_rss_bytes=est))
+                s, oth = summary(res), res.get("others")
+                log(f"{where} {name}: {res['status']}" + (f", step {s['step_s']:.3f} s, peak "
+                    f"{s['peak_bytes'] / MB:.1f} MB" if s else "") + (f", others {oth:.2f}" if oth is not None else "")
+                    + f" {res.get('error') or res.get('check', {}).get('why') or ''}")
+                common.write_json(args.json, result)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for r in results:
+        r["summary"] = summary(r)
+    for r in results:
+        ind = next((x["summary"] for x in results if x["point"] == r["point"] and x["variant"] == "inductor"
+                    and x["status"] == "ok"), {})
+        r["ratio_vs_inductor"] = {k: v / ind[k] for k, v in r["summary"].items() if ind.get(k)}
+    result["wall_s"] = time.monotonic() - t0
+    return result
+
+
+def table(title: str, results: list[dict], point_keys: tuple[str, ...], metrics: dict[str, tuple[str, float]],
+          rels: dict[str, str], markdown: bool) -> None:
+    """Print a row per variant: the point, the variant, ``metrics`` ({header: (summary key, scale)}; the ratio to
+    inductor where the header says "(/ind)"), the relative differences ``rels`` ({header: check key}), the check,
+    the others' load, and a note (the smx report, the row's ``note``, the reference if not eager, why it failed)."""
+    head, rows = [*point_keys, "variant", *metrics, *rels, "check", "others", "smx report / note"], []
+    for r in (r for r in results if r["variant"] != "reference"):
+        s, ratio, chk, rep = r["summary"], r["ratio_vs_inductor"], r.get("check", {}), r.get("smx_report")
+        cells = [str(r[k]) for k in point_keys] + [r["variant"]]
+        for h, (k, scale) in metrics.items():
+            x = f" ({ratio[k]:.2f}x)" if "(/ind)" in h and r["variant"] != "inductor" and k in ratio else ""
+            cells.append(fmt_num(s[k] * scale) + x if k in s else "-")
+        cells += [f"{chk[k]:.1e}" if k in chk else "-" for k in rels.values()]
+        notes = [f"{common.sites_text(rep)} ({rep['graphs']} graph(s))" if rep else "", r.get("note", ""),
+                 "" if chk.get("against") in (None, "eager", "itself (reference)") else f"against {chk['against']}",
+                 chk.get("why", "") if r["status"] == "FAILED" else r.get("error", "")[:140]]
+        rows.append(cells + [r["status"], fmt_num(r.get("others"), 2), "; ".join(n for n in notes if n)])
+    common.print_table(title, head, rows, markdown, left=("variant", "check", "smx report / note"))
+
+
+def plot(results: list[dict], path: str, title: str, x: str, panels: list[tuple], label: Callable[[dict], str]
+         ) -> str:
+    """Summary figures against ``x`` (log-log), a panel per ``(title, y label, summary key, scale, {key: value} of
+    its rows)``, a line per ``label(row)``; -> what to print."""
+    plt = common.pyplot()
+    if plt is None:
+        return "--plot: " + common.NO_MATPLOTLIB
+    done = [r for r in results if r["variant"] != "reference" and r["summary"]]
+    labels, n_rows = list(dict.fromkeys(label(r) for r in done)), (len(panels) + 1) // 2
+    fig, axes = plt.subplots(n_rows, 2, figsize=(12, 2 + 3.5 * n_rows), squeeze=False)
+    for ax, (name, ylabel, key, scale, where) in zip(axes.flat, panels):
+        for i, lab in enumerate(labels):
+            pts = sorted((r[x], r["summary"][key] * scale) for r in done
+                         if label(r) == lab and all(r[k] == v for k, v in where.items()))
+            if pts:
+                ax.plot(*zip(*pts), "-" if i < 10 else "--", marker="o", color=f"C{i % 10}", label=lab)
+        xs = sorted({r[x] for r in done})
+        ax.set(xscale="log", yscale="log", title=name, xlabel=x, ylabel=ylabel)
+        ax.set_xticks(xs, [str(v) for v in xs])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.grid(alpha=0.3, which="both")
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="lower center", ncol=8, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def finish(result: dict, args: argparse.Namespace) -> int:
+    """A subprocess benchmark's end: the load average, the JSON, the command, the failed rows; the exit status (1
+    when a row FAILED, raised or was killed)."""
+    common.print_load_at_end(result["env"])
+    common.write_json(args.json, result)
+    print(f"\n$ {result['command']}   ({result['wall_s']:.0f} s)" + (f"\nwrote {args.json}" if args.json else ""))
+    bad = [r for r in result["results"] if r["status"] in ("FAILED", "error", "killed")]
     for r in bad:
-        print(f"{r['status']}: {label(r)}: {r.get('check', {}).get('why') or r.get('error')}")
+        print(f"{r['status']}: {r['point']} {r['variant']}: {r.get('check', {}).get('why') or r.get('error')}")
     return 1 if bad else 0
-
-
-def print_sources(results: list[dict], variants: tuple[str, ...], label: Callable[[dict], str]) -> None:
-    """Warn when the workers of ``variants`` ran different smxcompile sources (edited mid-run)."""
-    ours = [r for r in results if r.get("variant") in variants]
-    srcs = {r.get("smxcompile_src") for r in ours if r.get("smxcompile_src")}
-    if len(srcs) > 1:
-        print("WARNING: smxcompile's source changed during the run (someone edited it): "
-              + "; ".join(f"{label(r)} ran source {r.get('smxcompile_src')}" for r in ours))
-    elif srcs:
-        print(f"smxcompile source hash (sha1 of its .py files): {srcs.pop()}")
-
-
-
-
-def timed_steps(step: Callable[[], Any], rounds: int, out: dict, reset: Callable[[], None],
-                fmt: Callable[[float, int], str]) -> Any:
-    """A worker's warm-up step (compilation included), then ``rounds`` steps after ``reset()`` each, recording into
-    ``out`` the wall and CPU seconds, the peak RSS above the pre-step RSS (:class:`common.StepPeak`) and
-    ``other_load_timed`` (cores other processes used during the timed steps); -> the last step's result."""
-    t0 = time.perf_counter()
-    res = step()
-    out["warmup_s"] = time.perf_counter() - t0
-    say(f"warm-up {out['warmup_s']:.1f} s")
-    for k in ("step_s", "step_cpu_s", "peak_bytes", "base_rss_bytes"):
-        out[k] = []
-    busy = own = wall = 0.0
-    for r in range(rounds):
-        res = None
-        reset()
-        with StepPeak() as m:
-            b0, c0, t0 = busy_cpu_s(), time.process_time(), time.perf_counter()
-            res = step()
-            t1, c1, b1 = time.perf_counter(), time.process_time(), busy_cpu_s()
-        for k, v in (("step_s", t1 - t0), ("step_cpu_s", c1 - c0), ("peak_bytes", m.peak), ("base_rss_bytes", m.base)):
-            out[k].append(v)
-        out["mem_method"] = m.method
-        if b0 is not None and b1 is not None:
-            busy, own, wall = busy + (b1 - b0), own + (c1 - c0), wall + (t1 - t0)
-        say(f"round {r + 1}/{rounds}: {fmt(t1 - t0, m.peak)} above {m.base / GB:.2f} GB RSS")
-    if wall > 0:  # the compile workers of the warm-up are other processes: the timed steps only
-        out["other_load_timed"] = max(0.0, busy - own) / wall
-    return res

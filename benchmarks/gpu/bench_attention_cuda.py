@@ -5,86 +5,74 @@ eager (materialized), inductor, sdpa (FlashAttention-2), smx (the rewrite), the 
 
 import argparse
 import math
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import smxcompile
+from smx_app.demo.memory import PeakMemory
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+#: the variants whose output is held to the fp32 reference (the other normalizers compute another function)
+CHECKED = ("eager", "inductor", "sdpa", "smx", "smx-softmax+softcap50", "inductor-silu", "smx-silu")
 
 
-def eager(q, k, v):
+def eager(q, k, v, silu=False):
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s * torch.sigmoid(s) if silu else s
     L = q.shape[-2]
     s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
 
 def eager_silu(q, k, v):
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    L = q.shape[-2]
-    s = (s * torch.sigmoid(s)).masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+    return eager(q, k, v, silu=True)
 
 
-def timed(fn, backward, rounds=5):
-    times = []
-    for i in range(rounds + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        if backward:
-            out.backward(torch.ones_like(out))
-        end.record()
-        torch.cuda.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], out
+def op(**kw):
+    return lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, **kw)
+
+
+def step(fn, *qkv):
+    """Forward and backward from fresh leaves (their gradients count in the peak memory)."""
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    out = fn(*leaves)
+    out.backward(torch.ones_like(out))
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="one small case")
-    quick = p.parse_args().quick
+    argparse.ArgumentParser(description=__doc__).parse_args()
     print(f"torch {torch.__version__} {torch.cuda.get_device_name()}")
     print("| B,H,L,E | variant | fwd ms | fwd+bwd ms | peak MB fwd+bwd | max err vs fp32 |\n|---|---|---|---|---|---|")
-    cases = [(4, 16, 1024, 64)] if quick else [(4, 16, 2048, 64), (1, 16, 8192, 128)]
-    for B, H, L, E in cases:
+    for B, H, L, E in [(4, 16, 2048, 64), (1, 16, 8192, 128)]:
+        case = f"{B},{H},{L},{E}"
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, E, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-        ref = eager(q.float(), k.float(), v.float())
-        ref_silu = eager_silu(q.float(), k.float(), v.float())
+        ref, ref_silu = eager(q.float(), k.float(), v.float()), eager_silu(q.float(), k.float(), v.float())
         variants = {
             "eager": eager, "inductor": torch.compile(eager),
             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "smx": torch.compile(eager, backend="smx"),
-            "smx-softmax+softcap50": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, softcap=50.0),
-            "smx-sigmoid": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sigmoid"),
-            "smx-softpick": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="softpick"),
-            "smx-sparsemax": lambda q, k, v: smxcompile.attention(q, k, v, is_causal=True, normalizer="sparsemax"),
-            "inductor-silu": torch.compile(eager_silu),
+            "smx": torch.compile(eager, backend="smx"), "smx-softmax+softcap50": op(softcap=50.0),
+            "smx-sigmoid": op(normalizer="sigmoid"), "smx-softpick": op(normalizer="softpick"),
+            "smx-sparsemax": op(normalizer="sparsemax"), "inductor-silu": torch.compile(eager_silu),
             "smx-silu": torch.compile(eager_silu, backend="smx", options={"cuda": "rewrite"}),
         }
-        if L * L * B * H * 4 > 8e9:
-            variants.pop("eager")
-            variants.pop("inductor")
-            variants.pop("inductor-silu")
         for name, fn in variants.items():
+            if L * L * B * H * 4 > 8e9 and name in ("eager", "inductor", "inductor-silu"):
+                continue
             try:
-                qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                fwd_ms, out = timed(lambda: fn(qq.detach(), kk.detach(), vv.detach()), backward=False)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step_ms, _ = timed(lambda: fn(qq, kk, vv), backward=True, rounds=3)
-                peak = (torch.cuda.max_memory_allocated() - base) / 1e6
-                # the other normalizers compute another function: no softmax reference to hold them to
+                fwd_ms = common.cuda_ms(lambda: fn(q, k, v), 5)
+                with PeakMemory("cuda") as mem:
+                    step_ms = common.cuda_ms(lambda: step(fn, q, k, v), 3)
                 want = ref_silu if name.endswith("-silu") else ref
-                err = (f"{(out.float() - want).abs().max().item():.2e}" if name in ("eager", "inductor", "sdpa", "smx")
-                       or name.startswith("smx-softmax") or name.endswith("-silu") else "-")
-                print(f"| {B},{H},{L},{E} | {name} | {fwd_ms:.2f} | {step_ms:.2f} | {peak:.0f} | {err} |")
+                err = f"{(fn(q, k, v).float() - want).abs().max().item():.2e}" if name in CHECKED else "-"
+                print(f"| {case} | {name} | {fwd_ms:.2f} | {step_ms:.2f} | {mem.peak_bytes / 1e6:.0f} | {err} |")
             except Exception as e:  # report and go on: one failing variant must not hide the others
-                print(f"| {B},{H},{L},{E} | {name} | error: {type(e).__name__}: {str(e)[:120]} | | | |")
+                print(f"| {case} | {name} | error: {type(e).__name__}: {str(e)[:120]} | | | |")
             sys.stdout.flush()
 
 

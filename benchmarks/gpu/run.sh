@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # The one prepared script for a CUDA machine: GPU tests, then GPU benchmarks, in < 10 minutes.
-# Usage (repo root):  bash benchmarks/gpu/run.sh
-# Writes figures to ${OUT:-gpu-out}/ (bench_softmax.json, compare_model.json, the pytest log, nvidia-smi);
-# copy the table into docs/PERFORMANCE.md with the date.
+# Usage (repo root): bash benchmarks/gpu/run.sh; the logs and JSON land in ${OUT:-gpu-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
-# The machine's torch (a CUDA build) and packages as they are: no pip (such machines may reach no index; an
-# editable install needs one for its build backend). The checkout is imported from here. torch may be older than
-# pyproject's range (the lent H200 image holds 2.11): these checks need only the kernels and the passes.
+# The machine's torch (a CUDA build) and packages as they are, no pip (such machines may reach no index); the
+# checkout is imported from here. torch may be older than pyproject's range: these need only kernels and passes.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 python -c "
@@ -20,10 +17,8 @@ missing = [m for m in ('triton', 'pytest', 'pytest_timeout', 'xdist', 'hypothesi
 assert not missing, f'missing packages: {missing} (carry them as wheels)'
 import triton; print('triton', triton.__version__)" || exit 1
 
-# TRITON_INTERPRET stays unset: the real kernels run on the GPU.
-unset TRITON_INTERPRET
-# up to 25 failures, not the first one (device time is scarce: one run must name the failing tests), 8 workers;
-# the sm_90 / sm_80 compile checks need no GPU (CI runs them) and are left out
+unset TRITON_INTERPRET  # the real kernels run on the GPU
+# up to 25 failures (one run must name the failing tests), 8 workers; the sm_90 / sm_80 compile checks need no GPU
 timeout 200 python -m pytest -q -ra --maxfail 25 -n 8 -k "not compile_for_cuda and not compiles_for_cuda" tests/kernels/test_triton_softmax.py tests/kernels/test_softmax_numerics.py \
   tests/kernels/test_triton_linear_ce.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_softmax_topk.py \
   tests/kernels/test_triton_op.py tests/kernels/test_triton_quant_softmax.py tests/kernels/test_triton_sampling.py \
@@ -36,17 +31,15 @@ timeout 90 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_
 # cut cross-entropy on CUDA: the Triton path against eager and Inductor (loss, grads, time, peak memory)
 timeout 90 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
 # a subset of shapes keeps compile time (one compile per backend x case x pass) inside the budget
-timeout 75 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
+timeout 75 python benchmarks/bench_softmax.py --device cuda --rounds 2 --shapes 4096x1024 64x32000 8x262144 12288x256 1024x256 --json "$OUT/bench_softmax.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
 # fused softmax + top-k on CUDA: routers, vocabulary samplers, argmax (the Triton kernel vs eager / Inductor)
 timeout 65 python benchmarks/bench_softmax_topk.py --device cuda --families router,vocab,argmax --rounds 2 --no-memory --json "$OUT/bench_softmax_topk.json" 2>&1 | tee "$OUT/bench_softmax_topk.txt" | tail -40
-# quantized softmax on CUDA: softmax -> quantize (fake-quant qdq, uint8 codes, quantized attention): eager / Inductor /
-# smx (the Triton smx::quant_softmax) / the op called directly (ms, peak memory, codes checked against eager)
+# quantized softmax on CUDA (qdq, uint8 codes, quantized attention): eager / Inductor / smx / the op called directly
 timeout 45 python benchmarks/bench_quant_softmax.py --device cuda --quick --json "$OUT/bench_quant_softmax.json" 2>&1 | tee "$OUT/bench_quant_softmax.txt" | tail -40
-# generate's sampling step on CUDA: eager / Inductor / smx (the Triton smx::sample)
-timeout 40 python benchmarks/bench_sampling.py --device cuda --vocab 128256 --batch 1,64 --configs top_k,temperature+top_k+top_p --min-run-time 0.2 --markdown 2>&1 | tee "$OUT/bench_sampling.txt" | tail -12
-# the GPU model against this GPU: cases of benchmarks/gpu_cases.py (a few per family, all in docs/gpu_model.json)
-# timed here, ours and torch's path, next to benchmarks/gpu_model.py's predictions (measured / predicted, measured
-# speedup vs torch); it gets what the steps above left of the 10 minutes (40..170 s; the JSON is written per case)
+# generate's sampling step on CUDA: eager / Inductor / smx-rewrite (the Triton smx::sample; smx keeps it on CUDA)
+timeout 40 python benchmarks/bench_sampling.py --device cuda --shapes 1x128256 64x128256 --configs top_k,temperature+top_k+top_p --backends smx-rewrite --min-run-time 0.2 --markdown 2>&1 | tee "$OUT/bench_sampling.txt" | tail -12
+# the GPU model against this GPU: a few cases of benchmarks/gpu_cases.py timed next to gpu_model.py's predictions;
+# it gets what the steps above left of the 10 minutes (40..170 s; the JSON is written per case)
 left=$(( 585 - SECONDS )); (( left > 170 )) && left=170; (( left < 40 )) && left=40
 timeout $left python benchmarks/gpu/compare_model.py --only 4096x4096 --only "64x131072 k=50" --only 1x16x4096x128 \
   --only "N8192 D4096 V128256" --only 8192x128256 --only "64x128256" --budget $(( left - 30 )) --json "$OUT/compare_model.json" 2>&1 \

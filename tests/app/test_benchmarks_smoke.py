@@ -1,6 +1,6 @@
-"""The never-slower benchmarks run (a few rows each, short timings): the matrix of default decisions and the eager
-ops against the torch code they replace. Their figures are in docs/PERFORMANCE.md; here only that they run, check
-results against eager and write what they promise."""
+"""The never-slower benchmarks run (a few rows each, short timings): the matrix of default decisions, a family script
+on the same runner (benchmarks/matrix.py) and the eager ops against the torch code they replace. Their figures are in
+docs/PERFORMANCE.md; here only that they run, check results against eager and write what they promise."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def test_bench_defaults_quick_rows(tmp_path):
     lce = {row["pass"]: row for row in rows if row["family"] == "linear_ce"}
     assert "kept" in lce["infer"]["smx_action"] and "no gradient" in lce["infer"]["smx_reason"], lce["infer"]
     assert "rewritten" in lce["train"]["smx_action"], lce["train"]
+
+
+def test_bench_quant_softmax_quick_codes(tmp_path):
+    """A family script: a backend of its own (the op called directly), its own check, the peak-memory table."""
+    out = tmp_path / "q.json"
+    r = _run("bench_quant_softmax.py", "--quick", "--cases", "codes", "--min-run-time", "0.01", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["family"] == "codes" and row["op_ms"] > 0 and not row["mismatch"], row
+    assert set(row["peak_mb"]) == {"eager", "inductor", "smx", "smx-rewrite", "op"}, row
+    assert "kept" in row["smx_action"] and "rewritten" in row["actions"]["smx-rewrite"], row
 
 
 def test_bench_eager_ops_quick(tmp_path):

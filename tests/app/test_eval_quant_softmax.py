@@ -37,9 +37,9 @@ def test_quick_end_to_end(tmp_path):
     ev = _load_script()
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    # --train-if-missing runs `smx demo --backends eager --seed 0 --out <out>` with the extra --quick
-    rc = ev.main(["--checkpoint", str(out / "checkpoint"), "--quick", "--train-if-missing", "--train-args=--quick",
-                  "--no-progress", "--markdown", "--json", str(tmp_path / "q.json"), "--plot", str(tmp_path / "q.png")])
+    # --train-if-missing with --quick runs `smx demo --quick --backends eager --seed 0 --out <out>`
+    rc = ev.main(["--checkpoint", str(out / "checkpoint"), "--quick", "--train-if-missing", "--markdown",
+                  "--json", str(tmp_path / "q.json"), "--plot", str(tmp_path / "q.png")])
     elapsed = time.perf_counter() - t0
     assert rc == 0
     assert (out / "checkpoint" / "config.json").is_file() and (out / "results.json").is_file()
@@ -53,7 +53,7 @@ def test_quick_end_to_end(tmp_path):
     assert len(ck["sites"]) == ck["n_layer"] == 2
     assert ck["eval_windows"] == 16 and ck["calib_windows"] == 16
     rows = doc["results"]
-    assert {(r["bits"], r["setting"]) for r in rows} == {(b, s) for b in (8, 4) for s in ev.SETTING_NAMES}
+    assert {(r["bits"], r["setting"]) for r in rows} == {(b, s) for b in (8, 4) for s in ev.SETTINGS}
     fp = ck["fp32"]["ppl"]
     for r in rows:
         assert r["ppl"] > 1 and r["ppl"] != fp and r["max_abs_logit_diff_batch0"] > 0
@@ -65,9 +65,9 @@ def test_quick_end_to_end(tmp_path):
     assert by[(4, "none")]["mean_abs_rowsum_err"] > by[(8, "none")]["mean_abs_rowsum_err"]
     v = doc["verdict"]
     assert set(v) >= {"goal_8bit_within_1pct", "goal_correction_beats_none", "ranking_by_bits"}
+    assert list(v["ranking_by_bits"]) == ["8", "4"] and len(v["ranking_by_bits"]["4"]) == len(ev.SETTINGS)
+    assert by[(8, "offset/head")]["vs_none_ci95_pct"] is not None and by[(8, "none")]["vs_none_pct"] is None
     assert "| q |" not in doc["table_markdown"] and "| run | 8 | scale/head |" in doc["table_markdown"]
-    import importlib.util
-
     if importlib.util.find_spec("matplotlib") is not None:     # the [bench] extra; CI installs [test] only
         assert (tmp_path / "q.png").stat().st_size > 10_000
     else:
@@ -77,4 +77,4 @@ def test_quick_end_to_end(tmp_path):
 def test_missing_checkpoint_fails_clearly(tmp_path):
     ev = _load_script()
     with pytest.raises(SystemExit, match="--train-if-missing"):
-        ev.main(["--checkpoint", str(tmp_path / "nope"), "--quick", "--no-progress"])
+        ev.main(["--checkpoint", str(tmp_path / "nope"), "--quick"])

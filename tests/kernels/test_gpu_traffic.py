@@ -232,7 +232,7 @@ def test_backward_cases_time_torchs_backward_alone():
     f32 = torch.float32
     for case, names in ((attention_case(1, 4, 2, 32, 16, backward=True, dtype=f32), ("q", "k", "v")),
                         (linear_ce_case(16, 8, 64, backward=True, dtype=f32), ("x", "w")),
-                        (ce_case(16, 64, backward=True, dtype=f32), ("z",)),
+                        (ce_case(16, 64, backward=True, dtype=f32), ("x",)),
                         (topk_case(4, 64, 5, renormalize=True, backward=True), ("x",))):
         a = case.make("cpu")
         first = case.torch_run(a)
