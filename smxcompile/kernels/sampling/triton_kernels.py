@@ -277,7 +277,8 @@ if triton is not None:
             n_keep = keep_min - n_above
             n_p = n_at
         if TOP_P:
-            # eager's ascending sort: the j-th tie goes while (below + j * e) / z <= 1 - top_p
+            # eager's ascending sort: the j-th tie goes while (below + j * e) / z <= 1 - top_p (in exact arithmetic;
+            # at an exact equality eager's own fp32 cumulative sum decides, either way)
             q = tl.exp(f_p - m)
             removed = tl.floor((one_minus_p * z - below) / tl.where(q > 0, q, 1.0))
             n_p = n_at - tl.minimum(tl.maximum(removed, 0.0), n_at.to(tl.float32)).to(tl.int32)
