@@ -187,6 +187,12 @@ def _bf16_top_p(logits):
     return torch.multinomial(F.softmax(x.masked_fill(sm.scatter(1, i, sm), -float("inf")), -1), 1)
 
 
+def _sample_sites(fn, seed):
+    """The report's sampling sites of ``fn`` compiled on (2, 40) random logits."""
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(seed))
+    return [s for s in rewrite(fn, logits, check_values=False).report if s.kind == "sample"]
+
+
 @pytest.mark.parametrize("fn, reason", [
     (_top_p_descending, "not a top-k, top-p or min-p"),
     (_kth_removed, "not a top-k, top-p or min-p"),
@@ -194,9 +200,7 @@ def _bf16_top_p(logits):
     (_two_samples, "num_samples=2"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_near_misses_are_not_fused(fn, reason):
-    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
-    r = rewrite(fn, logits, check_values=False)
-    sites = [s for s in r.report if s.kind == "sample"]
+    sites = _sample_sites(fn, seed=4)
     assert sites and all(s.action != "rewritten" for s in sites), [(s.action, s.reason) for s in sites]
     assert any(reason in s.reason for s in sites), [s.reason for s in sites]
 
@@ -281,9 +285,7 @@ def _part_of_the_rows(logits):
     (_part_of_the_rows, "some of the softmax's rows"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_sites_outside_the_op_are_reported_skipped(fn, reason):
-    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(8))
-    r = rewrite(fn, logits, check_values=False)
-    sites = [s for s in r.report if s.kind == "sample"]
+    sites = _sample_sites(fn, seed=8)
     assert [s.action for s in sites] == ["skipped"] and reason in sites[0].reason, [(s.action, s.reason) for s in sites]
 
 

@@ -139,14 +139,14 @@ if triton is not None:
                  SCALE: tl.constexpr, FIX_BF16: tl.constexpr):
         """The kept weights ``exp(s - m)`` (fp64; 0 where filtered) of the columns ``cols``: at or above the
         top-k value, and kept by ``min_tokens_to_keep`` or by both top-p and min-p (:func:`_within`); and the
-        block's ties at ``f_keep`` and ``f_p`` (the carries of the next block)."""
+        carries of the next block (the ties at ``f_keep`` and ``f_p`` seen so far)."""
         s, ok = _scores(base, stride_v, cols, V, temp, SCALE, FIX_BF16)
         e = tl.exp(s - m)
         kept = _within(s, f_keep, n_keep, carry_keep) | (_within(s, f_p, n_p, carry_p) & (e >= min_p))
         keep = ok & (s >= f_k) & kept
-        ties_keep = tl.sum((ok & (s == f_keep)).to(tl.int32), 0)
-        ties_p = tl.sum((ok & (s == f_p)).to(tl.int32), 0)
-        return tl.where(keep, e, 0.0).to(tl.float64), ties_keep, ties_p
+        carry_keep += tl.sum((ok & (s == f_keep)).to(tl.int32), 0)
+        carry_p += tl.sum((ok & (s == f_p)).to(tl.int32), 0)
+        return tl.where(keep, e, 0.0).to(tl.float64), carry_keep, carry_p
 
     @triton.jit
     def _radix_level(base, stride_v, V, temp, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -289,10 +289,8 @@ if triton is not None:
         carry_p = 0
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            w, ties_keep, ties_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
-                                            carry_keep, carry_p, min_p, SCALE, FIX_BF16)
-            carry_keep += ties_keep
-            carry_p += ties_p
+            w, carry_keep, carry_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
+                                              carry_keep, carry_p, min_p, SCALE, FIX_BF16)
             total = tl.max(total + tl.cumsum(w, 0), 0)
             last = tl.maximum(last, tl.max(tl.where(w > 0, cols, -1), 0))
         target = u.to(tl.float64) * total
@@ -304,10 +302,8 @@ if triton is not None:
         carry_p = 0
         while (tok < 0) & (start < V):
             cols = start + tl.arange(0, BLOCK)
-            w, ties_keep, ties_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
-                                            carry_keep, carry_p, min_p, SCALE, FIX_BF16)
-            carry_keep += ties_keep
-            carry_p += ties_p
+            w, carry_keep, carry_p = _weights(base, stride_v, cols, V, temp, m, f_k, f_keep, n_keep, f_p, n_p,
+                                              carry_keep, carry_p, min_p, SCALE, FIX_BF16)
             cum = acc + tl.cumsum(w, 0)
             first = tl.min(tl.where((cols < V) & (cum > target), cols, V), 0)
             tok = tl.where(first < V, first, tok)
