@@ -1,14 +1,9 @@
-#!/usr/bin/env python
-"""Small eager-attention causal LMs (GPT-2, Llama with GQA, gpt-oss with sinks; transformers, random weights) for
-one inference or training step under eager, Inductor, smx and SDPA + Inductor, each in a fresh process: step time,
-peak memory above the pre-step RSS, and logits, loss and gradients against eager's. Columns: benchmarks/README.md.
+"""Small eager-attention causal LMs (transformers, random weights), one inference or training step per variant, each in
+a fresh process: step time, peak memory, logits, loss and gradients against eager's (benchmarks/README.md).
 
   python benchmarks/bench_attention.py [--quick] [--models gpt2,llama] [--seq 1024,4096] [--modes infer,train]
 """
 
-from __future__ import annotations
-
-import argparse
 import importlib
 import sys
 
@@ -27,7 +22,7 @@ GRAD_PARAMS = {
     "gpt_oss": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.sinks",
                 "model.layers.1.self_attn.sinks", "model.embed_tokens.weight"),
 }
-#: the table's columns: {header: (summary key, scale)}
+#: the table's columns: {header: (summary key, scale)}; the plot draws the "(/ind)" ones
 METRICS = {"step ms (/ind)": ("step_s", 1e3), "peak MB (/ind)": ("peak_bytes", 1 / MB), "warm-up s": ("warmup_s", 1)}
 #: the model's flags: (default, help)
 SHAPE = {"batch": (1, "sequences per step"), "layers": (2, "transformer layers"),
@@ -64,8 +59,7 @@ def build_model(spec: dict, attn: str):
 
 
 def work(spec: dict, out: dict) -> None:
-    """A worker: one (model, seq, mode, variant)'s warm-up and timed steps, its memory and its check. The reference
-    (untimed) has eager attention where that fits in memory, else SDPA's."""
+    """A worker: one (model, seq, mode, variant); the untimed reference has eager attention if it fits, else SDPA."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -91,8 +85,6 @@ def work(spec: dict, out: dict) -> None:
         o.loss.backward()
         return o.logits.detach(), o.loss.detach()
 
-    workers.say(f"{spec['model']} ({out['params'] / 1e6:.2f} M params, attn_implementation={attn!r}), batch "
-                f"{spec['batch']} x seq {spec['seq']}, {mode}")
     rounds = spec["rounds"] or (1 if spec["quick"] else 3 if spec["seq"] <= 2048 else 2)
     logits, loss = workers.timed_steps(step, 0 if variant == "reference" else rounds, out,
                                        lambda: model.zero_grad(set_to_none=True))
@@ -122,18 +114,15 @@ def estimate_bytes(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = workers.parser(__doc__, VARIANTS, grad_rtol=1e-3, quick="smoke run: seq 128,256, 1 round")
     p.add_argument("--models", type=common.choice_list(MODELS), default=list(MODELS),
                    help="gpt2,llama,gpt_oss (default all; gpt_oss, with attention sinks, runs no sdpa variant)")
     p.add_argument("--seq", type=common.int_list, help="comma-separated sequence lengths (default 1024,4096)")
     p.add_argument("--modes", type=common.choice_list(MODES), default=list(MODES), help="infer,train (default both)")
-    p.add_argument("--quick", action="store_true", help="smoke run: seq 128,256, 1 round")
     for name, (default, what) in SHAPE.items():
         p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default %(default)s)")
     p.add_argument("--logits-rtol", type=float, default=1e-4, help="max |logits - eager| / max |eager| (default "
                                                                    "%(default)s)")
-    workers.add_flags(p, VARIANTS, grad_rtol=1e-3)
     args = p.parse_args(argv)
     args.seq = args.seq or ([128, 256] if args.quick else [1024, 4096])
     args.kv_heads = args.kv_heads or max(1, args.heads // 2)
@@ -141,16 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if args._worker:
         return workers.run_worker(args._worker, work)
-    variants = sorted(args.variants, key=lambda v: v != "eager")  # eager first: it saves the reference
     shape = (f"batch {args.batch}, hidden {args.hidden}, {args.heads} heads (llama {args.kv_heads} kv), {args.layers} "
              f"layers, vocab {args.vocab}, fp32")
     settings = {k: getattr(args, k) for k in ("models", "seq", "modes", "quick", "batch", "layers", "hidden", "heads",
-                                              "kv_heads", "vocab", "logits_rtol")}
-    points = [({"model": m, "mode": mode, "seq": s}, [v for v in variants if m != "gpt_oss" or v != "sdpa"])
+                                              "kv_heads", "vocab", "logits_rtol", "variants")}
+    points = [({"model": m, "mode": mode, "seq": s}, [v for v in args.variants if m != "gpt_oss" or v != "sdpa"])
               for m in args.models for mode in args.modes for s in args.seq]
-    result = workers.run(args, __file__, ("transformers",), f"models {args.models} ({shape}, eager attention, "
-                         f"dropout 0), seq {args.seq}, modes {args.modes}, variants {variants}",
-                         dict(settings, variants=variants), points, estimate_bytes)
+    result = workers.run(args, __file__, ("transformers",), settings, points, estimate_bytes)
     results, where = result["results"], f"{shape}, CPU ({result['env']['cpu']}, {args.threads} threads)"
     for mode in args.modes:
         what = "forward under no_grad" if mode == "infer" else "forward with labels + loss.backward()"
@@ -158,13 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         workers.table(f"{mode}: {what}; {where}; median of the timed steps; MB = 1e6 B above the pre-step RSS; (/ind) "
                       "= ratio to inductor", [r for r in results if r["mode"] == mode], ("model", "seq"), METRICS, rels,
                       args.markdown)
-    if args.plot:
-        panels = [(f"{mode}: {what}", unit, key, scale, {"mode": mode}) for mode in args.modes
-                  for what, unit, key, scale in (("step time", "ms per step, median", "step_s", 1e3),
-                                                 ("peak memory", "MB above the pre-step RSS", "peak_bytes", 1 / MB))]
-        print(workers.plot(results, args.plot, f"{result['command']}\n{where}", "seq", panels,
-                           lambda r: f"{r['model']} {r['variant']}"))
-    return workers.finish(result, args)
+    return workers.finish(result, args, where, "seq", METRICS, lambda r: f"{r['model']} {r['variant']}", by="mode")
 
 
 if __name__ == "__main__":

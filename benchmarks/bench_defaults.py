@@ -1,59 +1,56 @@
 #!/usr/bin/env python
-"""Every default decision of the smx backend (softmax, routers, samplers, attention, score_mod, linear + CE, CE,
-quantized softmax) timed under eager, Inductor and smx with default options, one matrix on the CPU; the rows where
-smx is slower than Inductor beyond the noise are listed. Families, columns: docs/PERFORMANCE.md ("Never slower").
+"""Every default decision of the smx backend timed under eager, Inductor and smx (default options), one matrix on
+the CPU, and the rows where smx is slower than Inductor beyond the noise. Families: docs/PERFORMANCE.md.
 
-  python benchmarks/bench_defaults.py [--quick] [--families LIST] [--only TEXT] [--big] [--json P] [--plot P]
+  python benchmarks/bench_defaults.py [--quick] [--families LIST] [--only TEXT] [--json P] [--plot P]
 """
 
 import sys
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 import matrix
+from bench_ce_guard import f_ce
 from bench_linear_ce import loss_fn
 from bench_quant_softmax import f_qdq
+from bench_softmax import f_log_softmax, f_neighbours, f_softmax
 from bench_softmax_topk import make_sampler
 from matrix import DTYPES, Built, Case
 
-
-def all_cases() -> list[Case]:
-    C = Case
-    cs = [C("softmax", "softmax", "4096x1024"), C("softmax", "softmax", "64x32000", quick=True),
-          C("softmax", "softmax", "16x131072"), C("softmax", "log_softmax", "64x32000"),
-          C("softmax", "masked", "4096x1024"), C("softmax", "softmax", "64x32000", "bf16")]
-    for shape, k in (("8192x8", 2), ("8192x64", 2), ("2048x256", 8)):
-        for renorm in (False, True):
-            cs.append(C("router", f"topk{'+renorm' if renorm else ''} k={k}", shape,
-                        quick=renorm and shape == "8192x64"))
-    cs.append(C("router", "topk+renorm k=2", "8192x64", "bf16"))
-    for shape in ("16x32000", "16x131072", "4x262144"):
-        cs.append(C("sampler", "topk k=50", shape, passes=("infer",), quick=shape == "16x131072"))
-    cs.append(C("sampler", "topk k=50", "16x32000", "bf16", passes=("infer",)))
-    cs += [C("attention", "causal", "2x8x128x64"), C("attention", "causal", "2x8x512x64", quick=True),
-           C("attention", "causal", "1x8x2048x64"), C("attention", "causal", "1x8x4096x64", big=True),
-           C("attention", "padded", "2x8x512x64"), C("attention", "gqa 8q/2kv", "2x8x512x64"),
-           C("attention", "causal", "2x8x512x64", "bf16"), C("attention", "causal", "1x8x1024x64", "bf16"),
-           C("attention", "causal", "2x8x512x64", "fp16")]
-    cs += [C("score_mod", "silu", "2x8x512x64", passes=("infer",)),
-           C("score_mod", "silu", "1x8x1024x64", passes=("infer",), quick=True),
-           C("score_mod", "silu", "1x8x2048x64", passes=("infer",)),
-           C("score_mod", "gate", "1x8x1024x64", passes=("infer",)),
-           C("score_mod", "silu+pad", "2x8x1024x64", passes=("infer",))]
-    for v in (16384, 50257, 131072, 262144):
-        cs.append(C("linear_ce", "linear+ce", f"1024x256x{v}", quick=v == 16384, big=v == 262144))
-    for dtype in ("bf16", "fp16"):   # ATen's half-precision matmuls are slow on CPUs without native support
-        cs.append(C("linear_ce", "linear+ce", "128x128x16384", dtype))
-    cs.append(C("linear_ce", "linear+ce", "1024x256x16384", "bf16", passes=("train",)))
-    cs += [C("cross_entropy", "ce", "1024x32000", quick=True), C("cross_entropy", "ce", "1024x32000", "bf16")]
-    cs += [C("quant_softmax", "qdq", "8x12x128x128", passes=("infer",)),
-           C("quant_softmax", "qdq", "64x32000", passes=("infer",), quick=True),
-           C("quant_softmax", "qdq", "64x32000", "bf16", passes=("infer",))]
-    return cs
-
-
+INFER, TRAIN, BOTH = ("infer",), ("train",), ("infer", "train")
+#: family, case, dtype, passes, shapes ("*": one of --quick's points)
+TABLE = [
+    ("softmax", "softmax", "fp32", BOTH, "4096x1024 64x32000* 16x131072"),
+    ("softmax", "log_softmax", "fp32", BOTH, "64x32000"),
+    ("softmax", "masked", "fp32", BOTH, "4096x1024"),
+    ("softmax", "softmax", "bf16", BOTH, "64x32000"),
+    ("router", "topk k=2", "fp32", BOTH, "8192x8 8192x64"),
+    ("router", "topk+renorm k=2", "fp32", BOTH, "8192x8 8192x64*"),
+    ("router", "topk k=8", "fp32", BOTH, "2048x256"),
+    ("router", "topk+renorm k=8", "fp32", BOTH, "2048x256"),
+    ("router", "topk+renorm k=2", "bf16", BOTH, "8192x64"),
+    ("sampler", "topk k=50", "fp32", INFER, "16x32000 16x131072* 4x262144"),
+    ("sampler", "topk k=50", "bf16", INFER, "16x32000"),
+    ("attention", "causal", "fp32", BOTH, "2x8x128x64 2x8x512x64* 1x8x2048x64"),
+    ("attention", "padded", "fp32", BOTH, "2x8x512x64"),
+    ("attention", "gqa 8q/2kv", "fp32", BOTH, "2x8x512x64"),
+    ("attention", "causal", "bf16", BOTH, "2x8x512x64 1x8x1024x64"),
+    ("attention", "causal", "fp16", BOTH, "2x8x512x64"),
+    ("score_mod", "silu", "fp32", INFER, "2x8x512x64 1x8x1024x64* 1x8x2048x64"),
+    ("score_mod", "gate", "fp32", INFER, "1x8x1024x64"),
+    ("score_mod", "silu+pad", "fp32", INFER, "2x8x1024x64"),
+    ("linear_ce", "linear+ce", "fp32", BOTH, "1024x256x16384* 1024x256x50257 1024x256x131072"),
+    ("linear_ce", "linear+ce", "bf16", BOTH, "128x128x16384"),   # ATen's half-precision matmuls are slow on CPUs
+    ("linear_ce", "linear+ce", "fp16", BOTH, "128x128x16384"),   # without native support
+    ("linear_ce", "linear+ce", "bf16", TRAIN, "1024x256x16384"),
+    ("cross_entropy", "ce", "fp32", BOTH, "1024x32000*"),
+    ("cross_entropy", "ce", "bf16", BOTH, "1024x32000"),
+    ("quant_softmax", "qdq", "fp32", INFER, "8x12x128x128 64x32000*"),
+    ("quant_softmax", "qdq", "bf16", INFER, "64x32000"),
+]
+CASES = [Case(fam, name, s.rstrip("*"), dtype, passes, quick=s.endswith("*"))
+         for fam, name, dtype, passes, shapes in TABLE for s in shapes.split()]
 TITLES = {
     "softmax": "softmax: torch.softmax(x, -1) | log_softmax | masked: torch.softmax(x * 0.125 + mask, -1)",
     "router": "router: v, i = torch.topk(torch.softmax(logits, -1), k) [; v = v / v.sum(-1, keepdim=True)]",
@@ -64,18 +61,6 @@ TITLES = {
     "cross_entropy": "cross_entropy: F.cross_entropy(logits, y)",
     "quant_softmax": "quant_softmax: dequantize(quantize(softmax(x, -1), 1/255, 0, 0, 255, uint8))",
 }
-
-
-def f_softmax(x):
-    return torch.softmax(x, -1)
-
-
-def f_log_softmax(x):
-    return torch.log_softmax(x, -1)
-
-
-def f_masked(x, mask):
-    return torch.softmax(x * 0.125 + mask, -1)
 
 
 def make_router(k: int, renorm: bool) -> Callable:
@@ -117,10 +102,6 @@ def attn_gate(q, k, v, gate):
 ATTENTION = {"padded": attn_causal, "silu": attn_silu, "silu+pad": attn_silu, "gate": attn_gate}
 
 
-def f_ce(logits, y):
-    return F.cross_entropy(logits, y)
-
-
 def build(c: Case, device: str) -> Built:
     gen = torch.Generator().manual_seed(0)
     dt, dims = DTYPES[c.dtype], c.dims
@@ -128,17 +109,12 @@ def build(c: Case, device: str) -> Built:
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device, dt)
 
-    def pad_mask(B: int, T: int) -> torch.Tensor:  # HF-style additive padding mask: the last 64 keys of batch B-1
-        pad = torch.zeros(B, 1, 1, T)
-        pad[-1, :, :, T - 64:] = torch.finfo(torch.float32).min
-        return pad.to(device, dt)
-
     if c.family == "softmax":
         x = rnd(*dims, scale=4.0)
         if c.name == "masked":
             mask = torch.zeros(1, dims[1])
             mask[:, dims[1] - dims[1] // 8:] = float("-inf")
-            return Built(f_masked, [x, mask.to(device, dt)])
+            return Built(f_neighbours, [x, mask.to(device, dt)])
         return Built(f_log_softmax if c.name == "log_softmax" else f_softmax, [x])
     if c.family == "sampler":
         x = rnd(*dims, scale=2.0)
@@ -150,7 +126,9 @@ def build(c: Case, device: str) -> Built:
         B, H, T, D = dims
         hkv = 2 if c.name.startswith("gqa") else H
         q, k, v = rnd(B, H, T, D), rnd(B, hkv, T, D), rnd(B, hkv, T, D)
-        side = [rnd(H, T, T)] if c.name == "gate" else [pad_mask(B, T)] if "pad" in c.name else []
+        pad = torch.zeros(B, 1, 1, T)   # an HF-style additive padding mask: the last 64 keys of batch B-1
+        pad[-1, :, :, T - 64:] = torch.finfo(torch.float32).min
+        side = [rnd(H, T, T)] if c.name == "gate" else [pad.to(device, dt)] if "pad" in c.name else []
         return Built(ATTENTION.get(c.name, attn_gqa if hkv != H else attn_causal), [q, k, v, *side], (0, 1, 2))
     if c.family == "linear_ce":
         N, D, V = dims
@@ -165,5 +143,4 @@ def build(c: Case, device: str) -> Built:
 
 
 if __name__ == "__main__":
-    sys.exit(matrix.main(__doc__, all_cases(), build, TITLES, backends=("eager", "inductor", "smx"), rounds=2,
-                         device="cpu", columns={}))
+    sys.exit(matrix.main(__doc__, CASES, build, TITLES, backends=("eager", "inductor", "smx"), rounds=2, device="cpu"))

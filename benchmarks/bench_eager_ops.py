@@ -1,7 +1,6 @@
 #!/usr/bin/env python
-"""smxcompile's public ops called eagerly (softmax, log_softmax, softmax_topk, attention, cross_entropy,
-linear_cross_entropy, quant_softmax) against the torch code each one replaces, timed in turn in one process:
-``torch ms / smx ms`` of 1.00 or more means the op is at least as fast. CPU, or CUDA when present.
+"""smxcompile's public ops called eagerly against the torch code each one replaces, timed in turn in one process
+(``torch ms / smx ms`` >= 1: the op is at least as fast); CPU, or CUDA when present.
 
   python benchmarks/bench_eager_ops.py [--quick] [--ops softmax_topk,attention] [--markdown] [--json PATH]
 """
@@ -41,8 +40,7 @@ def topk_torch(x, k, renorm):
 
 
 def cases(device: str, quick: bool) -> list[tuple[str, str, Callable, Callable, list[torch.Tensor]]]:
-    """(op, label, smx callable, torch callable, the inputs, which get gradients) per row; --quick: one or two
-    per op."""
+    """(op, label, smx callable, torch callable, inputs) per row; --quick: one or two per op."""
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, dtype=torch.float32, scale=1.0):
@@ -51,18 +49,17 @@ def cases(device: str, quick: bool) -> list[tuple[str, str, Callable, Callable, 
     def pick(shapes: list) -> list:
         return shapes[:1] if quick else shapes
 
+    sm, lsm = partial(torch.softmax, dim=-1), partial(torch.log_softmax, dim=-1)
     out = []
     for shape in pick([(4096, 1024), (64, 32000), (256, 16384), (8, 12, 512, 512)]):
         x, label = rnd(*shape), "x".join(map(str, shape))
-        out.append(("softmax", label, smxcompile.softmax, partial(torch.softmax, dim=-1), [x]))
-        if not quick:
-            out.append(("log_softmax", label, smxcompile.log_softmax, partial(torch.log_softmax, dim=-1), [x]))
+        out += [("softmax", label, smxcompile.softmax, sm, [x]),
+                ("log_softmax", label, smxcompile.log_softmax, lsm, [x])]
     if not quick:
         m = torch.zeros(1, 1024, device=device).masked_fill_(torch.arange(1024, device=device) >= 896, -math.inf)
         out += [("softmax", "4096x1024 scale+mask", partial(smxcompile.softmax, scale=0.125, mask=m),
                  lambda x: torch.softmax(x * 0.125 + m, -1), [rnd(4096, 1024)]),
-                ("softmax", "64x32000 bf16", smxcompile.softmax, partial(torch.softmax, dim=-1),
-                 [rnd(64, 32000, dtype=torch.bfloat16)])]
+                ("softmax", "64x32000 bf16", smxcompile.softmax, sm, [rnd(64, 32000, dtype=torch.bfloat16)])]
     topk = [(64, 131072, 50, False), (16, 32000, 50, False), (4, 262144, 8, False), (8192, 8, 2, False),
             (8192, 8, 2, True), (8192, 64, 2, False), (8192, 64, 2, True), (2048, 256, 8, True)]
     for r, c, k, renorm in [topk[0], topk[6]] if quick else topk:
@@ -76,15 +73,14 @@ def cases(device: str, quick: bool) -> list[tuple[str, str, Callable, Callable, 
     if not quick:
         out.append(("attention", "1x8x512x64 causal softcap=50",
                     partial(smxcompile.attention, is_causal=True, softcap=50.0), partial(causal_softcap, cap=50.0),
-                    [rnd(1, 8, 512, 64), rnd(1, 8, 512, 64), rnd(1, 8, 512, 64)]))
+                    [rnd(1, 8, 512, 64) for _ in range(3)]))
     for n, v in pick([(1024, 32000), (4096, 50257)]):
         x, y = rnd(n, v), torch.randint(0, v, (n,), generator=g).to(device)
         out.append(("cross_entropy", f"{n}x{v}", partial(smxcompile.cross_entropy, target=y),
                     partial(F.cross_entropy, target=y), [x]))
-    for n, d, v in [(1024, 256, 32000)] if quick else [(1024, 256, 16384), (1024, 256, 50257), (2048, 512, 32000)]:
+    for n, d, v in pick([(1024, 256, 16384), (1024, 256, 50257), (2048, 512, 32000)]):
         x, w, y = rnd(n, d), rnd(v, d, scale=0.05), torch.randint(0, v, (n,), generator=g).to(device)
-        out.append(("linear_cross_entropy", f"N={n} D={d} V={v}",
-                    partial(smxcompile.linear_cross_entropy, target=y),
+        out.append(("linear_cross_entropy", f"N={n} D={d} V={v}", partial(smxcompile.linear_cross_entropy, target=y),
                     lambda x, w, y=y: F.cross_entropy(F.linear(x, w), y), [x, w]))
     qd = torch.ops.quantized_decomposed.quantize_per_tensor
     for shape in pick([(96, 512, 512), (64, 32000)]):
@@ -108,11 +104,9 @@ def time_pair(ours: Callable, ref: Callable, inputs: list, train: bool, threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.timing_flags(p, 3, 0.3, "one or two rows per op, one short round (CI smoke)")
-    p.add_argument("--ops", type=common.choice_list(OPS), default=list(OPS), help=f"comma-separated subset of "
-                                                                                  f"{','.join(OPS)}")
+    p.add_argument("--ops", type=common.choice_list(OPS), default=list(OPS), help=f"a subset of {','.join(OPS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -120,10 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     command = common.command_line(argv, "benchmarks/bench_eager_ops.py")
     print(f"$ {command}\ntorch {torch.__version__}, {a.device}, {a.threads} threads", flush=True)
     rows = []
-    for op, label, ours, ref, inputs in cases(a.device, a.quick):
-        for train in (False, True):
-            if op not in a.ops or train and op == "quant_softmax":
-                continue  # quant_softmax: integer codes, no gradient
+    for op, label, ours, ref, inputs in (c for c in cases(a.device, a.quick) if c[0] in a.ops):
+        for train in (False,) if op == "quant_softmax" else (False, True):   # quant_softmax: codes, no gradient
             t = time_pair(ours, ref, inputs, train, a.threads, rounds, mrt)
             rows.append({"op": op, "case": label, "pass": "fwd+bwd" if train else "fwd", "torch_ms": t["torch"],
                          "smx_ms": t["smx"], "speed": t["torch"] / t["smx"]})

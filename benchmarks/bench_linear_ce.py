@@ -1,33 +1,24 @@
-#!/usr/bin/env python
-"""One training step of the LM-head loss ``F.cross_entropy(F.linear(x, W), y)`` (fp32, CPU) under eager, Inductor,
-PyTorch's chunked op, Apple's CCE, smxcompile's op and the smx backend, each in a fresh process: step time, peak
-memory above the inputs, loss and gradients against eager's. Variants, metrics, caveats: benchmarks/README.md.
+"""One training step of ``F.cross_entropy(F.linear(x, W), y)`` (fp32, CPU) per variant (benchmarks/README.md), each
+in a fresh process: step time, peak memory above the inputs, loss and gradients against eager's.
 
   python benchmarks/bench_linear_ce.py [--quick] [--vocab 32000,128256] [--variants ...] [--json P] [--plot P]
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
 import common
 import workers
 from common import GB
-from workers import say
 
 VARIANTS = ("eager", "inductor", "native", "cce", "smx-op", "smx")
 IGNORE_INDEX = -100
 IGNORE_FRAC = 0.1  # of the targets, set to IGNORE_INDEX
 QUICK = {"tokens": 1024, "dim": 256, "vocab": [8192], "rounds": 1}
 DEFAULTS = {"tokens": 8192, "dim": 1024, "vocab": [32000, 128256], "rounds": 2}
-#: the table's columns ({header: (summary key, scale)}, {header: check key}) and the plot's panels
+#: the table's columns ({header: (summary key, scale)}, {header: check key}); the plot draws the "(/ind)" ones
 METRICS = {"step s (/ind)": ("step_s", 1), "cpu s": ("cpu_s", 1), "warm-up s": ("warmup_s", 1),
            "peak GB (/ind)": ("peak_bytes", 1 / GB), "transient GB (/ind)": ("transient_bytes", 1 / GB)}
 RELS = {"rel dloss": "loss_rel", "rel dx": "dx_rel", "rel dW": "dw_rel"}
-PANELS = [("step time (fwd + bwd)", "seconds per step, median", "step_s", 1, {}),
-          ("peak memory", "GB above inputs, gradients included", "peak_bytes", 1 / GB, {}),
-          ("transient memory", "GB above inputs and gradients", "transient_bytes", 1 / GB, {})]
 
 
 def make_inputs(n: int, d: int, v: int):
@@ -69,7 +60,7 @@ def build_variant(name: str):
         import smxcompile
 
         return lambda x, w, y: smxcompile.linear_cross_entropy(x, w, y, ignore_index=IGNORE_INDEX)
-    return loss_fn if name == "eager" else common.compile_for(name, loss_fn)
+    return common.compile_for(name, loss_fn)  # eager: loss_fn itself
 
 
 def reference_chunked(x, w, y, rows: int):
@@ -98,7 +89,7 @@ def work(spec: dict, out: dict) -> None:
     tol = {"loss": spec["loss_rtol"], "dx": spec["grad_rtol"], "dw": spec["grad_rtol"]}
     if spec["variant"] == "reference":
         spec["by"] = "eager by row chunks"
-        say("reference: eager by row chunks ...")
+        workers.say("reference: eager by row chunks ...")
         loss, dx, dw = reference_chunked(x, w, y, max(1, int(256e6 // (v * 4))))
         return workers.conclude(spec, out, {"loss": loss, "dx": dx, "dw": dw}, tol)
     fn = build_variant(spec["variant"])
@@ -128,30 +119,21 @@ def estimate_bytes(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = workers.parser(__doc__, VARIANTS, grad_rtol=1e-4, quick="smoke run: N=1024, D=256, V=8192, 1 round (< 1 min)")
     p.add_argument("--vocab", type=common.int_list, help="comma-separated vocabulary sizes V (default 32000,128256)")
-    p.add_argument("--quick", action="store_true", help="smoke run: N=1024, D=256, V=8192, 1 round (< 1 min)")
-    workers.add_flags(p, VARIANTS, grad_rtol=1e-4)
     args = p.parse_args(argv)
     for k, val in (QUICK if args.quick else DEFAULTS).items():
         setattr(args, k, getattr(args, k, None) or val)
     if args._worker:
         return workers.run_worker(args._worker, work)
-    n, d = args.tokens, args.dim
-    variants = sorted(args.variants, key=lambda v: v != "eager")  # eager first: it saves the reference
+    n, d, variants = args.tokens, args.dim, args.variants
     settings = {"tokens": n, "dim": d, "vocab": args.vocab, "variants": variants, "ignore_frac": IGNORE_FRAC}
-    result = workers.run(args, __file__, ("cut-cross-entropy",), f"step: loss = F.cross_entropy(F.linear(x, W), y), "
-                         f"x ({n}, {d}) and W (V, {d}) requiring grad, fp32, {IGNORE_FRAC:.0%} of targets = -100; "
-                         f"V in {args.vocab}; variants {variants}", settings,
-                         [({"vocab": v}, variants) for v in args.vocab], estimate_bytes)
+    points = [({"vocab": v}, variants) for v in args.vocab]
+    result = workers.run(args, __file__, ("cut-cross-entropy",), settings, points, estimate_bytes)
     title = (f"linear + cross-entropy, fwd+bwd, N={n}, D={d}, fp32, CPU ({result['env']['cpu']}, {args.threads} "
              f"threads); median of {args.rounds} step(s); GB = 1e9 B above inputs; (/ind) = ratio to inductor")
     workers.table(title, result["results"], ("vocab",), METRICS, RELS, args.markdown)
-    if args.plot:
-        print(workers.plot(result["results"], args.plot, f"{result['command']}\n{title}", "vocab", PANELS,
-                           lambda r: r["variant"]))
-    return workers.finish(result, args)
+    return workers.finish(result, args, title, "vocab", METRICS, lambda r: r["variant"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 #!/usr/bin/env python
-"""Fused softmax + top-k (MoE routers, vocabulary samplers, argmax, top-1 routers, entries read from the
-probabilities, the whole Mixtral MoE block) under eager, Inductor, smx and smx-rewrite, CPU and CUDA when present;
-the vocab rows also by peak memory. Families and checks: docs/PERFORMANCE.md ("Fused softmax + top-k, CPU").
+"""Fused softmax + top-k (routers, samplers, argmax, top-1 routers, entries read from the probabilities, a Mixtral
+MoE block) under eager, Inductor, smx and smx-rewrite, CPU and CUDA when present; the vocab rows by peak memory too.
 
   python benchmarks/bench_softmax_topk.py [--quick] [--families router,vocab,...] [--stat min] [--json PATH]
 """
@@ -25,20 +24,17 @@ TITLES = {
     "moe": "MixtralSparseMoeBlock (hidden 256, intermediate 512, grouped_mm experts), tokens x experts",
 }
 
-
-def all_cases() -> list[Case]:
-    cases = [Case("router", f"k={k}", f"{r}x{c}", quick=(c, k) == (64, 2))
-             for r, c in ((8192, 8), (8192, 64), (2048, 128)) for k in (1, 2, 8) if k <= c]
-    cases += [Case("vocab", f"k={k}", f"{r}x{c}", passes=("infer",), quick=(c, k) == (131072, 50))
-              for r, c in ((16, 32000), (4, 131072), (4, 262144)) for k in (1, 2, 8, 50)]
-    cases += [Case("vocab", "k=8", "4x131072", passes=("train",)),
-              Case("argmax", "argmax", "4x131072", passes=("infer",), quick=True),
-              Case("argmax", "argmax", "8192x64", passes=("infer",))]
-    cases += [Case("top1", "k=1", f"8192x{c}", dt) for dt, cols in (("fp32", (8, 64)), ("bf16", (8, 32, 64)))
-              for c in cols]
-    cases += [Case("entries", "k=2", s) for s in ("8192x8", "8192x64", "2048x128")]
-    cases += [Case("entries", "k=1", s, passes=("infer",)) for s in ("16x32000", "4x131072")]
-    return cases + [Case("moe", "top-2", "2048x8"), Case("moe", "top-2", "2048x64")]
+CASES = [Case("router", f"k={k}", f"{r}x{c}", quick=(c, k) == (64, 2))
+         for r, c in ((8192, 8), (8192, 64), (2048, 128)) for k in (1, 2, 8) if k <= c]
+CASES += [Case("vocab", f"k={k}", f"{r}x{c}", passes=("infer",), quick=(c, k) == (131072, 50))
+          for r, c in ((16, 32000), (4, 131072), (4, 262144)) for k in (1, 2, 8, 50)]
+CASES += [Case("vocab", "k=8", "4x131072", passes=("train",)),
+          Case("argmax", "argmax", "4x131072", passes=("infer",), quick=True),
+          Case("argmax", "argmax", "8192x64", passes=("infer",))]
+CASES += [Case("top1", "k=1", f"8192x{c}", dt) for dt, cols in (("fp32", (8, 64)), ("bf16", (8, 32, 64))) for c in cols]
+CASES += [Case("entries", "k=2", s) for s in ("8192x8", "8192x64", "2048x128")]
+CASES += [Case("entries", "k=1", s, passes=("infer",)) for s in ("16x32000", "4x131072")]
+CASES += [Case("moe", "top-2", "2048x8"), Case("moe", "top-2", "2048x64")]
 
 
 def make_router(k: int) -> Callable:
@@ -52,8 +48,7 @@ def make_router(k: int) -> Callable:
 
 def make_sampler(k: int) -> Callable:
     def sampler(logits):
-        v, i = torch.topk(torch.softmax(logits / 0.7, -1), k)
-        return v, i
+        return torch.topk(torch.softmax(logits / 0.7, -1), k)
 
     return sampler
 
@@ -81,7 +76,6 @@ def entry_at(x):
 
 
 def build_moe(c: Case, device: str) -> Built:
-    """transformers' MixtralSparseMoeBlock (hidden 256, intermediate 512), top-2, random weights of std 0.05."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -116,7 +110,5 @@ def build(c: Case, device: str) -> Built:
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", module="transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    for name in ("cache_size_limit", "recompile_limit"):  # the moe block's functions are shared by every backend
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
-    sys.exit(matrix.main(__doc__, all_cases(), build, TITLES))
+    torch._dynamo.config.recompile_limit = 64   # the moe block's functions are shared by every backend
+    sys.exit(matrix.main(__doc__, CASES, build, TITLES))

@@ -1,16 +1,12 @@
-#!/usr/bin/env python
-"""Vocabulary-parallel LM-head loss, one training step (forward + backward of ``F.cross_entropy(x @ W.T, y)``, W
-sharded by vocabulary rows over --world-size processes: gloo on CPU, nccl on CUDA): the bytes each variant's
-collectives move, step time, peak memory and the difference from smx's loss and x.grad. Variants: smx
-(``smxcompile.linear_cross_entropy(..., process_group=)``), allgather (the naive all-gather of the logits, as
-Megatron-LM), loss_parallel (PyTorch's DTensor loss_parallel). Columns: docs/PERFORMANCE.md.
+"""Vocabulary-parallel LM-head loss: one training step of ``F.cross_entropy(x @ W.T, y)``, W sharded by vocabulary
+rows over --world-size processes (gloo on CPU, nccl on CUDA), per variant (docs/PERFORMANCE.md): the bytes its
+collectives move, step time, peak memory and the difference from smx's loss and x.grad.
 
   python benchmarks/bench_vocab_parallel_ce.py [--vocab 50257 --n 2048] [--world-size 4] [--markdown] [--json P]
 """
 
-from __future__ import annotations
-
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -18,10 +14,18 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 import common
+import smxcompile
 from smx_app.argtypes import positive_int
+from smx_app.demo import PeakMemory
+from smxcompile.distributed import CollectiveCounter
 
 VARIANTS = ("smx", "allgather", "loss_parallel")
 #: the table's columns: {header: (row key, scale, format)}
@@ -32,13 +36,10 @@ COLUMNS = {"loss fwd MB": ("loss_fwd_bytes", 1e-6, "{:.3f}"), "loss bwd MB": ("l
 
 
 class GatherVocab(torch.autograd.Function):
-    """All-gather the logits' vocabulary shards; backward keeps this rank's columns (the loss is replicated, so no
-    reduction), as Megatron-LM's gather_from_tensor_model_parallel_region."""
+    """All-gather the logits' vocabulary shards; backward keeps this rank's columns, as Megatron-LM does."""
 
     @staticmethod
     def forward(ctx, logits, group):
-        import torch.distributed as dist
-
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, logits.contiguous(), group=group)
         ctx.rank, ctx.width = dist.get_rank(group), logits.shape[1]
@@ -51,32 +52,17 @@ class GatherVocab(torch.autograd.Function):
 
 def loss_of(variant, x, w_local, y, group, mesh):
     """The forward of one variant: a scalar loss and the context its backward must run in."""
-    import contextlib
-
-    import torch.nn.functional as F
-
-    import smxcompile
-
     if variant == "smx":
         return smxcompile.linear_cross_entropy(x, w_local, y, process_group=group), contextlib.nullcontext()
     if variant == "allgather":
         return F.cross_entropy(GatherVocab.apply(x @ w_local.t(), group), y), contextlib.nullcontext()
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import loss_parallel
-
     logits = DTensor.from_local(x @ w_local.t(), mesh, [Shard(1)], run_check=False)
     with loss_parallel():  # the backward must run inside it too
         return F.cross_entropy(logits, y), loss_parallel()
 
 
 def measure(variant, x0, w0, y, group, mesh, rounds, cuda) -> dict:
-    """``rounds`` steps after a warm-up one: the median ms, the peak memory, the last step's collectives (loss
-    forward / backward bytes apart from grad_input's N x D all_reduce), loss and x.grad."""
-    import torch.distributed as dist
-
-    from smx_app.demo import PeakMemory
-    from smxcompile.distributed import CollectiveCounter
-
+    """``rounds`` steps after a warm-up: median ms, peak memory, the last step's collectives, loss and x.grad."""
     times, peaks = [], []
     for r in range(rounds + 1):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -104,9 +90,6 @@ def measure(variant, x0, w0, y, group, mesh, rounds, cuda) -> dict:
 
 
 def worker(rank, world, folder, args):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     cuda = torch.cuda.is_available()
     device = f"cuda:{rank}" if cuda else "cpu"
     if cuda:
@@ -148,13 +131,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=positive_int, default=1024, help="tokens per step (rows of x), default 1024")
     p.add_argument("--d", type=positive_int, default=256, help="hidden size, default 256")
     p.add_argument("--vocab", type=common.int_list, default=[8192, 32768], help="vocabulary sizes, default 8192,32768")
-    p.add_argument("--variants", type=common.choice_list(VARIANTS), default=list(VARIANTS),
-                   help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--variants", type=lambda s: sorted(common.choice_list(VARIANTS)(s), key=lambda v: v != "smx"),
+                   default=list(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--rounds", type=positive_int, default=3, help="timed steps per variant after one warm-up (median)")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args(argv)
-    args.variants = sorted(args.variants, key=lambda v: v != "smx")  # the reference runs first
     if torch.cuda.is_available() and torch.cuda.device_count() < args.world_size:
         p.error(f"--world-size {args.world_size} needs that many GPUs ({torch.cuda.device_count()} visible)")
     with tempfile.TemporaryDirectory(prefix="smx-bench-") as folder:

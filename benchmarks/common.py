@@ -1,11 +1,10 @@
-"""What the benchmark scripts share: the environment record, timing, the machine-load meter, peak memory, the
-backends with the smx backend's reports, rows and their tables, argument parsing, and JSON / table / plot output.
-A script in benchmarks/ finds it beside itself (``import common``); workers.py runs the subprocess benchmarks."""
-
-from __future__ import annotations
+"""What the benchmark scripts share (``import common``): the environment record, timing, the machine-load meter,
+peak memory, the backends and smx's reports, rows, argument parsing, and JSON / table / plot output."""
 
 import argparse
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,9 +23,11 @@ GB, MB = 1e9, 1e6
 NOISY = 0.1
 #: the backends the in-process benchmarks time (:func:`compile_for`)
 BACKENDS = ("eager", "inductor", "smx", "smx-rewrite")
-SMX_REWRITE = {"cpu": "rewrite", "cuda": "rewrite"}
-NO_MATPLOTLIB = ("matplotlib is not installed; `pip install -e '.[bench]'` (or `pip install matplotlib`); no plot "
-                 "written")
+NO_MATPLOTLIB = "matplotlib is not installed (`pip install -e '.[bench]'`); no plot written"
+
+
+class SanityError(RuntimeError):
+    """An evaluation's check that the measurement is what it claims to be failed (the script exits with status 2)."""
 
 
 def cores() -> int:
@@ -45,11 +46,9 @@ def cpu_name() -> str:
 
 
 def version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version as _version
-
     try:
-        return _version(dist)
-    except PackageNotFoundError:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
@@ -57,9 +56,8 @@ def git_state() -> str | None:
     """HEAD of this checkout, and whether smxcompile/ has uncommitted changes."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,  # noqa: E731
-                                        timeout=10).stdout.strip()
-        head, dirty = run("rev-parse", "--short", "HEAD"), run("status", "--porcelain", "--", "smxcompile")
+        head, dirty = (subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+                       for a in (("rev-parse", "--short", "HEAD"), ("status", "--porcelain", "--", "smxcompile")))
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + (" + uncommitted changes in smxcompile/" if dirty else "")) if head else None
@@ -117,13 +115,10 @@ def devices(choice: str) -> list[str]:
     """``--device auto|cpu|cuda``: auto is the CPU, and CUDA too when present. Exits 2 for cuda without CUDA."""
     import torch
 
-    out = ["cpu"] if choice in ("auto", "cpu") else []
-    if choice in ("auto", "cuda") and torch.cuda.is_available():
-        out.append("cuda")
-    elif choice == "cuda":
+    if choice == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         raise SystemExit(2)
-    return out
+    return [d for d in ("cpu", "cuda") if choice in ("auto", d) and (d == "cpu" or torch.cuda.is_available())]
 
 
 def write_json(path: str | None, obj: Any) -> None:
@@ -137,15 +132,12 @@ def write_json(path: str | None, obj: Any) -> None:
 
 
 def fmt_num(v: float | None, digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if v == 0:
-        return "0"
-    if abs(v) >= 100:
-        return f"{v:.0f}"
-    if abs(v) >= 10:
-        return f"{v:.1f}"
-    return f"{v:.{digits}f}" if abs(v) >= 10 ** -digits else f"{v:.2g}"
+    if v is None or v == 0:
+        return "-" if v is None else "0"
+    for bound, fmt in ((100, ".0f"), (10, ".1f"), (10 ** -digits, f".{digits}f")):
+        if abs(v) >= bound:
+            return format(v, fmt)
+    return f"{v:.2g}"
 
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:
@@ -187,9 +179,8 @@ def pyplot():
 
 def measure_interleaved(stmts: dict[str, tuple[str, dict[str, Any]]], threads: int, rounds: int,
                         min_run_time: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Median, inter-quartile range and fastest block (ms per call) of each ``{name: (statement, globals)}``,
-    by ``torch.utils.benchmark`` blocked_autorange, the statements timed in turn for ``rounds`` rounds with the
-    order alternating, so that a drifting machine favours none."""
+    """Median, inter-quartile range and fastest block (ms per call) of each ``{name: (statement, globals)}``, by
+    blocked_autorange, the statements timed in turn for ``rounds`` rounds, the order alternating."""
     import torch.utils.benchmark as tbench
 
     times: dict[str, list[float]] = {k: [] for k in stmts}
@@ -220,23 +211,20 @@ def cuda_ms(step: Callable[[], Any], rounds: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def busy_cpu_s() -> float | None:
-    """Non-idle CPU seconds of the whole machine so far (/proc/stat), None where it is not readable."""
+def cpu_seconds() -> tuple[float | None, float]:
+    """Non-idle CPU seconds of the whole machine so far (/proc/stat; None where not readable), and of this process
+    with its reaped children."""
+    import resource
+
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
+    own = sum(ru.ru_utime + ru.ru_stime for ru in usage)
     try:
         with open("/proc/stat") as f:
             vals = [int(t) for t in f.readline().split()[1:]]
     except (OSError, ValueError):
-        return None
+        return None, own
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of its reaped children."""
-    import resource
-
-    return sum(ru.ru_utime + ru.ru_stime for ru in (resource.getrusage(resource.RUSAGE_CHILDREN),
-                                                    resource.getrusage(resource.RUSAGE_SELF)))
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK"), own
 
 
 class LoadMeter:
@@ -244,21 +232,21 @@ class LoadMeter:
     ``others``, None where /proc/stat is not readable."""
 
     def __enter__(self):
-        self.t0, self.b0, self.own0, self.others = time.monotonic(), busy_cpu_s(), own_cpu_s(), None
+        self.t0, (self.b0, self.own0), self.others = time.monotonic(), cpu_seconds(), None
         return self
 
     def __exit__(self, *exc):
-        b1, own1, wall = busy_cpu_s(), own_cpu_s(), time.monotonic() - self.t0
+        (b1, own1), wall = cpu_seconds(), time.monotonic() - self.t0
         if self.b0 is not None and b1 is not None and wall > 0:
             self.others = max(0.0, (b1 - self.b0) - (own1 - self.own0)) / wall
 
 
 class Quiet:
     """--wait-quiet: before a timing, wait (at most ``per_wait`` s each, ``budget`` s in all) until other processes
-    use < NOISY cores over a 3 s window; a half-second look first. ``waited``: seconds waited in all."""
+    use < NOISY cores over a 3 s window; a half-second look first."""
 
     def __init__(self, per_wait: float, budget: float, log: Callable[[str], None]):
-        self.per_wait, self.budget_left, self.log, self.waited = per_wait, budget, log, 0.0
+        self.per_wait, self.budget_left, self.log = per_wait, budget, log
 
     def __call__(self) -> None:
         if self.per_wait <= 0 or self.budget_left <= 0:
@@ -267,19 +255,13 @@ class Quiet:
             time.sleep(0.5)
         if m.others is None or m.others < NOISY:
             return
-        t0 = last_msg = now = time.monotonic()
-        max_s = min(self.per_wait, self.budget_left)
-        while m.others is not None and m.others >= NOISY and now - t0 < max_s:
-            if now - last_msg > 60:
-                self.log(f"waiting for a quiet machine: other processes use {m.others:.2f} cores "
-                         f"({now - t0:.0f} s of --wait-quiet {max_s:.0f})")
-                last_msg = now
+        t0 = now = time.monotonic()
+        while m.others is not None and m.others >= NOISY and now - t0 < min(self.per_wait, self.budget_left):
             with LoadMeter() as m:
                 time.sleep(3)
             now = time.monotonic()
         self.log(f"waited {now - t0:.0f} s for a quiet machine; other processes now use {m.others or 0:.2f} cores")
         self.budget_left -= now - t0
-        self.waited += now - t0
 
 
 def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -296,8 +278,8 @@ def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
 
 
 def peak_mb(call: Callable[[], Any], device: str, repeats: int = 3) -> float:
-    """Peak memory of one call above the memory in use just before it, MB, the least of ``repeats`` calls
-    (``smx demo``'s PeakMemory: torch.cuda.max_memory_allocated on CUDA, the RSS high-water mark on the CPU)."""
+    """Peak memory (``smx demo``'s PeakMemory) of one call above the memory in use before it, MB, the least of
+    ``repeats`` calls."""
     out = []
     for _ in range(repeats):
         with PeakMemory(device) as m:
@@ -308,31 +290,27 @@ def peak_mb(call: Callable[[], Any], device: str, repeats: int = 3) -> float:
 
 
 def fresh(fn: Callable, tag: str) -> Callable:
-    """A copy of ``fn`` with its own code object: Dynamo keeps its entries on the code object, so each backend's
-    copy compiles and counts against the recompile limit apart."""
+    """A copy of ``fn`` with its own code object, so that each copy's Dynamo entries (recompile limit) are apart."""
     name = f"{fn.__name__}__{tag.replace('-', '_')}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name) if sys.version_info >= (3, 11) else \
-        fn.__code__.replace(co_name=name)
+    code = fn.__code__.replace(co_name=name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {}))
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def compile_for(backend: str, fn: Callable) -> Callable:
     """``fn`` under one of :data:`BACKENDS` (each compiled backend on its own copy, ``dynamic=False``)."""
-    import importlib
-
     import torch
 
     if backend == "eager":
         return fn
     importlib.import_module("smxcompile")  # registers backend="smx"
-    kw = {"inductor": {}, "smx": {"backend": "smx"}, "smx-rewrite": {"backend": "smx", "options": dict(SMX_REWRITE)}}
+    kw = {"inductor": {}, "smx": {"backend": "smx"},
+          "smx-rewrite": {"backend": "smx", "options": {"cpu": "rewrite", "cuda": "rewrite"}}}
     return torch.compile(fresh(fn, backend), dynamic=False, **kw[backend])
 
 
 def n_reports() -> int:
-    from smxcompile.backends.smx import compiled_reports
-
-    return len(compiled_reports)
+    """How many graphs smx has compiled in this process."""
+    return sites_since(0)[1]
 
 
 def sites_since(n0: int) -> tuple[list, int]:
@@ -343,16 +321,12 @@ def sites_since(n0: int) -> tuple[list, int]:
 
 
 def smx_report_summary() -> dict[str, Any]:
-    """The smx reports of every graph compiled in this process summed ({kind: {action: count}}), and the last."""
-    import smxcompile
-    from smxcompile.backends.smx import compiled_reports
-
+    """The smx reports of every graph compiled in this process summed: ``sites`` {kind: {action: count}}."""
+    sites, graphs = sites_since(0)
     total: dict[str, dict[str, int]] = {}
-    for kind, acts in (item for r in compiled_reports for item in r.summary().items()):
-        for act, k in acts.items():
-            total.setdefault(kind, {})[act] = total.get(kind, {}).get(act, 0) + k
-    last = smxcompile.last_report()
-    return {"graphs": len(compiled_reports), "sites": total, "last_report": last.summary() if last else None}
+    for s in sites:
+        total.setdefault(s.kind, {})[s.action] = total.get(s.kind, {}).get(s.action, 0) + 1
+    return {"graphs": graphs, "sites": total}
 
 
 def sites_text(rep: dict) -> str:
@@ -363,9 +337,8 @@ def sites_text(rep: dict) -> str:
 
 @dataclasses.dataclass
 class Row:
-    """One row of an in-process benchmark: per backend, the median, inter-quartile range and fastest block (ms),
-    what smx did, the error against eager and the backends that disagreed with it; ``others``: cores other
-    processes used while it was timed (``tries``: per timing try)."""
+    """One row of an in-process benchmark: per backend the median, IQR and fastest block (ms), what smx did, the
+    error against eager, the backends that disagreed; ``others`` (``tries``): the others' load while timed."""
 
     device: str
     shape: str
@@ -406,8 +379,7 @@ def shown(rows: list[Row], stat: str) -> list[Row]:
 
 
 def time_row(row: Row, stmts: dict, args: argparse.Namespace, quiet: Quiet, log: Callable[[str], None]) -> None:
-    """Time a row's statements (:func:`measure_interleaved`), again up to --retry-noisy times on the CPU while
-    other processes shared it; the least disturbed try is kept."""
+    """Time a row's statements, again up to --retry-noisy times while others shared the CPU; the least disturbed."""
     best = None
     for t in range(args.retry_noisy + 1):
         quiet()

@@ -1,19 +1,13 @@
-#!/usr/bin/env python
 """Held-out perplexity of `smx demo` GPT-2 checkpoints whose attention softmax is quantized by
 ``smxcompile.quantize_softmax``, with and without the bias correction.
 
-What is measured: at each of --bits and each setting (none: no correction; offset/head, the default;
-offset/tensor; offset/position; scale/head; scale/tensor), per checkpoint, on its held-out windows: the perplexity
-against fp32's (95% paired-bootstrap intervals, also against no correction), the KL of the next-token
-distributions to fp32's, mean |row sum - 1| and the zero fraction of the attention probabilities. Goals (the
-verdict): with a correction, 8-bit perplexity within 1% of fp32; a correction beats none at every bit width.
-Sanity checks stop the run (exit status 2). Method and results: docs/PERFORMANCE.md.
+What is measured: per checkpoint, bit width and setting (none, offset/head, offset/tensor, offset/position,
+scale/head, scale/tensor), the held-out perplexity vs fp32 and vs none (95% paired-bootstrap intervals), KL to fp32,
+mean |row sum - 1| and zero fraction; a verdict on the goals (8-bit within 1% of fp32; a correction beats none).
+A failed sanity check exits with status 2. Method and results: docs/PERFORMANCE.md.
 """
 
-from __future__ import annotations
-
 import argparse
-import inspect
 import math
 import re
 import shlex
@@ -23,16 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when loaded from a file path
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import common  # noqa: E402
-import smxcompile  # noqa: E402
-from smx_app import lm  # noqa: E402
-from smx_app.argtypes import nonneg_int, positive_int  # noqa: E402
+import common
+from common import SanityError
+import smxcompile
+from smx_app import lm
+from smx_app.argtypes import nonneg_int, positive_int
 
 EPILOG = """\
 examples:
@@ -40,9 +33,8 @@ examples:
       --checkpoint /tmp/ckpt/seed1/checkpoint --markdown \\
       --json docs/bench_quant_softmax.json --plot docs/quant_softmax.png        # docs/PERFORMANCE.md's figures
 
-checkpoint: a demo --out folder or its checkpoint/ subfolder; the window length and corpus come from the demo's
-results.json. --train-if-missing trains a missing one with `smx demo --small --backends eager --seed S --out DIR`
-(--quick: `--quick` instead of `--small`), S from a 'seed<N>' part of the path, else its position in the list.
+checkpoint: a demo --out folder or its checkpoint/ subfolder. --train-if-missing trains a missing one with `smx demo
+--small --backends eager --seed S --out DIR` (--quick: `--quick`), S from a 'seed<N>' in the path, else its position.
 """
 
 #: setting name -> quantize_softmax's (correction, granularity)
@@ -53,26 +45,19 @@ HEAD = ["checkpoint", "bits", "setting", "perplexity", "Δ vs fp32 (%) [95% CI]"
         "KL to fp32 (nats/token)", "mean abs(row sum − 1)", "zero fraction"]
 
 
-class SanityError(RuntimeError):
-    """A check that the measurement is what it claims to be failed."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eval_quant_softmax.py", description=__doc__.split("\n", 3)[3], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", action="append", type=Path, required=True, metavar="DIR",
-                   help="an `smx demo` checkpoint (repeat for several; --quick uses the first only)")
+                   help="an `smx demo` checkpoint (repeatable; --quick uses the first only)")
     p.add_argument("--bits", type=common.int_list, metavar="LIST", help="bit widths (default: 8,6,4; --quick: 8,4)")
-    p.add_argument("--calib-batches", type=positive_int, metavar="N",
-                   help="calibration batches, a seeded sample of training windows (default: 8; --quick: 2)")
-    p.add_argument("--eval-batches", type=nonneg_int, metavar="N",
-                   help="held-out batches evaluated, 0 = all (default: 0; --quick: 2)")
+    p.add_argument("--calib-batches", type=positive_int, metavar="N", help="calibration batches (default 8, quick 2)")
+    p.add_argument("--eval-batches", type=nonneg_int, metavar="N", help="held-out batches, 0: all (default 0, quick 2)")
     p.add_argument("--stats-batches", type=nonneg_int, default=4, metavar="N",
-                   help="held-out batches of the KL, row-sum error and zero fraction, 0 = all (default: 4)")
+                   help="held-out batches of the KL and attention statistics, 0 = all (default: 4)")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="windows per batch (default: 8)")
     p.add_argument("--quick", action="store_true", help="smoke run: first checkpoint, 2 + 2 batches, bits 8,4")
-    p.add_argument("--train-if-missing", action="store_true",
-                   help="train a missing checkpoint with `smx demo` first (with --quick: `smx demo --quick`)")
+    p.add_argument("--train-if-missing", action="store_true", help="train a missing checkpoint with `smx demo` first")
     p.add_argument("--markdown", action="store_true", help="print the results as a Markdown table")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every figure and the environment as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE", help="write a plot (matplotlib, PNG)")
@@ -159,14 +144,11 @@ def evaluate_checkpoint(ck: Path, label: str, args: argparse.Namespace) -> dict[
     model, data, bs = lm.load_lm(ck), lm.lm_data(ck), args.batch_size
     n_cal = min(args.calib_batches * bs, data.train.shape[0])
     order = torch.randperm(data.train.shape[0], generator=torch.Generator().manual_seed(0))
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    calib = [{"input_ids": b, **kw} for b in data.train[order[:n_cal]].split(bs)]
+    calib = [{"input_ids": b, "logits_to_keep": 1} for b in data.train[order[:n_cal]].split(bs)]
     held = data.heldout if args.eval_batches == 0 else data.heldout[:args.eval_batches * bs]
     ev = list(held.split(bs))
     stats_ev = ev if args.stats_batches == 0 else ev[:args.stats_batches]
     n_layer = int(model.config.n_layer)
-    print(f"{label} ({ck}): {n_layer} layers, {data.corpus} in windows of {data.seq_len} tokens; {held.shape[0]} of "
-          f"{data.heldout.shape[0]} held-out windows; {n_cal} calibration windows", flush=True)
     with torch.no_grad():
         fp_w = window_nll(model, ev)
         hf = float(model(input_ids=ev[0], labels=ev[0]).loss)
@@ -178,7 +160,8 @@ def evaluate_checkpoint(ck: Path, label: str, args: argparse.Namespace) -> dict[
     tokens = held.shape[0] * (data.seq_len - 1)
     ref = {"label": label, "n_layer": n_layer, "w": fp_w, "tpw": data.seq_len - 1, "tokens": tokens,
            "ppl": math.exp(float(fp_w.sum()) / tokens), "lp": lp, "logits0": logits0}
-    print(f"  fp32: perplexity {ref['ppl']:.3f}", flush=True)
+    print(f"{label} ({ck}): {data.corpus}, windows of {data.seq_len} tokens, {held.shape[0]} held-out, {n_cal} "
+          f"calibration; fp32 perplexity {ref['ppl']:.3f}", flush=True)
     rows, none_w = [], {}
     for bits in args.bits:
         for name in SETTINGS:
@@ -190,8 +173,7 @@ def evaluate_checkpoint(ck: Path, label: str, args: argparse.Namespace) -> dict[
                 row["vs_none_ci95_pct"] = paired_ci(w, none_w[bits], ref["tpw"])
             rows.append(row)
             print(f"  {bits}-bit {name:15s} ppl {row['ppl']:10.3f} ({row['rel_change_pct']:+8.3f}%)  KL "
-                  f"{row['kl_to_fp32']:.3e}  |rowsum-1| {row['mean_abs_rowsum_err']:.5f}  zero "
-                  f"{100 * row['zero_fraction']:5.1f}%  calib {row['calib_s']:.1f} s", flush=True)
+                  f"{row['kl_to_fp32']:.3e}  zero {100 * row['zero_fraction']:5.1f}%", flush=True)
     with torch.no_grad():  # quantize_softmax works on a copy: the fp32 model must be untouched
         moved = float((model(input_ids=ev[0]).logits - logits0).abs().max())
     if moved > 1e-6:
@@ -203,31 +185,28 @@ def evaluate_checkpoint(ck: Path, label: str, args: argparse.Namespace) -> dict[
 
 
 def verdict(rows: list[dict[str, Any]], bits: list[int]) -> dict[str, Any]:
-    """Each goal (at every bit width, on every checkpoint): met by which correction settings, and where each setting
+    """Per goal, the correction settings that meet it at every bit width on every checkpoint and where each setting
     misses it; then the settings ranked per bit width by their mean perplexity change vs fp32. Printed too."""
     by = {(r["checkpoint"], r["bits"], r["setting"]): r for r in rows}
     labels = list(dict.fromkeys(r["checkpoint"] for r in rows))
+    corrected = [n for n in SETTINGS if n != "none"]
+    goals = [("goal_correction_beats_none", "goal 2: a correction gives lower perplexity than none", bits, corrected,
+              lambda r, o: r["ppl"] < o["ppl"]),
+             ("kl_correction_beats_none", "fidelity: a correction gives a lower KL to fp32 than none", bits, corrected,
+              lambda r, o: r["kl_to_fp32"] < o["kl_to_fp32"])]
+    if 8 in bits:
+        goals.insert(0, ("goal_8bit_within_1pct", "goal 1: with a correction, 8-bit perplexity within 1% of fp32",
+                         [8], list(SETTINGS), lambda r, o: abs(r["rel_change_pct"]) <= 1.0))
+    out: dict[str, Any] = {"ranking_by_bits": {}}
     print("\nverdict:")
-
-    def goal(text: str, ok, at_bits: list[int], names: list[str]) -> dict[str, Any]:
+    for key, text, at_bits, names, ok in goals:
         missed = {n: [f"{lb}/{b}" for lb in labels for b in at_bits if not ok(by[lb, b, n], by[lb, b, "none"])]
                   for n in names}
         met_by = [n for n in names if n != "none" and not missed[n]]
         print(f"{text}: {'MET' if met_by else 'NOT MET'}")
         for n, at in missed.items():
             print(f"  {n:15s} " + (f"misses at {', '.join(at)}" if at else "meets"))
-        return {"goal": text, "met": bool(met_by), "met_by": met_by, "missed_at": missed}
-
-    corrected = [n for n in SETTINGS if n != "none"]
-    out: dict[str, Any] = {}
-    if 8 in bits:
-        out["goal_8bit_within_1pct"] = goal("goal 1: with a correction, 8-bit perplexity within 1% of fp32",
-                                            lambda r, o: abs(r["rel_change_pct"]) <= 1.0, [8], list(SETTINGS))
-    out["goal_correction_beats_none"] = goal("goal 2: a correction gives lower perplexity than none",
-                                             lambda r, o: r["ppl"] < o["ppl"], bits, corrected)
-    out["kl_correction_beats_none"] = goal("fidelity: a correction gives a lower KL to fp32 than none",
-                                           lambda r, o: r["kl_to_fp32"] < o["kl_to_fp32"], bits, corrected)
-    out["ranking_by_bits"] = {}
+        out[key] = {"goal": text, "met": bool(met_by), "met_by": met_by, "missed_at": missed}
     print("settings per bit width, best first (mean perplexity change vs fp32 over the checkpoints):")
     for b in bits:
         mean = {n: sum(by[lb, b, n]["rel_change_pct"] for lb in labels) / len(labels) for n in SETTINGS}
@@ -255,33 +234,30 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
 
 def plot(results: list[dict[str, Any]], bits: list[int], path: Path) -> None:
     """Four panels against bits: perplexity change vs fp32, KL to fp32, mean |row sum - 1|, zero fraction; colour:
-    setting, line style: checkpoint, the settings nudged apart along x."""
+    setting, line style: checkpoint."""
     plt = common.pyplot()
     if plt is None:
         print(common.NO_MATPLOTLIB)
         return
-    panels = (("rel_change_pct", "held-out perplexity vs fp32 (%, symlog; black: fp32)", "symlog"),
+    panels = (("rel_change_pct", "held-out perplexity vs fp32 (%, symlog)", "symlog"),
               ("kl_to_fp32", "KL(fp32 || quantized), nats per token", "log"),
               ("mean_abs_rowsum_err", "mean |row sum − 1| of the attention probabilities", "log"),
               ("zero_fraction", "fraction of unmasked probabilities quantized to zero", "linear"))
-    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5.5))
     xs = sorted(bits)
-    for i, c in enumerate(results):
-        by = {(r["bits"], r["setting"]): r for r in c["rows"]}
-        for j, name in enumerate(SETTINGS):
-            for ax, (key, _, _) in zip(axes, panels):
-                ax.plot([b + 0.06 * (j - 2.5) for b in xs], [by[b, name][key] for b in xs], marker="o", ms=4,
-                        ls=("-", "--", ":", "-.")[i % 4], color=f"C{j}", label=f"{name} ({c['label']})")
-    axes[0].axhline(0.0, color="black", lw=1.2)
-    for ax, (_, title, scale) in zip(axes, panels):
+    for ax, (key, title, scale) in zip(axes, panels):
+        for i, c in enumerate(results):
+            by = {(r["bits"], r["setting"]): r[key] for r in c["rows"]}
+            for j, name in enumerate(SETTINGS):
+                ax.plot(xs, [by[b, name] for b in xs], marker="o", ms=4, ls=("-", "--", ":", "-.")[i % 4],
+                        color=f"C{j}", label=f"{name} ({c['label']})")
         ax.set_yscale(scale, **({"linthresh": 0.01} if scale == "symlog" else {}))
-        ax.set(title=title, xlabel="bits (settings nudged apart)", xticks=xs)
+        ax.set(title=title, xlabel="bits", xticks=xs)
         ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=7.5, frameon=False)
-    fig.suptitle("smxcompile.quantize_softmax on the attention softmax of smx-demo GPT-2 checkpoints (line style: "
-                 f"{', '.join(c['label'] for c in results)}): {results[0]['eval_tokens']} held-out tokens each")
-    fig.tight_layout(rect=(0, 0.04 * -(-len(labels) // 6) + 0.01, 1, 1))
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"smxcompile.quantize_softmax on smx-demo GPT-2 checkpoints: {results[0]['eval_tokens']} held-out "
+                 "tokens each")
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,16 +1,11 @@
-#!/usr/bin/env python
 """Every softmax variant swapped into a pretrained GPT-2: held-out perplexity after the swap, after
 calibration and after a short fine-tune, next to the softmax model fine-tuned the same way.
 
-What is measured: per variant of ``smxcompile.variants.names()`` (on a fresh copy of the checkpoint), the held-out
-perplexity after the swap, calibrated (--calibrate steps on the variant's own parameters) and fine-tuned (--finetune
-steps on every weight), each also as a ratio to the "softmax (baseline)" row (the original model fine-tuned the same
-way); attention entropy and sink mass after the swap and after the fine-tune, row sum and zero fraction after it. A
-NaN / infinite training loss stops that variant ("diverged") and the run goes on (entmax_bisect is the slowest row).
-Sanity checks exit with status 2. The study: docs/VARIANTS.md.
+What is measured: per variant of ``smxcompile.variants.names()``, the held-out perplexity after the swap,
+calibrated and fine-tuned, also as a ratio to the "softmax (baseline)" row (fine-tuned the same way); attention
+entropy, sink mass, row sum and zero fraction. A NaN / infinite loss ends that row as "diverged" (entmax_bisect is the
+slowest row). A failed sanity check exits with status 2. The study: docs/VARIANTS.md.
 """
-
-from __future__ import annotations
 
 import argparse
 import copy
@@ -21,17 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when loaded from a file path
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import common  # noqa: E402
-import smxcompile  # noqa: E402
-from smxcompile import variants  # noqa: E402
-from smxcompile.edit.swap import swapped_sites  # noqa: E402
-from smx_app import lm  # noqa: E402
-from smx_app.argtypes import nonneg_int, positive_float, positive_int  # noqa: E402
+import common
+from common import SanityError
+import smxcompile
+from smxcompile import variants
+from smxcompile.edit.swap import swapped_sites
+from smx_app import lm
+from smx_app.argtypes import nonneg_int, positive_float, positive_int
 
 BASELINE = "softmax (baseline)"
 STATS = ("entropy", "sink_mass", "rowsum", "zero_fraction")
@@ -44,32 +38,22 @@ examples:
       --json docs/bench_variants.json --plot docs/variants.png        # docs/VARIANTS.md's figures (~13 min)
   python benchmarks/eval_variants.py --replot docs/bench_variants.json --plot docs/variants.png
 
-checkpoint: an `smx demo --out DIR` folder or its checkpoint/ subfolder (train one with `smx demo --backends eager
---seed 0 --out DIR`); the window length and corpus come from the demo's results.json.
+checkpoint: an `smx demo --out DIR` folder or its checkpoint/ folder (`smx demo --backends eager --seed 0 --out DIR`).
 """
-
-
-class SanityError(RuntimeError):
-    """A check that the measurement is what it claims to be failed."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eval_variants.py", description=__doc__.split("\n", 3)[3], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, metavar="DIR", help="an `smx demo` checkpoint (required)")
-    p.add_argument("--variants", type=common.choice_list(tuple(variants.names())), metavar="LIST",
-                   help="comma-separated variant names (default: all)")
-    p.add_argument("--calibrate", type=nonneg_int, default=25, metavar="STEPS",
-                   help="calibration steps on the variant's learnable parameters, if any (default: 25)")
-    p.add_argument("--finetune", type=nonneg_int, default=50, metavar="STEPS",
-                   help="fine-tuning steps (every weight), the same for every row (default: 50)")
+    p.add_argument("--variants", type=common.choice_list(tuple(variants.names())), help="a list (default: all)")
+    p.add_argument("--calibrate", type=nonneg_int, default=25, help="steps on the variant's parameters (default: 25)")
+    p.add_argument("--finetune", type=nonneg_int, default=50, help="steps on every weight (default: 50)")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="windows per batch (default: 8)")
-    p.add_argument("--eval-batches", type=nonneg_int, default=8, metavar="N",
-                   help="held-out batches for the perplexity, 0 = every held-out window (default: 8)")
-    p.add_argument("--stats-batches", type=positive_int, default=2, metavar="N",
-                   help="held-out batches for the attention statistics (default: 2)")
-    p.add_argument("--lr", type=positive_float, metavar="LR", help="fine-tuning learning rate (default: 1e-4)")
-    p.add_argument("--calib-lr", type=positive_float, metavar="LR", help="calibration learning rate (default: 1e-2)")
+    p.add_argument("--eval-batches", type=nonneg_int, default=8, help="held-out batches, 0: all (default: 8)")
+    p.add_argument("--stats-batches", type=positive_int, default=2, help="batches of attention statistics (default: 2)")
+    p.add_argument("--lr", type=positive_float, default=lm.FINETUNE_LR, help="fine-tune lr (%(default)g)")
+    p.add_argument("--calib-lr", type=positive_float, default=lm.CALIBRATE_LR, help="calibration lr (%(default)g)")
     p.add_argument("--seed", type=int, default=0, help="batch order: calibration SEED, fine-tunes SEED+1 (default: 0)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default: 1)")
     p.add_argument("--markdown", action="store_true", help="print the results as a Markdown table")
@@ -108,11 +92,10 @@ def run_row(name: str, base, data, held, stats_w, args: argparse.Namespace, orig
 
     model = copy.deepcopy(base) if baseline else swap(base, name)
     nvp = sum(p.numel() for p in lm.variant_parameters(model))
-    row: dict[str, Any] = {"variant": name, "n_variant_params": nvp, "ppl_original": original["ppl"],
-                           "loss_original": original["loss"], "status": "ok", "ppl_swap": None,
-                           "ppl_calibrated": None, "finetune_from": "original" if baseline else "swapped",
-                           "learnable": [] if baseline else [k for k, s in variants.get(name).params.items()
-                                                             if s.learnable]}
+    learnable = [] if baseline else [k for k, s in variants.get(name).params.items() if s.learnable]
+    row: dict[str, Any] = {"variant": name, "learnable": learnable, "n_variant_params": nvp, "status": "ok",
+                           "ppl_original": original["ppl"], "loss_original": original["loss"], "ppl_swap": None,
+                           "ppl_calibrated": None, "finetune_from": "original" if baseline else "swapped"}
     if not baseline:
         with torch.no_grad(), model.smx_swap.disabled():
             if not torch.equal(model(input_ids=held[:bs]).logits, ref_logits):
@@ -176,56 +159,43 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def plotted(r: dict[str, Any], stage: str, key: str) -> float:
+    """A row's perplexity (``key`` "ppl") or attention statistic after ``stage``; NaN when there is none."""
+    v = r.get(f"ppl_{stage}") if key == "ppl" else (r.get(f"stats_{stage}") or {}).get(key)
+    return np.nan if v is None or not math.isfinite(v) else v
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """Top: held-out perplexity per variant after swap / calibration / fine-tune (log scale), the original and the
-    fine-tuned softmax as lines. Bottom: attention entropy and sink mass after the swap and after the fine-tune."""
+    """Per variant, bars after swap / calibration / fine-tune: held-out perplexity (log scale), attention entropy and
+    sink mass; the softmax baseline, original and fine-tuned, as lines."""
     plt = common.pyplot()
     if plt is None:
         print(common.NO_MATPLOTLIB)
         return
     rows = [r for r in doc["rows"] if r["variant"] != BASELINE]
     base = next((r for r in doc["rows"] if r["variant"] == BASELINE), {})
-    x, cfg, orig = np.arange(len(rows)), doc["config"], doc["original"]["ppl"]
-    fig = plt.figure(figsize=(15, 10))
-    gs = fig.add_gridspec(2, 2, height_ratios=[1.3, 1.0])
-    ax = fig.add_subplot(gs[0, :])
-    stages = [("swap", "after swap (no training)", "tab:gray"),
-              ("calibrated", f"calibrated ({cfg['calibrate']} steps, variant parameters only)", "tab:orange"),
-              ("finetuned", f"fine-tuned ({cfg['finetune']} steps, all weights)", "tab:blue")]
-    for i, (k, label, color) in enumerate(stages):
-        ys = [r.get(f"ppl_{k}") for r in rows]
-        ax.bar(x + (i - 1) * 0.27, [y if y is not None and math.isfinite(y) else np.nan for y in ys], 0.27,
-               label=label, color=color)
-    ax.axhline(orig, color="black", ls="--", lw=1.2, label=f"original softmax checkpoint ({orig:.1f})")
-    if base.get("ppl_finetuned"):
-        ax.axhline(base["ppl_finetuned"], color="tab:green", lw=1.8,
-                   label=f"softmax fine-tuned the same way ({base['ppl_finetuned']:.1f})")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter("{x:g}")
-    ax.yaxis.set_minor_formatter("{x:g}")
-    ax.set_xticks(x, [r["variant"] for r in rows], rotation=25, ha="right")
-    ax.set(ylabel="held-out perplexity (log scale; lower is better)", title="held-out perplexity per variant "
-           "(no orange bar: no learnable parameter, nothing to calibrate)")
-    ax.grid(axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=8.5, loc="upper left", ncol=2)
-    for j, (key, label) in enumerate((("entropy", "attention entropy (nats per row)"),
-                                      ("sink_mass", "sink mass (mean weight on the first key)"))):
-        a = fig.add_subplot(gs[1, j])
-        for dx, st, lab, color in ((-0.2, "stats_swap", "after swap", "tab:gray"),
-                                   (0.2, "stats_finetuned", "after fine-tune", "tab:blue")):
-            a.bar(x + dx, [(r.get(st) or {}).get(key, np.nan) for r in rows], 0.4, label=lab, color=color)
-        for st, lab, kw in (("stats_swap", "original", {"color": "black", "ls": "--"}),
-                            ("stats_finetuned", "fine-tuned", {"color": "tab:green"})):
-            if base.get(st):
-                a.axhline(base[st][key], lw=1.3, label=f"softmax, {lab} ({base[st][key]:.3f})", **kw)
-        a.margins(y=0.35)
-        a.set_xticks(x, [r["variant"] for r in rows], rotation=35, ha="right", fontsize=8.5)
-        a.set_title(label)
-        a.grid(axis="y", alpha=0.3)
-        a.legend(fontsize=7.5, loc="upper left", ncol=2, framealpha=0.9)
+    x, cfg = np.arange(len(rows)), doc["config"]
+    stages = (("swap", "after swap", "tab:gray"), ("calibrated", "calibrated", "tab:orange"),
+              ("finetuned", "fine-tuned", "tab:blue"))
+    panels = (("ppl", "held-out perplexity (log scale)"), ("entropy", "attention entropy (nats per row)"),
+              ("sink_mass", "sink mass (mean weight on the first key)"))
+    fig, axes = plt.subplots(3, 1, figsize=(14, 13), sharex=True)
+    for ax, (key, title) in zip(axes, panels):
+        for i, (stage, label, color) in enumerate(stages):
+            ax.bar(x + (i - 1) * 0.27, [plotted(r, stage, key) for r in rows], 0.27, label=label, color=color)
+        original = doc["original"]["ppl"] if key == "ppl" else plotted(base, "swap", key)
+        tuned = plotted(base, "finetuned", key)
+        ax.axhline(original, color="black", ls="--", label=f"softmax, original ({original:.4g})")
+        ax.axhline(tuned, color="tab:green", label=f"softmax, fine-tuned the same way ({tuned:.4g})")
+        ax.set_yscale("log" if key == "ppl" else "linear")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=3)
+    axes[-1].set_xticks(x, [r["variant"] for r in rows], rotation=25, ha="right")
+    axes[0].yaxis.set_major_formatter("{x:g}")
+    axes[0].yaxis.set_minor_formatter("{x:g}")
     fig.suptitle(f"softmax variants swapped into the smx-demo GPT-2 ({cfg['checkpoint']}): {doc['eval']['tokens']} "
-                 f"held-out tokens, fine-tune lr {cfg['lr']:g}, calibration lr {cfg['calib_lr']:g}, batch "
-                 f"{cfg['batch_size']}")
+                 f"held-out tokens, {cfg['calibrate']} calibration and {cfg['finetune']} fine-tuning steps")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -244,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint is None:
         parser.error("--checkpoint DIR is required")
     names = args.variants or list(variants.names())
-    args.lr, args.calib_lr = args.lr or lm.FINETUNE_LR, args.calib_lr or lm.CALIBRATE_LR
     torch.set_num_threads(args.threads)
     command = common.command_line(argv, None if argv is None else "benchmarks/eval_variants.py")
     print(f"command: {command}", flush=True)
@@ -256,14 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     held = data.heldout if args.eval_batches == 0 else data.heldout[:args.eval_batches * bs]
     stats_w = held[:args.stats_batches * bs]
     env = common.environment(packages=("transformers", "tokenizers"), git=True)
-    print(f"checkpoint {ck}: {data.corpus} in windows of {data.seq_len} tokens, {held.shape[0]} of "
-          f"{data.heldout.shape[0]} held-out evaluated; {len(names)} variants", flush=True)
     t_start = time.perf_counter()
     original = lm.perplexity(base, held, batch_size=bs, progress=not args.no_progress, desc="original: perplexity")
     with torch.no_grad():
         ref_logits = base(input_ids=held[:bs]).logits
     checksum = [p.detach().clone() for p in base.parameters()]
-    print(f"original checkpoint: held-out perplexity {original['ppl']:.3f}", flush=True)
+    print(f"checkpoint {ck}: {data.corpus}, windows of {data.seq_len} tokens, {held.shape[0]} held-out evaluated; "
+          f"perplexity {original['ppl']:.3f}", flush=True)
     rows = []
     try:
         for name in [BASELINE, *names]:

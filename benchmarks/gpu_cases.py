@@ -1,6 +1,5 @@
-"""The cases of benchmarks/gpu_model.py and gpu/compare_model.py: each op's Triton launch at a representative shape,
-its minimum bytes (or useful FLOPs) and bound, and torch's own path: traced kernel by kernel (gpu_torch_paths.py)
-and run on the same inputs (on a GPU)."""
+"""The cases of benchmarks/gpu_model.py and gpu/compare_model.py: each op's Triton launch at a shape, its minimum
+bytes (or useful FLOPs) and bound, and torch's own path, traced (gpu_torch_paths.py) and run (on a GPU)."""
 
 from __future__ import annotations
 
@@ -27,13 +26,10 @@ from smxcompile.kernels.softmax.triton_kernels import MAX_FUSED_BLOCK, softmax_b
 from smxcompile.kernels.softmax_topk.triton_kernels import softmax_topk_backward, softmax_topk_forward
 
 FAMILIES = ("softmax", "softmax_topk", "quant_softmax", "attention", "linear_ce", "cross_entropy", "sampling")
-#: FlashAttention-2's query tile (rows), which sets how often it reads K and V
-FA2_BLOCK_M = 128
-#: cut cross-entropy's FLOPs over torch's: the backward recomputes the logits (6 N V D against 4); precise_grad
-#: on, G = hi + lo (10 against 4)
+FA2_BLOCK_M = 128  # FlashAttention-2's query tile (rows): how often it reads K and V
+#: cut cross-entropy's FLOPs over torch's (the backward recomputes the logits; precise_grad: G = hi + lo)
 LCE_FLOP_BOUND = {"fwd": 1.02, "bwd": 1.52, "precise": 2.52}
-#: normalizers torch has no kernel for: fp32 passes over the L x S scores in eager ops, our FLOPs over the useful
-#: ones (sparsemax recomputes the scores in each of its 10 bracketing passes, the max and the finish), the note
+#: normalizers torch has no kernel for: fp32 passes over the L x S scores in eager ops, our FLOPs bound, the note
 WRITTEN_OUT = {"softpick": (5, 1.15, ""), "sparsemax": (
     12, 13.5, "threshold normalizer: 10 bracketing passes re-read K (inherent: no L x S store)")}
 
@@ -52,12 +48,10 @@ class Case:
     torch_trace: Callable[[Tracer], None]  # its kernels' accesses
     torch_run: Callable[[dict], object] | None = None  # it, on the inputs (timed on a GPU)
     memory_bound: bool = True
-    flops_min: float = 0.0  # useful tensor-core FLOPs (what torch's path computes); 0 for memory-bound ops
-    #: the most the case may move ((loaded + stored) / bytes_min) or compute (flops / flops_min, not memory-bound)
-    #: over its minimum; docs/PERFORMANCE.md ("GPU model") says why each is above 1
-    bound: float = 1.0
+    flops_min: float = 0.0  # useful tensor-core FLOPs; 0 for memory-bound ops
+    bound: float = 1.0  # the most (loaded + stored) / bytes_min, or flops / flops_min, may be
     note: str = ""
-    logits_stored: bool = False  # linear CE: report the bytes the kernels stored, to compare with N x V
+    logits_stored: bool = False  # linear CE: report the bytes the kernels stored
     caps: tuple[int, int] = (0, 0)  # sampling caps (axis, loop) at least this high, for both sides
 
 
@@ -71,9 +65,8 @@ def short(dtype: torch.dtype) -> str:
 
 
 def torch_backward(forward: Callable, names: tuple[str, ...], grad: str | None = None) -> Callable[[dict], object]:
-    """``torch_run`` of a backward case: its first call (untimed on a GPU) runs torch's ``forward(inputs, *leaves)``
-    on leaves of the inputs ``names`` and keeps the graph in the inputs; every call then runs torch's backward alone
-    through it, with the input ``grad`` as the output's gradient."""
+    """``torch_run`` of a backward case: the first call builds ``forward(inputs, *leaves)`` on leaves of the inputs
+    ``names``, kept in the inputs; every call runs torch's backward alone through it (the input ``grad`` as dy)."""
     def run(a):
         if "torch_graph" not in a:
             wrt = [a[n].detach().requires_grad_() for n in names]
@@ -81,9 +74,6 @@ def torch_backward(forward: Callable, names: tuple[str, ...], grad: str | None =
         out, wrt, g = a["torch_graph"]
         return torch.autograd.grad(out, wrt, g, retain_graph=True)
     return run
-
-
-# ------------------------------------------------------------------------------------------ memory-bound ops
 
 
 def softmax_case(R, C, dtype, *, log=False, backward=False) -> Case:
@@ -160,12 +150,8 @@ def quant_case(R, C, dtype) -> Case:
         torch_run=lambda a: torch_quant(a["x"]))
 
 
-# ------------------------------------------------------------------------------------------------ attention
-
-
 def fa2_bytes(B, Hq, L, S, E, Ev, s, causal, mask_bytes=0) -> float:
-    """FlashAttention-2's forward traffic: Q and O once, the row statistics, K and V (and a per-key mask) once per
-    query tile of FA2_BLOCK_M rows, for every query head."""
+    """FlashAttention-2's forward traffic: Q, O and the statistics once, K and V (and a mask) once per query tile."""
     per_head = L * E * s + L * Ev * s + L * 4
     for start in range(0, L, FA2_BLOCK_M):
         keys = min(S, start + min(FA2_BLOCK_M, L - start)) if causal else S
@@ -174,8 +160,7 @@ def fa2_bytes(B, Hq, L, S, E, Ev, s, causal, mask_bytes=0) -> float:
 
 
 def fa2_backward_bytes(B, Hq, Hkv, L, S, E, Ev, s, causal) -> float:
-    """FlashAttention-2's backward traffic: K, V read and dK, dV written once per kv head; per key tile of
-    FA2_BLOCK_M, the visible Q, dO rows, their statistics and dQ (fp32 atomics); the pre-pass and dQ's cast."""
+    """FlashAttention-2's backward traffic: K, V, dK, dV once; per key tile the visible Q, dO, statistics and dQ."""
     kv = B * Hkv * S * (E + Ev) * s * 2
     per_head = 0
     for start in range(0, S, FA2_BLOCK_M):
@@ -191,8 +176,7 @@ def attention_flops(B, Hq, L, S, E, Ev, causal, backward=False) -> float:
 
 def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="softmax", backward=False,
                    dtype=torch.bfloat16) -> Case:
-    """Softmax cases against SDPA (FlashAttention-2; the memory-efficient kernel for the padded, non-causal MHA
-    case), the backward against its backward; the other normalizers' forward against eager ops."""
+    """Softmax against SDPA (forward or backward), the other normalizers' forward against eager ops."""
     s, S, Ev = dtype.itemsize, L, E
     tags = [t for t, on in (("causal", causal), ("padded", padded), ("GQA", Hq != Hkv)) if on]
     name = f"attention {normalizer} {'bwd' if backward else 'fwd'} " + "+".join(tags)
@@ -211,11 +195,10 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
         return a
 
     def run(a):
+        qkv, rest = (a["q"], a["k"], a["v"]), (causal, E ** -0.5, None, normalizer, None, 0.0, 0)
         if backward:
-            return attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["stats"], a["mask"], causal,
-                                      E ** -0.5, None, normalizer, None, 0.0, 0)
-        return attention_forward(a["q"], a["k"], a["v"], a["mask"], causal, E ** -0.5, None, normalizer, None,
-                                 0.0, 0)
+            return attention_backward(a["dout"], *qkv, a["out"], a["stats"], a["mask"], *rest)
+        return attention_forward(*qkv, a["mask"], *rest)
 
     def sdpa(a, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if a["mask"] is None else a["mask"][:, :1, :1],
@@ -238,17 +221,13 @@ def attention_case(B, Hq, Hkv, L, E, *, causal=True, padded=False, normalizer="s
     elif normalizer != "softmax":
         passes, case.bound, case.note = WRITTEN_OUT[normalizer]
         case.torch_what = f"eager: q @ k^T, mask, {normalizer} ({passes} fp32 passes over L x S), @ v"
-        case.torch_trace = lambda t: tp.written_out_attention(t, B, Hq, Hkv, L, S, E, Ev, s, passes, causal)
+        case.torch_trace = lambda t: tp.written_out_attention(t, B, Hq, L, S, E, Ev, s, passes, causal)
         case.torch_run = None
     return case
 
 
-# ------------------------------------------------------------------------------------------- cross-entropy
-
-
 def ce_inputs(dev, dtype, x_shape, targets, w_rows=0, backward=False) -> dict:
-    """``x`` (and ``w`` of ``w_rows`` rows) random, ``y`` below ``targets``; for a backward, the per-row vectors
-    (lse, other mass, coefficients a and b) with plausible values."""
+    """``x`` (and ``w`` of ``w_rows`` rows), ``y`` below ``targets``; for a backward, plausible per-row vectors."""
     N = x_shape[0]
     a = dict(x=torch.randn(*x_shape, dtype=dtype, device=dev))
     if w_rows:
@@ -260,10 +239,14 @@ def ce_inputs(dev, dtype, x_shape, targets, w_rows=0, backward=False) -> dict:
     return a
 
 
+def lce_loss(a, x, w):
+    return F.cross_entropy((x @ w.T).float(), a["y"])
+
+
 def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1, precise=False, kept=None) -> Case:
-    """Cut cross-entropy's forward or backward on one of ``shard_of`` vocabulary shards. ``kept``: the backward
-    filters (``filter_eps="auto"``) with this share of the columns kept, the first ``kept * V`` (the flags of a
-    sampled launch are not the kernel's); None: exact (no column filtered, the default's worst case)."""
+    """Cut cross-entropy's forward or backward on one of ``shard_of`` vocabulary shards; ``kept``: the backward
+    filters (``filter_eps="auto"``), the first ``kept * V`` columns kept (a sampled launch's flags are not the
+    kernel's); None: no column filtered."""
     s, Vs = dtype.itemsize, V // shard_of
     label = f" (1 of {shard_of} vocabulary shards)" if shard_of > 1 else ""
     label += ", precise_grad" if precise else ""
@@ -284,9 +267,6 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
             return lce_backward(a["x"], a["w"], None, a["y"], a["lse"], a["om"], a["ca"], a["cb"], None,
                                 ignore_index=-100, precise_grad=precise, filter_eps=None if kept is None else "auto")
 
-    def loss(a, x, w):
-        return F.cross_entropy((x @ w.T).float(), a["y"])
-
     ops = (N * D + Vs * D) * s
     return Case("linear_ce", "lce_backward" if backward else "lce_forward",
                 f"linear CE {'bwd' if backward else 'fwd'}{label}", f"N{N} D{D} V{Vs}", short(dtype),
@@ -294,28 +274,25 @@ def linear_ce_case(N, D, V, *, backward=False, dtype=torch.bfloat16, shard_of=1,
                 torch_what="zeros + scatter, log_softmax backward, cast, dE = G @ W, dW = G^T @ E" if backward else
                 "logits = x @ W^T, .float(), log_softmax, nll_loss",
                 torch_trace=lambda t: tp.hf_linear_cross_entropy(t, N, D, Vs, s, not backward, backward),
-                torch_run=torch_backward(loss, ("x", "w")) if backward else lambda a: loss(a, a["x"], a["w"]),
+                torch_run=torch_backward(lce_loss, ("x", "w")) if backward else lambda a: lce_loss(a, a["x"], a["w"]),
                 memory_bound=False, logits_stored=True, flops_min=(4.0 if backward else 2.0) * N * Vs * D,
                 bound=LCE_FLOP_BOUND["precise" if precise else "bwd" if backward else "fwd"], note="never stores N x V")
 
 
 def linear_ce_training_case(N, D, V, *, dtype=torch.bfloat16) -> Case:
-    """The training step's loss and gradients in one pass over row chunks (``smx::linear_ce_loss`` on CUDA),
-    exact, against torch's forward + backward."""
+    """The training step's loss and gradients in one pass over row chunks (``smx::linear_ce_loss`` on CUDA)."""
     s = dtype.itemsize
 
     def torch_run(a):
         x, w = (a[n].detach().requires_grad_() for n in ("x", "w"))
-        return torch.autograd.grad(F.cross_entropy((x @ w.T).float(), a["y"]), (x, w))
+        return torch.autograd.grad(lce_loss(a, x, w), (x, w))
 
-    return Case("linear_ce", "lce_fused", "linear CE fwd+bwd, fused", f"N{N} D{D} V{V}", short(dtype),
-                make=lambda dev: ce_inputs(dev, dtype, (N, D), V, V),
-                run=lambda a: fused_forward_gemm(a["x"], a["w"], None, a["y"], None, None, -100, "mean", 0.0, 0.0,
-                                                 1.0, None),
-                bytes_min=2 * (N * D + V * D) * s + N * 8, torch_what="the forward's path, then the backward's",
-                torch_trace=lambda t: tp.hf_linear_cross_entropy(t, N, D, V, s, True, True), torch_run=torch_run,
-                memory_bound=False, logits_stored=True, flops_min=6.0 * N * V * D, bound=LCE_FLOP_BOUND["fwd"],
-                note="never stores N x V")
+    return dataclasses.replace(
+        linear_ce_case(N, D, V, dtype=dtype), kernel="lce_fused", name="linear CE fwd+bwd, fused",
+        run=lambda a: fused_forward_gemm(a["x"], a["w"], None, a["y"], None, None, -100, "mean", 0.0, 0.0, 1.0, None),
+        bytes_min=2 * (N * D + V * D) * s + N * 8, torch_what="the forward's path, then the backward's",
+        torch_trace=lambda t: tp.hf_linear_cross_entropy(t, N, D, V, s, True, True), torch_run=torch_run,
+        flops_min=6.0 * N * V * D)
 
 
 def ce_case(N, V, *, backward=False, dtype=torch.bfloat16) -> Case:
@@ -339,12 +316,8 @@ def ce_case(N, V, *, backward=False, dtype=torch.bfloat16) -> Case:
                 bound=1.05)  # the split partials and merge
 
 
-# ------------------------------------------------------------------------------------------------- sampling
-
-
 def sample_case(B, V, *, temperature=1.0, top_k=0, top_p=1.0) -> Case:
-    """generate's sampling step on ``(B, V)`` fp32 logits ``N(0, 4^2)`` (smx::sample's kernel, its loops counted
-    whole: the pass count depends on the values) against eager's warpers."""
+    """generate's sampling step on ``(B, V)`` fp32 logits ``N(0, 4^2)`` against eager's warpers."""
     label = ", ".join(x for x in (f"T={temperature:g}" if temperature != 1.0 else "", f"top-k {top_k}" if top_k
                                   else "", f"top-p {top_p:g}" if top_p < 1.0 else "") if x)
 

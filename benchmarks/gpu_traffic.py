@@ -1,15 +1,14 @@
-"""Count what Triton kernels move and compute on a GPU, by instrumenting Triton's interpreter
-(``triton/runtime/interpreter.py``: ``InterpreterBuilder.create_masked_load`` / ``_store``, ``create_dot``,
-``create_atomic_rmw`` / ``_cas``; ``InterpretedFunction.run``), with an L2 model for the DRAM bytes.
-
-Inside :func:`count_traffic` every kernel launch, and every torch op run around the kernels, is a :class:`Launch`.
-The method (masked lanes, sampling, the L2 model within and across launches): docs/PERFORMANCE.md, "GPU model".
-"""
+"""Count what Triton kernels move and compute on a GPU through Triton's instrumented interpreter, their grids and
+loops sampled, with an L2 model for the DRAM bytes: inside :func:`count_traffic` every kernel launch, and every
+torch op around them, is a :class:`Launch`. Method: docs/PERFORMANCE.md ("GPU model")."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
+import inspect
+import operator
 import sys
 from typing import Iterator
 from unittest.mock import patch
@@ -20,20 +19,14 @@ import torch.utils._python_dispatch
 import torch.utils._pytree
 from torch.utils.flop_counter import flop_registry
 
-from gpu_sampling import SampledKernel, SampledRange
-
-#: DRAM access granularity (bytes) used for the distinct-sector bookkeeping
-SECTOR = 32
-#: access kinds recorded per sector
+SECTOR = 32  # DRAM access granularity (bytes)
 LOAD, STORE, ATOMIC = 0, 1, 2
-#: sector accesses replayed in one pass of :meth:`Counter.end_launch` (bounds its memory)
-BUCKET_ACCESSES = 1 << 25
+BUCKET_ACCESSES = 1 << 25  # sector accesses replayed in one pass of Counter.end_launch (bounds its memory)
 
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-    """An H200 (SXM): 132 SMs, 50 MiB of L2, 4.3 TB/s measured for a device-to-device copy, 990 TFLOP/s dense bf16,
-    ~3 us per launch, and 64 bytes per clock at 1.75 GHz between one SM and L2 (an assumption)."""
+    """An H200 (SXM); the per-SM bandwidth (64 bytes per clock at 1.75 GHz) is an assumption."""
 
     name: str = "H200"
     sms: int = 132
@@ -67,8 +60,7 @@ class Launch:
     bytes_reread: float = 0.0  # loads of sectors the same program had touched before
     bytes_capacity_miss: float = 0.0  # re-reads the L2 model sends to DRAM
     flops: float = 0.0
-    #: per storage address: bytes of the sectors first loaded (or atomically updated), the storage's size (a cap),
-    #: and the distinct bytes touched (what the launch leaves in L2)
+    #: per storage address: bytes first loaded (or atomically updated), the storage's size, distinct bytes touched
     first_touch: dict = dataclasses.field(default_factory=dict)
     sizes: dict = dataclasses.field(default_factory=dict)
     touched: dict = dataclasses.field(default_factory=dict)
@@ -101,9 +93,7 @@ class Traffic:
     gpu: GPU = H200
 
     def launch_hbm(self) -> list[float]:
-        """Each launch's DRAM bytes with L2 reuse across launches: of a tensor a launch reads first, an earlier
-        launch left ``(L2 - the footprints of the launches since) / its footprint`` of the bytes it touched in L2
-        (the best earlier launch counts)."""
+        """Each launch's DRAM bytes with L2 reuse across launches (docs/PERFORMANCE.md, "Across launches")."""
         touches: dict[int, list[int]] = {}
         ends: list[float] = []
         total, out = 0.0, []
@@ -123,29 +113,68 @@ class Traffic:
     def total(self, field: str) -> float:
         return float(sum(getattr(x, field) for x in self.launches))
 
-    @property
-    def bytes_loaded(self) -> float:
-        return self.total("bytes_loaded")
-
-    @property
-    def bytes_stored(self) -> float:
-        return self.total("bytes_stored")
-
-    @property
-    def flops(self) -> float:
-        return self.total("flops")
+    bytes_loaded = property(lambda self: self.total("bytes_loaded"))
+    bytes_stored = property(lambda self: self.total("bytes_stored"))
+    flops = property(lambda self: self.total("flops"))
 
     @property
     def bytes_hbm(self) -> float:
         return float(sum(self.launch_hbm()))
 
 
-class Regions:
-    """The tensors of a launch (``{start address: size in bytes}``), and which one an address belongs to."""
+class Counter:
+    """The counts of the launch in progress: each sector access with its program's wave and clock (the bytes the
+    program touched before it), replayed by :meth:`end_launch` in GPU order."""
 
-    def __init__(self, spans: dict[int, int]):
-        self.starts = np.array(sorted(spans), dtype=np.uint64)
-        self.sizes = [spans[int(s)] for s in self.starts]
+    def __init__(self, gpu: GPU, axis_cap: int, loop_cap: int):
+        self.gpu, self.axis_cap, self.loop_cap = gpu, axis_cap, loop_cap
+        self.traffic = Traffic(gpu=gpu)
+        self.launch: Launch | None = None
+        self.starts, self.sizes = np.zeros(0, dtype=np.uint64), []  # the launch's tensors (regions), by address
+        self.in_kernel = False
+        self.suspended = False  # inside the interpreter's own torch calls (argument copies)
+        self.weight = 1  # the program's stratum times the sampled loop iterations' strata
+        self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
+        self.coords, self.axis_weights = (0, 0, 0), (1, 1, 1)
+        self.clock, self.program, self.wave = 0.0, -1, 0
+        self.lengths: list[float] = []
+        self.keys: list[np.ndarray] = []  # per instruction: its distinct sectors,
+        self.meta: list[tuple] = []  # and wave, program, clock, weight, kind, grid index (3), strata per axis (3)
+
+    def begin_launch(self, kernel: str, grid: tuple, num_warps: int, spans: dict[int, int]) -> Launch:
+        """Open a launch on the tensors ``spans`` ({start address: bytes})."""
+        full = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        programs = int(np.prod(full))
+        self.launch = Launch(kernel=kernel, grid=tuple(grid), num_warps=num_warps, programs=programs,
+                             resident=self.gpu.resident(num_warps, programs))
+        self.launch.sizes = dict(sorted(spans.items()))
+        self.starts, self.sizes = np.array(list(self.launch.sizes), dtype=np.uint64), list(self.launch.sizes.values())
+        self.program, self.clock, self.lengths, self.keys, self.meta = -1, 0.0, [], [], []
+        self.traffic.launches.append(self.launch)
+        return self.launch
+
+    def start_program(self, grid_idx: tuple, grid_dim: tuple, axis_weights: tuple) -> None:
+        """A sampled program at ``grid_idx`` standing for ``axis_weights`` programs along each grid axis."""
+        if self.program >= 0:
+            self.lengths.append(self.clock)
+        self.coords, self.axis_weights = tuple(grid_idx), tuple(axis_weights)
+        x, y, z = grid_idx
+        gx, gy, _ = grid_dim
+        self.wave = (x + gx * (y + gy * z)) // self.launch.resident
+        self.weight, self.loop_weight = int(np.prod(axis_weights)), 1
+        self.program, self.clock = self.program + 1, 0.0
+        self.launch.programs_run += 1
+
+    def access(self, ptrs, mask, kind: int) -> None:
+        """One load, store or atomic: the lanes the mask keeps, a repeated address once."""
+        if self.launch is None:
+            return
+        addr = np.asarray(ptrs.data).reshape(-1)
+        if mask is not None:
+            addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)]
+        addr = np.unique(addr)
+        n = self.weight * addr.size * (ptrs.get_element_ty().primitive_bitwidth // 8)
+        self.record(self.sectors(addr), kind, n)
 
     def sectors(self, addr: np.ndarray) -> np.ndarray:
         """Distinct sector keys (``region << 40 | sector``, int64) of ``addr`` (uint64 addresses)."""
@@ -159,53 +188,9 @@ class Regions:
             raise RuntimeError("a kernel accessed memory past the end of a tensor argument")
         return np.unique((r.astype(np.int64) << 40) | (off // SECTOR))
 
-
-class Counter:
-    """The counts of the launch in progress. Each sector access is recorded with its program's wave (linear id,
-    ``x`` fastest, over ``resident``) and clock (the bytes the program touched before it); :meth:`end_launch`
-    replays them in GPU order: wave, then clock, the programs of a wave side by side at the same pace."""
-
-    def __init__(self, gpu: GPU, axis_cap: int, loop_cap: int):
-        self.gpu, self.axis_cap, self.loop_cap = gpu, axis_cap, loop_cap
-        self.traffic = Traffic(gpu=gpu)
-        self.launch: Launch | None = None
-        self.regions: Regions | None = None
-        self.in_kernel = False
-        self.suspended = False  # inside the interpreter's own torch calls (argument copies)
-        self.weight = 1  # the program's stratum times the sampled loop iterations' strata
-        self.loop_weight = 1  # the loop iterations' strata alone (what one instruction stands for in the clock)
-        self.coords, self.axis_weights = (0, 0, 0), (1, 1, 1)
-        self.clock, self.program, self.wave = 0.0, -1, 0
-        self.lengths: list[float] = []
-        self.keys: list[np.ndarray] = []  # per instruction: its distinct sectors,
-        self.meta: list[tuple] = []  # and wave, program, clock, weight, kind, grid index (3), strata per axis (3)
-
-    def begin_launch(self, kernel: str, grid: tuple, num_warps: int, spans: dict[int, int]) -> Launch:
-        """Open a launch of ``kernel`` over ``grid`` on the tensors ``spans`` ({start address: bytes})."""
-        full = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        programs = int(np.prod(full))
-        self.launch = Launch(kernel=kernel, grid=tuple(grid), num_warps=num_warps, programs=programs,
-                             resident=self.gpu.resident(num_warps, programs))
-        self.regions = Regions(spans)
-        self.launch.sizes = {int(r): size for r, size in zip(self.regions.starts, self.regions.sizes)}
-        self.program, self.clock, self.lengths, self.keys, self.meta = -1, 0.0, [], [], []
-        self.traffic.launches.append(self.launch)
-        return self.launch
-
-    def start_program(self, weight: int, grid_idx: tuple, grid_dim: tuple, axis_weights: tuple) -> None:
-        """A sampled program at ``grid_idx`` standing for ``axis_weights`` programs along each grid axis."""
-        if self.program >= 0:
-            self.lengths.append(self.clock)
-        self.coords, self.axis_weights = tuple(grid_idx), tuple(axis_weights)
-        x, y, z = grid_idx
-        gx, gy, _ = grid_dim
-        self.wave = (x + gx * (y + gy * z)) // self.launch.resident
-        self.weight, self.loop_weight = weight, 1
-        self.program, self.clock = self.program + 1, 0.0
-        self.launch.programs_run += 1
-
-    def count(self, n: float, kind: int) -> None:
-        """``n`` bytes loaded, stored or atomically updated (a load and a store)."""
+    def record(self, keys: np.ndarray, kind: int, n: float) -> None:
+        """One instruction: ``n`` bytes (weighted) loaded, stored or atomically updated (a load and a store), over
+        its distinct sectors ``keys`` (``region << 40 | sector``)."""
         lx = self.launch
         if kind != STORE:
             lx.bytes_loaded += n
@@ -215,20 +200,6 @@ class Counter:
             lx.bytes_atomic += n
         elif kind == STORE:
             lx.bytes_written_back += n
-
-    def access(self, ptrs, mask, kind: int) -> None:
-        """One ``tl.load`` / ``tl.store`` / atomic: the lanes the mask keeps, a repeated address once."""
-        if self.launch is None:
-            return
-        addr = np.asarray(ptrs.data).reshape(-1)
-        if mask is not None:
-            addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)]
-        addr = np.unique(addr)
-        self.count(self.weight * addr.size * (ptrs.get_element_ty().primitive_bitwidth // 8), kind)
-        self.record(self.regions.sectors(addr), kind)
-
-    def record(self, keys: np.ndarray, kind: int) -> None:
-        """One instruction's distinct sectors (``region << 40 | sector``) for the L2 replay."""
         self.keys.append(keys)
         self.meta.append((self.wave, self.program, self.clock, self.weight, kind, *self.coords, *self.axis_weights))
         self.clock += SECTOR * keys.size * self.loop_weight
@@ -237,12 +208,11 @@ class Counter:
         if self.launch is None:
             return
         sa, sb = np.shape(a.data), np.shape(b.data)
-        batch = int(np.prod(sa[:-2])) if len(sa) > 2 else 1
+        batch = int(np.prod(sa[:-2]))  # 1 for a 2-d product
         self.launch.flops += self.weight * 2.0 * batch * sa[-2] * sa[-1] * sb[-1]
 
     def end_launch(self) -> None:
-        """Replay the launch's accesses in GPU order through the L2 model, in buckets of sectors that bound the
-        memory of one pass (~150 bytes per access)."""
+        """Replay the launch's accesses in GPU order through the L2 model, in buckets of sectors (memory)."""
         lx = self.launch
         if self.program >= 0:
             self.lengths.append(self.clock)
@@ -253,20 +223,19 @@ class Counter:
         key = np.concatenate(self.keys)
         record = np.repeat(np.arange(len(self.keys), dtype=np.int32), [k.size for k in self.keys])
         self.keys, self.meta = [], []
-        first_touch, touched = np.zeros(len(self.regions.starts)), np.zeros(len(self.regions.starts))
+        first_touch, touched = np.zeros(len(self.starts)), np.zeros(len(self.starts))
         buckets = max(1, -(-key.size // BUCKET_ACCESSES))
         bucket = (key % buckets).astype(np.int32) if buckets > 1 else None
         clock = meta[:, 0] * length + meta[:, 2]
         for b in range(buckets):
             pick = slice(None) if bucket is None else np.flatnonzero(bucket == b)
             self.replay(lx, key[pick], record[pick], meta, clock, first_touch, touched)
-        for r, start in enumerate(self.regions.starts):
+        for r, start in enumerate(self.starts):
             lx.first_touch[int(start)] = SECTOR * float(first_touch[r])
-            lx.touched[int(start)] = min(SECTOR * float(touched[r]), self.regions.sizes[r])
+            lx.touched[int(start)] = min(SECTOR * float(touched[r]), self.sizes[r])
 
     def replay(self, lx: Launch, key, record, meta, clock, first_touch, touched) -> None:
-        """One bucket of sectors through the L2 model (``clock``: per instruction, wave * the mean program's length
-        + its clock); adds to ``lx`` and the per-region sums."""
+        """One bucket of sectors through the L2 model; adds to ``lx`` and the per-region sums."""
         order = np.lexsort((clock[record], key))
         key, record = key[order], record[order]
         del order
@@ -301,6 +270,89 @@ class Counter:
         touched += np.bincount(region[first], weights=w_first[first], minlength=touched.size)
 
 
+def strata(n: int, cap: int) -> list[tuple[int, int]]:
+    """``[(program id, weight)]`` along an axis of ``n`` programs: all when ``n <= cap``, else the first and the last
+    alone and the middle of ``cap - 2`` equal strata between."""
+    if cap < 3:
+        raise ValueError(f"cap must be >= 3, got {cap}")
+    if n <= cap:
+        return [(i, 1) for i in range(n)]
+    m, k = n - 2, cap - 2
+    bounds = [1 + (j * m) // k for j in range(k + 1)]
+    mid = [((a + b - 1) // 2, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [(0, 1)] + mid + [(n - 1, 1)]
+
+
+def grid_strata(dims: tuple, cap: int) -> list[tuple[tuple, tuple]]:
+    """``[((x, y, z), (wx, wy, wz))]``: the sampled programs of a 3-d grid (x outermost) and their strata."""
+    ax, ay, az = (strata(int(n), cap) for n in dims)
+    return [((x, y, z), (wx, wy, wz)) for x, wx in ax for y, wy in ay for z, wz in az]
+
+
+def loop_strata(r: range, cap: int) -> list[tuple[int, int]]:
+    """``[(value, weight)]`` of a kernel loop over ``r``: all when ``len(r) <= cap``, else the first and the last
+    alone and, equally weighted, the indices between on one lattice from 0 (so that loops starting apart sample the
+    same tiles): multiples of the smallest power of two leaving at most ``cap - 2`` of them."""
+    if len(r) <= cap:
+        return [(v, 1) for v in r]
+    mid = r[1:-1]
+    extent = max(r[0], r[-1]) // abs(r.step) + 1
+    k = 1
+    while -(-(extent - 2) // k) > cap - 2:
+        k *= 2
+    picked = [v for v in mid if (v // abs(r.step)) % k == 0] or [mid[len(mid) // 2]]
+    share, extra = divmod(len(mid), len(picked))
+    return [(r[0], 1)] + [(v, share + (i < extra)) for i, v in enumerate(picked)] + [(r[-1], 1)]
+
+
+def sampled_loop(c, r: range):
+    """Iterate ``r`` as :func:`loop_strata` samples it, the counter ``c`` weighting each iteration's accesses."""
+    outer_w, outer_lw = c.weight, c.loop_weight
+    try:
+        for v, w in loop_strata(r, c.loop_cap):
+            c.weight, c.loop_weight = outer_w * w, outer_lw * w
+            yield v
+    finally:
+        c.weight, c.loop_weight = outer_w, outer_lw
+
+
+class SampledKernel:
+    """The kernel's function as GridExecutor calls it per program: runs the sampled programs only, weighted."""
+
+    def __init__(self, fn, counter, builder):
+        self._fn, self._counter, self._builder = fn, counter, builder
+        self._plan: dict | None = None
+        self.__signature__ = inspect.signature(fn)
+        self.__globals__ = fn.__globals__
+        self.__name__ = fn.__name__
+        self.__annotations__ = getattr(fn, "__annotations__", {})
+
+    def __call__(self, **kwargs):
+        dims, idx = tuple(self._builder.grid_dim), tuple(self._builder.grid_idx)
+        if self._plan is None:
+            self._plan = dict(grid_strata(dims, self._counter.axis_cap))
+        w = self._plan.get(idx)
+        if w is None:
+            return None
+        self._counter.start_program(idx, dims, w)
+        self._counter.in_kernel = True
+        try:
+            return self._fn(**kwargs)
+        finally:
+            self._counter.in_kernel = False
+
+
+def sampled_range(counter):
+    """``range`` as the kernels' modules see it while counting: inside a kernel, a long loop runs its sample."""
+    def sampled(*args):
+        r = builtins.range(*(operator.index(a) for a in args))
+        if not counter.in_kernel or len(r) <= counter.loop_cap:
+            return r
+        return sampled_loop(counter, r)
+
+    return sampled
+
+
 #: torch ops that launch nothing, and ops that write without reading
 NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
              "lift_fresh", "detach", "alias", "set_", "resize_", "is_nonzero", "_to_copy_cpu_noop"}
@@ -310,21 +362,17 @@ WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "one
 ACTIVE = []
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def by_storage(tensors) -> dict[int, float]:
     """``{storage address: the most bytes one of the tensors views of it}``."""
     out: dict[int, float] = {}
     for t in tensors:
         key = t.untyped_storage().data_ptr()
-        out[key] = max(out.get(key, 0.0), float(nbytes(t)))
+        out[key] = max(out.get(key, 0.0), float(t.nbytes))
     return out
 
 
 def flop_formula(func):
-    """torch.utils.flop_counter's FLOP formula of ``func`` (an in-place variant uses its functional one)."""
+    """torch.utils.flop_counter's formula of ``func`` (or of its functional variant)."""
     formula = flop_registry.get(func.overloadpacket)
     name = func.overloadpacket.__name__
     if formula is None and name.endswith("_") and hasattr(torch.ops.aten, name[:-1]):
@@ -333,8 +381,7 @@ def flop_formula(func):
 
 
 def count_flops(formula, args, kwargs, out) -> float:
-    """FLOPs by ``formula``, else by its tensor arguments alone (``addmm.dtype_out``), else 2 * prod(out) * K of
-    the first matrix: a counting error must never reach the launcher (it could take another path)."""
+    """FLOPs by ``formula``, else by its tensor arguments alone, else 2 * numel(out) * K: never an error."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     for call in (lambda: formula(*args, **kwargs, out_val=out), lambda: formula(*tensors, out_val=out)):
         try:
@@ -347,8 +394,7 @@ def count_flops(formula, args, kwargs, out) -> float:
 
 
 def shaped_like(func, args, kwargs):
-    """What ``func`` would return, uninitialized (shapes from a run on meta tensors; ``out=`` or an in-place
-    op's destination returned itself)."""
+    """What ``func`` would return, uninitialized (shapes from meta tensors; ``out=`` or in-place: the destination)."""
     to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
     meta = func(*torch.utils._pytree.tree_map(to_meta, args), **torch.utils._pytree.tree_map(to_meta, kwargs))
     if isinstance(kwargs.get("out"), torch.Tensor):
@@ -363,8 +409,7 @@ def shaped_like(func, args, kwargs):
 
 
 class GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the torch ops run outside the Triton launches, one :class:`Launch` each; matmuls are counted by
-    torch.utils.flop_counter's formulas and not computed."""
+    """Records the torch ops run outside the Triton launches, one :class:`Launch` each (matmuls counted, not run)."""
 
     def __init__(self, counter: Counter):
         super().__init__()
@@ -373,15 +418,13 @@ class GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.counter
+        busy = c.launch is not None or c.suspended  # inside a launch, or the interpreter's own calls
         formula = flop_formula(func)
-        if formula is not None and c.launch is None and not c.suspended:
-            out = shaped_like(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = shaped_like(func, args, kwargs) if formula is not None and not busy else func(*args, **kwargs)
         name = func.overloadpacket.__name__
         schema = func._schema
         view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        if c.launch is not None or c.suspended or view or name in NO_LAUNCH:
+        if busy or view or name in NO_LAUNCH:
             return out
         given = (args, {k: v for k, v in kwargs.items() if k != "out"})  # an out= tensor is written, not read
         ins = [a for a in torch.utils._pytree.tree_leaves(given) if isinstance(a, torch.Tensor)]
@@ -390,15 +433,16 @@ class GlueMode(torch.utils._python_dispatch.TorchDispatchMode):
                    if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
         if isinstance(kwargs.get("out"), torch.Tensor):
             written.append(kwargs["out"])
-        if name == "copy_":  # overwrites its destination
+        if name in WRITE_ONLY:
+            ins = []
+        elif name == "copy_":  # overwrites its destination
             ins = [a for a in ins if not any(a is w for w in written)]
-        read = 0 if name in WRITE_ONLY else sum(nbytes(a) for a in ins)
-        wrote = sum(nbytes(o) for o in (written or outs))
+        written = written or outs
         flops = count_flops(formula, args, kwargs, out) if formula is not None else 0.0
-        reads = by_storage([] if name in WRITE_ONLY else ins)
-        c.traffic.launches.append(stream_launch(f"aten.{name}", read, wrote, reads,
-                                                {k: int(b) for k, b in reads.items()},
-                                                {**reads, **by_storage(written or outs)}, flops))
+        reads = by_storage(ins)
+        c.traffic.launches.append(stream_launch(
+            f"aten.{name}", sum(a.nbytes for a in ins), sum(o.nbytes for o in written), reads,
+            {k: int(b) for k, b in reads.items()}, {**reads, **by_storage(written)}, flops))
         return out
 
 
@@ -420,7 +464,7 @@ def counted(method, note, counter: Counter):
 
 
 def launch_hook(counter: Counter, interp):
-    """``InterpretedFunction.run``: each launch a :class:`Launch` on its tensor arguments, its programs sampled."""
+    """``InterpretedFunction.run``: each launch a :class:`Launch`, its programs sampled."""
     def run(self, *args, grid, warmup, **kwargs):
         if warmup:
             return None
@@ -440,18 +484,16 @@ def launch_hook(counter: Counter, interp):
             counter.end_launch()
             return out
         finally:
-            counter.launch, counter.regions, counter.suspended = None, None, False
+            counter.launch, counter.suspended = None, False
 
     return run
 
 
 @contextlib.contextmanager
-def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
-                  modules: tuple[str, ...] = ("smxcompile.kernels",), count_torch: bool = True) -> Iterator[Traffic]:
-    """Yield a :class:`Traffic` that records every interpreted Triton launch inside the block (``TRITON_INTERPRET=1``
-    set before triton decorated the kernels): at most ``axis_cap`` programs per grid axis and ``loop_cap``
-    iterations per loop of the kernels of ``modules`` (both >= 3), and with ``count_torch`` the torch ops around
-    them. Raises RuntimeError when a kernel touches memory outside its tensor arguments or blocks nest."""
+def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8, count_torch: bool = True) -> Iterator[Traffic]:
+    """Yield a :class:`Traffic` of every interpreted Triton launch in the block (``TRITON_INTERPRET=1`` set before
+    triton decorated the kernels), at most ``axis_cap`` programs per grid axis and ``loop_cap`` iterations per loop
+    of smxcompile's kernels (both >= 3), and with ``count_torch`` the torch ops around them."""
     from triton.runtime import interpreter as interp
 
     for name, cap in (("axis_cap", axis_cap), ("loop_cap", loop_cap)):
@@ -466,8 +508,8 @@ def count_traffic(gpu: GPU = H200, axis_cap: int = 6, loop_cap: int = 8,
             stack.enter_context(patch.object(interp.InterpreterBuilder, name, counted(method, note, counter)))
         stack.enter_context(patch.object(interp.InterpretedFunction, "run", launch_hook(counter, interp)))
         for name, m in list(sys.modules.items()):  # the kernels' loops
-            if m is not None and name.startswith(modules) and getattr(m, "tl", None) is not None:
-                stack.enter_context(patch.object(m, "range", SampledRange(counter), create=True))
+            if m is not None and name.startswith("smxcompile.kernels") and getattr(m, "tl", None) is not None:
+                stack.enter_context(patch.object(m, "range", sampled_range(counter), create=True))
         if count_torch:
             stack.enter_context(GlueMode(counter))
         stack.enter_context(np.errstate(all="ignore"))  # a sampled launch computes on skipped programs' garbage

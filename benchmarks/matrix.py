@@ -1,7 +1,5 @@
-"""The backend matrix of the in-process benchmarks: each case's function compiled under each backend, run once
-(compile time, what smx did, the check against eager), then the backends timed in turn; a table per family, the rows
-where smx is slower than Inductor beyond the noise, JSON, a heatmap. A script hands :func:`main` its cases,
-``build(case, device) -> Built`` and a title per family."""
+"""The backend matrix of the in-process benchmarks: each case compiled under each backend, checked against eager,
+timed; tables, the slow rows, JSON, a heatmap. A script hands :func:`main` its cases, ``build`` and titles."""
 
 import argparse
 import dataclasses
@@ -30,7 +28,7 @@ class Case:
     dtype: str = "fp32"
     passes: tuple[str, ...] = ("infer", "train")
     quick: bool = False       # one of --quick's points
-    big: bool = False         # only with --big
+    backends: tuple[str, ...] = ()   # only these of --backends (default: all)
 
     @property
     def label(self) -> str:
@@ -50,7 +48,7 @@ class Built:
     grad_idx: tuple[int, ...] = (0,)
     params: list = dataclasses.field(default_factory=list)
     probs: torch.Tensor | None = None   # eager's probabilities: top-k indices may differ where these tie
-    check: Callable | None = None       # (got, ref) -> (error, ok, note), instead of :func:`check`
+    check: Callable | None = None       # (got, ref) -> (error, ok), instead of :func:`check`
     extra: dict[str, Callable] = dataclasses.field(default_factory=dict)   # backends compile_for does not make
     memory: bool = False                # also the peak memory of an inference call (--no-memory skips it)
 
@@ -60,7 +58,6 @@ class MRow(Row):
     family: str = ""
     dtype: str = "fp32"
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)   # smx backends: the sites' reasons
-    notes: dict[str, str] = dataclasses.field(default_factory=dict)     # what a custom check said
     errors: dict[str, str] = dataclasses.field(default_factory=dict)    # backend -> "Type: message"
     compile_s: dict[str, float] = dataclasses.field(default_factory=dict)   # compile + first call
     peak_mb: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -84,17 +81,9 @@ class MRow(Row):
         return r is not None and r > SLOW and r * (1 - (self.noise or 0.0)) > 1
 
     def record(self) -> dict[str, Any]:
-        return {"family": self.family, "case": self.case, "shape": self.shape, "dtype": self.dtype,
-                "pass": self.pass_, "device": self.device, **{f"{b}_ms": self.ms.get(b) for b in self.compile_s},
-                **{f"{b}_over_inductor": self.ratio(b) for b in self.compile_s if b != "inductor"},
-                "noise": self.noise, "iqr_ms": self.iqr_ms, "min_ms": self.min_ms,
-                "smx_action": self.action.get("smx", ""), "smx_reason": self.reasons.get("smx", ""),
-                "actions": self.action, "max_rel_err": self.max_err, "mismatch": self.mismatch, "notes": self.notes,
-                "errors": self.errors, "compile_s": self.compile_s, "peak_mb": self.peak_mb, "others": self.others,
-                "tries": self.tries, "slow": self.slow}
-
-
-# ----------------------------------------------------------------------------------------- one case
+        return {**dataclasses.asdict(self), "pass": self.pass_, **{f"{b}_ms": ms for b, ms in self.ms.items()},
+                **{f"{b}_over_inductor": self.ratio(b) for b in self.ms if b != "inductor"}, "noise": self.noise,
+                "slow": self.slow, "smx_action": self.action.get("smx", ""), "smx_reason": self.reasons.get("smx", "")}
 
 
 def as_list(out) -> list:
@@ -127,18 +116,18 @@ def compare(got: list, ref: list, dtype: str, probs: torch.Tensor | None = None,
     return worst, ok
 
 
-def check(got: tuple, ref: tuple, dtype: str, probs: torch.Tensor | None) -> tuple[float, bool, str]:
+def check(got: tuple, ref: tuple, dtype: str, probs: torch.Tensor | None) -> tuple[float, bool]:
     """The outputs, then the gradients, against eager's. Where top-k indices differ (ties) the gradient lands
     elsewhere, so the gradients are compared on the rows whose indices equal eager's."""
     (outs, grads), (r_outs, r_grads) = got, ref
     err, ok = compare(outs, r_outs, dtype, probs)
     if grads is None or err == math.inf:
-        return err, ok, ""
+        return err, ok
     same = [(g == r).reshape(len(r), -1).all(-1) for g, r in zip(outs, r_outs)
             if probs is not None and not r.is_floating_point()]
     rows = functools.reduce(torch.logical_and, same) if same else None
     g_err, g_ok = compare(list(grads), list(r_grads), dtype, None, rows)
-    return max(err, g_err), ok and g_ok, ""
+    return max(err, g_err), ok and g_ok
 
 
 def call(f: Callable, xs: list, ps: list, train: bool, g: list) -> tuple[list, tuple | None]:
@@ -171,7 +160,8 @@ def run_case(c: Case, device: str, build: Callable, args, quiet: Quiet, log: Cal
     built = build(c, device)
     verify = built.check or functools.partial(check, dtype=c.dtype, probs=built.probs)
     torch._dynamo.reset()
-    fns = {b: built.extra.get(b) or compile_for(b, built.fn) for b in args.backends}
+    backends = [b for b in args.backends if not c.backends or b in c.backends]
+    fns = {b: built.extra.get(b) or compile_for(b, built.fn) for b in backends}
     rows = []
     for pass_ in c.passes:
         train = pass_ == "train"   # "infer" runs under no_grad
@@ -194,11 +184,9 @@ def run_case(c: Case, device: str, build: Callable, args, quiet: Quiet, log: Cal
             if b == "eager":
                 ref = got
             elif got is not None and ref is not None:
-                row.max_err[b], ok, note = verify(got, ref)
+                row.max_err[b], ok = verify(got, ref)
                 if not ok:
                     row.mismatch.append(b)
-                if note:
-                    row.notes[b] = note
         stmt = "torch.autograd.grad(as_list(f(*xs))[0], ps, g)" if train else "f(*xs)"
         ok_b = [b for b in fns if b not in row.errors]
         with torch.set_grad_enabled(train):
@@ -213,9 +201,6 @@ def run_case(c: Case, device: str, build: Callable, args, quiet: Quiet, log: Cal
     return rows
 
 
-# ------------------------------------------------------------------------------------------- output
-
-
 def pct(v: float | None) -> str:
     return "?" if v is None else f"{100 * v:.0f}%"
 
@@ -228,9 +213,8 @@ def short_reason(reason: str, n: int = 70) -> str:
 def did(r: MRow) -> str:
     """What the smx backend(s) did: one text when they agree, else 'smx: ...; smx-rewrite: ...'."""
     texts = {b: a + (f": {short_reason(r.reasons[b])}" if r.reasons.get(b) else "") for b, a in r.action.items()}
-    if len(set(texts.values())) == 1:
-        return next(iter(texts.values()))
-    return "; ".join(f"{b}: {t}" for b, t in texts.items())
+    same = set(texts.values())
+    return "".join(same) if len(same) <= 1 else "; ".join(f"{b}: {t}" for b, t in texts.items())
 
 
 def others(r: MRow) -> str:
@@ -240,9 +224,9 @@ def others(r: MRow) -> str:
 
 def table(rows: list[MRow], backends: list[str], columns: dict[str, Callable]) -> tuple[list[str], list[list[str]]]:
     head = ["case", "shape", "dtype", "pass"] + [f"{b} ms" + ("" if b == "inductor" else " (/ind)") for b in backends]
-    return head + ["noise", "smx did", *columns], [
+    return head + ["noise", "smx did", "others", *columns], [
         [r.case, r.shape, r.dtype, r.pass_] + ["ERR" if b in r.errors else fmt_ms(r, b) for b in backends]
-        + [pct(r.noise), did(r)] + [f(r) for f in columns.values()] for r in rows]
+        + [pct(r.noise), did(r), others(r)] + [f(r) for f in columns.values()] for r in rows]
 
 
 def memory_table(rows: list[MRow], backends: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -258,67 +242,49 @@ def slow_lines(rows: list[MRow]) -> list[str]:
 
 
 def plot(rows: list[MRow], path: str, title: str) -> str | None:
-    """A heatmap: cases x (pass, dtype), colour smx / inductor on a diverging map centred on 1."""
+    """A heatmap: cases x (pass, dtype), colour smx / inductor on a log scale from 0.5 to 2, the ratio in each cell."""
     plt = common.pyplot()
-    if plt is None:
-        return "--plot: " + common.NO_MATPLOTLIB
-    from matplotlib.colors import TwoSlopeNorm
+    if plt is None or not rows:
+        return "--plot: " + (common.NO_MATPLOTLIB if plt is None else "no rows")
+    from matplotlib.colors import LogNorm
 
-    if not rows:
-        return "--plot: no rows"
     cols = list(dict.fromkeys(f"{r.pass_} {r.dtype}" for r in sorted(rows, key=lambda r: r.dtype != "fp32")))
-    ylabel = {id(r): ("cuda " if r.device == "cuda" else "") + f"{r.family}: {r.case} {r.shape}" for r in rows}
-    ylabels = list(dict.fromkeys(ylabel.values()))
-    cells = {(ylabels.index(ylabel[id(r)]), cols.index(f"{r.pass_} {r.dtype}")): r for r in rows}
-    logs = [[math.nan] * len(cols) for _ in ylabels]
-    for (i, j), r in cells.items():
-        if r.ratio("smx"):
-            logs[i][j] = math.log2(r.ratio("smx"))
-    lim = min(2.0, max([math.log2(1.25)] + [abs(v) for row in logs for v in row if v == v]))
-    width = max(6.5, 2.5 + 1.7 * len(cols))
-    fig, ax = plt.subplots(figsize=(width, 0.38 * len(ylabels) + 1.8))
-    cmap = plt.get_cmap("RdBu_r").copy()
-    cmap.set_bad("#dddddd")
-    im = ax.imshow(logs, cmap=cmap, norm=TwoSlopeNorm(0.0, -lim, lim), aspect="auto")
-    for (i, j), r in cells.items():
-        v, act = r.ratio("smx"), r.action.get("smx", "")
-        act = "kept" if " kept" in act else ("rewr" if "rewritten" in act else act[:8])
-        txt = "ERR" if r.errors else (f"{v:.2f}" + (" !" if r.mismatch else "") + ("*" if r.slow else "") + f"\n{act}"
-                                      if v else "-")
-        dark = v is not None and abs(math.log2(v)) > 0.6 * lim
-        ax.text(j, i, txt, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    names = list(dict.fromkeys(f"{r.device} {r.family}: {r.case} {r.shape}" for r in rows))
+    grid = [[math.nan] * len(cols) for _ in names]
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.5 + 1.7 * len(cols)), 0.38 * len(names) + 1.8))
+    for r in rows:
+        i, j = names.index(f"{r.device} {r.family}: {r.case} {r.shape}"), cols.index(f"{r.pass_} {r.dtype}")
+        v = r.ratio("smx")
+        grid[i][j] = v or math.nan
+        txt = "-" if v is None else f"{v:.2f}" + (" !" if r.mismatch else "") + ("*" if r.slow else "")
+        dark = v is not None and abs(math.log2(v)) > 0.6
+        ax.text(j, i, "ERR" if r.errors else txt, ha="center", va="center", fontsize=7, color="w" if dark else "k")
+    im = ax.imshow(grid, cmap="RdBu_r", norm=LogNorm(0.5, 2.0), aspect="auto")
     ax.set_xticks(range(len(cols)), cols, fontsize=8)
     ax.xaxis.tick_top()
-    ax.set_yticks(range(len(ylabels)), ylabels, fontsize=7)
-    ticks = [t for t in (0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 4.0) if abs(math.log2(t)) <= lim]
-    cb = fig.colorbar(im, ax=ax, ticks=[math.log2(t) for t in ticks], fraction=0.05)
-    cb.ax.set_yticklabels([f"{t:g}" for t in ticks], fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    cb = fig.colorbar(im, ax=ax, fraction=0.05, ticks=[0.5, 0.67, 0.8, 1, 1.25, 1.5, 2], format="%g")
+    cb.minorticks_off()
     cb.set_label("smx time / inductor time (< 1: smx faster)", fontsize=8)
-    ax.set_title(textwrap.fill(title, int(width * 11)), fontsize=7, pad=22)
+    ax.set_title(textwrap.fill(title, 110), fontsize=7, pad=22)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
 
 
-# --------------------------------------------------------------------------------------------- main
-
-
 def parse_args(doc: str, argv, cases: list[Case], backends: tuple[str, ...], rounds: int, min_run_time: float,
-               device: str, threads: int | None, family_flag: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               device: str, threads: int | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.timing_flags(p, rounds, min_run_time, "smoke run: the quick cases, one short round (numbers are rough)")
     if threads:
         p.set_defaults(threads=threads)
     families, shapes = list(dict.fromkeys(c.family for c in cases)), list(dict.fromkeys(c.shape for c in cases))
-    p.add_argument(family_flag, dest="families", type=common.choice_list(tuple(families)), metavar="LIST",
+    p.add_argument("--families", type=common.choice_list(tuple(families)), metavar="LIST",
                    help=f"comma-separated subset of {','.join(families)} (default: all)")
     p.add_argument("--shapes", nargs="+", choices=shapes, metavar="SHAPE", help=f"only these of {' '.join(shapes)}")
     p.add_argument("--only", metavar="TEXT", action="append",
                    help="only the cases whose label 'family case shape dtype' contains TEXT (repeatable: any of them)")
-    big = [c.label for c in cases if c.big]
-    p.add_argument("--big", action="store_true", help=f"also {', '.join(big)}" if big else argparse.SUPPRESS)
     p.add_argument("--backends", type=common.choice_list(backends), default=list(backends), metavar="LIST",
                    help=f"comma-separated subset of {','.join(backends)} (eager and inductor are always timed)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=device,
@@ -337,14 +303,12 @@ def parse_args(doc: str, argv, cases: list[Case], backends: tuple[str, ...], rou
 
 def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], argv: list[str] | None = None, *,
          backends: tuple[str, ...] = common.BACKENDS, rounds: int = 3, min_run_time: float = 0.2,
-         device: str = "auto", threads: int | None = None, columns: dict[str, Callable] | None = None,
-         family_flag: str = "--families") -> int:
+         device: str = "auto", threads: int | None = None, columns: dict[str, Callable] | None = None) -> int:
     """Run the selected cases on the selected devices, print the tables and lists; the exit status is 1 when a
-    result disagreed with eager or something raised. ``columns``: more table columns (default: others)."""
-    args = parse_args(doc, argv, cases, backends, rounds, min_run_time, device, threads, family_flag)
-    columns = {"others": others} if columns is None else columns
+    result disagreed with eager or something raised. ``columns``: more table columns."""
+    args = parse_args(doc, argv, cases, backends, rounds, min_run_time, device, threads)
     cases = [c for c in cases if (not args.families or c.family in args.families)
-             and (not args.shapes or c.shape in args.shapes) and (c.quick if args.quick else args.big or not c.big)
+             and (not args.shapes or c.shape in args.shapes) and (c.quick or not args.quick)
              and (not args.only or any(t in c.label for t in args.only))]
     devices = common.devices(args.device)
     torch.set_num_threads(args.threads)
@@ -375,8 +339,9 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
         where, stat = env["cuda"] if dev == "cuda" else env["cpu"], ", fastest blocks" if args.stat == "min" else ""
         for fam in dict.fromkeys(c.family for c in cases):
             if fr := [r for r in rows if r.device == dev and r.family == fam]:
+                ran = [b for b in args.backends if any(b in r.compile_s for r in fr)]
                 common.print_table(f"{titles[fam]} -- {dev} ({where}, {args.threads} threads{stat})",
-                                   *table(shown(fr, args.stat), args.backends, columns), args.markdown)
+                                   *table(shown(fr, args.stat), ran, columns or {}), args.markdown)
         if mem := [r for r in rows if r.device == dev and r.peak_mb]:
             common.print_table(f"peak memory of one call above the memory in use before it (MB) -- {dev}",
                                *memory_table(mem, args.backends), args.markdown)
@@ -385,17 +350,16 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
           + ("" if slow else " none") + "".join(f"\n  {s}" for s in slow))
     for r in rows:
         at = f"{r.device} {r.family} {r.case} {r.shape} {r.dtype} {r.pass_}"
-        msgs = [f"MISMATCH vs eager: {at}: {r.mismatch} max rel err {r.max_err} {r.notes or ''}"] if r.mismatch else []
+        msgs = [f"MISMATCH vs eager: {at}: {r.mismatch} max rel err {r.max_err}"] if r.mismatch else []
         msgs += [f"ERROR: {at} under {b}: {e}" for b, e in r.errors.items()]
-        for msg in msgs:
-            print(msg)
+        print("".join(f"{m}\n" for m in msgs), end="")
         result["errors"] += msgs
     noisy = sum(1 for r in rows if (r.others or 0) > NOISY)
-    common.print_load_at_end(env, f"above the core count, other processes shared the CPUs; {noisy} of {len(rows)} "
-                                  f"rows were timed while they used > {NOISY} cores")
+    common.print_load_at_end(env, f"a load above the core count means other processes shared the CPUs; {noisy} of "
+                                  f"{len(rows)} rows were timed while they used > {NOISY} cores")
     if args.plot:
         print(plot(shown(rows, args.stat), args.plot, f"smx time / inductor time ({args.stat}; * below 0.97x "
-                   f"Inductor beyond noise, ! mismatch, grey: not run; rewr / kept: what smx did) -- {command}")
+                   f"Inductor beyond noise, ! mismatch, blank: not run) -- {command}")
               or f"wrote {args.plot}")
     result["wall_s"] = time.perf_counter() - t_start
     common.write_json(args.json, result)

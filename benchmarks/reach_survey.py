@@ -1,25 +1,22 @@
-"""Reach on libraries' own attention code: every softmax site of small random models of timm, x_transformers,
-vit_pytorch and diffusers, and what ``smxcompile.explain`` (options ``{"cpu": "rewrite"}``: matching, not the CPU
-policy) does with it; one line per model and every site not rewritten, with its reason and location. Install the
-libraries beside the CPU torch (``pip install --no-deps timm x-transformers vit-pytorch einops einx frozendict
-torch-einops-utils loguru``); without torchvision a stand-in module is used (no model here runs its code).
-docs/DESIGN.md ("Reach on libraries' code") records a run. A library that is not installed is skipped, said so.
+"""Reach on libraries' own attention code: what ``smxcompile.explain`` (``{"cpu": "rewrite"}``) does with every
+softmax site of small random models of timm, x_transformers, vit_pytorch and diffusers; one line per model and every
+site not rewritten, with its reason and location. A library that is not installed is skipped. Install them beside the
+CPU torch: ``pip install --no-deps timm x-transformers vit-pytorch einops einx frozendict torch-einops-utils loguru``
+(torchvision is stood in for). docs/DESIGN.md ("Reach on libraries' code") records a run.
 
     python benchmarks/reach_survey.py --family x_transformers --json reach.json"""
-
-from __future__ import annotations
 
 import argparse
 import collections
 import importlib
 import importlib.abc
 import importlib.machinery
-import json
 import sys
 import types
 
 import torch
 
+import common
 import smxcompile
 
 TIMM = ("vit_tiny_patch16_224 deit_tiny_patch16_224 beit_base_patch16_224 swin_tiny_patch4_window7_224 "
@@ -42,11 +39,19 @@ XTF = {"decoder": {}, "alibi": dict(alibi_pos_bias=True), "rel_pos_bias": dict(r
        "talking_heads": dict(attn_pre_talking_heads=True, attn_post_talking_heads=True),
        "sparse_topk": dict(attn_sparse_topk=4), "selective": dict(attn_selective=True),
        "cope": dict(attn_use_cope=True)}
+VITPT_COMMON = dict(image_size=32, patch_size=8, num_classes=10, dim=32, depth=2, heads=2, mlp_dim=64, dim_head=16)
+#: vit_pytorch model -> its arguments beyond VITPT_COMMON's
 VITPT = {"vit.ViT": {}, "simple_vit.SimpleViT": {}, "cait.CaiT": dict(cls_depth=1), "deepvit.DeepViT": {},
          "pit.PiT": dict(depth=(1, 1)), "vit_for_small_dataset.ViT": {}, "simple_vit_with_qk_norm.SimpleViT": {},
          "vit_with_patch_merger.ViT": dict(patch_merge_layer=1, patch_merge_num_tokens=4),
-         "simple_vit_with_register_tokens.SimpleViT": dict(num_register_tokens=2), "nest.NesT": None,
-         "max_vit.MaxViT": None, "levit.LeViT": None, "sep_vit.SepViT": None}
+         "simple_vit_with_register_tokens.SimpleViT": dict(num_register_tokens=2)}
+#: vit_pytorch models of another signature -> all their arguments
+VITPT_OWN = {"nest.NesT": dict(image_size=32, patch_size=4, num_classes=10, dim=32, heads=2, num_hierarchies=2,
+                               block_repeats=(1, 1)),
+             "max_vit.MaxViT": dict(num_classes=10, dim=32, depth=(1,), dim_head=16, window_size=4),
+             "levit.LeViT": dict(image_size=64, num_classes=10, dim=(32, 48, 64), depth=1, heads=(2, 2, 2), mlp_mult=2,
+                                 stages=3, dim_key=16, dim_value=16),
+             "sep_vit.SepViT": dict(num_classes=10, dim=32, depth=(1, 1), heads=(2, 2), dim_head=16)}
 
 
 def _torchvision_stand_in() -> None:
@@ -109,22 +114,12 @@ def x_transformers_models():
 def vit_pytorch_models():
     _torchvision_stand_in()
     importlib.import_module("vit_pytorch")  # missing: the whole family is skipped
-
-    common = dict(image_size=32, patch_size=8, num_classes=10, dim=32, depth=2, heads=2, mlp_dim=64, dim_head=16)
-    special = {"nest.NesT": dict(image_size=32, patch_size=4, num_classes=10, dim=32, heads=2, num_hierarchies=2,
-                                 block_repeats=(1, 1)),
-               "max_vit.MaxViT": dict(num_classes=10, dim=32, depth=(1,), dim_head=16, window_size=4),
-               "levit.LeViT": dict(image_size=64, num_classes=10, dim=(32, 48, 64), depth=1, heads=(2, 2, 2),
-                                   mlp_mult=2, stages=3, dim_key=16, dim_value=16),
-               # its blocks keep their default 7x7 windows: 56 pixels, 14 then 7 tokens a side
-               "sep_vit.SepViT": dict(num_classes=10, dim=32, depth=(1, 1), heads=(2, 2), dim_head=16)}
-    pixels = {"sep_vit.SepViT": 56}
-    for path, kw in VITPT.items():
+    for path, kw in {**{p: {**VITPT_COMMON, **kw} for p, kw in VITPT.items()}, **VITPT_OWN}.items():
         def make(path=path, kw=kw):
             mod, cls = path.rsplit(".", 1)
-            args = special[path] if kw is None else {**common, **kw}
-            m = getattr(importlib.import_module(f"vit_pytorch.{mod}"), cls)(**args)
-            side = pixels.get(path, args.get("image_size", 32))
+            m = getattr(importlib.import_module(f"vit_pytorch.{mod}"), cls)(**kw)
+            # SepViT's blocks keep their default 7x7 windows: 56 pixels, 14 then 7 tokens a side
+            side = 56 if path == "sep_vit.SepViT" else kw.get("image_size", 32)
             return m, (torch.randn(2, 3, side, side),), {}
         yield f"vit_pytorch/{path}", make
 
@@ -195,10 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--family", choices=sorted(FAMILIES), action="append", help="library (repeatable; default all)")
     p.add_argument("--json", help="write every site of every model here")
     a = p.parse_args(argv)
-    result = {f: survey(f) for f in FAMILIES if f in (a.family or FAMILIES)}
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    common.write_json(a.json, {f: survey(f) for f in FAMILIES if f in (a.family or FAMILIES)})
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
-"""The subprocess benchmarks' machinery (bench_linear_ce.py, bench_attention.py): every variant at every point in a
-fresh worker process, watched for memory and time, checked against eager's result, retried while other processes
-disturbed it; their flags, table, plot and end of run."""
-
-from __future__ import annotations
+"""The subprocess benchmarks' machinery (bench_linear_ce.py, bench_attention.py): each variant at each point in a
+fresh worker process, watched for memory and time, checked against eager's result; their flags, table and plot."""
 
 import argparse
+import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 from smx_app.demo.memory import PeakMemory, rss_bytes
@@ -53,16 +51,13 @@ class Unavailable(RuntimeError):
 
 
 def run_worker(spec_json: str, body: Callable[[dict, dict], None]) -> int:
-    """A worker's life: ``body(spec, out)``, a raised error recorded (status "error" and the traceback;
-    :class:`Unavailable`: "unavailable"), ``out`` written where the parent reads it."""
+    """A worker: ``body(spec, out)`` (an error it raises recorded), ``out`` written where the parent reads it."""
     spec, out = json.loads(spec_json), {"status": "error"}
     try:
         body(spec, out)
     except Unavailable as e:
         out.update(status="unavailable", error=str(e))
     except Exception as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-
         traceback.print_exc()
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
     with open(spec["out"], "w") as f:
@@ -71,9 +66,8 @@ def run_worker(spec_json: str, body: Callable[[dict, dict], None]) -> int:
 
 
 def timed_steps(step: Callable[[], Any], rounds: int, out: dict, reset: Callable[[], None]) -> Any:
-    """A warm-up step (compilation included), then ``rounds`` steps after ``reset()`` each: their wall and CPU
-    seconds, peak RSS above the pre-step RSS and ``others`` (cores other processes used during the timed steps)
-    into ``out``; -> the last step's result."""
+    """A warm-up step, then ``rounds`` steps after ``reset()`` each: wall and CPU seconds, peak RSS above the
+    pre-step RSS and ``others`` (cores other processes used) into ``out``; -> the last step's result."""
     t0 = time.perf_counter()
     res = step()
     out.update(warmup_s=time.perf_counter() - t0, step_s=[], step_cpu_s=[], peak_bytes=[])
@@ -96,10 +90,8 @@ def timed_steps(step: Callable[[], Any], rounds: int, out: dict, reset: Callable
 
 
 def conclude(spec: dict, out: dict, got: dict[str, Any], tol: dict[str, float]) -> None:
-    """A worker's end: the smx reports (variant smx), and the check: ``got`` ({name: tensor or list of tensors})
-    present, finite and within ``tol`` of the reference's (``<name>_rel``: max |got - ref| / max |ref|, the worst of
-    a list). Eager and the "reference" variant save theirs as the reference (made by ``spec["by"]``, default
-    eager)."""
+    """A worker's end: the smx reports, and ``got`` ({name: tensor or list}) checked finite and within ``tol`` of
+    the reference (``<name>_rel``: max |got - ref| / max |ref|); eager and "reference" save theirs as it."""
     import torch
 
     if spec["variant"] == "smx":
@@ -125,14 +117,11 @@ def conclude(spec: dict, out: dict, got: dict[str, Any], tol: dict[str, float]) 
         if bad:
             chk["why"] = "outside tolerance: " + ", ".join(bad)
     out.update(check=chk, status="FAILED" if "why" in chk else "ok")
-    rels = ", ".join(f"{k} {v:.1e}" for k, v in chk.items() if k.endswith("_rel"))
-    say(f"check against {chk.get('against', '-')}: {rels} -> {out['status']} {chk.get('why', '')}")
 
 
 def launch(spec: dict, limit: int | None, script: str, label: str) -> dict:
-    """Run ``script --_worker SPEC`` in a fresh process (its output goes to ours) and return its result; kill it when
-    its RSS passes ``limit``, the machine runs low on memory, or it runs past :data:`TIMEOUT`. ``others``: cores
-    other processes used (the worker's timed steps, else its whole run)."""
+    """``script --_worker SPEC`` in a fresh process -> its result; killed when its RSS passes ``limit``, the machine
+    runs low on memory, or it runs past :data:`TIMEOUT`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", SMX_BENCH_WORKER=label)
     if spec["mmap_threshold"] and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS then follows the live buffers
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
@@ -162,7 +151,7 @@ def launch(spec: dict, limit: int | None, script: str, label: str) -> dict:
 
 def least_disturbed(run: Callable[[], dict], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """``run()`` (a worker), again up to --retry-noisy times while other processes used > NOISY cores meanwhile
-    (--wait-quiet: wait for a quiet machine first); the least disturbed finished try, the others in its JSON."""
+    (--wait-quiet: wait for a quiet machine first); -> the least disturbed finished try."""
     tries: list[dict] = []
     quiet = common.Quiet(args.wait_quiet, float("inf"), log)
     while True:
@@ -172,14 +161,11 @@ def least_disturbed(run: Callable[[], dict], args: argparse.Namespace, log: Call
         if load <= NOISY or status not in ("ok", "FAILED") or len(tries) > args.retry_noisy:
             break
         log(f"other processes took {load:.2f} cores: running it again (--retry-noisy)")
-    best = min(tries, key=lambda r: (r["status"] not in ("ok", "FAILED"), r["others"] or 0))
-    return dict(best, discarded_tries=[{k: r.get(k) for k in ("status", "others", "step_s", "peak_bytes")}
-                                       for r in tries if r is not best])
+    return min(tries, key=lambda r: (r["status"] not in ("ok", "FAILED"), r["others"] or 0))
 
 
 def summary(r: dict) -> dict:
-    """The median step and CPU seconds, the warm-up and the peak bytes (max over rounds; ``transient_bytes``:
-    less the gradients) of a finished worker."""
+    """A finished worker's median step and CPU seconds, warm-up, peak bytes (``transient_bytes``: less grads)."""
     if not r.get("step_s"):
         return {}
     s = {"step_s": statistics.median(r["step_s"]), "cpu_s": statistics.median(r["step_cpu_s"]),
@@ -187,10 +173,14 @@ def summary(r: dict) -> dict:
     return dict(s, transient_bytes=s["peak_bytes"] - r["grads_bytes"]) if "grads_bytes" in r else s
 
 
-def add_flags(p: argparse.ArgumentParser, variants: tuple[str, ...], grad_rtol: float) -> None:
-    """The flags both subprocess benchmarks take."""
-    p.add_argument("--variants", type=common.choice_list(variants), default=list(variants),
-                   help=f"comma-separated subset of {','.join(variants)} (default all; eager always runs first)")
+def parser(doc: str, variants: tuple[str, ...], grad_rtol: float, quick: str) -> argparse.ArgumentParser:
+    """A subprocess benchmark's parser (description and epilog: ``doc``) with the flags both take."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", type=lambda s: sorted(common.choice_list(variants)(s), key=lambda v: v != "eager"),
+                   default=list(variants), help=f"comma-separated subset of {','.join(variants)} (default all; eager "
+                                                "always runs first: it saves the reference)")
+    p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--rounds", type=int, help="timed steps per variant after the warm-up, median reported")
     p.add_argument("--threads", type=int, default=common.cores(), help="torch threads (default: all cores)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="max |loss - eager| / |eager| (default %(default)s)")
@@ -200,32 +190,28 @@ def add_flags(p: argparse.ArgumentParser, variants: tuple[str, ...], grad_rtol: 
                    help="largest RSS a variant's process may reach: variants estimated above it are skipped, one "
                         "that passes it is killed (default: memory available at start minus 2 GB)")
     p.add_argument("--mmap-threshold", type=int, default=2**20, metavar="BYTES",
-                   help="glibc MALLOC_MMAP_THRESHOLD_ of the workers (default 1 MiB: RSS follows the live buffers "
-                        "and peaks repeat; 0 keeps glibc's dynamic threshold; the environment's wins)")
+                   help="glibc MALLOC_MMAP_THRESHOLD_ of the workers (default 1 MiB; 0: glibc's dynamic threshold)")
     common.add_noise_flags(p, budget=False)
-    p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH "
-                                                  "(rewritten after every variant)")
+    p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="time and peak memory (PNG/SVG/PDF; needs matplotlib)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
+    return p
 
 
-def run(args: argparse.Namespace, script: str, packages: tuple[str, ...], describe: str, settings: dict,
+def run(args: argparse.Namespace, script: str, packages: tuple[str, ...], settings: dict,
         points: list[tuple[dict, list[str]]], estimate: Callable[[dict], int]) -> dict:
-    """A subprocess benchmark's run: the command and environment printed, then every variant of every ``(point,
-    variants)`` in a fresh process, eager first: it saves the reference (where it does not run, an untimed
-    "reference" worker does); a variant whose ``estimate(spec)`` bytes do not fit is skipped; the JSON is rewritten
-    after each. -> command, env, settings (every worker's spec too) and results (with summaries, ratios to inductor)."""
+    """Each variant of each ``(point, variants)`` in a fresh process, eager first (else an untimed "reference"
+    worker saves the reference); skipped where ``estimate(spec)`` bytes do not fit; the JSON rewritten after each."""
     command, env, avail = common.command_line(), common.environment(args.threads, packages, git=True), mem_available()
     env.update(mem_total_gb=round((meminfo("MemTotal") or 0) / GB, 1), mem_available_gb=round((avail or 0) / GB, 1))
     common.print_header(command, env, "the `others` column says, per variant, whether they shared its timed steps")
     limit = int(args.mem_limit * GB) if args.mem_limit else (int(avail - 2 * GB) if avail else None)
-    print(f"{describe}; one fresh process per variant; memory limit {(limit or 0) / GB:.1f} GB", flush=True)
     settings.update({k: getattr(args, k) for k in ("rounds", "threads", "loss_rtol", "grad_rtol", "mmap_threshold")},
                     mem_limit_bytes=limit, malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
-    result, workdir, t0 = {"command": command, "env": env, "settings": settings, "results": []}, tempfile.mkdtemp(), \
-        time.monotonic()
-    results = result["results"]
+    print(f"settings: {settings}; one fresh process per variant; memory limit {(limit or 0) / GB:.1f} GB", flush=True)
+    results, t0 = [], time.monotonic()
+    result = {"command": command, "env": env, "settings": settings, "results": results}
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
@@ -234,7 +220,7 @@ def run(args: argparse.Namespace, script: str, packages: tuple[str, ...], descri
         log(f"[{where} {spec['variant']}] fresh process (estimated peak RSS {estimate(spec) / GB:.1f} GB)")
         return launch(spec, limit, script, f"{where} {spec['variant']}")
 
-    try:
+    with tempfile.TemporaryDirectory() as workdir:
         for n, (point, variants) in enumerate(points):
             where = " ".join(f"{k}={v}" for k, v in point.items())
             for name in variants:
@@ -249,28 +235,20 @@ def run(args: argparse.Namespace, script: str, packages: tuple[str, ...], descri
                 else:
                     res = least_disturbed(lambda: one(spec, where), args, log)
                 results.append(dict(res, **point, point=where, variant=name, estimated_rss_bytes=est))
-                s, oth = summary(res), res.get("others")
-                log(f"{where} {name}: {res['status']}" + (f", step {s['step_s']:.3f} s, peak "
-                    f"{s['peak_bytes'] / MB:.1f} MB" if s else "") + (f", others {oth:.2f}" if oth is not None else "")
-                    + f" {res.get('error') or res.get('check', {}).get('why') or ''}")
+                log(f"{where} {name}: {res['status']} {res.get('error') or res.get('check', {}).get('why') or ''}")
                 common.write_json(args.json, result)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    inductor = {r["point"]: summary(r) for r in results if r["variant"] == "inductor" and r["status"] == "ok"}
     for r in results:
-        r["summary"] = summary(r)
-    for r in results:
-        ind = next((x["summary"] for x in results if x["point"] == r["point"] and x["variant"] == "inductor"
-                    and x["status"] == "ok"), {})
-        r["ratio_vs_inductor"] = {k: v / ind[k] for k, v in r["summary"].items() if ind.get(k)}
+        r["summary"], base = summary(r), inductor.get(r["point"], {})
+        r["ratio_vs_inductor"] = {k: v / base[k] for k, v in r["summary"].items() if base.get(k)}
     result["wall_s"] = time.monotonic() - t0
     return result
 
 
 def table(title: str, results: list[dict], point_keys: tuple[str, ...], metrics: dict[str, tuple[str, float]],
           rels: dict[str, str], markdown: bool) -> None:
-    """Print a row per variant: the point, the variant, ``metrics`` ({header: (summary key, scale)}; the ratio to
-    inductor where the header says "(/ind)"), the relative differences ``rels`` ({header: check key}), the check,
-    the others' load, and a note (the smx report, the row's ``note``, the reference if not eager, why it failed)."""
+    """A row per variant: the point, ``metrics`` ({header: (summary key, scale)}; "(/ind)": with the ratio to
+    inductor), the differences ``rels`` ({header: check key}), the check, the others' load and a note."""
     head, rows = [*point_keys, "variant", *metrics, *rels, "check", "others", "smx report / note"], []
     for r in (r for r in results if r["variant"] != "reference"):
         s, ratio, chk, rep = r["summary"], r["ratio_vs_inductor"], r.get("check", {}), r.get("smx_report")
@@ -286,31 +264,29 @@ def table(title: str, results: list[dict], point_keys: tuple[str, ...], metrics:
     common.print_table(title, head, rows, markdown, left=("variant", "check", "smx report / note"))
 
 
-def plot(results: list[dict], path: str, title: str, x: str, panels: list[tuple], label: Callable[[dict], str]
-         ) -> str:
-    """Summary figures against ``x`` (log-log), a panel per ``(title, y label, summary key, scale, {key: value} of
-    its rows)``, a line per ``label(row)``; -> what to print."""
+def plot(results: list[dict], path: str, title: str, x: str, metrics: dict[str, tuple[str, float]],
+         label: Callable[[dict], str], by: str | None = None) -> str:
+    """The "(/ind)" ``metrics`` against ``x`` (log-log), a panel each (a row of them per value of ``by``), a line
+    per ``label(row)``; -> what to print."""
     plt = common.pyplot()
     if plt is None:
         return "--plot: " + common.NO_MATPLOTLIB
     done = [r for r in results if r["variant"] != "reference" and r["summary"]]
-    labels, n_rows = list(dict.fromkeys(label(r) for r in done)), (len(panels) + 1) // 2
-    fig, axes = plt.subplots(n_rows, 2, figsize=(12, 2 + 3.5 * n_rows), squeeze=False)
-    for ax, (name, ylabel, key, scale, where) in zip(axes.flat, panels):
+    labels, groups = list(dict.fromkeys(label(r) for r in done)), list(dict.fromkeys(r.get(by) for r in done))
+    heads, xs = [h for h in metrics if "(/ind)" in h], sorted({r[x] for r in done})
+    fig, axes = plt.subplots(len(groups), len(heads), figsize=(5 * len(heads), 1.5 + 4 * len(groups)), squeeze=False)
+    for ax, (group, head) in zip(axes.flat, itertools.product(groups, heads)):
+        (key, scale), name = metrics[head], head.replace(" (/ind)", "")
         for i, lab in enumerate(labels):
-            pts = sorted((r[x], r["summary"][key] * scale) for r in done
-                         if label(r) == lab and all(r[k] == v for k, v in where.items()))
+            pts = sorted((r[x], r["summary"][key] * scale) for r in done if label(r) == lab and r.get(by) == group)
             if pts:
                 ax.plot(*zip(*pts), "-" if i < 10 else "--", marker="o", color=f"C{i % 10}", label=lab)
-        xs = sorted({r[x] for r in done})
-        ax.set(xscale="log", yscale="log", title=name, xlabel=x, ylabel=ylabel)
+        ax.set(xscale="log", yscale="log", title=f"{group}: {name}" if group else name, xlabel=x, ylabel=name)
         ax.set_xticks(xs, [str(v) for v in xs])
         ax.xaxis.set_minor_locator(plt.NullLocator())
-        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.grid(alpha=0.3, which="both")
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
     fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="lower center", ncol=8, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
@@ -318,9 +294,11 @@ def plot(results: list[dict], path: str, title: str, x: str, panels: list[tuple]
     return f"wrote {path}"
 
 
-def finish(result: dict, args: argparse.Namespace) -> int:
-    """A subprocess benchmark's end: the load average, the JSON, the command, the failed rows; the exit status (1
-    when a row FAILED, raised or was killed)."""
+def finish(result: dict, args: argparse.Namespace, title: str, x: str, metrics: dict[str, tuple[str, float]],
+           label: Callable[[dict], str], by: str | None = None) -> int:
+    """The plot (:func:`plot`), the JSON, the command, the failed rows; -> 1 when a row FAILED, raised or was killed."""
+    if args.plot:
+        print(plot(result["results"], args.plot, f"{result['command']}\n{title}", x, metrics, label, by))
     common.print_load_at_end(result["env"])
     common.write_json(args.json, result)
     print(f"\n$ {result['command']}   ({result['wall_s']:.0f} s)" + (f"\nwrote {args.json}" if args.json else ""))

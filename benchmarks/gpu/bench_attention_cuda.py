@@ -1,7 +1,5 @@
-"""Attention on CUDA (benchmarks/gpu/run.sh), bf16, causal: forward and forward + backward time (median of CUDA-event
-timed rounds), peak memory above the inputs and the output's error against an fp32 materialized reference, for
-eager (materialized), inductor, sdpa (FlashAttention-2), smx (the rewrite), the op with other normalizers
-(softcap, sigmoid, softpick, sparsemax) and a score_mod (s * sigmoid(s): Inductor, and smx with cuda="rewrite")."""
+"""Attention on CUDA (run by benchmarks/gpu/run.sh), bf16, causal, per case and variant (docs/PERFORMANCE.md):
+forward and forward + backward ms (CUDA events), peak memory above the inputs, error against an fp32 reference."""
 
 import argparse
 import math

@@ -1,7 +1,6 @@
-"""Linear + cross-entropy on CUDA (benchmarks/gpu/run.sh): eager, Inductor, smx (default: the site kept), smx-rewrite
-(smx's Triton cut CE) and the op in its three backward modes (exact; filter_eps="auto"; precise_grad=True): per
-vocabulary the step time (fwd+bwd, median of 5 CUDA-event timed steps after 2), peak memory above the inputs, loss
-and dW against eager's."""
+"""Linear + cross-entropy on CUDA (run by benchmarks/gpu/run.sh), per vocabulary and variant (eager, Inductor, smx,
+smx-rewrite, the op in its three backward modes): step time (fwd+bwd, median of 5 CUDA-event timed steps after 2),
+peak memory above the inputs, loss and dW against eager's."""
 
 import argparse
 import functools

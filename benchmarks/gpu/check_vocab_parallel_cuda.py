@@ -1,12 +1,9 @@
 #!/usr/bin/env python
-"""Vocabulary-parallel cut cross-entropy on CUDA: 2 processes on one GPU (gloo: nccl wants a GPU per rank; the math is
-checked, not the collectives' speed), every shard on the Triton kernels, against the unsharded op; a line per case,
-exit status 1 on a mismatch.
+"""Vocabulary-parallel cut cross-entropy on CUDA: 2 gloo processes on one GPU, every shard on the Triton kernels,
+against the unsharded op (docs/PERFORMANCE.md); a line per case, exit status 1 on a mismatch.
 
   python benchmarks/gpu/check_vocab_parallel_cuda.py [--device cpu]   # cpu: the same checks on the CPU paths
 """
-
-from __future__ import annotations
 
 import argparse
 import os

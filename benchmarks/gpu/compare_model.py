@@ -1,12 +1,8 @@
 #!/usr/bin/env python
-"""The GPU model's cases timed on a CUDA GPU, against benchmarks/gpu_model.py's roofline predictions.
-
-Each case of benchmarks/gpu_cases.py runs its real Triton kernels (one untimed call to compile, one for the peak
-memory, then CUDA-event timed reps with a cold L2), and torch's own path where it has one; the figures sit next to
-the model's (gpu_model.py --json, matched by case, shape and dtype): x pred = measured / predicted (above 2: "misses
-its roofline"), x torch = torch's time / ours (below 1: "slower than torch"). A case that raises is an ERR row;
---budget stops starting cases; --json is rewritten after each. Exits 2 without CUDA or with no case, 1 when a case
-raised. Columns and caveats: docs/PERFORMANCE.md ("GPU measurements").
+"""The GPU model's cases (benchmarks/gpu_cases.py) timed on a CUDA GPU with their real Triton kernels, and torch's
+own path, next to benchmarks/gpu_model.py's predictions (its --json, matched by case, shape and dtype): x pred =
+measured / predicted, x torch = torch's time / ours. Columns and method: docs/PERFORMANCE.md ("How the GPU scripts
+measure"). Exits 2 without CUDA or with no case, 1 when a case raised.
 
 Usage (on a CUDA machine; benchmarks/gpu/run.sh runs a selection):
   python benchmarks/gpu/compare_model.py [--quick] [--families LIST] [--only TEXT ...] [--budget SECONDS]
@@ -20,6 +16,7 @@ import time
 T0 = time.monotonic()  # --budget counts from here
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -40,17 +37,18 @@ def key(r: dict) -> tuple:
     return (r["case"], r["shape"], r["dtype"])
 
 
+def name(r: dict) -> str:
+    return " ".join(key(r))
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 
 
 def compare(model_rows: list[dict], measured_rows: list[dict], miss: float = MISS) -> list[dict]:
-    """One row per measured row, in its order, with the model's predictions (matched by case, shape and dtype; the
-    first model row of a key wins), the ratios and the flags.
-
-    measured rows: case, shape, dtype (family, kernel), measured_us and torch_measured_us (None: not timed or no
-    torch path), peak_bytes and torch_peak_bytes (optional), error and torch_error (None or the message).
-    """
+    """One row per measured row, in its order, with the model's predictions (the first model row of a key wins),
+    the ratios and the flags. Measured rows: case, shape, dtype, and optionally family, kernel, measured_us,
+    torch_measured_us, peak_bytes, torch_peak_bytes, reps, torch_reps, error and torch_error (the message)."""
     model: dict[tuple, dict] = {}
     for m in model_rows:
         model.setdefault(key(m), m)
@@ -65,18 +63,17 @@ def compare(model_rows: list[dict], measured_rows: list[dict], miss: float = MIS
                    torch_measured_us=theirs, torch_predicted_us=tpred,
                    torch_measured_over_predicted=ratio(theirs, tpred),
                    speedup_vs_torch=ratio(theirs, ours), predicted_speedup_vs_torch=ratio(tpred, pred),
-                   peak_bytes=r.get("peak_bytes"), torch_peak_bytes=r.get("torch_peak_bytes"),
-                   reps=r.get("reps"), torch_reps=r.get("torch_reps"),
-                   error=r.get("error"), torch_error=r.get("torch_error"), in_model=bool(m), flags=[])
-        flags = row["flags"]
+                   **{k: r.get(k) for k in ("peak_bytes", "torch_peak_bytes", "reps", "torch_reps", "error",
+                                            "torch_error")}, in_model=bool(m), flags=[])
+        flags, speedup, over = row["flags"], row["speedup_vs_torch"], row["measured_over_predicted"]
         if row["error"]:
             flags.append(f"ERR {row['error']}")
         if row["torch_error"]:
             flags.append(f"torch ERR {row['torch_error']}")
-        if row["speedup_vs_torch"] is not None and row["speedup_vs_torch"] < 1:
-            flags.append(f"slower than torch ({row['speedup_vs_torch']:.2f}x)")
-        if row["measured_over_predicted"] is not None and row["measured_over_predicted"] > miss:
-            flags.append(f"misses its roofline by {row['measured_over_predicted']:.1f}x")
+        if speedup is not None and speedup < 1:
+            flags.append(f"slower than torch ({speedup:.2f}x)")
+        if over is not None and over > miss:
+            flags.append(f"misses its roofline by {over:.1f}x")
         if not m:
             flags.append("no model row")
         out.append(row)
@@ -114,23 +111,18 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 def summary(rows: list[dict], miss: float = MISS) -> list[str]:
     """The lines under the table: what is slower than torch, misses its roofline, raised or lacks a model row, and
     the spread of measured / predicted and of the speedups."""
-    def name(r):
-        return f"{r['case']} {r['shape']} {r['dtype']}"
-
     out = []
-    slower = [r for r in rows if r["speedup_vs_torch"] is not None and r["speedup_vs_torch"] < 1]
-    if slower:
-        out.append("SLOWER THAN TORCH (measured): "
-                   + "; ".join(f"{name(r)} {r['speedup_vs_torch']:.2f}x" for r in slower))
-    missed = [r for r in rows if r["measured_over_predicted"] is not None and r["measured_over_predicted"] > miss]
-    if missed:
-        out.append(f"misses its roofline by more than {miss:g}x (measured / predicted): "
-                   + "; ".join(f"{name(r)} {r['measured_over_predicted']:.1f}x" for r in missed))
+    for title, k, bad, spec in (("SLOWER THAN TORCH (measured)", "speedup_vs_torch", lambda v: v < 1, ".2f"),
+                                (f"misses its roofline by more than {miss:g}x (measured / predicted)",
+                                 "measured_over_predicted", lambda v: v > miss, ".1f")):
+        hits = [f"{name(r)} {r[k]:{spec}}x" for r in rows if r[k] is not None and bad(r[k])]
+        if hits:
+            out.append(f"{title}: " + "; ".join(hits))
     for r in rows:
         out += [f"{tag}ERR {name(r)}: {r[k]}" for tag, k in (("", "error"), ("torch ", "torch_error")) if r[k]]
-    absent = [r for r in rows if not r["in_model"]]
+    absent = [name(r) for r in rows if not r["in_model"]]
     if absent:
-        out.append(f"no model row for {len(absent)} case(s) (predictions '-'): " + "; ".join(name(r) for r in absent))
+        out.append(f"no model row for {len(absent)} case(s) (predictions '-'): " + "; ".join(absent))
     for what, k, x in (("measured / predicted", "measured_over_predicted", ""),
                        ("measured speedup vs torch", "speedup_vs_torch", "x")):
         v = [r[k] for r in rows if r[k] is not None]
@@ -141,16 +133,14 @@ def summary(rows: list[dict], miss: float = MISS) -> list[str]:
 
 
 def load_model(path: str | Path) -> tuple[list[dict], dict]:
-    """The rows and env of a gpu_model.py --json file (a bare list of rows is accepted too)."""
+    """The rows and env of a gpu_model.py --json file."""
     data = json.loads(Path(path).read_text())
-    if isinstance(data, list):
-        return data, {}
-    return data.get("rows", []), data.get("env", {})
+    return data["rows"], data.get("env", {})
 
 
 def time_us(fn, flush, min_reps: int = 5, max_reps: int = 200, target_ms: float = 100.0) -> tuple[float, int]:
-    """(median us, reps) of fn: one rep estimates the time, then enough reps for target_ms (min_reps at least),
-    each after a write of the flush buffer (L2 cold) and timed by CUDA events around fn alone."""
+    """(median us, reps) of fn: enough reps for target_ms (min_reps at least, by one rep's time), each after a
+    write of the flush buffer (L2 cold), timed by CUDA events around fn alone."""
     import torch
 
     def reps(n):
@@ -169,8 +159,8 @@ def time_us(fn, flush, min_reps: int = 5, max_reps: int = 200, target_ms: float 
 
 
 def measure_case(case, flush) -> dict:
-    """The measured row of one case (see compare() for the fields): a first call of each side compiles (not
-    timed), a second reads the peak memory, then the timing; an exception is the side's error."""
+    """The measured row of one case (see compare()): per side, a first call compiles (not timed), a second reads
+    the peak memory, then the timing; an exception is the side's error."""
     import torch
     rec = dict(family=case.family, kernel=case.kernel, case=case.name, shape=case.shape, dtype=case.dtype)
     t0 = time.monotonic()
@@ -191,10 +181,8 @@ def measure_case(case, flush) -> dict:
             rec[prefix + "error"] = message(e)
     inputs = None  # free the case's tensors before the next one
     gc.collect()
-    try:
+    with contextlib.suppress(Exception):  # a lost context: the next case reports it
         torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - a lost context; the next case reports it
-        pass
     rec["seconds"] = time.monotonic() - t0
     return rec
 
@@ -209,12 +197,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick cases (one small case per family)")
     p.add_argument("--families", metavar="LIST", help="comma-separated families of gpu_cases.py")
-    p.add_argument("--only", metavar="TEXT", action="append",
-                   help="cases whose name or shape contains TEXT (repeatable: any of them)")
-    p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS",
-                   help="start no new case after this many seconds since the start (default %(default)g)")
-    p.add_argument("--model", default=str(ROOT / "docs" / "gpu_model.json"), metavar="PATH",
-                   help="gpu_model.py --json output with the predictions (default docs/gpu_model.json)")
+    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
+    p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS", help="start no case after this")
+    p.add_argument("--model", default=str(ROOT / "docs" / "gpu_model.json"), help="gpu_model.py --json output")
     p.add_argument("--json", metavar="PATH", help="write the rows and the environment as JSON (after every case)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = p.parse_args(argv)
@@ -229,28 +214,21 @@ def main(argv=None) -> int:
     from gpu_cases import FAMILIES, all_cases  # imports smxcompile's Triton kernels: after TRITON_INTERPRET
 
     families = args.families.replace(" ", "").split(",") if args.families else FAMILIES
-    if set(families) - set(FAMILIES):
-        print(f"unknown families in {args.families}; choose from {','.join(FAMILIES)}", file=sys.stderr)
-        return 2
-    cases = [c for c in all_cases(quick=args.quick) if c.family in families]
-    cases = [c for c in cases if not args.only or any(t in c.name or t in c.shape for t in args.only)]
+    cases = [c for c in all_cases(quick=args.quick) if c.family in families
+             and (not args.only or any(t in c.name or t in c.shape for t in args.only))]
     if not cases:
-        print("no case selected", file=sys.stderr)
+        print(f"no case selected (families: {','.join(FAMILIES)})", file=sys.stderr)
         return 2
-
-    model_rows, model_env = [], {}
-    if Path(args.model).exists():
-        model_rows, model_env = load_model(args.model)
-    else:
-        print(f"no model JSON at {args.model}: measured figures only (write it with python benchmarks/gpu_model.py "
-              f"{'--quick ' if args.quick else ''}--json {args.model})", file=sys.stderr)
+    model_rows, model_env = load_model(args.model) if Path(args.model).exists() else ([], {})
+    if not model_rows:
+        print(f"no model rows at {args.model}: measured figures only (write them with python "
+              f"benchmarks/gpu_model.py {'--quick ' if args.quick else ''}--json {args.model})", file=sys.stderr)
     gpu = torch.cuda.get_device_name()
     env = dict(common.environment(), cuda_version=torch.version.cuda, model=str(args.model),
                model_command=model_env.get("command"), model_gpu=model_env.get("gpu"), budget_s=args.budget,
                miss=MISS, command=common.command_line(argv, "benchmarks/gpu/compare_model.py"))
     print(f"{len(cases)} case(s) on {gpu}; predictions: {args.model} ({len(model_rows)} rows, for an H200: "
           "measured / predicted moves with another GPU's bandwidth and FLOP rate)")
-
     torch.manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     measured, not_started = [], []
@@ -261,10 +239,8 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(cases)}] {case.name} {case.shape} {case.dtype} ...", end=" ", flush=True)
         rec = measure_case(case, flush)
         measured.append(rec)
-        done = "ERR" if rec.get("error") else fmt(rec.get("measured_us"), ".1f", " us")
-        if case.torch_run is not None:
-            done += ", torch " + ("ERR" if rec.get("torch_error") else fmt(rec.get("torch_measured_us"), ".1f", " us"))
-        print(f"{done} ({rec['seconds']:.1f} s)", flush=True)
+        print(f"{fmt(rec.get('measured_us'), '.1f', ' us')}, torch {fmt(rec.get('torch_measured_us'), '.1f', ' us')} "
+              f"({rec['seconds']:.1f} s)", flush=True)
         env["elapsed_s"] = time.monotonic() - T0
         common.write_json(args.json, dict(env=env, rows=compare(model_rows, measured)))
     env.update(not_started=not_started, elapsed_s=time.monotonic() - T0)

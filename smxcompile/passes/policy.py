@@ -88,11 +88,13 @@ CPU_RULES: dict[str, DeviceRule] = {
         "FlexAttention's CPU template 1.16-1.83x Inductor's time with an (H, L, S) gate at 512-2048 keys, "
         "0.89-1.70x with a padding mask"),
     "cross_entropy": DeviceRule(
-        "cross_entropy", "cross-entropy on given logits is kept", None, "python benchmarks/bench_plain_ce.py",
+        "cross_entropy", "cross-entropy on given logits is kept", None,
+        "python benchmarks/bench_ce_guard.py --families cross_entropy",
         "the online CE op 2.5-3.1x Inductor's fused C++ cross-entropy"),
     "linear_cross_entropy_min_vocab": DeviceRule(
         "linear_cross_entropy", "a training linear -> cross-entropy is rewritten from this many classes", 4096,
-        "python benchmarks/bench_linear_ce.py; python benchmarks/bench_hf_head.py; python benchmarks/bench_defaults.py",
+        "python benchmarks/bench_linear_ce.py; python benchmarks/bench_ce_guard.py --families hf_head; "
+        "python benchmarks/bench_defaults.py",
         "training steps 0.82-0.98x Inductor's time at 16384-50257 classes (N=1024-2048, D=256-512), 0.92x at "
         "131072; below 4096 the logits are small and Inductor's fused code is as fast"),
     "linear_cross_entropy_inference": DeviceRule(
@@ -129,7 +131,7 @@ CPU_RULES: dict[str, DeviceRule] = {
     "sample": DeviceRule(
         "sample", "the sampling step is rewritten at every measured shape", None,
         "python benchmarks/bench_sampling.py --markdown",
-        "transformers' top-k / top-p / min-p chains at B = 1-256, V = 32K-256K: smx 0.02-0.52x Inductor's time "
+        "transformers' top-k / top-p / min-p chains at B = 1-256, V = 32K-256K: smx 0.02-0.41x Inductor's time "
         "(ATen's multinomial sweeps the whole row; the op draws among a few candidates)"),
 }
 

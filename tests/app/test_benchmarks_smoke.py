@@ -36,12 +36,24 @@ def test_bench_defaults_quick_rows(tmp_path):
 def test_bench_quant_softmax_quick_codes(tmp_path):
     """A family script: a backend of its own (the op called directly), its own check, the peak-memory table."""
     out = tmp_path / "q.json"
-    r = _run("bench_quant_softmax.py", "--quick", "--cases", "codes", "--min-run-time", "0.01", "--json", str(out))
+    r = _run("bench_quant_softmax.py", "--quick", "--families", "codes", "--min-run-time", "0.01", "--json", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["family"] == "codes" and row["op_ms"] > 0 and not row["mismatch"], row
     assert set(row["peak_mb"]) == {"eager", "inductor", "smx", "smx-rewrite", "op"}, row
-    assert "kept" in row["smx_action"] and "rewritten" in row["actions"]["smx-rewrite"], row
+    assert "kept" in row["smx_action"] and "rewritten" in row["action"]["smx-rewrite"], row
+
+
+def test_bench_ce_guard_quick_guard_family(tmp_path):
+    """A family with backends of its own (inductor-pm0, no smx-rewrite); Inductor's mis-compile shows in the exit."""
+    out = tmp_path / "g.json"
+    r = _run("bench_ce_guard.py", "--quick", "--families", "guard", "--min-run-time", "0.01", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["pass"] for row in rows] == ["infer", "train"], r.stdout[-2000:] + r.stderr[-2000:]
+    for row in rows:
+        assert set(row["compile_s"]) == {"eager", "inductor", "inductor-pm0", "smx"} and not row["errors"], row
+        assert "attention skipped" in row["smx_action"] and not set(row["mismatch"]) - {"inductor"}, row
+    assert r.returncode == (1 if any(row["mismatch"] for row in rows) else 0), r.stdout[-2000:]
 
 
 def test_bench_eager_ops_quick(tmp_path):

@@ -18,6 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "eval_quant_softmax.py"
 
 
 def _load_script():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports common.py from its folder
     spec = importlib.util.spec_from_file_location("eval_quant_softmax", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["eval_quant_softmax"] = mod

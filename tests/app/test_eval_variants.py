@@ -24,6 +24,7 @@ SEQ_LEN = 32
 
 
 def _load_script():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports common.py from its folder
     spec = importlib.util.spec_from_file_location("eval_variants", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["eval_variants"] = mod

@@ -19,8 +19,7 @@ if not triton_helpers.interpreted():  # pragma: no cover - a GPU machine runs th
     pytest.skip("counts need Triton's interpreter", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from gpu_sampling import strata  # noqa: E402
-from gpu_traffic import count_traffic  # noqa: E402
+from gpu_traffic import count_traffic, strata  # noqa: E402
 
 from smxcompile.kernels.cross_entropy.triton_backward import lce_backward  # noqa: E402
 from smxcompile.kernels.cross_entropy.triton_forward import lce_forward  # noqa: E402
@@ -284,7 +283,7 @@ def test_flash_attention_trace_and_our_kernel_count_the_same_flops():
 
 def test_loop_samples_share_one_lattice_and_weigh_every_iteration():
     """Loops that start apart (causal) sample the same tiles, and the weights sum to the loop's length."""
-    from gpu_sampling import loop_strata
+    from gpu_traffic import loop_strata
     loops = [range(63, n - 1, -1) for n in (0, 5, 20, 41)] + [range(n, 64) for n in (0, 7)]
     lattices = []
     for r in loops:
