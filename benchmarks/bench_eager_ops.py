@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.timing_flags(p, 3, 0.3, "one or two rows per op, one short round (CI smoke)")
     p.add_argument("--ops", type=common.choice_list(OPS), default=list(OPS), help=f"a subset of {','.join(OPS)}")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the ops run (default %(default)s)")
     a = p.parse_args(argv)
+    common.devices(a.device)  # exits 2 for cuda without CUDA
     torch.set_num_threads(a.threads)
     rounds, mrt = a.rounds or (1 if a.quick else 3), a.min_run_time or (0.05 if a.quick else 0.3)
     command = common.command_line(argv, "benchmarks/bench_eager_ops.py")

@@ -162,7 +162,7 @@ def print_table(title: str, head: list[str], rows: list[list[str]], markdown: bo
     for r in rows:
         t.add_row(*r)
     width = 20 + sum(max(len(h), *(len(x[i]) for x in rows)) + 3 for i, h in enumerate(head)) if rows else 0
-    Console(width=max(200, width) if left is None else 220, soft_wrap=True).print(t)
+    Console(width=max(200, width), soft_wrap=True).print(t)
 
 
 def pyplot():
@@ -398,10 +398,10 @@ def time_row(row: Row, stmts: dict, args: argparse.Namespace, quiet: Quiet, log:
 def timing_flags(p: argparse.ArgumentParser, rounds: int, min_run_time: float, quick: str) -> None:
     """--quick, --rounds, --min-run-time, --threads, --markdown, --json of the in-process benchmarks."""
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--rounds", type=int, help=f"interleaved timing rounds per row (default {rounds}, quick 1)")
+    p.add_argument("--rounds", type=positive_int, help=f"interleaved timing rounds per row (default {rounds}, quick 1)")
     p.add_argument("--min-run-time", type=float, help=f"seconds of blocked_autorange per backend per round "
                                                       f"(default {min_run_time}, quick 0.05)")
-    p.add_argument("--threads", type=int, default=cores(), help="torch threads (default: all cores, %(default)s here)")
+    p.add_argument("--threads", type=positive_int, default=cores(), help="torch threads (default %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH as "
                                                   "JSON (rewritten as rows finish)")
@@ -419,5 +419,16 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def positive_int(s: str) -> int:
+    """An argparse type: an integer >= 1."""
+    if not s.strip().isdigit() or int(s) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return int(s)
+
+
 def int_list(s: str) -> list[int]:
-    return [int(t) for t in s.replace(" ", "").split(",") if t]
+    """An argparse type: a comma-separated, non-empty list of positive integers."""
+    out = [positive_int(t) for t in s.replace(" ", "").split(",") if t]
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of positive integers")
+    return out
