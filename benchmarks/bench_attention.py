@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=common.int_list, help="comma-separated sequence lengths (default 1024,4096)")
     p.add_argument("--modes", type=common.choice_list(MODES), default=list(MODES), help="infer,train (default both)")
     for name, (default, what) in SHAPE.items():
-        p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default %(default)s)")
+        p.add_argument(f"--{name}", type=common.positive_int, default=default,
+                       help=what if default is None else f"{what} (default %(default)s)")
     p.add_argument("--logits-rtol", type=float, default=1e-4, help="max |logits - eager| / max |eager| (default "
                                                                    "%(default)s)")
     args = p.parse_args(argv)

@@ -181,8 +181,10 @@ def parser(doc: str, variants: tuple[str, ...], grad_rtol: float, quick: str) ->
                    default=list(variants), help=f"comma-separated subset of {','.join(variants)} (default all; eager "
                                                 "always runs first: it saves the reference)")
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--rounds", type=int, help="timed steps per variant after the warm-up, median reported")
-    p.add_argument("--threads", type=int, default=common.cores(), help="torch threads (default: all cores)")
+    p.add_argument("--rounds", type=common.positive_int,
+                   help="timed steps per variant after the warm-up, median reported")
+    p.add_argument("--threads", type=common.positive_int, default=common.cores(),
+                   help="torch threads (default: all cores)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="max |loss - eager| / |eager| (default %(default)s)")
     p.add_argument("--grad-rtol", type=float, default=grad_rtol,
                    help="max |grad - eager| / max |eager grad| (default %(default)s)")
