@@ -7,6 +7,8 @@ a fresh process: step time, peak memory, logits, loss and gradients against eage
 import importlib
 import sys
 
+from smx_app.argtypes import positive_int
+
 import common
 import workers
 from common import GB, MB
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=common.int_list, help="comma-separated sequence lengths (default 1024,4096)")
     p.add_argument("--modes", type=common.choice_list(MODES), default=list(MODES), help="infer,train (default both)")
     for name, (default, what) in SHAPE.items():
-        p.add_argument(f"--{name}", type=common.positive_int, default=default,
+        p.add_argument(f"--{name}", type=positive_int, default=default,
                        help=what if default is None else f"{what} (default %(default)s)")
     p.add_argument("--logits-rtol", type=float, default=1e-4, help="max |logits - eager| / max |eager| (default "
                                                                    "%(default)s)")

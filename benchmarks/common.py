@@ -16,6 +16,7 @@ import time
 import types
 from typing import Any, Callable
 
+from smx_app.argtypes import positive_int
 from smx_app.demo.memory import PeakMemory
 
 GB, MB = 1e9, 1e6
@@ -417,13 +418,6 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
         return out
 
     return parse
-
-
-def positive_int(s: str) -> int:
-    """An argparse type: an integer >= 1."""
-    if not s.strip().isdigit() or int(s) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return int(s)
 
 
 def int_list(s: str) -> list[int]:

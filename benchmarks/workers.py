@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from smx_app.argtypes import positive_int
 from smx_app.demo.memory import PeakMemory, rss_bytes
 
 import common
@@ -181,9 +182,9 @@ def parser(doc: str, variants: tuple[str, ...], grad_rtol: float, quick: str) ->
                    default=list(variants), help=f"comma-separated subset of {','.join(variants)} (default all; eager "
                                                 "always runs first: it saves the reference)")
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--rounds", type=common.positive_int,
+    p.add_argument("--rounds", type=positive_int,
                    help="timed steps per variant after the warm-up, median reported")
-    p.add_argument("--threads", type=common.positive_int, default=common.cores(),
+    p.add_argument("--threads", type=positive_int, default=common.cores(),
                    help="torch threads (default: all cores)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="max |loss - eager| / |eager| (default %(default)s)")
     p.add_argument("--grad-rtol", type=float, default=grad_rtol,
