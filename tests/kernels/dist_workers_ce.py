@@ -55,6 +55,9 @@ def problem(case: dict):
         zc, t = T._collapse_logits(16, v, torch.float32, seed=18)
         x, w, b, opts = torch.eye(16), zc.t().contiguous(), None, {}
     opts["reduction"] = case.get("reduction", "mean")
+    if (device := case.get("device", "cpu")) != "cpu":  # the CUDA test: the same problem on the GPU
+        x, w, b, t = (None if u is None else u.to(device) for u in (x, w, b, t))
+        opts = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
     return x, w, b, t, opts
 
 

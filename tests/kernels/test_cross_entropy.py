@@ -237,9 +237,8 @@ def check_linear(x, w, b, target, *, dtype=None, chunk_bytes=None, loss_ulps=4.0
     lo, go, _ = _grads(ours, (x, w, b), up) if result is None else (result[0], list(result[1]), None)
     lt, gt, _ = _grads(theirs, (x, w, b), up)
     lg, gg, keep = _grads(gold, tuple(None if t is None else t.double() for t in (x, w, b)), up)
-    # half inputs: our loss is fp32 by default (CCE's, Liger's); the vocabulary-parallel path's (result) and an
-    # explicit dtype's are torch's
-    want = lt.dtype if (dtype is not None or result is not None or precision not in HALF) else torch.float32
+    # half inputs: our loss is fp32 by default (CCE's, Liger's), sharded or not; an explicit dtype's is torch's
+    want = lt.dtype if (dtype is not None or precision not in HALF) else torch.float32
     assert lo.dtype == want and lo.shape == lt.shape, (lo.dtype, lt.dtype, lo.shape, lt.shape)
     # magnitudes: |logits| bound (dot product |x|.|w| + |b|), the row's log-sum-exp, the gradient of the logits
     x64, w64 = x.double().reshape(-1, x.shape[-1]), w.double()

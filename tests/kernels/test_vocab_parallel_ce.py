@@ -126,7 +126,7 @@ def test_matches_the_unsharded_op(results, name):
                                [loss] + grads + [results[name][0]["lse"]], [ref_loss] + ref_grads + [ref_lse]):
         if ref is None:
             continue
-        assert torch.equal(ours.isnan(), ref.isnan()), what
+        assert ours.dtype == ref.dtype and torch.equal(ours.isnan(), ref.isnan()), what
         fin = ~ref.isnan()
         o, r = ours[fin].double(), ref[fin].double()
         # a few ulps of the tensor's scale: the sharded and unsharded sums run in different orders
@@ -173,6 +173,28 @@ def test_triton_kernels_per_shard_match_the_unsharded_triton_op(monkeypatch):
             if ref is not None:
                 torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item(),
                                            msg=lambda m: f"{name} {what}: {m}")
+
+
+CUDA_CASES = {f"cuda_{name}": {**case, "device": "cuda"} for name, case in TRITON_CASES.items()} | {
+    "cuda_bf16-mean": {"options": "smoothing", "reduction": "mean", "dtype": torch.bfloat16, "device": "cuda"},
+    "cuda_all_ignored-sum": {"options": "plain", "reduction": "sum", "targets": "ignored", "device": "cuda"},
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu/run.sh runs it)")
+def test_shards_on_cuda_match_the_unsharded_op():
+    """Two gloo ranks on one GPU (nccl wants a GPU per rank), every shard on the real Triton kernels, against the
+    unsharded op on the same GPU: the math is checked, not the collectives' speed."""
+    ranks = run_distributed(W.run_cases, 2, CUDA_CASES, timeout=300)
+    for name, case in CUDA_CASES.items():
+        loss, grads = _gathered([ranks[0][name], ranks[1][name]])
+        ref_loss, ref_grads, _ = _unsharded(case)
+        eps = torch.finfo(case.get("dtype", torch.float32)).eps
+        for what, ours, ref in zip(("loss", "grad_input", "grad_weight", "grad_bias"), [loss] + grads,
+                                   [ref_loss] + ref_grads):
+            if ref is not None:
+                torch.testing.assert_close(ours, ref, rtol=64 * eps, atol=64 * eps * ref.abs().max().item(),
+                                           equal_nan=True, msg=lambda m: f"{name} {what}: {m}")
 
 
 def test_layouts_and_target_ownership_cover_what_they_claim(results):

@@ -9,9 +9,9 @@ from typing import NamedTuple
 import torch
 
 from .. import config
-from ..common import FLOAT_DTYPES, HALF_DTYPES
-from .loss import (check_linear, check_options, compose_loss, finish_output, fp32_logit_operands,
-                   is_dtensor, loss_dtype, needs_grad, prediction_outputs, resolve_filter_eps, row_count,
+from ..common import FLOAT_DTYPES
+from .loss import (check_linear, check_options, compose_loss, finish_output, fp32_logit_operands, is_dtensor,
+                   linear_loss_dtype, loss_dtype, needs_grad, prediction_outputs, resolve_filter_eps, row_count,
                    shift_targets, split_targets, unshift_output)
 from .ops import ce_stats, linear_ce_loss, linear_ce_loss_argmax, linear_ce_stats, linear_ce_stats_argmax
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
@@ -154,8 +154,7 @@ def _linear_operands(input, weight, target, *, bias, class_weight, token_weight,
         raise NotImplementedError("return_token_accuracy / return_predicted_tokens need class-index targets, "
                                   "not probabilities")
     x2 = input.reshape(rows, input.shape[-1])
-    # half inputs: the fp32 loss (CCE's, Liger's), not rounded back to the half dtype
-    out_dtype = dtype if dtype is not None else torch.float32 if input.dtype in HALF_DTYPES else input.dtype
+    out_dtype = linear_loss_dtype(dtype, input)
     if probs is not None or not config.use_triton(x2):
         x2, weight, bias = fp32_logit_operands(x2, weight, bias)
     return _LinearOperands(x2, weight, bias, tgt, probs, None if token_weight is None else token_weight.reshape(-1),

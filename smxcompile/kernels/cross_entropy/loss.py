@@ -13,8 +13,8 @@ import torch
 from ..common import FLOAT_DTYPES, HALF_DTYPES, autocast_on, autocast_operands
 
 __all__ = ["CrossEntropyOutput", "compose_loss", "check_options", "split_targets", "check_range", "finish_output",
-           "loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets", "unshift_output",
-           "prediction_outputs", "fp32_logit_operands", "resolve_filter_eps", "row_count"]
+           "loss_dtype", "linear_loss_dtype", "check_linear", "is_dtensor", "needs_grad", "shift_targets",
+           "unshift_output", "prediction_outputs", "fp32_logit_operands", "resolve_filter_eps", "row_count"]
 
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -272,6 +272,12 @@ def unshift_output(out, k, reduction):
                         z_loss=cut(out.z_loss) if rows else out.z_loss,
                         token_accuracy=cut(out.token_accuracy) if rows else out.token_accuracy,
                         predicted_tokens=cut(out.predicted_tokens))
+
+
+def linear_loss_dtype(dtype, input):
+    """:func:`linear_cross_entropy`'s loss dtype: ``dtype``, else fp32 for fp16 / bf16 ``input`` (CCE's and
+    Liger's rule), else ``input.dtype``."""
+    return dtype if dtype is not None else torch.float32 if input.dtype in HALF_DTYPES else input.dtype
 
 
 def loss_dtype(dtype, input):

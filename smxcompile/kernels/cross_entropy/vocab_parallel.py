@@ -21,7 +21,7 @@ from ..common import acc_dtype, autocast_off
 from .chunked import rows_per_chunk
 from .fused import MIN_CHUNK_ROWS, saved_grad_dtype, scalar_coefs
 from .loss import (check_linear, check_options, check_range, compose_loss, finish_output, fp32_logit_operands,
-                   is_dtensor, loss_dtype, needs_grad, resolve_filter_eps, row_count, split_targets)
+                   is_dtensor, linear_loss_dtype, needs_grad, resolve_filter_eps, row_count, split_targets)
 from .ops import coefs, linear_ce_backward, linear_ce_stats
 
 __all__ = ["vocab_parallel_linear_cross_entropy", "VocabShard"]
@@ -400,7 +400,7 @@ def vocab_parallel_linear_cross_entropy(
     start, stop = shard.start, shard.start + shard.size
     owned = (tgt != ignore_index) & (tgt >= start) & (tgt < stop)
     tgt_local = torch.where(owned, tgt - start, -1)
-    out_dtype = loss_dtype(dtype, prep["input"])
+    out_dtype = linear_loss_dtype(dtype, prep["input"])
     # a target outside [0, V) (CUDA: not checked above, to avoid a host sync) is owned by no rank: NaN, as the
     # single-device kernels give, instead of a finite loss with a zero target logit
     bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= vocab))
