@@ -166,6 +166,23 @@ def print_table(title: str, head: list[str], rows: list[list[str]], markdown: bo
     Console(width=max(200, width), soft_wrap=True).print(t)
 
 
+def save_figure(fig, path, dpi: int = 120, rect=None) -> str:
+    """Lay out, write (making the folder) and close ``fig``; -> "wrote PATH"."""
+    import pathlib
+
+    fig.tight_layout(rect=rect)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return f"wrote {path}"
+
+
+def err_text(e: BaseException) -> str:
+    """``Type: the message's first line`` (300 characters at most)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
@@ -242,37 +259,8 @@ class LoadMeter:
             self.others = max(0.0, (b1 - self.b0) - (own1 - self.own0)) / wall
 
 
-class Quiet:
-    """--wait-quiet: before a timing, wait (at most ``per_wait`` s each, ``budget`` s in all) until other processes
-    use < NOISY cores over a 3 s window; a half-second look first."""
-
-    def __init__(self, per_wait: float, budget: float, log: Callable[[str], None]):
-        self.per_wait, self.budget_left, self.log = per_wait, budget, log
-
-    def __call__(self) -> None:
-        if self.per_wait <= 0 or self.budget_left <= 0:
-            return
-        with LoadMeter() as m:
-            time.sleep(0.5)
-        if m.others is None or m.others < NOISY:
-            return
-        t0 = now = time.monotonic()
-        while m.others is not None and m.others >= NOISY and now - t0 < min(self.per_wait, self.budget_left):
-            with LoadMeter() as m:
-                time.sleep(3)
-            now = time.monotonic()
-        self.log(f"waited {now - t0:.0f} s for a quiet machine; other processes now use {m.others or 0:.2f} cores")
-        self.budget_left -= now - t0
-
-
-def add_noise_flags(p: argparse.ArgumentParser, budget: bool = True) -> None:
-    """--wait-quiet, --retry-noisy (and --wait-budget)."""
-    p.add_argument("--wait-quiet", type=float, default=0, metavar="S",
-                   help=f"before each timing, wait up to S seconds for other processes to use < {NOISY} cores "
-                        "(default 0: no wait)")
-    if budget:
-        p.add_argument("--wait-budget", type=float, default=120, metavar="T",
-                       help="seconds of --wait-quiet waiting in the whole run, at most (default %(default)s)")
+def add_noise_flags(p: argparse.ArgumentParser) -> None:
+    """--retry-noisy."""
     p.add_argument("--retry-noisy", type=int, default=0, metavar="K",
                    help=f"time again, up to K more times, what other processes disturbed (> {NOISY} cores); the "
                         "least disturbed try is kept (default 0)")
@@ -379,11 +367,10 @@ def shown(rows: list[Row], stat: str) -> list[Row]:
     return [dataclasses.replace(r, ms=dict(r.min_ms)) for r in rows] if stat == "min" else rows
 
 
-def time_row(row: Row, stmts: dict, args: argparse.Namespace, quiet: Quiet, log: Callable[[str], None]) -> None:
+def time_row(row: Row, stmts: dict, args: argparse.Namespace, log: Callable[[str], None]) -> None:
     """Time a row's statements, again up to --retry-noisy times while others shared the CPU; the least disturbed."""
     best = None
     for t in range(args.retry_noisy + 1):
-        quiet()
         with LoadMeter() as m:
             res = measure_interleaved(stmts, args.threads, args.rounds, args.min_run_time)
         row.tries.append(m.others)

@@ -257,11 +257,7 @@ def plot(results: list[dict[str, Any]], bits: list[int], path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"smxcompile.quantize_softmax on smx-demo GPT-2 checkpoints: {results[0]['eval_tokens']} held-out "
                  "tokens each")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    print(common.save_figure(fig, path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,11 +196,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     axes[0].yaxis.set_minor_formatter("{x:g}")
     fig.suptitle(f"softmax variants swapped into the smx-demo GPT-2 ({cfg['checkpoint']}): {doc['eval']['tokens']} "
                  f"held-out tokens, {cfg['calibrate']} calibration and {cfg['finetune']} fine-tuning steps")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    print(common.save_figure(fig, path, dpi=110))
 
 
 def main(argv: list[str] | None = None) -> int:

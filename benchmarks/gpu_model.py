@@ -124,8 +124,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xlabel(f"{label} (log)")
     axes[0].set_yticks(y, [f"{r['case']} {r['shape']} {r['dtype']}" for r in rows], fontsize=7)
     axes[0].invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    print(common.save_figure(fig, path, dpi=110))
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 import common
-from common import MB, NOISY, Quiet, Row, compile_for, fmt_ms, n_reports, shown, sites_since, time_row
+from common import MB, NOISY, Row, compile_for, err_text, fmt_ms, n_reports, shown, sites_since, time_row
 
 SLOW = 1 / 0.97                  # a time ratio above this (and above the noise) is "below 0.97x Inductor"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,11 +151,7 @@ def describe(sites: list) -> tuple[str, str]:
     return ", ".join(acts) or "no site", " | ".join(dict.fromkeys(s.reason for s in sites if s.reason))
 
 
-def err_text(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-
-
-def run_case(c: Case, device: str, build: Callable, args, quiet: Quiet, log: Callable) -> list[MRow]:
+def run_case(c: Case, device: str, build: Callable, args, log: Callable) -> list[MRow]:
     """A case's rows, one per pass: each backend called once (a backend that raises is reported, the others go
     on) and checked against eager, then the backends timed in turn."""
     built = build(c, device)
@@ -192,7 +188,7 @@ def run_case(c: Case, device: str, build: Callable, args, quiet: Quiet, log: Cal
         ok_b = [b for b in fns if b not in row.errors]
         with torch.set_grad_enabled(train):
             time_row(row, {b: (stmt, {"f": fns[b], "xs": xs, "ps": ps, "g": g[0], "as_list": as_list, "torch": torch})
-                           for b in ok_b}, args, quiet, log)
+                           for b in ok_b}, args, log)
             if built.memory and args.memory and not train:
                 row.peak_mb = {b: common.peak_mb(lambda f=fns[b]: f(*xs), device) for b in ok_b}
         rows.append(row)
@@ -268,9 +264,7 @@ def plot(rows: list[MRow], path: str, title: str) -> str | None:
     cb.minorticks_off()
     cb.set_label("smx time / inductor time (< 1: smx faster)", fontsize=8)
     ax.set_title(textwrap.fill(title, 110), fontsize=7, pad=22)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, path)
     return None
 
 
@@ -325,14 +319,13 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
     def log(msg: str) -> None:
         print(f"  [{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    quiet = Quiet(args.wait_quiet, args.wait_budget, log)
     result: dict[str, Any] = {"command": command, "env": env, "rounds": args.rounds, "min_run_time": args.min_run_time,
                               "table_stat": args.stat, "rows": [], "errors": []}
     rows: list[MRow] = []
     for dev in devices:
         for c in cases:
             try:
-                rows.extend(run_case(c, dev, build, args, quiet, log))
+                rows.extend(run_case(c, dev, build, args, log))
             except Exception as e:  # a case that raises outside a backend call (inputs, timing): say so, go on
                 log(f"{dev} {c.label}: FAILED {err_text(e)}")
                 result["errors"].append(f"{dev} {c.label}: {err_text(e)}")

@@ -171,7 +171,7 @@ def survey(family: str) -> dict:
             sites = [s.to_dict() for s in smxcompile.explain(model.eval(), *args, options={"cpu": "rewrite"},
                                                               **kwargs)]
         except Exception as e:          # a model this library version cannot build: listed, not counted
-            sites = [{"kind": "error", "action": "error", "reason": f"{type(e).__name__}: {e}"[:300], "location": ""}]
+            sites = [{"kind": "error", "action": "error", "reason": common.err_text(e), "location": ""}]
         torch._dynamo.reset()
         out[name] = sites
         print(name, dict(collections.Counter((s["kind"], s["action"]) for s in sites)), flush=True)

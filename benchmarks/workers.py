@@ -151,12 +151,10 @@ def launch(spec: dict, limit: int | None, script: str, label: str) -> dict:
 
 
 def least_disturbed(run: Callable[[], dict], args: argparse.Namespace, log: Callable[[str], None]) -> dict:
-    """``run()`` (a worker), again up to --retry-noisy times while other processes used > NOISY cores meanwhile
-    (--wait-quiet: wait for a quiet machine first); -> the least disturbed finished try."""
+    """``run()`` (a worker), again up to --retry-noisy times while other processes used > NOISY cores meanwhile;
+    -> the least disturbed finished try."""
     tries: list[dict] = []
-    quiet = common.Quiet(args.wait_quiet, float("inf"), log)
     while True:
-        quiet()
         tries.append(run())
         load, status = tries[-1]["others"] or 0, tries[-1]["status"]
         if load <= NOISY or status not in ("ok", "FAILED") or len(tries) > args.retry_noisy:
@@ -194,7 +192,7 @@ def parser(doc: str, variants: tuple[str, ...], grad_rtol: float, quick: str) ->
                         "that passes it is killed (default: memory available at start minus 2 GB)")
     p.add_argument("--mmap-threshold", type=int, default=2**20, metavar="BYTES",
                    help="glibc MALLOC_MMAP_THRESHOLD_ of the workers (default 1 MiB; 0: glibc's dynamic threshold)")
-    common.add_noise_flags(p, budget=False)
+    common.add_noise_flags(p)
     p.add_argument("--json", metavar="PATH", help="write every figure, the environment and the command to PATH")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--plot", metavar="PATH", help="time and peak memory (PNG/SVG/PDF; needs matplotlib)")
@@ -292,9 +290,7 @@ def plot(results: list[dict], path: str, title: str, x: str, metrics: dict[str, 
         ax.grid(alpha=0.3, which="both")
     fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="lower center", ncol=8, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    return f"wrote {path}"
+    return common.save_figure(fig, path, rect=(0, 0.08, 1, 1))
 
 
 def finish(result: dict, args: argparse.Namespace, title: str, x: str, metrics: dict[str, tuple[str, float]],

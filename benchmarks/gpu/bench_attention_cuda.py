@@ -70,7 +70,7 @@ def main():
                 err = f"{(fn(q, k, v).float() - want).abs().max().item():.2e}" if name in CHECKED else "-"
                 print(f"| {case} | {name} | {fwd_ms:.2f} | {step_ms:.2f} | {mem.peak_bytes / 1e6:.0f} | {err} |")
             except Exception as e:  # report and go on: one failing variant must not hide the others
-                print(f"| {case} | {name} | error: {type(e).__name__}: {str(e)[:120]} | | | |")
+                print(f"| {case} | {name} | error: {common.err_text(e)[:150]} | | | |")
             sys.stdout.flush()
 
 

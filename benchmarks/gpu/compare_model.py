@@ -100,14 +100,6 @@ def row_cells(r: dict) -> list[str]:
             "; ".join(f for f in r["flags"] if not f.startswith(("ERR", "torch ERR")))]
 
 
-def format_table(rows: list[dict], markdown: bool = False) -> str:
-    cells = [row_cells(r) for r in rows]
-    if markdown:
-        return common.markdown_table(COLUMNS, cells)
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(COLUMNS)]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in [COLUMNS, *cells])
-
-
 def summary(rows: list[dict], miss: float = MISS) -> list[str]:
     """The lines under the table: what is slower than torch, misses its roofline, raised or lacks a model row, and
     the spread of measured / predicted and of the speedups."""
@@ -130,12 +122,6 @@ def summary(rows: list[dict], miss: float = MISS) -> list[str]:
             out.append(f"{what} over {len(v)} case(s): median {statistics.median(v):.2f}{x}, min {min(v):.2f}{x}, "
                        f"max {max(v):.2f}{x}")
     return out
-
-
-def load_model(path: str | Path) -> tuple[list[dict], dict]:
-    """The rows and env of a gpu_model.py --json file."""
-    data = json.loads(Path(path).read_text())
-    return data["rows"], data.get("env", {})
 
 
 def time_us(fn, flush, min_reps: int = 5, max_reps: int = 200, target_ms: float = 100.0) -> tuple[float, int]:
@@ -169,7 +155,7 @@ def measure_case(case, flush) -> dict:
         inputs = case.make("cuda")
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
-        rec["error"] = "inputs: " + message(e)
+        rec["error"] = "inputs: " + common.err_text(e)
     for prefix, fn in (("", case.run), ("torch_", case.torch_run)):
         if inputs is None or fn is None:
             continue
@@ -178,18 +164,13 @@ def measure_case(case, flush) -> dict:
             rec[prefix + "peak_bytes"] = round(common.peak_mb(lambda: fn(inputs), "cuda", repeats=1) * common.MB)
             rec[prefix + "measured_us"], rec[prefix + "reps"] = time_us(lambda: fn(inputs), flush)
         except Exception as e:  # noqa: BLE001 - reported as ERR, the run goes on
-            rec[prefix + "error"] = message(e)
+            rec[prefix + "error"] = common.err_text(e)
     inputs = None  # free the case's tensors before the next one
     gc.collect()
     with contextlib.suppress(Exception):  # a lost context: the next case reports it
         torch.cuda.empty_cache()
     rec["seconds"] = time.monotonic() - t0
     return rec
-
-
-def message(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def main(argv=None) -> int:
@@ -219,7 +200,8 @@ def main(argv=None) -> int:
     if not cases:
         print(f"no case selected (families: {','.join(FAMILIES)})", file=sys.stderr)
         return 2
-    model_rows, model_env = load_model(args.model) if Path(args.model).exists() else ([], {})
+    model = json.loads(Path(args.model).read_text()) if Path(args.model).exists() else {}
+    model_rows, model_env = model.get("rows", []), model.get("env", {})
     if not model_rows:
         print(f"no model rows at {args.model}: measured figures only (write them with python "
               f"benchmarks/gpu_model.py {'--quick ' if args.quick else ''}--json {args.model})", file=sys.stderr)
@@ -246,7 +228,8 @@ def main(argv=None) -> int:
     env.update(not_started=not_started, elapsed_s=time.monotonic() - T0)
     rows = compare(model_rows, measured)
     common.write_json(args.json, dict(env=env, rows=rows))
-    print("\n" + format_table(rows, args.markdown))
+    common.print_table(f"measured on {gpu}, predicted for an H200", COLUMNS, [row_cells(r) for r in rows],
+                       args.markdown, left=("case", "shape", "dtype", "flags"))
     lines = summary(rows)
     if not_started:
         lines.append(f"budget of {args.budget:g} s exceeded: {len(not_started)} case(s) not started: "
