@@ -16,7 +16,7 @@ import time
 import types
 from typing import Any, Callable
 
-from smx_app.argtypes import positive_int
+from smx_app.argtypes import nonneg_int, positive_float, positive_int
 from smx_app.demo.memory import PeakMemory
 
 GB, MB = 1e9, 1e6
@@ -127,6 +127,7 @@ def write_json(path: str | None, obj: Any) -> None:
     if not path:
         return
     tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     os.replace(tmp, path)
@@ -168,10 +169,8 @@ def print_table(title: str, head: list[str], rows: list[list[str]], markdown: bo
 
 def save_figure(fig, path, dpi: int = 120, rect=None) -> str:
     """Lay out, write (making the folder) and close ``fig``; -> "wrote PATH"."""
-    import pathlib
-
     fig.tight_layout(rect=rect)
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return f"wrote {path}"
@@ -261,7 +260,7 @@ class LoadMeter:
 
 def add_noise_flags(p: argparse.ArgumentParser) -> None:
     """--retry-noisy."""
-    p.add_argument("--retry-noisy", type=int, default=0, metavar="K",
+    p.add_argument("--retry-noisy", type=nonneg_int, default=0, metavar="K",
                    help=f"time again, up to K more times, what other processes disturbed (> {NOISY} cores); the "
                         "least disturbed try is kept (default 0)")
 
@@ -387,7 +386,7 @@ def timing_flags(p: argparse.ArgumentParser, rounds: int, min_run_time: float, q
     """--quick, --rounds, --min-run-time, --threads, --markdown, --json of the in-process benchmarks."""
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--rounds", type=positive_int, help=f"interleaved timing rounds per row (default {rounds}, quick 1)")
-    p.add_argument("--min-run-time", type=float, help=f"seconds of blocked_autorange per backend per round "
+    p.add_argument("--min-run-time", type=positive_float, help=f"seconds of blocked_autorange per backend per round "
                                                       f"(default {min_run_time}, quick 0.05)")
     p.add_argument("--threads", type=positive_int, default=cores(), help="torch threads (default %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")

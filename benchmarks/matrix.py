@@ -328,7 +328,7 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
                 rows.extend(run_case(c, dev, build, args, log))
             except Exception as e:  # a case that raises outside a backend call (inputs, timing): say so, go on
                 log(f"{dev} {c.label}: FAILED {err_text(e)}")
-                result["errors"].append(f"{dev} {c.label}: {err_text(e)}")
+                result["errors"].append(f"FAILED: {dev} {c.label}: {err_text(e)}")
                 torch._dynamo.reset()
             result["rows"] = [r.record() for r in rows]
             common.write_json(args.json, result)
@@ -343,8 +343,8 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
             common.print_table(f"peak memory of one call above the memory in use before it (MB) -- {dev}",
                                *memory_table(mem, args.backends), args.markdown)
     slow = result["below_0.97x_inductor"] = slow_lines(rows)
-    print(f"\nbelow 0.97x Inductor (smx time > {SLOW:.3f}x inductor's and beyond the noise):"
-          + ("" if slow else " none") + "".join(f"\n  {s}" for s in slow))
+    print(f"\nbelow 0.97x Inductor (smx time > {SLOW:.3f}x inductor's and beyond the noise where known):"
+          + ("" if slow else " none") + "".join(f"\n  {s}" for s in slow) + "".join(f"\n{e}" for e in result["errors"]))
     for r in rows:
         at = f"{r.device} {r.family} {r.case} {r.shape} {r.dtype} {r.pass_}"
         msgs = [f"MISMATCH vs eager: {at}: {r.mismatch} max rel err {r.max_err}"] if r.mismatch else []

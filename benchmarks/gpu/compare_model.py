@@ -4,9 +4,8 @@ own path, next to benchmarks/gpu_model.py's predictions (its --json, matched by 
 measured / predicted, x torch = torch's time / ours. Columns and method: docs/PERFORMANCE.md ("How the GPU scripts
 measure"). Exits 2 without CUDA or with no case, 1 when a case raised.
 
-Usage (on a CUDA machine; benchmarks/gpu/run.sh runs a selection):
-  python benchmarks/gpu/compare_model.py [--quick] [--families LIST] [--only TEXT ...] [--budget SECONDS]
-      [--model PATH] [--json PATH] [--markdown]
+On a CUDA machine (benchmarks/gpu/run.sh runs a selection):
+  python benchmarks/gpu/compare_model.py [--quick] [--families LIST] [--only TEXT ...] [--budget S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -195,6 +194,8 @@ def main(argv=None) -> int:
     from gpu_cases import FAMILIES, all_cases  # imports smxcompile's Triton kernels: after TRITON_INTERPRET
 
     families = args.families.replace(" ", "").split(",") if args.families else FAMILIES
+    if unknown := sorted(set(families) - set(FAMILIES)):
+        p.error(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}")
     cases = [c for c in all_cases(quick=args.quick) if c.family in families
              and (not args.only or any(t in c.name or t in c.shape for t in args.only))]
     if not cases:
@@ -234,8 +235,7 @@ def main(argv=None) -> int:
     if not_started:
         lines.append(f"budget of {args.budget:g} s exceeded: {len(not_started)} case(s) not started: "
                      + "; ".join(not_started))
-    if lines:
-        print("\n" + "\n".join(lines))
+    print("".join(f"\n{line}" for line in lines))
     print(f"\n{len(rows)} case(s) in {time.monotonic() - T0:.0f} s on {gpu}")
     return 1 if any(r["error"] for r in rows) else 0
 

@@ -24,7 +24,7 @@ timeout 200 python -m pytest -q -ra --maxfail 25 -n 8 -k "not compile_for_cuda a
   tests/kernels/test_triton_fused_lce.py -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest.txt" | tail -15
 # vocabulary-parallel cut CE: 2 gloo ranks on the GPU, every shard on the Triton kernels
-timeout 90 python -m pytest -q -ra tests/kernels/test_vocab_parallel_ce.py -k on_cuda -p no:cacheprovider 2>&1 \
+timeout 150 python -m pytest -q -ra tests/kernels/test_vocab_parallel_ce.py -k on_cuda -p no:cacheprovider 2>&1 \
   | tee "$OUT/check_vocab_parallel.txt" | tail -8
 timeout 90 python benchmarks/gpu/bench_attention_cuda.py 2>&1 | tee "$OUT/bench_attention.txt" | tail -30
 timeout 90 python benchmarks/gpu/bench_linear_ce_cuda.py 2>&1 | tee "$OUT/bench_linear_ce.txt" | tail -20
