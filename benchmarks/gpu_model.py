@@ -132,14 +132,14 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small case per family (CI smoke, ~25 s)")
     p.add_argument("--families", type=common.choice_list(FAMILIES), metavar="LIST", help=",".join(FAMILIES))
-    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
+    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose 'name shape dtype' contains TEXT")
     p.add_argument("--json", metavar="PATH", help="write one record per case (and the environment) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the bytes-ratio and predicted-speedup chart (PNG)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     cases = [c for c in all_cases(quick=args.quick) if not args.families or c.family in args.families]
-    cases = [c for c in cases if not args.only or any(t in c.name or t in c.shape for t in args.only)]
+    cases = [c for c in cases if not args.only or any(t in f"{c.name} {c.shape} {c.dtype}" for t in args.only)]
     if not cases:
         print("no case selected", file=sys.stderr)
         return 2

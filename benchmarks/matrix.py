@@ -248,7 +248,8 @@ def plot(rows: list[MRow], path: str, title: str) -> str | None:
     cols = list(dict.fromkeys(f"{r.pass_} {r.dtype}" for r in sorted(rows, key=lambda r: r.dtype != "fp32")))
     names = list(dict.fromkeys(f"{r.device} {r.family}: {r.case} {r.shape}" for r in rows))
     grid = [[math.nan] * len(cols) for _ in names]
-    fig, ax = plt.subplots(figsize=(max(6.5, 2.5 + 1.7 * len(cols)), 0.38 * len(names) + 1.8))
+    width = max(6.5, 2.5 + 1.7 * len(cols))
+    fig, ax = plt.subplots(figsize=(width, 0.38 * len(names) + 1.8))
     for r in rows:
         i, j = names.index(f"{r.device} {r.family}: {r.case} {r.shape}"), cols.index(f"{r.pass_} {r.dtype}")
         v = r.ratio("smx")
@@ -263,7 +264,7 @@ def plot(rows: list[MRow], path: str, title: str) -> str | None:
     cb = fig.colorbar(im, ax=ax, fraction=0.05, ticks=[0.5, 0.67, 0.8, 1, 1.25, 1.5, 2], format="%g")
     cb.minorticks_off()
     cb.set_label("smx time / inductor time (< 1: smx faster)", fontsize=8)
-    ax.set_title(textwrap.fill(title, 110), fontsize=7, pad=22)
+    ax.set_title(textwrap.fill(title, int(14 * width)), fontsize=7, pad=22)
     common.save_figure(fig, path)
     return None
 

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick cases (one small case per family)")
     p.add_argument("--families", metavar="LIST", help="comma-separated families of gpu_cases.py")
-    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose name or shape contains TEXT")
+    p.add_argument("--only", metavar="TEXT", action="append", help="cases whose 'name shape dtype' contains TEXT")
     p.add_argument("--budget", type=float, default=150.0, metavar="SECONDS", help="start no case after this")
     p.add_argument("--model", default=str(ROOT / "docs" / "gpu_model.json"), help="gpu_model.py --json output")
     p.add_argument("--json", metavar="PATH", help="write the rows and the environment as JSON (after every case)")
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     if unknown := sorted(set(families) - set(FAMILIES)):
         p.error(f"--families: unknown {unknown}; choose from {','.join(FAMILIES)}")
     cases = [c for c in all_cases(quick=args.quick) if c.family in families
-             and (not args.only or any(t in c.name or t in c.shape for t in args.only))]
+             and (not args.only or any(t in f"{c.name} {c.shape} {c.dtype}" for t in args.only))]
     if not cases:
         print(f"no case selected (families: {','.join(FAMILIES)})", file=sys.stderr)
         return 2

@@ -59,7 +59,8 @@ def linear_cross_entropy(
         scale: multiplies the logits (``1 / temperature``). softcap: Gemma 2's logit soft-cap, or None.
         lse_square_scale: z-loss coefficient (PaLM: 1e-4): adds ``lse_square_scale * lse^2`` per valid token
             (times its token weight); ``mean`` divides this term by the token-weight sum, not the class-weighted one.
-        return_lse, return_z_loss: also return the per-token lse (fp32, differentiable) / the z-loss (detached).
+        return_lse, return_z_loss: also return the per-token lse (fp32; fp64 for fp64 input; differentiable) / the
+            z-loss (detached).
         shift: Apple CCE's ``shift``, ``True`` or an int ``k`` in ``[0, T)``: with ``input`` (*, T, D) and
             ``target`` (*, T), the loss of ``input[..., :-k, :]`` against ``target[..., k:]`` without copying
             ``input``; per-token outputs have shape (*, T - k), ``token_weight`` the target's. Class indices only.
