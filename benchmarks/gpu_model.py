@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         print("\nBEYOND THE DOCUMENTED BOUND (bytes / min, or FLOPs / useful FLOPs for tl.dot kernels): "
               + "; ".join(f"{r['case']} {r['shape']} {r['dtype']} {r['checked']:.2f} > {r['bound']:.2f}"
                           for r in beyond))
-    print(f"\n{len(rows)} cases in {time.perf_counter() - t0:.0f} s")
+    print(f"\n{len(rows)} case(s) in {time.perf_counter() - t0:.0f} s")
     env = dict(common.environment(), gpu=H200.__dict__, command=common.command_line(argv, "benchmarks/gpu_model.py"))
     common.write_json(args.json, dict(env=env, rows=rows))
     if args.plot:

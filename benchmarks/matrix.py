@@ -263,7 +263,7 @@ def plot(rows: list[MRow], path: str, title: str) -> str | None:
     ax.set_yticks(range(len(names)), names, fontsize=7)
     cb = fig.colorbar(im, ax=ax, fraction=0.05, ticks=[0.5, 0.67, 0.8, 1, 1.25, 1.5, 2], format="%g")
     cb.minorticks_off()
-    cb.set_label("smx time / inductor time (< 1: smx faster)", fontsize=8)
+    cb.set_label("smx / inductor time (< 1: faster)", fontsize=8)
     ax.set_title(textwrap.fill(title, int(14 * width)), fontsize=7, pad=22)
     common.save_figure(fig, path)
     return None
