@@ -238,7 +238,7 @@ def slow_lines(rows: list[MRow]) -> list[str]:
             f"{r.action['smx']}" + (f" -- {r.reasons['smx']}" if r.reasons.get("smx") else "") for r in rows if r.slow]
 
 
-def plot(rows: list[MRow], path: str, title: str) -> str | None:
+def plot(rows: list[MRow], path: str, title: str) -> str:
     """A heatmap: cases x (pass, dtype), colour smx / inductor on a log scale from 0.5 to 2, the ratio in each cell."""
     plt = common.pyplot()
     if plt is None or not rows:
@@ -265,8 +265,7 @@ def plot(rows: list[MRow], path: str, title: str) -> str | None:
     cb.minorticks_off()
     cb.set_label("smx / inductor time (< 1: faster)", fontsize=8)
     ax.set_title(textwrap.fill(title, int(14 * width)), fontsize=7, pad=22)
-    common.save_figure(fig, path)
-    return None
+    return common.save_figure(fig, path)
 
 
 def parse_args(doc: str, argv, cases: list[Case], backends: tuple[str, ...], rounds: int, min_run_time: float,
@@ -357,8 +356,7 @@ def main(doc: str, cases: list[Case], build: Callable, titles: dict[str, str], a
                                   f"{len(rows)} rows were timed while they used > {NOISY} cores")
     if args.plot:
         print(plot(shown(rows, args.stat), args.plot, f"smx time / inductor time ({args.stat}; * below 0.97x "
-                   f"Inductor beyond noise, ! mismatch, blank: not run) -- {command}")
-              or f"wrote {args.plot}")
+                   f"Inductor beyond noise, ! mismatch, blank: not run) -- {command}"))
     result["wall_s"] = time.perf_counter() - t_start
     common.write_json(args.json, result)
     print(f"\n$ {command}   ({time.perf_counter() - t_start:.0f} s)" + (f"\nwrote {args.json}" if args.json else ""))

@@ -103,6 +103,20 @@ def _unsharded(case):
     return loss.detach(), grads, (out.lse.detach() if extra.get("return_lse") else None)
 
 
+def _assert_close_to_unsharded(ranks, cases, *, tolerances, equal_nan=False):
+    """Each case's gathered loss and gradients against the unsharded op: ``assert_close`` with ``(rtol, a)`` =
+    ``tolerances(case)``, atol = a x max|unsharded|."""
+    for name, case in cases.items():
+        loss, grads = _gathered([ranks[0][name], ranks[1][name]])
+        ref_loss, ref_grads, _ = _unsharded(case)
+        rtol, atol = tolerances(case)
+        for what, ours, ref in zip(("loss", "grad_input", "grad_weight", "grad_bias"), [loss] + grads,
+                                   [ref_loss] + ref_grads):
+            if ref is not None:
+                torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol * ref.abs().max().item(),
+                                           equal_nan=equal_nan, msg=lambda m: f"{name} {what}: {m}")
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if "return_lse" not in n and n != "nan_row_ignored-mean"])
 def test_matches_gold_and_torch(results, name):
     """Loss and gradients of input / weight / bias: no worse than torch against fp64 (check_linear)."""
@@ -165,14 +179,7 @@ def test_triton_kernels_per_shard_match_the_unsharded_triton_op(monkeypatch):
     from smxcompile.kernels import config
 
     monkeypatch.setattr(config, "force_triton", True)
-    for name, case in TRITON_CASES.items():
-        loss, grads = _gathered([ranks[0][name], ranks[1][name]])
-        ref_loss, ref_grads, _ = _unsharded(case)
-        for what, ours, ref in zip(("loss", "grad_input", "grad_weight", "grad_bias"), [loss] + grads,
-                                   [ref_loss] + ref_grads):
-            if ref is not None:
-                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item(),
-                                           msg=lambda m: f"{name} {what}: {m}")
+    _assert_close_to_unsharded(ranks, TRITON_CASES, tolerances=lambda case: (1e-5, 1e-6))
 
 
 CUDA_CASES = {f"cuda_{name}": {**case, "device": "cuda"} for name, case in TRITON_CASES.items()} | {
@@ -186,15 +193,10 @@ def test_shards_on_cuda_match_the_unsharded_op():
     """Two gloo ranks on one GPU (nccl wants a GPU per rank), every shard on the real Triton kernels, against the
     unsharded op on the same GPU: the math is checked, not the collectives' speed."""
     ranks = run_distributed(W.run_cases, 2, CUDA_CASES, timeout=120)  # under run.sh's 150 s
-    for name, case in CUDA_CASES.items():
-        loss, grads = _gathered([ranks[0][name], ranks[1][name]])
-        ref_loss, ref_grads, _ = _unsharded(case)
-        eps = torch.finfo(case.get("dtype", torch.float32)).eps
-        for what, ours, ref in zip(("loss", "grad_input", "grad_weight", "grad_bias"), [loss] + grads,
-                                   [ref_loss] + ref_grads):
-            if ref is not None:
-                torch.testing.assert_close(ours, ref, rtol=64 * eps, atol=64 * eps * ref.abs().max().item(),
-                                           equal_nan=True, msg=lambda m: f"{name} {what}: {m}")
+
+    def ulps(case):
+        return (64 * torch.finfo(case.get("dtype", torch.float32)).eps,) * 2
+    _assert_close_to_unsharded(ranks, CUDA_CASES, tolerances=ulps, equal_nan=True)
 
 
 def test_layouts_and_target_ownership_cover_what_they_claim(results):
